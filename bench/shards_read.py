@@ -1,0 +1,89 @@
+"""Random-access sample reads from a cache vs. a sequential read of the same bytes.
+
+The sequential read (the files' bytes copied into a buffer, page cache warm) is the physical limit
+on this machine; random access must materialise each sample the way a DataLoader's collate does
+(every field copied out of the memory map into fresh memory), in a shuffled order across shards.
+Goal: random access >= 0.8 of the limit.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import typer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from shards import Cache, Field, ShardWriter  # noqa: E402
+
+# Sana-1600M-like samples: a DC-AE latent (32, 32, 32) at 1024 px and Gemma-2 embeddings (L, 2304)
+# trimmed to their valid tokens, both bf16.
+SCHEMA = {"latent": Field(torch.bfloat16), "text": Field(torch.bfloat16, ragged=True)}
+BUCKETS = [(1024, 1024), (832, 1216), (1216, 832)]
+
+
+def build(root: Path, gib: float, seed: int = 0) -> int:
+    rng = random.Random(seed)
+    budget, written, i = gib * (1 << 30), 0, 0
+    with ShardWriter(root, {"bench": 1}, SCHEMA) as w:
+        while written < budget:
+            h, wd = BUCKETS[i % len(BUCKETS)]
+            tokens = rng.randint(20, 300)
+            latent = torch.full((32, h // 32, wd // 32), float(i % 97), dtype=torch.bfloat16)
+            text = torch.full((tokens, 2304), float(i % 89), dtype=torch.bfloat16)
+            w.write(f"{i:08d}", (h, wd), {"latent": latent, "text": text})
+            written += latent.numel() * 2 + text.numel() * 2
+            i += 1
+    return i
+
+
+def sequential(files: list[Path]) -> tuple[int, float]:
+    buf = bytearray(16 << 20)
+    total, t0 = 0, time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total += n
+    return total, time.perf_counter() - t0
+
+
+def random_access(cache: Cache, order: list[int]) -> tuple[int, float]:
+    total, t0 = 0, time.perf_counter()
+    for i in order:
+        for t in cache[i].fields.values():
+            total += t.clone().numel() * t.element_size()
+    return total, time.perf_counter() - t0
+
+
+def main(
+    gib: float = typer.Option(2.0, help="Size of the benchmark cache in GiB."),
+    repeats: int = typer.Option(3, help="Runs of each measurement; the best is reported."),
+    workdir: Path = typer.Option(None, help="Where to build the cache (default: a temp dir, removed after)."),
+) -> None:
+    root = Path(tempfile.mkdtemp(prefix="shards-bench-", dir=workdir))
+    try:
+        t0 = time.perf_counter()
+        n = build(root, gib)
+        cache = Cache(root)
+        files = [root / s.path for s in cache.shards]
+        print(f"cache: {n} samples, {len(files)} shards, {cache.manifest.num_bytes / 2**30:.2f} GiB, built in {time.perf_counter() - t0:.1f}s")
+        sequential(files)  # warm the page cache
+        order = list(range(len(cache)))
+        random.Random(0).shuffle(order)
+        seq = max(b / t for b, t in (sequential(files) for _ in range(repeats)))
+        # each repeat reopens the cache, so the mapping's page faults are paid every time
+        rnd = max(b / t for b, t in (random_access(Cache(root), order) for _ in range(repeats)))
+        print(f"sequential read (limit): {seq / 2**30:6.2f} GiB/s")
+        print(f"random sample reads:     {rnd / 2**30:6.2f} GiB/s  ({rnd * n / cache.manifest.num_bytes:,.0f} samples/s)")
+        print(f"ratio random/sequential: {rnd / seq:.2f}  (goal >= 0.80)")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,41 @@
+"""The on-disk cache format shared by `precompute` (which writes it) and `train` (which reads it).
+
+A cache is a directory of memory-mapped safetensors shards, one aspect-ratio bucket per shard, and
+a manifest `index.json` that fingerprints everything that determines the cached values.
+See FORMAT.md beside this file.
+"""
+
+from shards.buckets import ASPECT_RATIO_TABLES, Bucket, aspect_error, bucket_table, nearest_bucket
+from shards.fingerprint import canonical_json, diff_fingerprints, fingerprint_hash
+from shards.manifest import MANIFEST, Manifest, ShardEntry, merge
+from shards.reader import Cache, Sample, ShardReader
+from shards.schema import FORMAT_NAME, FORMAT_VERSION, Field, FingerprintMismatch, FormatError, Schema
+from shards.verify import Report, verify
+from shards.writer import ShardWriter
+
+__all__ = [
+    "ASPECT_RATIO_TABLES",
+    "Bucket",
+    "Cache",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "Field",
+    "FingerprintMismatch",
+    "FormatError",
+    "MANIFEST",
+    "Manifest",
+    "Report",
+    "Sample",
+    "Schema",
+    "ShardEntry",
+    "ShardReader",
+    "ShardWriter",
+    "aspect_error",
+    "bucket_table",
+    "canonical_json",
+    "diff_fingerprints",
+    "fingerprint_hash",
+    "merge",
+    "nearest_bucket",
+    "verify",
+]

@@ -1,0 +1,3 @@
+from shards.cli import app
+
+app(prog_name="python -m shards")

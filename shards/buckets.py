@@ -1,0 +1,111 @@
+"""Aspect-ratio buckets: integer (height, width) pixel sizes and nearest-bucket assignment.
+
+The tables are the published PixArt / Sana multi-aspect tables (the `ASPECT_RATIO_{256,512,1024,2048}_BIN`
+dicts of the diffusers PixArt-alpha / PixArt-Sigma pipelines, which the Sana pipeline reuses). They are
+kept here as data because this package must not import diffusers; a test checks they equal diffusers'.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Iterable, NamedTuple
+
+
+class Bucket(NamedTuple):
+    """A bucket's identity: its pixel height and width (integers, never float strings)."""
+
+    height: int
+    width: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.height}x{self.width}"
+
+    @property
+    def aspect(self) -> float:
+        return self.height / self.width
+
+    @classmethod
+    def parse(cls, text: str) -> "Bucket":
+        """Parse `"HxW"` (e.g. `"1024x768"`)."""
+        m = re.fullmatch(r"\s*(\d+)\s*[x×]\s*(\d+)\s*", text)
+        if not m:
+            raise ValueError(f"bucket {text!r} is not of the form HEIGHTxWIDTH, e.g. 1024x768")
+        return cls(int(m.group(1)), int(m.group(2)))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# The published tables, in their published order (by aspect ratio). They are not symmetric under
+# transposition (e.g. 2688x1408 is absent from the 2048 table), so they are listed whole.
+_TABLE_1024 = """
+512x2048 512x1856 576x1792 576x1728 576x1664 640x1600 640x1536 704x1472 704x1408 704x1344 768x1344
+768x1280 832x1216 832x1152 896x1152 896x1088 960x1088 960x1024 1024x1024 1024x960 1088x960 1088x896
+1152x896 1152x832 1216x832 1280x768 1344x768 1408x704 1472x704 1536x640 1600x640 1728x576 2048x512
+"""
+_TABLE_2048 = """
+1024x4096 1024x3968 1024x3840 1024x3712 1152x3584 1152x3456 1152x3328 1280x3200 1280x3072 1408x2944
+1408x2816 1408x2688 1536x2688 1536x2560 1664x2432 1664x2304 1792x2304 1792x2176 1920x2176 1920x2048
+2048x2048 2048x1920 2176x1920 2176x1792 2304x1792 2304x1664 2432x1664 2560x1536 2688x1536 2816x1408
+2944x1408 3072x1280 3200x1280 3328x1152 3456x1152 3584x1152 3712x1024 3840x1024 3968x1024 4096x1024
+"""
+
+
+def _parse_table(text: str) -> tuple[Bucket, ...]:
+    return tuple(Bucket.parse(item) for item in text.split())
+
+
+def _scaled(table: tuple[Bucket, ...], divisor: int) -> tuple[Bucket, ...]:
+    return tuple(Bucket(b.height // divisor, b.width // divisor) for b in table)
+
+
+ASPECT_RATIO_1024 = _parse_table(_TABLE_1024)
+ASPECT_RATIO_2048 = _parse_table(_TABLE_2048)
+# The published 256 and 512 tables are exactly the 1024 table divided by 4 and 2.
+ASPECT_RATIO_512 = _scaled(ASPECT_RATIO_1024, 2)
+ASPECT_RATIO_256 = _scaled(ASPECT_RATIO_1024, 4)
+
+ASPECT_RATIO_TABLES: dict[int, tuple[Bucket, ...]] = {
+    256: ASPECT_RATIO_256,
+    512: ASPECT_RATIO_512,
+    1024: ASPECT_RATIO_1024,
+    2048: ASPECT_RATIO_2048,
+}
+
+
+def bucket_table(base_resolution: int) -> tuple[Bucket, ...]:
+    """The published aspect-ratio table for a base resolution (256, 512, 1024 or 2048)."""
+    try:
+        return ASPECT_RATIO_TABLES[base_resolution]
+    except KeyError:
+        raise ValueError(
+            f"no published bucket table for base resolution {base_resolution}; "
+            f"choose one of {sorted(ASPECT_RATIO_TABLES)}"
+        ) from None
+
+
+def nearest_bucket(height: int, width: int, buckets: Iterable[Bucket]) -> Bucket:
+    """The bucket whose aspect ratio is closest to `height / width`, in log space.
+
+    Log distance treats 1:2 and 2:1 alike (a linear distance favours tall buckets). Ties go to the
+    earlier bucket in the table, so assignment is deterministic.
+
+    Args:
+        height: image height in pixels.
+        width: image width in pixels.
+        buckets: the candidate buckets, e.g. `bucket_table(1024)`.
+
+    Returns:
+        The nearest bucket.
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got {height}x{width}")
+    target = math.log(height / width)
+    return min(buckets, key=lambda b: abs(math.log(b.aspect) - target))
+
+
+def aspect_error(height: int, width: int, bucket: Bucket) -> float:
+    """How far an image's aspect ratio is from a bucket's, as a factor >= 1 (1.0 is an exact fit)."""
+    return math.exp(abs(math.log(height / width) - math.log(bucket.aspect)))

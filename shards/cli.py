@@ -1,0 +1,117 @@
+"""`python -m shards`: look into a cache (inspect, ls), check it (verify), finish a multi-process run (merge)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from shards.manifest import merge as merge_manifests
+from shards.reader import Cache
+from shards.schema import FormatError
+from shards.verify import verify as verify_cache
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+
+CacheDir = typer.Argument(..., exists=True, file_okay=False, help="The cache directory (holding index.json).")
+
+
+def _open(root: Path) -> Cache:
+    try:
+        return Cache(root)
+    except (FileNotFoundError, FormatError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def summary(cache: Cache) -> dict:
+    """Everything `inspect` shows, as plain JSON."""
+    m = cache.manifest
+    field_bytes = {name: 0 for name in m.schema}
+    for s in m.shards:
+        for name, n in s.field_bytes.items():
+            field_bytes[name] += n
+    n = max(m.num_samples, 1)
+    return {
+        "root": str(cache.root),
+        "samples": m.num_samples,
+        "shards": len(m.shards),
+        "bytes": m.num_bytes,
+        "bytes_per_sample": m.num_bytes / n,
+        "fields": {
+            name: {**spec.to_json(), "bytes_per_sample": field_bytes[name] / n} for name, spec in m.schema.items()
+        },
+        "buckets": {b.name: {"samples": st.samples, "shards": st.shards, "bytes": st.bytes} for b, st in m.buckets().items()},
+        "fingerprint_sha256": m.fingerprint_sha256,
+        "fingerprint": m.fingerprint,
+    }
+
+
+@app.command()
+def inspect(
+    root: Path = CacheDir,
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON, for machines."),
+) -> None:
+    """Samples, bucket histogram, bytes per sample by field and the fingerprint."""
+    info = summary(_open(root))
+    if as_json:
+        typer.echo(json.dumps(info, indent=1))
+        return
+    typer.echo(f"{info['root']}: {info['samples']} samples in {info['shards']} shards, {_human(info['bytes'])} "
+               f"({_human(info['bytes_per_sample'])} per sample)")
+    typer.echo("\nbuckets (height x width):")
+    most = max((b["samples"] for b in info["buckets"].values()), default=1)
+    for name, b in info["buckets"].items():
+        bar = "#" * max(1, round(40 * b["samples"] / most)) if b["samples"] else ""
+        typer.echo(f"  {name:>10} {b['samples']:>9} {bar}")
+    typer.echo("\nfields (bytes per sample):")
+    for name, f in info["fields"].items():
+        typer.echo(f"  {name:<24} {f['kind']:<7} {f['dtype']:<9} {_human(f['bytes_per_sample']):>10}")
+    typer.echo(f"\nfingerprint {info['fingerprint_sha256'][:16]}:")
+    for key, value in sorted(info["fingerprint"].items()):
+        text = json.dumps(value, sort_keys=True)
+        typer.echo(f"  {key}: {text if len(text) <= 100 else text[:97] + '...'}")
+
+
+@app.command()
+def ls(root: Path = CacheDir) -> None:
+    """One line per sample: key, bucket, shard, content digest."""
+    cache = _open(root)
+    for j, entry in enumerate(cache.shards):
+        reader = cache.shard(j)
+        for i, key in enumerate(reader.keys):
+            typer.echo(f"{key}\t{entry.bucket.name}\t{entry.path}\t{reader.digest(i).hex()}")
+
+
+@app.command()
+def verify(
+    root: Path = CacheDir,
+    checksums: bool = typer.Option(True, help="Compare each shard's sha256 with the manifest (reads every byte)."),
+    deep: bool = typer.Option(True, help="Check offsets, shapes, dtypes, per-sample digests, duplicate keys; scan for NaN/Inf."),
+) -> None:
+    """Check every shard against the manifest; exit 1 naming every bad file."""
+    report = verify_cache(root, checksums=checksums, deep=deep)
+    for path, msg in report.warnings:
+        typer.echo(f"warning: {path}: {msg}", err=True)
+    for path, msg in report.problems:
+        typer.echo(f"BAD {path}: {msg}")
+    typer.echo(f"checked {report.shards} shards, {report.samples} samples, {_human(report.bytes)}: "
+               + ("ok" if report.ok else f"{len(report.bad_files)} bad files"))
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def merge(root: Path = CacheDir) -> None:
+    """Fold the per-rank manifests of a multi-process run into index.json."""
+    m = merge_manifests(root)
+    typer.echo(f"{root}: {m.num_samples} samples in {len(m.shards)} shards")

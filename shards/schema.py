@@ -1,0 +1,135 @@
+"""Format identity, field schema and the errors every part of the library raises."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+FORMAT_NAME = "cachedit-shards"
+FORMAT_VERSION = 1
+
+# Tensor names inside a shard that are not fields. User field names may not start with "__".
+KEY = "__key__"  # sample keys: ASCII bytes, ragged
+DIGEST = "__digest__"  # (N, 16) uint8: blake2b-128 of each sample's field bytes
+OFFSETS_SUFFIX = ".offsets"  # (N + 1,) int64 row offsets of a ragged field
+DIGEST_SIZE = 16
+
+_DTYPES = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class FormatError(ValueError):
+    """A cache file or manifest this library cannot read, with what to do about it."""
+
+
+class FingerprintMismatch(ValueError):
+    """Writing into a cache whose cached values were computed differently."""
+
+    def __init__(self, root: str, existing: dict, new: dict):
+        from shards.fingerprint import diff_fingerprints, fingerprint_hash
+
+        self.differences = diff_fingerprints(existing, new)
+        lines = [
+            f"the cache at {root} was built with fingerprint {fingerprint_hash(existing)[:16]}, "
+            f"this run has {fingerprint_hash(new)[:16]}; differing fields:"
+        ]
+        lines += [f"  {path}: cache={a!r} run={b!r}" for path, a, b in self.differences]
+        lines.append("Write to a new cache directory, or rerun with the settings the cache was built with.")
+        super().__init__("\n".join(lines))
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise FormatError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be stored; use one of {sorted(_DTYPES)}") from None
+
+
+def check_version(found: Any, where: str) -> None:
+    """Reject a file of another format or version, saying what to do."""
+    if found != FORMAT_VERSION:
+        raise FormatError(
+            f"{where} has {FORMAT_NAME} format version {found!r}, this library reads version "
+            f"{FORMAT_VERSION}. Upgrade the library (pip install -U) if the cache is newer, or "
+            f"rebuild the cache with `make precompute` if it is older."
+        )
+
+
+@dataclass(frozen=True)
+class Field:
+    """One named per-sample tensor of a cache.
+
+    Args:
+        dtype: the storage dtype; samples must arrive in it (the writer never casts silently).
+        ragged: False for a fixed per-sample shape within a bucket, stacked `(N, *shape)`;
+            True for a variable first dim `(L_i, *trailing)`, stored packed `(sum L_i, *trailing)`
+            with `(N + 1,)` int64 offsets, so no padding is ever stored.
+    """
+
+    dtype: torch.dtype
+    ragged: bool = False
+
+    def to_json(self) -> dict:
+        return {"dtype": dtype_name(self.dtype), "kind": "ragged" if self.ragged else "fixed"}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Field":
+        if obj.get("kind") not in ("fixed", "ragged"):
+            raise FormatError(f"unknown field kind {obj.get('kind')!r}")
+        return cls(dtype_from_name(obj["dtype"]), obj["kind"] == "ragged")
+
+
+Schema = dict[str, Field]
+
+
+def validate_schema(schema: Schema) -> None:
+    if not schema:
+        raise ValueError("a cache needs at least one field")
+    for name, field in schema.items():
+        if not isinstance(name, str) or not name or name.startswith("__") or name.endswith(OFFSETS_SUFFIX):
+            raise ValueError(f"field name {name!r} is reserved or empty")
+        if not isinstance(field, Field):
+            raise TypeError(f"field {name!r} must be a shards.Field, got {type(field).__name__}")
+        dtype_name(field.dtype)
+
+
+def schema_to_json(schema: Schema) -> dict:
+    return {name: field.to_json() for name, field in sorted(schema.items())}
+
+
+def schema_from_json(obj: dict) -> Schema:
+    return {name: Field.from_json(spec) for name, spec in obj.items()}
+
+
+def sample_digest(key: str, fields: dict[str, torch.Tensor]) -> bytes:
+    """blake2b-128 over a sample's key and fields (name, dtype, shape and bytes, in name order).
+
+    Equal digests mean the same key with identical tensors, whichever shard or run it landed in.
+    """
+    h = hashlib.blake2b(key.encode("ascii") + b"\0", digest_size=DIGEST_SIZE)
+    for name in sorted(fields):
+        t = fields[name]
+        h.update(f"{name}|{dtype_name(t.dtype)}|{tuple(t.shape)}|".encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.digest()

@@ -1,0 +1,41 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(2)
+
+from shards import Field  # noqa: E402
+
+SCHEMA = {
+    "latent_mean": Field(torch.bfloat16),
+    "latent_std": Field(torch.bfloat16),
+    "text": Field(torch.bfloat16, ragged=True),
+    "original_size": Field(torch.int32),
+}
+FINGERPRINT = {"vae": {"id": "tiny-vae", "scaling_factor": 0.13025}, "text_encoder": {"id": "tiny-t5", "max_length": 300}}
+BUCKETS = [(64, 64), (48, 80), (80, 48)]
+
+
+def make_sample(i: int, bucket=None, *, dim: int = 16, channels: int = 4) -> tuple[str, tuple[int, int], dict]:
+    """A deterministic sample: key, bucket, fields (text length varies with i, may be 0)."""
+    bucket = bucket or BUCKETS[i % len(BUCKETS)]
+    g = torch.Generator().manual_seed(i)
+    h, w = bucket[0] // 8, bucket[1] // 8
+    fields = {
+        "latent_mean": torch.randn(channels, h, w, generator=g).bfloat16(),
+        "latent_std": torch.rand(channels, h, w, generator=g).bfloat16(),
+        "text": torch.randn(i % 7, dim, generator=g).bfloat16(),
+        "original_size": torch.tensor([bucket[0] + i, bucket[1] + i], dtype=torch.int32),
+    }
+    return f"key{i:05d}", bucket, fields
+
+
+@pytest.fixture
+def sample():
+    return make_sample
