@@ -8,6 +8,7 @@ See FORMAT.md beside this file.
 from shards.buckets import ASPECT_RATIO_TABLES, Bucket, aspect_error, bucket_table, nearest_bucket
 from shards.fingerprint import canonical_json, diff_fingerprints, fingerprint_hash
 from shards.manifest import MANIFEST, Manifest, ShardEntry, merge
+from shards.prompts import Prompt, prompt_key
 from shards.reader import Cache, Sample, ShardReader
 from shards.schema import FORMAT_NAME, FORMAT_VERSION, Field, FingerprintMismatch, FormatError, Schema
 from shards.verify import Report, verify
@@ -23,6 +24,7 @@ __all__ = [
     "FingerprintMismatch",
     "FormatError",
     "MANIFEST",
+    "Prompt",
     "Manifest",
     "Report",
     "Sample",
@@ -37,5 +39,6 @@ __all__ = [
     "fingerprint_hash",
     "merge",
     "nearest_bucket",
+    "prompt_key",
     "verify",
 ]

@@ -99,12 +99,14 @@ class Manifest:
             dtypes, scaling factors, bucket table, preprocessing); canonical JSON, hashed.
         schema: the fields every sample has.
         shards: every published shard, in write order.
-        extra: free-form JSON the stages record (e.g. run summaries); not part of the fingerprint.
+        files: other files of the cache by role (e.g. `"prompts"`), each `{"path", "bytes", "sha256"}`.
+        extra: free-form JSON the stages record (e.g. run settings); not part of the fingerprint.
     """
 
     fingerprint: dict
     schema: Schema
     shards: list[ShardEntry] = field(default_factory=list)
+    files: dict[str, dict] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -146,6 +148,7 @@ class Manifest:
             "totals": {"samples": self.num_samples, "shards": len(self.shards), "bytes": self.num_bytes},
             "buckets": buckets,
             "shards": [s.to_json() for s in self.shards],
+            "files": self.files,
             "extra": self.extra,
         }
 
@@ -159,6 +162,7 @@ class Manifest:
                 fingerprint=obj["fingerprint"],
                 schema=schema_from_json(obj["fields"]),
                 shards=[ShardEntry.from_json(s) for s in obj["shards"]],
+                files=obj.get("files", {}),
                 extra=obj.get("extra", {}),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -226,8 +230,8 @@ def merge(root: str | os.PathLike) -> Manifest:
                 continue
             seen[s.path] = s
             merged.shards.append(s)
-        for key, value in m.extra.items():
-            merged.extra.setdefault(key, value)
+        merged.files.update(m.files)
+        merged.extra.update(m.extra)
     merged.save(index)
     for p in parts:
         p.unlink()

@@ -14,6 +14,7 @@ from safetensors import SafetensorError, safe_open
 
 from shards.buckets import Bucket
 from shards.manifest import MANIFEST, RANK_MANIFEST_GLOB, Manifest, ShardEntry
+from shards.prompts import Prompt, read_prompts
 from shards.schema import (
     DIGEST,
     FORMAT_NAME,
@@ -186,6 +187,11 @@ class Cache:
         for j, s in enumerate(self.shards):
             out.setdefault(s.bucket, []).append(range(self._starts[j], self._starts[j + 1]))
         return dict(sorted(out.items()))
+
+    def prompts(self) -> dict[str, Prompt]:
+        """The cached prompt embeddings (empty caption, validation prompts), by `prompt_key(text)`."""
+        entry = self.manifest.files.get("prompts")
+        return read_prompts(self.root / entry["path"]) if entry else {}
 
     def keys(self) -> Iterator[tuple[str, int]]:
         """(key, global index) of every sample; opens every shard's header."""

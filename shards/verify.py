@@ -96,6 +96,14 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
                     report.problems.append((name, f"key {key} also in {seen_keys[key]}"))
                 seen_keys[key] = name
 
+    for role, entry in manifest.files.items():
+        path = root / entry["path"]
+        listed.add(path.resolve())
+        if not path.is_file():
+            report.problems.append((str(path), f"{role} file listed in the manifest but missing"))
+        elif path.stat().st_size != entry["bytes"] or (checksums and file_sha256(path) != entry["sha256"]):
+            report.problems.append((str(path), f"{role} file differs from the manifest (size or sha256)"))
+
     for path in sorted(root.rglob("*")):
         if path.is_file() and path.resolve() not in listed:
             if path.suffix == ".safetensors" or path.name.endswith(TMP_SUFFIX):

@@ -16,6 +16,8 @@ from safetensors.torch import save as safetensors_bytes
 from shards.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir
 from shards.buckets import Bucket
 from shards.manifest import MANIFEST, Manifest, ShardEntry, rank_manifest_name
+from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, read_prompts
+from shards.reader import ShardReader
 from shards.schema import (
     DIGEST,
     FORMAT_NAME,
@@ -192,6 +194,11 @@ class ShardWriter:
                 self._publish(b, items)
 
     def _publish(self, bucket: Bucket, items: list[tuple[str, dict[str, torch.Tensor]]]) -> None:
+        self.manifest.shards.append(self._write_shard(bucket, items))
+        self.manifest.save(self.manifest_path)  # the commit point
+
+    def _write_shard(self, bucket: Bucket, items: list[tuple[str, dict[str, torch.Tensor]]]) -> ShardEntry:
+        """Write one shard file durably under its final name; it is part of the cache once listed."""
         tensors: dict[str, torch.Tensor] = {}
         field_bytes: dict[str, int] = {}
         for name, spec in self.schema.items():
@@ -231,18 +238,69 @@ class ShardWriter:
             fsync_dir(self.root)
         path = directory / shard_name(self.rank, seq)
         atomic_write_bytes(path, data)
-        self.manifest.shards.append(
-            ShardEntry(
-                path=path.relative_to(self.root).as_posix(),
-                bucket=bucket,
-                samples=len(items),
-                bytes=len(data),
-                sha256=hashlib.sha256(data).hexdigest(),
-                shapes=shapes,
-                field_bytes=field_bytes,
-            )
+        return ShardEntry(
+            path=path.relative_to(self.root).as_posix(),
+            bucket=bucket,
+            samples=len(items),
+            bytes=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+            shapes=shapes,
+            field_bytes=field_bytes,
         )
-        self.manifest.save(self.manifest_path)  # the commit point
+
+    def add_prompts(self, prompts: dict[str, Prompt], schema: Schema) -> None:
+        """Store prompt embeddings (the empty caption, validation prompts) beside the shards.
+
+        Prompts already stored are kept; the file is rewritten atomically and listed in the
+        manifest at its next commit (at the latest `finish`).
+
+        Args:
+            prompts: by key (`shards.prompts.prompt_key(text)`).
+            schema: the fields of a prompt (the text fields of the samples).
+        """
+        entry = self.manifest.files.get("prompts")
+        merged = read_prompts(self.root / entry["path"]) if entry else {}
+        merged.update(prompts)
+        data = encode_prompts(merged, schema, self.manifest.fingerprint_sha256)
+        path = self.root / (entry["path"] if entry else PROMPTS_FILE)
+        atomic_write_bytes(path, data)
+        self.manifest.files["prompts"] = {
+            "path": path.relative_to(self.root).as_posix(),
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "count": len(merged),
+        }
+
+    def remove(self, keys: set[str]) -> int:
+        """Drop samples from the cache (e.g. their source images were removed or changed).
+
+        Each shard holding any of them is rewritten without them (its other samples are copied,
+        not re-encoded); the new shards and the removal are committed in one manifest write, so
+        a crash leaves either the old shards or the new ones listed, never both.
+
+        Returns:
+            The number of samples removed.
+        """
+        self.flush()
+        keep, added, retired, removed = [], [], [], 0
+        for entry in self.manifest.shards:
+            reader = ShardReader(self.root / entry.path)
+            drop = [i for i, k in enumerate(reader.keys) if k in keys]
+            if not drop:
+                keep.append(entry)
+                continue
+            removed += len(drop)
+            retired.append(entry)
+            items = [(reader.keys[i], {n: t.clone() for n, t in reader.fields(i).items()}) for i in range(len(reader)) if i not in set(drop)]
+            if items:
+                added.append(self._write_shard(entry.bucket, items))
+        if not retired:
+            return 0
+        self.manifest.shards = keep + added
+        self.manifest.save(self.manifest_path)
+        for entry in retired:
+            (self.root / entry.path).unlink(missing_ok=True)
+        return removed
 
     def finish(self) -> Manifest:
         """Publish every buffered sample, write the manifest (even for an empty run) and release the cache."""

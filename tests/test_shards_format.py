@@ -225,3 +225,35 @@ def test_format_doc_snippet_reads_the_cache(tmp_path):
     assert scope["key"] == "key00006"
     for name, t in make_sample(6)[2].items():
         assert torch.equal(scope["sample"][name], t)
+
+
+def test_remove_rewrites_only_affected_shards_in_one_commit(tmp_path):
+    manifest = write_cache(tmp_path, range(24), max_shard_samples=4)
+    untouched = {s.path for s in manifest.shards if s.bucket == Bucket(48, 80)}
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
+        assert w.remove({"key00000", "key00003", "key00002", "nope"}) == 3
+    cache = Cache(tmp_path)
+    assert sorted(k for k, _ in cache.keys()) == [f"key{i:05d}" for i in range(24) if i not in (0, 2, 3)]
+    assert untouched <= {s.path for s in cache.shards}
+    for key, i in cache.keys():
+        n = int(key[3:])
+        assert torch.equal(cache[i]["latent_mean"], make_sample(n)[2]["latent_mean"])
+    assert verify(tmp_path).ok  # retired files deleted, no orphans
+
+
+def test_prompts_are_stored_merged_and_verified(tmp_path):
+    from shards import Prompt, prompt_key
+
+    text_schema = {"text": SCHEMA["text"]}
+    emb = lambda n: torch.full((n, 16), float(n), dtype=torch.bfloat16)  # noqa: E731
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
+        w.write(*make_sample(0))
+        w.add_prompts({prompt_key(""): Prompt("", {"text": emb(1)})}, text_schema)
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
+        w.add_prompts({prompt_key("a red circle"): Prompt("a red circle", {"text": emb(5)})}, text_schema)
+    prompts = Cache(tmp_path).prompts()
+    assert {p.text for p in prompts.values()} == {"", "a red circle"}
+    assert torch.equal(prompts[prompt_key("a red circle")].fields["text"], emb(5))
+    assert verify(tmp_path).ok
+    (tmp_path / "prompts.safetensors").write_bytes(b"garbage")
+    assert verify(tmp_path).bad_files == [str(tmp_path / "prompts.safetensors")]

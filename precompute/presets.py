@@ -1,0 +1,233 @@
+"""Presets: which VAE and text encoder a model family's cache is built with.
+
+Stage two has presets of the same names for the transformer it trains. Real presets load
+published weights with `from_pretrained` (a Hub id or a local directory in the diffusers layout);
+`tiny-*` presets build the same classes from small configs with seeded random weights, so the
+whole path runs offline on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, replace
+from typing import Callable, Literal
+
+import torch
+
+# Published repositories (diffusers layout: vae/, text_encoder/, tokenizer/, transformer/).
+PIXART_SIGMA_ENCODERS = "PixArt-alpha/pixart_sigma_sdxlvae_T5_diffusers"
+SANA_600M = "Efficient-Large-Model/Sana_600M_1024px_diffusers"
+SANA_1600M = "Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers"
+
+
+@dataclass(frozen=True)
+class VaeSpec:
+    """The image encoder.
+
+    Args:
+        kind: "kl" for AutoencoderKL (a Gaussian posterior: mean and std are cached so training
+            can sample), "dc" for AutoencoderDC (deterministic latent).
+        repo: Hub id or local directory; None builds the tiny model of this kind.
+        fp16_safe: False for VAEs that overflow to NaN in fp16 (the SDXL VAE).
+        cuda_dtype: compute dtype on CUDA by default (on CPU it is always float32).
+    """
+
+    kind: Literal["kl", "dc"]
+    repo: str | None
+    subfolder: str = "vae"
+    revision: str | None = None
+    fp16_safe: bool = False
+    cuda_dtype: str = "float32"
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    """The caption encoder, used through its family pipeline's own `encode_prompt`.
+
+    Args:
+        name: the name `--text-encoder` selects it by.
+        kind: "t5" (T5EncoderModel, encoded like PixArt-Sigma) or "gemma2" (Gemma2Model, encoded
+            like Sana, with its token selection).
+        repo: Hub id or local directory; None builds the tiny model of this kind.
+        max_length: token limit of a caption.
+        complex_human_instruction: prepend Sana's instruction prompt, as the released Sana models
+            were trained.
+        fp16_safe: False for encoders that overflow in fp16 (T5).
+        cuda_dtype: compute dtype on CUDA by default.
+    """
+
+    name: str
+    kind: Literal["t5", "gemma2"]
+    repo: str | None
+    subfolder: str = "text_encoder"
+    tokenizer_subfolder: str = "tokenizer"
+    revision: str | None = None
+    max_length: int = 300
+    complex_human_instruction: bool = False
+    fp16_safe: bool = False
+    cuda_dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model family's encoders, bucket table and the transformer stage two trains."""
+
+    name: str
+    family: Literal["pixart", "sana"]
+    base_resolution: int
+    vae: VaeSpec
+    text: TextEncoderSpec
+    transformer: str | None  # informational here; stage two loads it
+
+
+TEXT_ENCODERS: dict[str, Callable[[], TextEncoderSpec]] = {
+    "t5-xxl": lambda: TextEncoderSpec("t5-xxl", "t5", PIXART_SIGMA_ENCODERS),
+    "gemma2-2b": lambda: TextEncoderSpec("gemma2-2b", "gemma2", SANA_1600M, complex_human_instruction=True, fp16_safe=True),
+    "tiny-t5": lambda: TextEncoderSpec("tiny-t5", "t5", None, max_length=64),
+    "tiny-gemma2": lambda: TextEncoderSpec("tiny-gemma2", "gemma2", None, max_length=64, complex_human_instruction=True, fp16_safe=True),
+}
+
+
+def _pixart(name: str, base: int, transformer: str) -> Preset:
+    return Preset(name, "pixart", base, VaeSpec("kl", PIXART_SIGMA_ENCODERS), TEXT_ENCODERS["t5-xxl"](), transformer)
+
+
+def _sana(name: str, repo: str) -> Preset:
+    vae = VaeSpec("dc", repo, fp16_safe=True, cuda_dtype="bfloat16")
+    return Preset(name, "sana", 1024, vae, replace(TEXT_ENCODERS["gemma2-2b"](), repo=repo), repo)
+
+
+PRESETS: dict[str, Callable[[], Preset]] = {
+    "pixart-sigma-512": lambda: _pixart("pixart-sigma-512", 512, "PixArt-alpha/PixArt-Sigma-XL-2-512-MS"),
+    "pixart-sigma-1024": lambda: _pixart("pixart-sigma-1024", 1024, "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"),
+    "sana-600m": lambda: _sana("sana-600m", SANA_600M),
+    "sana-1600m": lambda: _sana("sana-1600m", SANA_1600M),
+    "tiny-pixart": lambda: Preset("tiny-pixart", "pixart", 256, VaeSpec("kl", None), TEXT_ENCODERS["tiny-t5"](), None),
+    "tiny-sana": lambda: Preset(
+        "tiny-sana", "sana", 256, VaeSpec("dc", None, fp16_safe=True, cuda_dtype="bfloat16"), TEXT_ENCODERS["tiny-gemma2"](), None
+    ),
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def get_text_encoder(name: str) -> TextEncoderSpec:
+    try:
+        return TEXT_ENCODERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown text encoder {name!r}; choose one of {', '.join(TEXT_ENCODERS)}") from None
+
+
+def sana_complex_human_instruction() -> list[str]:
+    """Sana's instruction prompt, as the diffusers SanaPipeline applies it by default."""
+    from diffusers import SanaPipeline
+
+    return list(inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default)
+
+
+# ---- tiny models: the real classes, small configs, seeded random weights -------------------------
+
+TINY_SEED = 0
+# Words of the bundled sample captions, so the tiny tokenizers split them into whole words.
+TINY_WORDS = (
+    "a an the of on in with and at to is are small large big tiny red green blue yellow orange purple pink "
+    "white black gray grey brown cyan magenta circle square triangle rectangle star ellipse stripe stripes "
+    "shape shapes background picture photo image gradient dark light bright pale left right top bottom center "
+    "corner two three several sky over under near above below"
+).split()
+
+
+def tiny_tokenizer(kind: str):
+    """A small tokenizer of the real class, built in-process (no download)."""
+    if kind == "t5":
+        from transformers import T5Tokenizer
+
+        chars = "abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"-()"
+        vocab = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+        vocab += [(f"▁{w}", -1.0) for w in TINY_WORDS] + [(c, -5.0) for c in chars]
+        return T5Tokenizer(vocab=vocab, extra_ids=0)
+    if kind == "gemma2":
+        from transformers import GemmaTokenizer
+
+        tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"] + [f"<0x{i:02X}>" for i in range(256)]
+        tokens += sorted(set("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()"))
+        return GemmaTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[], add_bos_token=True)
+    raise ValueError(kind)
+
+
+def _seeded(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        return build().eval()
+
+
+def tiny_text_encoder(kind: str, vocab_size: int) -> torch.nn.Module:
+    if kind == "t5":
+        from transformers import T5Config, T5EncoderModel
+
+        config = T5Config(vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                          feed_forward_proj="gated-gelu", is_encoder_decoder=False, dropout_rate=0.0)
+        return _seeded(lambda: T5EncoderModel(config))
+    if kind == "gemma2":
+        from transformers import Gemma2Config, Gemma2Model
+
+        config = Gemma2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
+                              pad_token_id=0, bos_token_id=2, eos_token_id=1)
+        return _seeded(lambda: Gemma2Model(config))
+    raise ValueError(kind)
+
+
+def tiny_vae(kind: str) -> torch.nn.Module:
+    """f8 autoencoders: KL with 4 latent channels (SDXL-like), DC with 8 (DC-AE-like)."""
+    if kind == "kl":
+        from diffusers import AutoencoderKL
+
+        return _seeded(lambda: AutoencoderKL(
+            block_out_channels=(16, 32, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, latent_channels=4, norm_num_groups=8,
+            sample_size=256, scaling_factor=0.13025,
+        ))
+    if kind == "dc":
+        from diffusers import AutoencoderDC
+
+        blocks = ("ResBlock", "ResBlock", "EfficientViTBlock", "EfficientViTBlock")
+        return _seeded(lambda: AutoencoderDC(
+            in_channels=3, latent_channels=8, attention_head_dim=8, encoder_block_types=blocks, decoder_block_types=blocks,
+            encoder_block_out_channels=(16, 32, 32, 32), decoder_block_out_channels=(16, 32, 32, 32),
+            encoder_layers_per_block=(1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
+            encoder_qkv_multiscales=((), (), (5,), (5,)), decoder_qkv_multiscales=((), (), (5,), (5,)),
+            upsample_block_type="interpolate", downsample_block_type="Conv", decoder_norm_types="rms_norm",
+            decoder_act_fns="silu", scaling_factor=0.41407,
+        ))
+    raise ValueError(kind)
+
+
+def save_tiny(preset: Preset, directory) -> None:
+    """Write a tiny preset's components in the diffusers layout, to load back with `from_pretrained`."""
+    tokenizer = tiny_tokenizer(preset.text.kind)
+    tiny_vae(preset.vae.kind).save_pretrained(f"{directory}/{preset.vae.subfolder}")
+    tiny_text_encoder(preset.text.kind, len(tokenizer)).save_pretrained(f"{directory}/{preset.text.subfolder}")
+    tokenizer.save_pretrained(f"{directory}/{preset.text.tokenizer_subfolder}")
+
+
+def weights_digest(module: torch.nn.Module, samples: int = 4096) -> str:
+    """A cheap digest of a module's weights: names, shapes, dtypes and evenly spaced values.
+
+    Hashing every byte of T5-XXL would cost tens of seconds per run; any two distinct checkpoints
+    differ at sampled positions, which is what the fingerprint needs.
+    """
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        flat = t.detach().reshape(-1)
+        step = max(1, flat.numel() // samples)
+        picked = flat[::step][:samples].to("cpu", torch.float64)
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(picked.numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,106 @@
+"""Prompt embeddings stored beside the shards: the empty caption and the validation prompts.
+
+Training needs them without a text encoder (caption dropout, classifier-free guidance, validation
+images). One safetensors file, `prompts.safetensors`, keyed by the sha256 of the prompt text, with
+the same field layout as the shards (ragged fields packed with offsets) and the prompt text itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+from shards.schema import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    KEY,
+    OFFSETS_SUFFIX,
+    FormatError,
+    Schema,
+    check_version,
+    schema_from_json,
+    schema_to_json,
+)
+
+PROMPTS_FILE = "prompts.safetensors"
+TEXT = "__prompt__"
+
+
+def prompt_key(text: str) -> str:
+    """A prompt's key: the sha256 of its UTF-8 text."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class Prompt:
+    text: str
+    fields: dict[str, torch.Tensor]
+
+
+def _pack(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    offsets = torch.tensor([0] + [r.shape[0] for r in rows], dtype=torch.int64).cumsum(0)
+    return torch.cat(rows), offsets
+
+
+def encode_prompts(prompts: dict[str, Prompt], schema: Schema, fingerprint_sha256: str) -> bytes:
+    """Serialise prompts (key -> Prompt) to safetensors bytes, in key order."""
+    keys = sorted(prompts)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, spec in schema.items():
+        rows = [prompts[k].fields[name].contiguous() for k in keys]
+        for k, r in zip(keys, rows):
+            if r.dtype != spec.dtype:
+                raise ValueError(f"prompt {prompts[k].text!r}: field {name} is {r.dtype}, the schema says {spec.dtype}")
+        if spec.ragged:
+            tensors[name], tensors[name + OFFSETS_SUFFIX] = _pack(rows)
+        else:
+            tensors[name] = torch.stack(rows)
+    for name, values in ((KEY, keys), (TEXT, [prompts[k].text for k in keys])):
+        rows = [torch.frombuffer(bytearray(v.encode("utf-8")), dtype=torch.uint8) if v else torch.zeros(0, dtype=torch.uint8) for v in values]
+        tensors[name], tensors[name + OFFSETS_SUFFIX] = _pack(rows)
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "kind": "prompts",
+        "samples": str(len(keys)),
+        "fields": json.dumps(schema_to_json(schema), sort_keys=True),
+        "fingerprint_sha256": fingerprint_sha256,
+    }
+    return safetensors_bytes(tensors, metadata=metadata)
+
+
+def read_prompts(path: str | os.PathLike) -> dict[str, Prompt]:
+    """All prompts of a prompts file, by key."""
+    path = Path(path)
+    try:
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise FormatError(f"{path}: cannot read prompt embeddings ({e}); rerun `make precompute` to rebuild them") from e
+    if meta.get("format") != FORMAT_NAME or meta.get("kind") != "prompts":
+        raise FormatError(f"{path} is not a {FORMAT_NAME} prompts file")
+    version = meta.get("format_version", "")
+    check_version(int(version) if version.isdigit() else version, str(path))
+    schema = schema_from_json(json.loads(meta["fields"]))
+    n = int(meta["samples"])
+
+    def row(name: str, i: int) -> torch.Tensor:
+        if name + OFFSETS_SUFFIX in tensors:
+            offs = tensors[name + OFFSETS_SUFFIX]
+            return tensors[name][int(offs[i]) : int(offs[i + 1])]
+        return tensors[name][i]
+
+    out = {}
+    for i in range(n):
+        key = row(KEY, i).numpy().tobytes().decode("ascii")
+        text = row(TEXT, i).numpy().tobytes().decode("utf-8")
+        out[key] = Prompt(text, {name: row(name, i) for name in schema})
+    return out
