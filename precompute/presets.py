@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 from dataclasses import dataclass, replace
 from typing import Callable, Literal
 
@@ -153,11 +154,21 @@ def tiny_tokenizer(kind: str):
         vocab += [(f"▁{w}", -1.0) for w in TINY_WORDS] + [(c, -5.0) for c in chars]
         return T5Tokenizer(vocab=vocab, extra_ids=0)
     if kind == "gemma2":
+        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
         from transformers import GemmaTokenizer
 
-        tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"] + [f"<0x{i:02X}>" for i in range(256)]
-        tokens += sorted(set("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()"))
-        return GemmaTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[], add_bos_token=True)
+        # A small BPE trained here, deterministically, on the sample vocabulary and Sana's
+        # instruction prompt, so captions and the instruction take few tokens.
+        specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"] + [f"<0x{i:02X}>" for i in range(256)]
+        bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+        bpe.normalizer = normalizers.Replace(" ", "▁")
+        bpe.pre_tokenizer = pre_tokenizers.Split(pattern="▁", behavior="merged_with_next")
+        corpus = [" ".join(TINY_WORDS)] * 4 + sana_complex_human_instruction()
+        alphabet = list("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()")
+        bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=900, special_tokens=specials, initial_alphabet=alphabet, show_progress=False))
+        state = json.loads(bpe.to_str())["model"]
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+        return GemmaTokenizer(vocab=state["vocab"], merges=merges, add_bos_token=True)
     raise ValueError(kind)
 
 
@@ -179,7 +190,7 @@ def tiny_text_encoder(kind: str, vocab_size: int) -> torch.nn.Module:
 
         config = Gemma2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
-                              pad_token_id=0, bos_token_id=2, eos_token_id=1)
+                              pad_token_id=0, bos_token_id=2, eos_token_id=1, attn_logit_softcapping=None)
         return _seeded(lambda: Gemma2Model(config))
     raise ValueError(kind)
 

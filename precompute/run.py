@@ -1,0 +1,305 @@
+"""Stage one: encode an image-caption dataset once into the bucketed shard cache.
+
+Reads images in DataLoader workers while the encoders run, writes shards per bucket through
+`shards.ShardWriter`, and is incremental (content-keyed), resumable and crash-safe. Under torchrun
+every rank encodes a disjoint part of the inputs into its own shards; rank 0 merges at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from precompute.data import (
+    REASONS,
+    FolderDataset,
+    ImagePolicy,
+    TarDataset,
+    expand_tar_urls,
+    is_tar_source,
+    list_folder,
+)
+from precompute.encode import DTYPES, Encoders, best_device
+from precompute.presets import get_preset, get_text_encoder
+from shards import MANIFEST, Cache, Manifest, Prompt, ShardWriter, bucket_table, merge, prompt_key
+from shards.atomic import atomic_write_bytes
+from shards.manifest import RANK_MANIFEST_GLOB
+
+
+def setup_distributed() -> tuple[int, int, int]:
+    """(rank, world size, local rank) under torchrun; (0, 1, 0) otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def gather(obj, world: int) -> list:
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def cached_sources(cache: Path) -> dict[str, str]:
+    """key -> source of every sample already in the cache."""
+    if not (cache / MANIFEST).exists():
+        return {}
+    c = Cache(cache)
+    out = {}
+    for j in range(len(c.shards)):
+        reader = c.shard(j)
+        packed, offsets = reader.tensor("source"), reader.tensor("source.offsets").tolist()
+        for i, key in enumerate(reader.keys):
+            out[key] = packed[offsets[i] : offsets[i + 1]].numpy().tobytes().decode("utf-8")
+    return out
+
+
+def estimate_bytes_per_sample(enc: Encoders, policy: ImagePolicy, storage: torch.dtype, captions: int = 1) -> int:
+    """Latents at the largest bucket area plus half the token limit per caption: an estimate for the disk check."""
+    area = max(b.height * b.width for b in policy.buckets) // enc.downsample**2
+    latents = (2 if enc.preset.vae.kind == "kl" else 1) * enc.latent_channels * area
+    text = captions * enc.preset.text.max_length // 2 * enc.text_dim
+    return (latents + text) * storage.itemsize + 256
+
+
+def main(
+    data: str,
+    model: str,
+    cache: Path,
+    *,
+    text_encoder: str | None = None,
+    pretrained: str | None = None,
+    batch_size: int = 16,
+    text_batch_size: int = 64,
+    workers: int = 2,
+    storage_dtype: str = "bfloat16",
+    vae_dtype: str | None = None,
+    text_dtype: str | None = None,
+    force_fp16: bool = False,
+    max_upscale: float = 2.0,
+    allow_upscale: bool = False,
+    extreme_aspect: str = "skip",
+    max_pixels: int = 178_956_970,
+    caption_column: str = "text",
+    caption_keys: tuple[str, ...] = ("caption", "text", "prompt"),
+    validation_prompts: tuple[str, ...] = (),
+    allow_pipe: bool = False,
+    max_failure_fraction: float = 0.1,
+    max_shard_mb: int = 128,
+    check_disk: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Encode DATA into CACHE. Returns the run summary (also printed); exit code is the caller's."""
+    t_start = time.perf_counter()
+    rank, world, local_rank = setup_distributed()
+    is_main = rank == 0
+    preset = get_preset(model)
+    if text_encoder:
+        preset = replace(preset, text=get_text_encoder(text_encoder))
+    device = best_device()
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if storage_dtype not in DTYPES:
+        raise ValueError(f"--storage-dtype {storage_dtype!r}: choose one of {sorted(DTYPES)}")
+    storage = DTYPES[storage_dtype]
+    if extreme_aspect not in ("skip", "clamp"):
+        raise ValueError(f"--extreme-aspect {extreme_aspect!r}: choose skip or clamp")
+
+    # 1. encoders and the fingerprint of everything that determines the cached values
+    enc = Encoders(preset, device, vae_dtype=vae_dtype, text_dtype=text_dtype, pretrained=pretrained, force_fp16=force_fp16)
+    policy = ImagePolicy(bucket_table(preset.base_resolution), max_upscale=max_upscale, allow_upscale=allow_upscale,
+                         extreme_aspect=extreme_aspect, max_pixels=max_pixels)
+    bad = [b.name for b in policy.buckets if b.height % enc.downsample or b.width % enc.downsample]
+    if bad:
+        raise ValueError(f"buckets {bad} of the {preset.base_resolution} table are not multiples of the VAE's "
+                         f"downsampling factor {enc.downsample}; choose a preset with another base resolution")
+    fingerprint = {**enc.fingerprint(), "storage_dtype": storage_dtype, "buckets": policy.fingerprint(),
+                   "captions": {"caption_column": caption_column, "caption_keys": list(caption_keys)}}
+    schema = enc.schema(storage)
+
+    # 2. finish an interrupted multi-process run, refuse a different fingerprint before encoding
+    cache.mkdir(parents=True, exist_ok=True)
+    if is_main:
+        if any(cache.glob(RANK_MANIFEST_GLOB)):
+            merge(cache)
+        if (cache / MANIFEST).exists():
+            Manifest.load(cache / MANIFEST).check_compatible(Manifest(fingerprint, schema), cache)
+    if world > 1:
+        dist.barrier()
+    previous = cached_sources(cache)
+    previous_by_source = {s: k for k, s in previous.items()}
+
+    # 3. inputs, split disjointly by global rank
+    if is_tar_source(data):
+        urls = expand_tar_urls(data, allow_pipe)
+        mine = urls[rank::world]
+        dataset = TarDataset(mine, policy, frozenset(previous), tuple(caption_keys))
+        total, workers = None, min(workers, len(mine))
+        n_inputs = len(urls)
+    else:
+        if not Path(data).is_dir():
+            raise FileNotFoundError(f"DATA={data} is neither a folder of images nor webdataset tars")
+        entries = list_folder(data, caption_column)
+        mine = entries[rank::world]
+        dataset = FolderDataset(mine, policy, frozenset(previous))
+        total = n_inputs = len(mine)
+    if check_disk and is_main and total:
+        need = estimate_bytes_per_sample(enc, policy, storage) * max(0, len(entries) - len(previous))
+        free = shutil.disk_usage(cache).free
+        if need > free:
+            raise OSError(f"the cache needs about {need / 2**30:.1f} GiB at {cache} but {free / 2**30:.1f} GiB are free; "
+                          f"free space or pass --no-check-disk")
+
+    # 4. decode in workers, encode per bucket, write shards
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
+        prefetch_factor=4 if workers else None, multiprocessing_context="fork" if workers else None,
+    )
+    writer = ShardWriter(cache, fingerprint, schema, rank=rank, world_size=world, max_shard_bytes=max_shard_mb << 20)
+    counts: Counter = Counter()
+    failures: list[dict] = []
+    seen: dict[str, str] = {}
+    pending: dict = defaultdict(list)
+    bucket_counts: Counter = Counter()
+
+    def encode_and_write(items: list[dict]) -> None:
+        latents = enc.encode_images(torch.stack([it["pixels"] for it in items]))  # (B, C, h, w) each
+        captions = [c for it in items for c in it["captions"]]
+        embeds, truncated = [], []
+        for i in range(0, len(captions), text_batch_size):
+            batch = enc.encode_text(captions[i : i + text_batch_size])
+            embeds += batch.embeds
+            truncated += batch.truncated
+        counts["captions_truncated"] += sum(truncated)
+        at = 0
+        for j, it in enumerate(items):
+            mine_embeds = embeds[at : at + len(it["captions"])]
+            at += len(it["captions"])
+            fields = {name: t[j].to(storage) for name, t in latents.items()}
+            fields["text"] = torch.cat(mine_embeds).to(storage)  # (sum L, D)
+            fields["text_lengths"] = torch.tensor([e.shape[0] for e in mine_embeds], dtype=torch.int32)
+            fields["original_size"] = torch.tensor(it["original_size"], dtype=torch.int32)
+            fields["crop"] = torch.tensor(it["crop"], dtype=torch.int32)
+            fields["source"] = torch.frombuffer(bytearray(it["source"].encode("utf-8")), dtype=torch.uint8)
+            bad_fields = [n for n, t in fields.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+            if bad_fields:
+                failures.append({"source": it["source"], "reason": "non_finite", "detail": f"fields {bad_fields}"})
+                counts["failed"] += 1
+                continue
+            writer.write(it["key"], it["bucket"], fields)
+            counts["changed" if it["source"] in previous_by_source else "new"] += 1
+            bucket_counts[it["bucket"]] += 1
+
+    bar = tqdm(total=total, unit="img", desc=f"precompute[{rank}]" if world > 1 else "precompute",
+               disable=not progress or not is_main, dynamic_ncols=True)
+    try:
+        for item in loader:
+            bar.update(1)
+            status = item["status"]
+            if status == "failed":
+                failures.append({k: item[k] for k in ("source", "reason", "detail")})
+                counts["failed"] += 1
+            elif item["key"] in seen:
+                counts["duplicate"] += 1
+            elif status == "unchanged":
+                seen[item["key"]] = item["source"]
+                counts["unchanged"] += 1
+            else:
+                seen[item["key"]] = item["source"]
+                pending[item["bucket"]].append(item)
+                if len(pending[item["bucket"]]) >= batch_size:
+                    encode_and_write(pending.pop(item["bucket"]))
+            bar.set_postfix(new=counts["new"] + counts["changed"], unchanged=counts["unchanged"], failed=counts["failed"], refresh=False)
+        for bucket in sorted(pending):
+            encode_and_write(pending.pop(bucket))
+        writer.finish()
+    except BaseException:
+        writer.close()  # everything published so far stays valid; buffered samples are redone next run
+        raise
+    finally:
+        bar.close()
+
+    # 5. rank 0: merge, drop samples whose source disappeared or changed, store prompt embeddings
+    parts = gather({"counts": counts, "failures": failures, "seen": seen, "buckets": bucket_counts}, world)
+    summary: dict = {}
+    if is_main:
+        counts = sum((Counter(p["counts"]) for p in parts), Counter())
+        failures = sorted((f for p in parts for f in p["failures"]), key=lambda f: f["source"])
+        seen_keys = set().union(*(p["seen"] for p in parts))
+        if world > 1:
+            merge(cache)
+        stale = set(previous) - seen_keys
+        with ShardWriter(cache, fingerprint, schema) as final:
+            final.remove(stale)
+            prompts = {"": False, **{p: True for p in validation_prompts}}  # text -> with instruction
+            stored = {}
+            for text, instruction in prompts.items():
+                emb = enc.encode_text([text], instruction=instruction).embeds[0].to(storage)
+                stored[prompt_key(text)] = Prompt(text, {"text": emb})
+            final.add_prompts(stored, enc.prompt_schema(storage))
+            final.manifest.extra["precompute"] = {"preset": preset.name, "family": preset.family,
+                                                  "text_encoder": preset.text.name, "base_resolution": preset.base_resolution}
+        counts["removed"] = len(stale) - counts["changed"]
+        lines = "".join(json.dumps(f) + "\n" for f in failures)
+        atomic_write_bytes(cache / "failures.jsonl", lines.encode())
+        summary = report(cache, counts, failures, n_inputs, time.perf_counter() - t_start)
+    if world > 1:
+        dist.barrier()
+    return summary
+
+
+def report(cache: Path, counts: Counter, failures: list[dict], n_inputs: int, elapsed: float) -> dict:
+    manifest = Cache(cache).manifest
+    encoded = counts["new"] + counts["changed"]
+    considered = encoded + counts["unchanged"] + counts["failed"]
+    by_reason = Counter(f["reason"] for f in failures)
+    field_bytes = Counter()
+    for s in manifest.shards:
+        field_bytes.update(s.field_bytes)
+    n = max(manifest.num_samples, 1)
+    summary = {
+        "encoded": encoded,
+        "new": counts["new"],
+        "changed": counts["changed"],
+        "unchanged": counts["unchanged"],
+        "removed": counts["removed"],
+        "duplicates": counts["duplicate"],
+        "failed": counts["failed"],
+        "failed_by_reason": dict(sorted(by_reason.items())),
+        "captions_truncated": counts["captions_truncated"],
+        "failure_fraction": counts["failed"] / max(considered, 1),
+        "cache_samples": manifest.num_samples,
+        "cache_bytes": manifest.num_bytes,
+        "buckets": {b.name: st.samples for b, st in manifest.buckets().items()},
+        "bytes_per_sample": {k: v / n for k, v in sorted(field_bytes.items())},
+        "elapsed_s": elapsed,
+        "images_per_s": encoded / elapsed if elapsed else 0.0,
+    }
+    out = sys.stderr
+    print(f"\n{cache}: {summary['cache_samples']} samples, {manifest.num_bytes / 2**20:.1f} MiB", file=out)
+    print(f"  new {summary['new']} / changed {summary['changed']} / unchanged {summary['unchanged']} / "
+          f"removed {summary['removed']}; duplicates {summary['duplicates']}", file=out)
+    print(f"  encoded {encoded} in {elapsed:.1f}s ({summary['images_per_s']:.1f} images/s); "
+          f"{summary['captions_truncated']} captions truncated to the token limit", file=out)
+    if failures:
+        print(f"  skipped {len(failures)} ({summary['failure_fraction']:.1%}), listed in {cache / 'failures.jsonl'}:", file=out)
+        for reason, k in sorted(by_reason.items()):
+            print(f"    {reason:<18} {k:>7}  {REASONS.get(reason, '')}", file=out)
+    print("  buckets (height x width: samples):", file=out)
+    for name, k in summary["buckets"].items():
+        print(f"    {name:>10}: {k}", file=out)
+    print("  bytes per sample: " + ", ".join(f"{k} {v:,.0f}" for k, v in summary["bytes_per_sample"].items()), file=out)
+    return summary
