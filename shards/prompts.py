@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as safetensors_bytes
 
 from shards.schema import (
     FORMAT_NAME,
@@ -27,6 +26,7 @@ from shards.schema import (
     check_version,
     schema_from_json,
     schema_to_json,
+    serialize,
 )
 
 PROMPTS_FILE = "prompts.safetensors"
@@ -73,7 +73,7 @@ def encode_prompts(prompts: dict[str, Prompt], schema: Schema, fingerprint_sha25
         "fields": json.dumps(schema_to_json(schema), sort_keys=True),
         "fingerprint_sha256": fingerprint_sha256,
     }
-    return safetensors_bytes(tensors, metadata=metadata)
+    return serialize(tensors, metadata)
 
 
 def read_prompts(path: str | os.PathLike) -> dict[str, Prompt]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,3 +135,19 @@ def sample_digest(key: str, fields: dict[str, torch.Tensor]) -> bytes:
         h.update(f"{name}|{dtype_name(t.dtype)}|{tuple(t.shape)}|".encode())
         h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.digest()
+
+
+def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """safetensors bytes with a canonical header, so equal contents give byte-identical files.
+
+    safetensors writes `__metadata__` in hash-map order, which differs from run to run; the header
+    is re-emitted here with sorted keys (same length, same data offsets), padded as safetensors pads it.
+    """
+    from safetensors.torch import save
+
+    data = save(tensors, metadata=metadata)
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.dumps(json.loads(data[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
+    if len(header) > n:  # never expected: the original is compact too
+        return data
+    return data[:8] + header + b" " * (n - len(header)) + data[8 + n :]

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Mapping
 
 import torch
-from safetensors.torch import save as safetensors_bytes
 
 from shards.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir
 from shards.buckets import Bucket
@@ -28,6 +27,7 @@ from shards.schema import (
     dtype_name,
     sample_digest,
     schema_to_json,
+    serialize,
     validate_schema,
 )
 
@@ -229,7 +229,7 @@ class ShardWriter:
             "fingerprint_sha256": self.manifest.fingerprint_sha256,
             "rank": str(self.rank),
         }
-        data = safetensors_bytes(tensors, metadata=metadata)
+        data = serialize(tensors, metadata)
         seq = self._next_seq.get(bucket, 0)
         self._next_seq[bucket] = seq + 1
         directory = self.root / bucket.name
