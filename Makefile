@@ -6,8 +6,14 @@ PY := $(VENV)/bin/python
 # elsewhere; override (e.g. TORCH_SPEC="torch==2.13.0 --index-url ...") for another CUDA version.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+MODEL ?= tiny-sana
+CACHE ?= cache/$(MODEL)
+NPROC ?= 1
+PRECOMPUTE_ARGS ?=
+# one process, or torchrun with NPROC processes on this node
+LAUNCH = $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
 
-.PHONY: install test bench clean
+.PHONY: install test bench precompute clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +28,11 @@ test: install
 
 bench: install
 	$(PY) bench/shards_read.py
+	$(PY) bench/precompute.py
+
+precompute: install
+	@test -n "$(DATA)" || { echo "usage: make precompute DATA=<folder or tars> [MODEL=$(MODEL)] [CACHE=$(CACHE)] [NPROC=1]"; exit 2; }
+	$(LAUNCH) -m precompute "$(DATA)" --model $(MODEL) --cache $(CACHE) $(PRECOMPUTE_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

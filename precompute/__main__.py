@@ -20,11 +20,11 @@ def cli(
                                "metadata.jsonl/.csv (file_name, text); or webdataset tars: a .tar, a folder of tars, "
                                "a brace pattern data-{0000..0099}.tar, or http(s) URLs."),
     model: str = typer.Option("tiny-sana", "--model", "-m", help=f"Preset: {', '.join(PRESETS)}."),
-    cache: Path = typer.Option(Path("cache"), "--cache", "-c", help="Cache directory to create or extend."),
+    cache: Optional[Path] = typer.Option(None, "--cache", "-c", help="Cache directory to create or extend (default: cache/MODEL, where `make train` looks)."),
     text_encoder: Optional[str] = typer.Option(None, help=f"Override the preset's text encoder: {', '.join(TEXT_ENCODERS)}."),
     pretrained: Optional[str] = typer.Option(None, help="Local directory (diffusers layout: vae/, text_encoder/, tokenizer/) "
                                              "or Hub id to load both encoders from instead of the preset's."),
-    batch_size: int = typer.Option(16, help="Images per VAE batch (one bucket per batch)."),
+    batch_size: Optional[int] = typer.Option(None, help="Images per VAE batch, one bucket per batch (default: 16 on CUDA, 4 on CPU)."),
     text_batch_size: int = typer.Option(64, help="Captions per text-encoder batch."),
     workers: int = typer.Option(2, help="DataLoader worker processes that read, decode and resize images."),
     storage_dtype: str = typer.Option("bfloat16", help="Dtype of cached latents and embeddings: bfloat16, float16 or float32."),
@@ -48,6 +48,7 @@ def cli(
     from precompute.run import main
 
     logging.basicConfig(level=logging.WARNING)
+    cache = cache or Path("cache") / model
     prompts = list(validation_prompt)
     if validation_file:
         prompts += [line.strip() for line in validation_file.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -81,7 +81,7 @@ def main(
     *,
     text_encoder: str | None = None,
     pretrained: str | None = None,
-    batch_size: int = 16,
+    batch_size: int | None = None,
     text_batch_size: int = 64,
     workers: int = 2,
     storage_dtype: str = "bfloat16",
@@ -112,6 +112,8 @@ def main(
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    # Large VAE batches pay on GPUs; on CPUs they fall out of cache and run slower per image.
+    batch_size = batch_size or (16 if device.type == "cuda" else 4)
     if storage_dtype not in DTYPES:
         raise ValueError(f"--storage-dtype {storage_dtype!r}: choose one of {sorted(DTYPES)}")
     storage = DTYPES[storage_dtype]
@@ -148,14 +150,13 @@ def main(
         mine = urls[rank::world]
         dataset = TarDataset(mine, policy, frozenset(previous), tuple(caption_keys))
         total, workers = None, min(workers, len(mine))
-        n_inputs = len(urls)
     else:
         if not Path(data).is_dir():
             raise FileNotFoundError(f"DATA={data} is neither a folder of images nor webdataset tars")
         entries = list_folder(data, caption_column)
         mine = entries[rank::world]
         dataset = FolderDataset(mine, policy, frozenset(previous))
-        total = n_inputs = len(mine)
+        total = len(mine)
     if check_disk and is_main and total:
         need = estimate_bytes_per_sample(enc, policy, storage) * max(0, len(entries) - len(previous))
         free = shutil.disk_usage(cache).free
@@ -173,7 +174,6 @@ def main(
     failures: list[dict] = []
     seen: dict[str, str] = {}
     pending: dict = defaultdict(list)
-    bucket_counts: Counter = Counter()
 
     def encode_and_write(items: list[dict]) -> None:
         latents = enc.encode_images(torch.stack([it["pixels"] for it in items]))  # (B, C, h, w) each
@@ -201,12 +201,19 @@ def main(
                 continue
             writer.write(it["key"], it["bucket"], fields)
             counts["changed" if it["source"] in previous_by_source else "new"] += 1
-            bucket_counts[it["bucket"]] += 1
 
     bar = tqdm(total=total, unit="img", desc=f"precompute[{rank}]" if world > 1 else "precompute",
                disable=not progress or not is_main, dynamic_ncols=True)
+    t_loop = time.perf_counter()
+    wait_s = 0.0  # time blocked on the loader: near zero when decoding is hidden behind encoding
     try:
-        for item in loader:
+        batches = iter(loader)
+        while True:
+            t_wait = time.perf_counter()
+            item = next(batches, None)
+            wait_s += time.perf_counter() - t_wait
+            if item is None:
+                break
             bar.update(1)
             status = item["status"]
             if status == "failed":
@@ -226,6 +233,7 @@ def main(
         for bucket in sorted(pending):
             encode_and_write(pending.pop(bucket))
         writer.finish()
+        loop_s = time.perf_counter() - t_loop
     except BaseException:
         writer.close()  # everything published so far stays valid; buffered samples are redone next run
         raise
@@ -233,7 +241,7 @@ def main(
         bar.close()
 
     # 5. rank 0: merge, drop samples whose source disappeared or changed, store prompt embeddings
-    parts = gather({"counts": counts, "failures": failures, "seen": seen, "buckets": bucket_counts}, world)
+    parts = gather({"counts": counts, "failures": failures, "seen": seen, "loop_s": loop_s, "wait_s": wait_s}, world)
     summary: dict = {}
     if is_main:
         counts = sum((Counter(p["counts"]) for p in parts), Counter())
@@ -255,13 +263,14 @@ def main(
         counts["removed"] = len(stale) - counts["changed"]
         lines = "".join(json.dumps(f) + "\n" for f in failures)
         atomic_write_bytes(cache / "failures.jsonl", lines.encode())
-        summary = report(cache, counts, failures, n_inputs, time.perf_counter() - t_start)
+        summary = report(cache, counts, failures, time.perf_counter() - t_start, max(p["loop_s"] for p in parts))
+        summary["data_wait_fraction"] = sum(p["wait_s"] for p in parts) / max(sum(p["loop_s"] for p in parts), 1e-9)
     if world > 1:
         dist.barrier()
     return summary
 
 
-def report(cache: Path, counts: Counter, failures: list[dict], n_inputs: int, elapsed: float) -> dict:
+def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, loop_s: float) -> dict:
     manifest = Cache(cache).manifest
     encoded = counts["new"] + counts["changed"]
     considered = encoded + counts["unchanged"] + counts["failed"]
@@ -286,13 +295,14 @@ def report(cache: Path, counts: Counter, failures: list[dict], n_inputs: int, el
         "buckets": {b.name: st.samples for b, st in manifest.buckets().items()},
         "bytes_per_sample": {k: v / n for k, v in sorted(field_bytes.items())},
         "elapsed_s": elapsed,
-        "images_per_s": encoded / elapsed if elapsed else 0.0,
+        "encode_s": loop_s,  # reading, encoding and writing, without loading the encoders
+        "images_per_s": encoded / loop_s if loop_s else 0.0,
     }
     out = sys.stderr
     print(f"\n{cache}: {summary['cache_samples']} samples, {manifest.num_bytes / 2**20:.1f} MiB", file=out)
     print(f"  new {summary['new']} / changed {summary['changed']} / unchanged {summary['unchanged']} / "
           f"removed {summary['removed']}; duplicates {summary['duplicates']}", file=out)
-    print(f"  encoded {encoded} in {elapsed:.1f}s ({summary['images_per_s']:.1f} images/s); "
+    print(f"  encoded {encoded} in {loop_s:.1f}s ({summary['images_per_s']:.1f} images/s; {elapsed:.1f}s with setup); "
           f"{summary['captions_truncated']} captions truncated to the token limit", file=out)
     if failures:
         print(f"  skipped {len(failures)} ({summary['failure_fraction']:.1%}), listed in {cache / 'failures.jsonl'}:", file=out)
