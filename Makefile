@@ -9,11 +9,15 @@ PYTEST_ARGS ?=
 MODEL ?= tiny-sana
 CACHE ?= cache/$(MODEL)
 NPROC ?= 1
+RUN ?= runs/$(MODEL)
+STEPS ?= 200
+PRECISION ?= bf16
 PRECOMPUTE_ARGS ?=
+TRAIN_ARGS ?=
 # one process, or torchrun with NPROC processes on this node
 LAUNCH = $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
 
-.PHONY: install test bench precompute clean
+.PHONY: install test bench precompute train clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +37,9 @@ bench: install
 precompute: install
 	@test -n "$(DATA)" || { echo "usage: make precompute DATA=<folder or tars> [MODEL=$(MODEL)] [CACHE=$(CACHE)] [NPROC=1]"; exit 2; }
 	$(LAUNCH) -m precompute "$(DATA)" --model $(MODEL) --cache $(CACHE) $(PRECOMPUTE_ARGS)
+
+train: install
+	$(PY) -m train --model $(MODEL) --cache $(CACHE) --run $(RUN) --steps $(STEPS) --precision $(PRECISION) $(TRAIN_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,95 @@
+"""`python -m train`: train the diffusion transformer from a cache built by `python -m precompute`."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import logging
+import typing
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from train.loop import TrainConfig, train
+from train.presets import PRESETS
+
+# One help line per TrainConfig field; the defaults come from TrainConfig alone.
+HELP = {
+    "model": f"Preset: {', '.join(PRESETS)}.",
+    "cache": "Cache directory built by `make precompute` for this model.",
+    "run": "Run directory: checkpoints, metrics.jsonl, loss.png.",
+    "steps": "Total optimizer steps of the run; a resumed run continues until it.",
+    "batch_size": "Samples per batch (all from one bucket).",
+    "grad_accum": "Micro-batches per optimizer step.",
+    "lr": "Peak learning rate.",
+    "warmup_steps": "Linear warmup steps.",
+    "lr_schedule": "After warmup: constant or cosine.",
+    "weight_decay": "Weight decay.",
+    "optimizer": "adamw (fused on CUDA), came (Sana's default), adafactor, adamw-8bit (CUDA, bitsandbytes).",
+    "precision": "Autocast precision over fp32 master weights: fp32, bf16 or fp16 (with a GradScaler). "
+                 "Changing it on resume keeps weights and optimizer moments and drops the scaler.",
+    "grad_clip": "Clip the gradient norm to this (0: off).",
+    "grad_checkpointing": "Recompute activations in the backward pass to save memory.",
+    "pretrained": "Fine-tune released weights: a Hub id or directory with a transformer/ subfolder (default: fresh weights).",
+    "seed": "Seed of weights, data order and noise.",
+    "caption_dropout": "Probability of replacing the caption by the cached empty caption.",
+    "remainder": "Incomplete batches: repeat (complete them with samples of the same bucket) or drop.",
+    "weighting": "Flow matching timestep density: uniform, logit_normal or mode.",
+    "flow_shift": "Flow matching timestep shift (default: the preset's).",
+    "resolution_shift": "Scale the shift with each bucket's resolution.",
+    "ema_decay": "EMA decay of the weights (0: no EMA).",
+    "ema_every": "Update the EMA every N steps.",
+    "ema_device": "Keep the EMA on the training device or on the CPU (pinned).",
+    "workers": "DataLoader workers reading the memory-mapped shards.",
+    "checkpoint_every": "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT).",
+    "keep_checkpoints": "Keep the newest K checkpoints.",
+    "resume": "auto (newest complete checkpoint of the run, if any), a checkpoint directory, or '' to start over.",
+    "log_every": "Write metrics every N steps.",
+    "max_bad_steps": "Abort after this many non-finite steps in a row.",
+    "progress": "Show the progress bar.",
+}
+assert set(HELP) == {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def load_config(ctx: typer.Context, param, value: Optional[Path]):
+    """Options from a JSON file become defaults; flags on the command line still win."""
+    if value:
+        data = json.loads(Path(value).read_text())
+        unknown = set(data) - set(HELP)
+        if unknown:
+            raise typer.BadParameter(f"{value}: unknown options {sorted(unknown)}")
+        ctx.default_map = {**(ctx.default_map or {}), **data}
+    return value
+
+
+def command(**options) -> None:
+    options.pop("config", None)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        train(TrainConfig(**options))
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+
+
+def _signature() -> inspect.Signature:
+    hints = typing.get_type_hints(TrainConfig)
+    params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
+                                default=typer.Option(None, callback=load_config, is_eager=True, help="JSON file of options."))]
+    for f in dataclasses.fields(TrainConfig):
+        annotation = hints[f.name]
+        if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+            annotation = Optional[[a for a in typing.get_args(annotation) if a is not type(None)][0]]
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
+                                        default=typer.Option(f.default, help=HELP[f.name])))
+    return inspect.Signature(params)
+
+
+command.__signature__ = _signature()
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command(help=__doc__)(command)
+
+if __name__ == "__main__":
+    app(prog_name="python -m train")

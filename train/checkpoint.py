@@ -1,0 +1,74 @@
+"""Atomic, resumable checkpoints: weights in diffusers layout, training state beside them.
+
+A checkpoint is written under a temp name, its `COMPLETE` marker written last, then renamed into
+place; a kill at any instant leaves the previous complete checkpoint as the resume point. No pickled
+objects: torch files hold only tensors and plain containers and load with `weights_only=True`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from shards.atomic import atomic_write_json, fsync_dir
+
+MARKER = "COMPLETE"
+STATE_VERSION = 1
+
+
+def checkpoint_dir(run: Path, step: int) -> Path:
+    return run / "checkpoints" / f"step-{step:08d}"
+
+
+def complete_checkpoints(run: Path) -> list[Path]:
+    root = run / "checkpoints"
+    return sorted(p for p in root.glob("step-*") if (p / MARKER).exists()) if root.exists() else []
+
+
+def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: dict[str, dict], keep: int) -> Path:
+    """Write checkpoint `step`: the model via `save_pretrained`, each of `tensors` as NAME.pt, `state` as JSON."""
+    final = checkpoint_dir(run, step)
+    tmp = final.with_name(f".tmp-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp / "transformer", safe_serialization=True)
+    for name, obj in tensors.items():
+        torch.save(obj, tmp / f"{name}.pt")
+    atomic_write_json(tmp / "state.json", {"version": STATE_VERSION, **state})
+    (tmp / MARKER).write_text("ok\n")
+    fsync_dir(tmp)
+    if final.exists():  # a re-save of the same step
+        shutil.rmtree(final)
+    tmp.rename(final)
+    fsync_dir(final.parent)
+    for old in complete_checkpoints(run)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old)
+    return final
+
+
+def load_state(path: Path) -> dict:
+    state = json.loads((path / "state.json").read_text())
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(f"{path} has training-state version {state.get('version')}, this trainer reads {STATE_VERSION}")
+    return state
+
+
+def load_tensors(path: Path, name: str):
+    file = path / f"{name}.pt"
+    return torch.load(file, map_location="cpu", weights_only=True) if file.exists() else None
+
+
+def resolve_resume(run: Path, resume: str | None) -> Path | None:
+    """`auto`: the newest complete checkpoint of the run (or none); a path: that checkpoint."""
+    if not resume:
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(run)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / MARKER).exists():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    return path

@@ -1,0 +1,198 @@
+"""Streaming the cache: a bucket batch sampler, per-sample conditioning draws, collate and prefetch.
+
+All randomness here is a pure function of (seed, epoch, sample index), so a resumed run sees exactly
+the batches and draws an uninterrupted one would, whichever worker produced them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from shards import Bucket, Cache, prompt_key
+
+BATCH_SAMPLER_VERSION = 1
+
+
+def _generator(*parts: int) -> torch.Generator:
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+@dataclass
+class BucketBatchSampler:
+    """Batches of global sample indices, every batch from one bucket (one shape, no padded images).
+
+    The epoch's batch list is the same on every rank (a function of seed and epoch); rank r takes
+    batches r, r + W, r + 2W, ..., so every rank gets the same number of batches (no collective waits
+    forever on a rank that ran out). With `remainder="repeat"` (default) each bucket's last batch is
+    completed with other samples of that bucket and the batch list is padded to a multiple of the
+    world size by repeating batches, so every sample is used every epoch; `"drop"` drops both
+    remainders instead.
+
+    Args:
+        ranges: global index ranges per bucket (`Cache.ranges_by_bucket()`).
+        batch_size: samples per batch on each rank.
+        seed, rank, world_size: the run's.
+        remainder: "repeat" or "drop".
+    """
+
+    ranges: dict[Bucket, list[range]]
+    batch_size: int
+    seed: int = 0
+    rank: int = 0
+    world_size: int = 1
+    remainder: str = "repeat"
+
+    def __post_init__(self) -> None:
+        if self.remainder not in ("repeat", "drop"):
+            raise ValueError(f"remainder {self.remainder!r}: choose repeat or drop")
+        if self.batch_size < 1:
+            raise ValueError("batch size must be at least 1")
+
+    def global_batches(self, epoch: int) -> list[tuple[Bucket, list[int]]]:
+        g = _generator(self.seed, epoch)
+        batches = []
+        for bucket, ranges in sorted(self.ranges.items()):
+            idx = torch.tensor([i for r in ranges for i in r], dtype=torch.int64)
+            idx = idx[torch.randperm(len(idx), generator=g)].tolist()
+            full = len(idx) // self.batch_size * self.batch_size
+            rest = idx[full:]
+            for k in range(0, full, self.batch_size):
+                batches.append((bucket, idx[k : k + self.batch_size]))
+            if rest and self.remainder == "repeat":
+                fill = (idx * (self.batch_size // len(idx) + 1))[: self.batch_size - len(rest)]
+                batches.append((bucket, rest + fill))
+        order = torch.randperm(len(batches), generator=g).tolist()
+        batches = [batches[i] for i in order]
+        extra = -len(batches) % self.world_size
+        if extra and self.remainder == "repeat":
+            batches += batches[:extra]
+        elif extra:
+            batches = batches[: len(batches) - len(batches) % self.world_size]
+        return batches
+
+    def __call__(self, epoch: int, start: int = 0) -> list[list[int]]:
+        """This rank's batches of `epoch`, from its `start`-th on (a resume jumps there in O(1) reads)."""
+        mine = self.global_batches(epoch)[self.rank :: self.world_size]
+        return [b for _, b in mine[start:]]
+
+    def batches_per_epoch(self) -> int:
+        return len(self.global_batches(0)) // self.world_size
+
+
+class TrainingSamples(torch.utils.data.Dataset):
+    """Cache samples made ready for the model, indexed by (epoch, global index).
+
+    Per sample and epoch: a fresh latent from the cached posterior (mean + std * eps) where the cache
+    stores one, one of the sample's captions, and caption dropout to the cached empty-caption embedding.
+    """
+
+    def __init__(self, cache_dir, seed: int, caption_dropout: float):
+        self.cache_dir, self.seed, self.caption_dropout = cache_dir, seed, caption_dropout
+        self._cache: Cache | None = None
+        self.null = Cache(cache_dir).prompts().get(prompt_key(""))
+        if caption_dropout > 0 and self.null is None:
+            raise ValueError(f"{cache_dir} holds no empty-caption embedding; rebuild it with `make precompute`")
+
+    @property
+    def cache(self) -> Cache:
+        if self._cache is None:  # opened lazily, in each worker
+            self._cache = Cache(self.cache_dir)
+        return self._cache
+
+    def __getitem__(self, item: tuple[int, int]) -> dict:
+        epoch, i = item
+        s = self.cache[i]
+        g = _generator(self.seed, epoch, i)
+        if "latent_mean" in s.fields:
+            mean, std = s["latent_mean"].float(), s["latent_std"].float()
+            latent = mean + std * torch.randn(mean.shape, generator=g)
+        else:
+            latent = s["latent"].float()
+        lengths = s["text_lengths"].tolist()
+        pick = int(torch.randint(len(lengths), (1,), generator=g))
+        start = sum(lengths[:pick])
+        text = s["text"][start : start + lengths[pick]]
+        if self.caption_dropout and float(torch.rand((), generator=g)) < self.caption_dropout:
+            text = self.null.fields["text"]
+        return {"key": s.key, "bucket": s.bucket, "latent": latent, "text": text.float()}
+
+
+def collate(samples: list[dict]) -> dict:
+    """Stack latents (B, C, h, w); pad text only to the batch's longest caption (B, L, D) with its mask (B, L)."""
+    longest = max(s["text"].shape[0] for s in samples)
+    dim = samples[0]["text"].shape[1]
+    text = torch.zeros(len(samples), longest, dim)
+    mask = torch.zeros(len(samples), longest, dtype=torch.bool)
+    for j, s in enumerate(samples):
+        n = s["text"].shape[0]
+        text[j, :n], mask[j, :n] = s["text"], True
+    return {
+        "latents": torch.stack([s["latent"] for s in samples]),
+        "text": text,
+        "text_mask": mask,
+        "bucket": tuple(samples[0]["bucket"]),
+        "keys": [s["key"] for s in samples],
+    }
+
+
+class EpochBatches(torch.utils.data.Sampler):
+    """Feeds (epoch, index) batches to the DataLoader."""
+
+    def __init__(self, batches: list[list[int]], epoch: int):
+        self.batches, self.epoch = batches, epoch
+
+    def __iter__(self):
+        return iter([[(self.epoch, i) for i in b] for b in self.batches])
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class Prefetcher:
+    """Copies batch k+1 to the device on a side CUDA stream while step k runs; a plain iterator on CPU.
+
+    Also measures the time the training loop waits for data.
+    """
+
+    def __init__(self, loader, device: torch.device):
+        self.loader, self.device = iter(loader), device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.wait_s = 0.0
+        self._next = self._load()
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def _load(self):
+        import time
+
+        t0 = time.perf_counter()
+        batch = next(self.loader, None)
+        self.wait_s += time.perf_counter() - t0
+        if batch is None or self.stream is None:
+            return batch
+        with torch.cuda.stream(self.stream):
+            return self._to_device(batch)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        import time
+
+        batch = self._next
+        if batch is None:
+            raise StopIteration
+        if self.stream is not None:
+            t0 = time.perf_counter()
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            for v in batch.values():
+                if isinstance(v, torch.Tensor):
+                    v.record_stream(torch.cuda.current_stream(self.device))
+            self.wait_s += time.perf_counter() - t0
+        self._next = self._load()
+        return batch if self.stream is not None else self._to_device(batch)

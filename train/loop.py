@@ -1,0 +1,366 @@
+"""Stage two: train the diffusion transformer from the cache, nothing else on the device.
+
+Read top to bottom: config, data, model, optimizer, resume, loop, checkpoint, summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from shards import Cache
+from train import checkpoint
+from train.data import BATCH_SAMPLER_VERSION, BucketBatchSampler, EpochBatches, Prefetcher, TrainingSamples, _generator, collate
+from train.objectives import TIMESTEP_BINS, build_objective
+from train.presets import build_transformer, get_preset
+
+log = logging.getLogger("train")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainConfig:
+    """Every option of a training run; the CLI is built from it (see `python -m train --help`)."""
+
+    model: str = "tiny-sana"
+    cache: Path = Path("cache/tiny-sana")
+    run: Path = Path("runs/tiny-sana")
+    steps: int = 200
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    weight_decay: float = 0.0
+    optimizer: str = "adamw"  # adamw | came | adafactor | adamw-8bit
+    precision: str = "bf16"  # fp32 | bf16 | fp16 (autocast over fp32 master weights)
+    grad_clip: float = 1.0
+    grad_checkpointing: bool = False
+    pretrained: str | None = None  # Hub id or directory of released weights (subfolder transformer)
+    seed: int = 0
+    caption_dropout: float = 0.1
+    remainder: str = "repeat"
+    weighting: str = "logit_normal"  # flow matching timestep density
+    flow_shift: float | None = None  # default: the preset's
+    resolution_shift: bool = False
+    ema_decay: float = 0.0  # 0 disables EMA
+    ema_every: int = 1
+    ema_device: str = "device"  # device | cpu
+    workers: int = 2
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    resume: str | None = "auto"
+    log_every: int = 10
+    max_bad_steps: int = 5
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.cache, self.run = Path(self.cache), Path(self.run)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: choose one of {list(PRECISIONS)}")
+        if self.optimizer not in ("adamw", "came", "adafactor", "adamw-8bit"):
+            raise ValueError(f"optimizer {self.optimizer!r}: choose adamw, came, adafactor or adamw-8bit")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr schedule {self.lr_schedule!r}: choose constant or cosine")
+        if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("steps, batch size and gradient accumulation must be at least 1")
+
+
+def check_cache(preset, cache: Cache, config: dict) -> None:
+    """Stop before loading weights when the cache cannot feed this model, naming the fields."""
+    fp, extra = cache.fingerprint, cache.manifest.extra.get("precompute", {})
+    patch = config.get("patch_size", 1)
+    problems = []
+    if extra.get("family") and extra["family"] != preset.family:
+        problems.append(f"family: cache {extra['family']!r}, model {preset.family!r}")
+    if fp["vae"]["latent_channels"] != config["in_channels"]:
+        problems.append(f"latent channels: cache {fp['vae']['latent_channels']}, model in_channels {config['in_channels']}")
+    if fp["text_encoder"]["hidden_size"] != config["caption_channels"]:
+        problems.append(f"text width: cache {fp['text_encoder']['hidden_size']}, model caption_channels {config['caption_channels']}")
+    down = fp["vae"]["downsample"]
+    for bucket in cache.manifest.buckets():
+        if (bucket.height // down) % patch or (bucket.width // down) % patch:
+            problems.append(f"bucket {bucket}: latent {bucket.height // down}x{bucket.width // down} is not a multiple of patch size {patch}")
+    if problems:
+        raise ValueError(
+            f"the cache {cache.root} does not fit model {preset.name}:\n  " + "\n  ".join(problems)
+            + f"\nBuild a matching cache: make precompute DATA=... MODEL={preset.name} CACHE={cache.root}-{preset.name}"
+        )
+
+
+def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    if cfg.optimizer == "came":  # Sana's default
+        from came_pytorch import CAME
+
+        return CAME(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999, 0.9999), eps=(1e-30, 1e-16))
+    if cfg.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, scale_parameter=False, relative_step=False)
+    if device.type != "cuda":
+        raise ValueError("adamw-8bit needs CUDA (bitsandbytes); choose adamw, came or adafactor on this machine")
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def lr_lambda(cfg: TrainConfig):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "cosine":
+            progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+    return f
+
+
+def model_forward(model, family: str):
+    """The family's call signature as (noisy latents, timesteps, batch) -> prediction."""
+    def fn(xt, t, batch):
+        kwargs = {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}} if family == "pixart" else {}
+        return model(hidden_states=xt, encoder_hidden_states=batch["text"], encoder_attention_mask=batch["text_mask"].to(xt.dtype),
+                     timestep=t, return_dict=False, **kwargs)[0]
+    return fn
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return psutil.Process().memory_info().rss
+
+
+def train(cfg: TrainConfig) -> dict:
+    t_start = time.perf_counter()
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("this trainer runs one process; launch it without torchrun")
+    rank, world = 0, 1
+    preset = get_preset(cfg.model)
+    cfg.run.mkdir(parents=True, exist_ok=True)
+
+    # 1. the cache must fit the model: checked before any weights are loaded
+    cache = Cache(cfg.cache)
+    config = preset.transformer_config()
+    check_cache(preset, cache, config)
+    resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)
+    state = checkpoint.load_state(resume_from) if resume_from else {}
+    if state and state["world_size"] != world:
+        raise ValueError(f"{resume_from} was saved with world size {state['world_size']}, this run has {world}; "
+                         f"resume with the same number of processes")
+
+    # 2. the transformer, and only it
+    source = str(resume_from / "transformer") if resume_from else cfg.pretrained
+    if resume_from:
+        model = preset.transformer_class.from_pretrained(source, torch_dtype=torch.float32)
+    else:
+        model = build_transformer(preset, cfg.pretrained, cfg.seed)
+    if cfg.pretrained and preset.released_dtype and cfg.precision != {"float16": "fp16", "bfloat16": "bf16"}.get(preset.released_dtype):
+        log.warning("%s weights were released for %s training; this run uses %s", preset.name, preset.released_dtype, cfg.precision)
+    if cfg.grad_checkpointing:
+        model.enable_gradient_checkpointing()
+    model.to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg, params, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    ema = None
+    if cfg.ema_decay > 0:
+        from diffusers.training_utils import EMAModel
+
+        ema = EMAModel(params, decay=cfg.ema_decay, foreach=True)
+        if cfg.ema_device == "cpu":
+            ema.to("cpu")
+            if device.type == "cuda":
+                ema.pin_memory()
+    objective = build_objective(preset.objective, preset.prediction, weighting=cfg.weighting,
+                                shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
+                                base_resolution=preset.base_resolution)
+
+    # 3. resume: weights came with the model; now optimizer, schedule, scaler, EMA, data cursor
+    step, epoch, cursor = 0, 0, 0
+    history = [{"step": 0, "precision": cfg.precision}]
+    if resume_from:
+        optimizer.load_state_dict(checkpoint.load_tensors(resume_from, "optimizer"))
+        scheduler.load_state_dict(checkpoint.load_tensors(resume_from, "scheduler"))
+        scaler_state = checkpoint.load_tensors(resume_from, "scaler")
+        if scaler_state and cfg.precision == "fp16":
+            scaler.load_state_dict(scaler_state)
+        elif scaler_state:
+            log.warning("resuming an fp16 run in %s: the GradScaler state is dropped (loss scaling is not needed)", cfg.precision)
+        if ema is not None:
+            ema_state = checkpoint.load_tensors(resume_from, "ema")
+            if ema_state:
+                ema.load_state_dict(ema_state)
+        step, epoch, cursor = state["step"], state["epoch"], state["cursor"]
+        if state["sampler"] != {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder}:
+            raise ValueError(f"{resume_from}: batch size, seed or remainder policy differ from the checkpoint's {state['sampler']}; "
+                             f"resume with the same data settings")
+        history = state["precision_history"]
+        if history[-1]["precision"] != cfg.precision:
+            history.append({"step": step, "precision": cfg.precision})
+        print(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {cursor})")
+
+    # 4. data: one bucket per batch, the same number of batches on every rank
+    def sampler_for(c: Cache) -> BucketBatchSampler:
+        return BucketBatchSampler(c.ranges_by_bucket(), cfg.batch_size, cfg.seed, rank, world, cfg.remainder)
+
+    sampler = sampler_for(cache)
+    print(f"cache {cache.root}: {len(cache)} samples, {sampler.batches_per_epoch()} batches of {cfg.batch_size} per epoch")
+    for bucket, st in cache.manifest.buckets().items():
+        print(f"  {bucket.name:>10}: {st.samples} samples")
+    dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout)
+    autocast = torch.autocast(device.type, dtype=PRECISIONS[cfg.precision], enabled=cfg.precision != "fp32")
+    forward = model_forward(model, preset.family)
+
+    stop = {"signal": None}
+    def on_signal(signum, frame):
+        stop["signal"] = signum
+    previous_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def save_checkpoint() -> None:
+        tensors = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        if scaler.is_enabled():
+            tensors["scaler"] = scaler.state_dict()
+        if ema is not None:
+            tensors["ema"] = ema.state_dict()
+        checkpoint.save(cfg.run, step, model=model, tensors=tensors, keep=cfg.keep_checkpoints, state={
+            "step": step, "epoch": epoch, "cursor": cursor, "world_size": world, "model": cfg.model,
+            "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "precision_history": history,
+            "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder},
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        })
+
+    # 5. the loop
+    metrics = open(cfg.run / "metrics.jsonl", "a")
+    bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=not cfg.progress, dynamic_ncols=True)
+    smoothed, bad_in_row, micro = None, 0, 0
+    window = {"loss": 0.0, "n": 0, "samples": 0, "t0": time.perf_counter(), "wait": 0.0, "bins": [[0.0, 0] for _ in range(TIMESTEP_BINS)]}
+    losses = []
+    wait_before = 0.0  # data wait of finished epochs' prefetchers
+    optimizer.zero_grad(set_to_none=True)
+    while step < cfg.steps and stop["signal"] is None:
+        batches = sampler(epoch, start=cursor)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=EpochBatches(batches, epoch), collate_fn=collate, num_workers=cfg.workers,
+            pin_memory=device.type == "cuda", persistent_workers=False, prefetch_factor=4 if cfg.workers else None,
+        )
+        prefetch = Prefetcher(loader, device)
+        for batch in prefetch:
+            cursor += 1
+            g = _generator(cfg.seed, 1_000_003, step, micro, rank)  # noise and timesteps of this micro-batch
+            with autocast:
+                per_sample, t = objective(forward, batch, g)
+                loss = per_sample.mean()
+            micro += 1
+            if not torch.isfinite(loss):
+                bad_in_row += 1
+                log.warning("step %d: non-finite loss, skipped; samples %s", step, batch["keys"])
+                optimizer.zero_grad(set_to_none=True)
+                micro = 0
+                if bad_in_row >= cfg.max_bad_steps:
+                    raise RuntimeError(f"{bad_in_row} non-finite losses in a row; stopping (last samples {batch['keys']})")
+                continue
+            scaler.scale(loss / cfg.grad_accum).backward()
+            window["loss"] += float(loss.detach())  # one sync per micro-batch, for the bar and metrics
+            window["n"] += 1
+            window["samples"] += len(batch["keys"])
+            for value, tt in zip(per_sample.detach().float().tolist(), t.tolist()):
+                b = window["bins"][min(TIMESTEP_BINS - 1, int(tt * TIMESTEP_BINS))]
+                b[0] += value
+                b[1] += 1
+            if micro < cfg.grad_accum:
+                continue
+            micro = 0
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            if not torch.isfinite(grad_norm) and not scaler.is_enabled():
+                bad_in_row += 1
+                log.warning("step %d: non-finite gradients, skipped; samples %s", step, batch["keys"])
+                optimizer.zero_grad(set_to_none=True)
+                if bad_in_row >= cfg.max_bad_steps:
+                    raise RuntimeError(f"{bad_in_row} non-finite gradients in a row; stopping")
+                continue
+            scaler.step(optimizer)  # with fp16 the scaler skips steps whose gradients overflowed
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            bad_in_row = 0
+            step += 1
+            if ema is not None and step % cfg.ema_every == 0:
+                ema.step(params)
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                elapsed = time.perf_counter() - window["t0"]
+                mean = window["loss"] / max(window["n"], 1)
+                smoothed = mean if smoothed is None else 0.9 * smoothed + 0.1 * mean
+                record = {
+                    "step": step, "loss": mean, "smoothed_loss": smoothed, "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm), "samples_per_s": window["samples"] / elapsed,
+                    "data_wait": (wait_before + prefetch.wait_s - window["wait"]) / elapsed, "peak_memory": peak_memory(device),
+                    "loss_by_timestep": [b[0] / b[1] if b[1] else None for b in window["bins"]], "precision": cfg.precision,
+                }
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+                losses.append((step, mean))
+                bar.set_postfix(loss=f"{mean:.4f}", smooth=f"{smoothed:.4f}", lr=f"{record['lr']:.2e}",
+                                sps=f"{record['samples_per_s']:.1f}", wait=f"{record['data_wait']:.0%}")
+                window.update(loss=0.0, n=0, samples=0, t0=time.perf_counter(), wait=wait_before + prefetch.wait_s,
+                              bins=[[0.0, 0] for _ in range(TIMESTEP_BINS)])
+            if step % cfg.checkpoint_every == 0:
+                save_checkpoint()
+            if step >= cfg.steps or stop["signal"] is not None:
+                break
+        else:
+            # the epoch is done: the next one starts at its first batch and sees shards added meanwhile
+            epoch, cursor = epoch + 1, 0
+            wait_before += prefetch.wait_s
+            cache = Cache(cfg.cache)
+            sampler = sampler_for(cache)
+            dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout)
+    bar.close()
+    metrics.close()
+    save_checkpoint()
+    for s, h in previous_handlers.items():
+        signal.signal(s, h)
+    if stop["signal"] is not None:
+        print(f"stopped by signal {stop['signal']} at step {step}; resume with the same command")
+    plot_losses(cfg.run)
+    summary = {"step": step, "epoch": epoch, "elapsed_s": time.perf_counter() - t_start,
+               "last_loss": losses[-1][1] if losses else None, "checkpoint": str(checkpoint.complete_checkpoints(cfg.run)[-1])}
+    print(f"run {cfg.run}: step {step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
+          f"loss curve {cfg.run / 'loss.png'}")
+    return summary
+
+
+def plot_losses(run: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], alpha=0.4, label="loss")
+    ax.plot([r["step"] for r in rows], [r["smoothed_loss"] for r in rows], label="smoothed")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(run.name)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(run / "loss.png", dpi=100)
+    plt.close(fig)

@@ -1,0 +1,96 @@
+"""Transformer presets: the model stage two trains, by the same names stage one builds caches for.
+
+Real presets fine-tune published weights (`from_pretrained`, subfolder `transformer`) or, with
+`--from-scratch`, build the published architecture (`train/configs/*.json`) with fresh weights.
+`tiny-*` presets are the same classes at CPU size.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """What stage two trains.
+
+    Args:
+        family: must match the cache's family (recorded by stage one).
+        repo: Hub id or local directory of the released model (diffusers layout), or None.
+        config: the transformer config for from-scratch training (dict, or a file in train/configs).
+        objective: "flow" (rectified flow) or "ddpm".
+        prediction: "flow" (velocity), "epsilon" or "v_prediction".
+        flow_shift: timestep shift at the preset's base resolution (Sana 3.0).
+        base_resolution: pixels of the square bucket the shift refers to.
+        released_dtype: the precision the released weights were trained in.
+    """
+
+    name: str
+    family: Literal["pixart", "sana"]
+    repo: str | None
+    config: dict | str
+    objective: Literal["flow", "ddpm"]
+    prediction: str
+    flow_shift: float = 1.0
+    base_resolution: int = 1024
+    released_dtype: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def transformer_class(self):
+        from diffusers import PixArtTransformer2DModel, SanaTransformer2DModel
+
+        return PixArtTransformer2DModel if self.family == "pixart" else SanaTransformer2DModel
+
+    def transformer_config(self) -> dict:
+        cfg = self.config if isinstance(self.config, dict) else json.loads((CONFIGS / self.config).read_text())
+        return {k: v for k, v in cfg.items() if not k.startswith("_")}
+
+
+TINY_PIXART = dict(
+    sample_size=32, num_layers=2, attention_head_dim=16, num_attention_heads=2, in_channels=4, out_channels=8,
+    patch_size=2, cross_attention_dim=32, caption_channels=32, norm_type="ada_norm_single", norm_elementwise_affine=False,
+    norm_eps=1e-6, num_embeds_ada_norm=1000, activation_fn="gelu-approximate", attention_bias=True,
+    use_additional_conditions=False, interpolation_scale=1,
+)
+TINY_SANA = dict(
+    in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, num_layers=2, num_cross_attention_heads=2,
+    cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32, mlp_ratio=2.5, patch_size=1, sample_size=32,
+)
+
+PRESETS: dict[str, Callable[[], ModelPreset]] = {
+    "pixart-sigma-512": lambda: ModelPreset("pixart-sigma-512", "pixart", "PixArt-alpha/PixArt-Sigma-XL-2-512-MS",
+                                            "pixart_sigma_xl2_512_transformer.json", "ddpm", "epsilon", base_resolution=512),
+    "pixart-sigma-1024": lambda: ModelPreset("pixart-sigma-1024", "pixart", "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS",
+                                             "pixart_sigma_xl2_1024_transformer.json", "ddpm", "epsilon"),
+    "sana-600m": lambda: ModelPreset("sana-600m", "sana", "Efficient-Large-Model/Sana_600M_1024px_diffusers",
+                                     "sana_600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="float16"),
+    "sana-1600m": lambda: ModelPreset("sana-1600m", "sana", "Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
+                                      "sana_1600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="bfloat16"),
+    "tiny-pixart": lambda: ModelPreset("tiny-pixart", "pixart", None, TINY_PIXART, "ddpm", "epsilon", base_resolution=256),
+    "tiny-sana": lambda: ModelPreset("tiny-sana", "sana", None, TINY_SANA, "flow", "flow", flow_shift=3.0, base_resolution=256),
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+
+
+def build_transformer(preset: ModelPreset, pretrained: str | None, seed: int) -> torch.nn.Module:
+    """The transformer in fp32: released weights when `pretrained` is given, else fresh seeded weights."""
+    cls = preset.transformer_class
+    if pretrained:
+        return cls.from_pretrained(pretrained, subfolder="transformer", torch_dtype=torch.float32)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return cls.from_config(preset.transformer_config())
