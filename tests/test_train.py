@@ -1,0 +1,186 @@
+"""Stage two on CPU with tiny presets and caches built by stage one in the test."""
+
+import ast
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from precompute.run import main as precompute
+from precompute.sample_data import make_folder
+from shards import Bucket
+from train.checkpoint import complete_checkpoints
+from train.data import BucketBatchSampler
+from train.loop import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    data = make_folder(root / "data", count=8)
+    out = {}
+    for model in ("tiny-sana", "tiny-pixart"):
+        precompute(str(data), model, root / model, workers=0, progress=False)
+        out[model] = root / model
+    return out
+
+
+def cfg(cache, run, **kw):
+    base = dict(model="tiny-sana", cache=cache, run=run, steps=20, batch_size=4, workers=0, progress=False,
+                log_every=1, checkpoint_every=1000, caption_dropout=0.0, lr=1e-3)
+    return TrainConfig(**{**base, **kw})
+
+
+def metrics(run):
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-sana", "tiny-pixart"])
+def test_tiny_model_overfits_eight_samples(caches, tmp_path, model):
+    train(cfg(caches[model], tmp_path, model=model, steps=150, lr=2e-3, log_every=10, remainder="repeat"))
+    rows = metrics(tmp_path)
+    first, last = rows[0]["smoothed_loss"], rows[-1]["smoothed_loss"]
+    assert last < 0.6 * first, (first, last)
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert set(rows[-1]) >= {"loss", "smoothed_loss", "lr", "grad_norm", "samples_per_s", "data_wait", "peak_memory", "loss_by_timestep"}
+
+
+def test_resume_equals_an_uninterrupted_run(caches, tmp_path):
+    train(cfg(caches["tiny-sana"], tmp_path / "straight", steps=12, caption_dropout=0.2))
+    train(cfg(caches["tiny-sana"], tmp_path / "resumed", steps=6, caption_dropout=0.2))
+    train(cfg(caches["tiny-sana"], tmp_path / "resumed", steps=12, caption_dropout=0.2))
+    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r["step"] for r in b] == list(range(1, 13))
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-7) and x["lr"] == y["lr"]
+    wa = torch.load(complete_checkpoints(tmp_path / "straight")[-1] / "optimizer.pt", weights_only=True)
+    wb = torch.load(complete_checkpoints(tmp_path / "resumed")[-1] / "optimizer.pt", weights_only=True)
+    for k in wa["state"]:
+        assert torch.allclose(wa["state"][k]["exp_avg"], wb["state"][k]["exp_avg"], atol=1e-7)
+
+
+def test_fp16_run_restarts_in_bf16(caches, tmp_path, caplog):
+    cache = caches["tiny-sana"]
+    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+    train(cfg(cache, tmp_path, steps=4, precision="fp16"))
+    ckpt = complete_checkpoints(tmp_path)[-1]
+    assert (ckpt / "scaler.pt").exists()
+    moments = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
+    weights = (ckpt / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
+    with caplog.at_level("WARNING"):
+        train(cfg(cache, tmp_path, steps=4, precision="bf16"))  # restart in bf16 with no step to go: re-saved as loaded
+    assert "GradScaler state is dropped" in caplog.text
+    ckpt = complete_checkpoints(tmp_path)[-1]
+    carried = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
+    assert all(torch.equal(moments[k][m], carried[k][m]) for k in moments for m in ("exp_avg", "exp_avg_sq"))
+    assert (ckpt / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() == weights
+    with caplog.at_level("WARNING"):
+        train(cfg(cache, tmp_path, steps=8, precision="bf16"))
+    assert "GradScaler state is dropped" in caplog.text
+    state = json.loads((complete_checkpoints(tmp_path)[-1] / "state.json").read_text())
+    assert state["precision_history"] == [{"step": 0, "precision": "fp16"}, {"step": 4, "precision": "bf16"}]
+    assert not (complete_checkpoints(tmp_path)[-1] / "scaler.pt").exists()
+    rows = metrics(tmp_path)
+    assert [r["precision"] for r in rows] == ["fp16"] * 4 + ["bf16"] * 4
+    assert before == {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}  # nothing re-encoded
+
+
+def test_sampler_properties_three_ranks_skewed_buckets():
+    ranges = {Bucket(64, 64): [range(0, 50)], Bucket(48, 80): [range(50, 53)], Bucket(80, 48): [range(53, 54), range(54, 61)]}
+    samplers = [BucketBatchSampler(ranges, 4, seed=1, rank=r, world_size=3) for r in range(3)]
+    per_rank = [s(epoch=0) for s in samplers]
+    assert len({len(b) for b in per_rank}) == 1  # same number of batches: no rank waits forever
+    bucket_of = {i: b for b, rs in ranges.items() for r in rs for i in r}
+    used = Counter()
+    for batches in per_rank:
+        for batch in batches:
+            assert len(batch) == 4 and len({bucket_of[i] for i in batch}) == 1  # one shape per batch
+            used.update(batch)
+    assert set(used) == set(range(61))  # every sample every epoch
+    assert per_rank == [s(epoch=0) for s in samplers]  # deterministic
+    assert per_rank[0] != samplers[0](epoch=1)
+    assert samplers[1](epoch=0, start=2) == per_rank[1][2:]  # resume jumps without replaying
+    dropped = [BucketBatchSampler(ranges, 4, seed=1, rank=r, world_size=3, remainder="drop")(0) for r in range(3)]
+    assert len({len(b) for b in dropped}) == 1 and all(len(b) == 4 for bs in dropped for b in bs)
+
+
+def test_training_never_imports_an_encoder():
+    """No VAE encoder or text encoder class is named anywhere in train/ (validation decodes elsewhere)."""
+    banned = {"AutoencoderKL", "AutoencoderDC", "T5EncoderModel", "Gemma2Model", "CLIPTextModel", "CLIPTextModelWithProjection",
+              "AutoTokenizer", "T5Tokenizer", "GemmaTokenizer", "precompute"}
+    found = []
+    for path in (ROOT / "train").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names.append(node.module.split(".")[0])
+            found += [f"{path.name}: {n}" for n in names if n.split(".")[-1] in banned]
+    assert found == []
+
+
+def test_training_process_holds_no_encoder(caches, tmp_path):
+    code = f"""
+import sys, gc, torch
+sys.path.insert(0, {str(ROOT)!r})
+from train.loop import TrainConfig, train
+train(TrainConfig(model="tiny-sana", cache={str(caches["tiny-sana"])!r}, run={str(tmp_path)!r}, steps=2, batch_size=4, workers=0, progress=False))
+import diffusers, transformers
+kinds = {{type(o).__name__ for o in gc.get_objects() if isinstance(o, torch.nn.Module)}}
+bad = kinds & {{"AutoencoderDC", "AutoencoderKL", "Gemma2Model", "T5EncoderModel"}}
+print("MODULES", sorted(bad))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "MODULES []" in out.stdout
+
+
+def test_mismatched_cache_fails_fast_naming_fields(caches, tmp_path):
+    with pytest.raises(ValueError) as e:
+        train(cfg(caches["tiny-pixart"], tmp_path, model="tiny-sana"))
+    msg = str(e.value)
+    assert "family: cache 'pixart', model 'sana'" in msg and "latent channels: cache 4, model in_channels 8" in msg
+    assert "make precompute DATA=... MODEL=tiny-sana" in msg
+    assert not (tmp_path / "checkpoints").exists()
+
+
+KILL_IN_SAVE = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import train.checkpoint as ck
+real = ck.atomic_write_json
+def dying(path, obj):
+    if obj.get("step") == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path, obj)
+ck.atomic_write_json = dying
+from train.loop import TrainConfig, train
+train(TrainConfig(model="tiny-sana", cache={cache!r}, run={run!r}, steps=6, batch_size=4, workers=0, progress=False, checkpoint_every=2))
+"""
+
+
+def test_sigkill_during_checkpoint_save_keeps_the_previous(caches, tmp_path):
+    code = KILL_IN_SAVE.format(root=str(ROOT), cache=str(caches["tiny-sana"]), run=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == -signal.SIGKILL
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-00000002"]
+    summary = train(cfg(caches["tiny-sana"], tmp_path, steps=6, checkpoint_every=2))
+    assert summary["step"] == 6 and complete_checkpoints(tmp_path)[-1].name == "step-00000006"
+
+
+def test_non_finite_loss_skips_then_aborts(caches, tmp_path, caplog, monkeypatch):
+    import train.loop as loop
+
+    real = loop.model_forward
+    monkeypatch.setattr(loop, "model_forward", lambda m, f: (lambda xt, t, b: real(m, f)(xt, t, b) * float("nan")))
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="5 non-finite losses in a row"):
+        train(cfg(caches["tiny-sana"], tmp_path, steps=10))
+    assert "non-finite loss, skipped; samples ['" in caplog.text
