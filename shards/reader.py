@@ -181,10 +181,16 @@ class Cache:
     def bucket_of(self, i: int) -> Bucket:
         return self.shards[self.locate(i)[0]].bucket
 
-    def ranges_by_bucket(self) -> dict[Bucket, list[range]]:
-        """Global index ranges of each bucket's samples, without opening any shard."""
+    def ranges_by_bucket(self, only: set[str] | None = None) -> dict[Bucket, list[range]]:
+        """Global index ranges of each bucket's samples, without opening any shard.
+
+        Args:
+            only: restrict to these shard paths (e.g. the shards an interrupted epoch started with).
+        """
         out: dict[Bucket, list[range]] = {}
         for j, s in enumerate(self.shards):
+            if only is not None and s.path not in only:
+                continue
             out.setdefault(s.bucket, []).append(range(self._starts[j], self._starts[j + 1]))
         return dict(sorted(out.items()))
 

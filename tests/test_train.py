@@ -184,3 +184,32 @@ def test_non_finite_loss_skips_then_aborts(caches, tmp_path, caplog, monkeypatch
     with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="5 non-finite losses in a row"):
         train(cfg(caches["tiny-sana"], tmp_path, steps=10))
     assert "non-finite loss, skipped; samples ['" in caplog.text
+
+
+def test_new_shards_join_at_the_next_epoch(tmp_path):
+    data = make_folder(tmp_path / "data", count=8)
+    for p in sorted(data.glob("0000[4-7].*")):
+        p.rename(tmp_path / p.name)
+    cache = tmp_path / "cache"
+    precompute(str(data), "tiny-sana", cache, workers=0, progress=False)
+    from shards import Cache
+
+    epoch0 = BucketBatchSampler(Cache(cache).ranges_by_bucket(), 2).batches_per_epoch()
+    train(cfg(cache, tmp_path / "run", steps=epoch0, batch_size=2))  # all of epoch 0 (4 samples)
+    for p in sorted(tmp_path.glob("0000[4-7].*")):
+        p.rename(data / p.name)
+    precompute(str(data), "tiny-sana", cache, workers=0, progress=False)  # incremental: 4 more
+    seen = []
+    import train.loop as loop
+
+    real = loop.collate
+    def spy(samples):
+        seen.append([s["key"] for s in samples])
+        return real(samples)
+    loop.collate = spy
+    epoch1 = BucketBatchSampler(Cache(cache).ranges_by_bucket(), 2).batches_per_epoch()
+    try:
+        train(cfg(cache, tmp_path / "run", steps=epoch0 + epoch1, batch_size=2))
+    finally:
+        loop.collate = real
+    assert len(seen) == epoch1 and len({k for batch in seen for k in batch}) == 8  # epoch 1 covers all eight

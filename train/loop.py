@@ -214,10 +214,18 @@ def train(cfg: TrainConfig) -> dict:
         print(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {cursor})")
 
     # 4. data: one bucket per batch, the same number of batches on every rank
-    def sampler_for(c: Cache) -> BucketBatchSampler:
-        return BucketBatchSampler(c.ranges_by_bucket(), cfg.batch_size, cfg.seed, rank, world, cfg.remainder)
+    def sampler_for(c: Cache, only: set[str] | None = None) -> BucketBatchSampler:
+        return BucketBatchSampler(c.ranges_by_bucket(only), cfg.batch_size, cfg.seed, rank, world, cfg.remainder)
 
-    sampler = sampler_for(cache)
+    # An epoch keeps the shards it started with; shards added meanwhile join at the next epoch.
+    epoch_shards = [s.path for s in cache.shards]
+    if state:
+        missing = set(state["epoch_shards"]) - set(epoch_shards)
+        if missing:
+            raise ValueError(f"{resume_from}: its epoch's shards {sorted(missing)[:3]} are gone from {cache.root}; "
+                             f"the cache was rebuilt or samples removed mid-epoch. Resume from an epoch boundary or start a new run.")
+        epoch_shards = state["epoch_shards"]
+    sampler = sampler_for(cache, set(epoch_shards))
     print(f"cache {cache.root}: {len(cache)} samples, {sampler.batches_per_epoch()} batches of {cfg.batch_size} per epoch")
     for bucket, st in cache.manifest.buckets().items():
         print(f"  {bucket.name:>10}: {st.samples} samples")
@@ -237,7 +245,7 @@ def train(cfg: TrainConfig) -> dict:
         if ema is not None:
             tensors["ema"] = ema.state_dict()
         checkpoint.save(cfg.run, step, model=model, tensors=tensors, keep=cfg.keep_checkpoints, state={
-            "step": step, "epoch": epoch, "cursor": cursor, "world_size": world, "model": cfg.model,
+            "step": step, "epoch": epoch, "cursor": cursor, "epoch_shards": epoch_shards, "world_size": world, "model": cfg.model,
             "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "precision_history": history,
             "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder},
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
@@ -328,6 +336,7 @@ def train(cfg: TrainConfig) -> dict:
             epoch, cursor = epoch + 1, 0
             wait_before += prefetch.wait_s
             cache = Cache(cfg.cache)
+            epoch_shards = [s.path for s in cache.shards]
             sampler = sampler_for(cache)
             dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout)
     bar.close()
