@@ -33,6 +33,7 @@ test: install
 bench: install
 	$(PY) bench/shards_read.py
 	$(PY) bench/precompute.py
+	$(PY) bench/train_step.py --workers 0
 
 precompute: install
 	@test -n "$(DATA)" || { echo "usage: make precompute DATA=<folder or tars> [MODEL=$(MODEL)] [CACHE=$(CACHE)] [NPROC=1]"; exit 2; }

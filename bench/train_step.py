@@ -1,0 +1,117 @@
+"""Training step time from the cache vs. with encoders in the step vs. in-memory batches (the limit).
+
+(a) the trainer's data path: memory-mapped shards, DataLoader worker, collate, prefetch;
+(b) the same step with the (tiny) VAE and text encoder running inside it, as trainers without a cache do;
+(c) the same batches already collated in memory: the limit.
+Goals: a/c <= 1.02 (loader overhead <= 2 %), data wait < 1 % of step time.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import typer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from precompute.data import ImagePolicy, list_folder, prepare, read_folder_entry  # noqa: E402
+from precompute.encode import Encoders  # noqa: E402
+from precompute.presets import get_preset as encoder_preset  # noqa: E402
+from precompute.run import main as precompute  # noqa: E402
+from precompute.sample_data import make_folder  # noqa: E402
+from shards import Cache, bucket_table  # noqa: E402
+from train.data import BucketBatchSampler, EpochBatches, Prefetcher, TrainingSamples, _generator, collate  # noqa: E402
+from train.loop import model_forward  # noqa: E402
+from train.objectives import build_objective  # noqa: E402
+from train.presets import build_transformer, get_preset  # noqa: E402
+
+
+def main(
+    model: str = typer.Option("tiny-sana", help="Preset."),
+    steps: int = typer.Option(60, help="Steps per measurement."),
+    batch_size: int = typer.Option(8, help="Batch size."),
+    workers: int = typer.Option(1, help="DataLoader workers for (a)."),
+    repeats: int = typer.Option(3, help="Rounds; (a), (b), (c) alternate and each keeps its best."),
+) -> None:
+    torch.set_num_threads(1)  # the other core serves the loader worker
+    work = Path(tempfile.mkdtemp(prefix="train-bench-"))
+    try:
+        data = make_folder(work / "data", 64)
+        precompute(str(data), model, work / "cache", workers=0, progress=False)
+        preset = get_preset(model)
+        net = build_transformer(preset, None, 0).train()
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+        objective = build_objective(preset.objective, preset.prediction, shift=preset.flow_shift)
+        forward = model_forward(net, preset.family)
+
+        def step(batch: dict, k: int) -> None:
+            loss, _ = objective(forward, batch, _generator(0, k))
+            loss.mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        cache = Cache(work / "cache")
+        sampler = BucketBatchSampler(cache.ranges_by_bucket(), batch_size)
+        dataset = TrainingSamples(work / "cache", 0, 0.1)
+        epochs = [sampler(e) for e in range(steps // len(sampler(0)) + 2)]
+        plan = [(e, b) for e, bs in enumerate(epochs) for b in bs][:steps]
+        in_memory = [collate([dataset[(e, i)] for i in b]) for e, b in plan]
+
+        # (b): pixels and captions of the same samples, encoded inside the step
+        enc = Encoders(encoder_preset(model), torch.device("cpu"))
+        policy = ImagePolicy(bucket_table(enc.preset.base_resolution))
+        by_key = {}
+        for entry in list_folder(data):
+            it = prepare(read_folder_entry(entry), policy)
+            by_key[it["key"]] = it
+        raw = [[by_key[k] for k in batch["keys"]] for batch in in_memory]
+
+        def run_a() -> tuple[float, float]:
+            loader = torch.utils.data.DataLoader(dataset, batch_sampler=EpochBatches([b for _, b in plan], 0), collate_fn=collate,
+                                                 num_workers=workers, prefetch_factor=4 if workers else None)
+            prefetch = Prefetcher(loader, torch.device("cpu"))  # starts the worker and fetches batch 0
+            startup = prefetch.wait_s  # paid once per epoch, not per step
+            t0 = time.perf_counter()
+            for k, batch in enumerate(prefetch):
+                step(batch, k)
+            return time.perf_counter() - t0, prefetch.wait_s - startup
+
+        def run_b() -> float:
+            t0 = time.perf_counter()
+            for k, (items, batch) in enumerate(zip(raw, in_memory)):
+                latents = enc.encode_images(torch.stack([it["pixels"] for it in items]))
+                text = enc.encode_text([it["captions"][0] for it in items])
+                step({**batch, "latents": next(iter(latents.values()))}, k)
+                del text
+            return time.perf_counter() - t0
+
+        def run_c() -> float:
+            t0 = time.perf_counter()
+            for k, batch in enumerate(in_memory):
+                step(batch, k)
+            return time.perf_counter() - t0
+
+        run_c()  # warm up
+        a = b = c = float("inf")
+        wait = 0.0
+        for _ in range(repeats):
+            ta, w = run_a()
+            if ta < a:
+                a, wait = ta, w
+            b, c = min(b, run_b()), min(c, run_c())
+        ms = lambda t: 1000 * t / steps  # noqa: E731
+        print(f"{model}, batch {batch_size}, {steps} steps, {workers} loader worker(s), 1 compute thread")
+        print(f"(a) from the cache      {ms(a):7.1f} ms/step")
+        print(f"(b) encoders in step    {ms(b):7.1f} ms/step   a/b = {a / b:.2f}")
+        print(f"(c) in-memory batches   {ms(c):7.1f} ms/step   a/c = {a / c:.3f} (goal <= 1.02)")
+        print(f"data wait in (a): {wait / a:.2%} of step time, after the loader's start-up (goal < 1 %)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    typer.run(main)
