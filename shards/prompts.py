@@ -14,16 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from shards.schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
     KEY,
     OFFSETS_SUFFIX,
-    FormatError,
     Schema,
-    check_version,
+    open_file,
     schema_from_json,
     schema_to_json,
     serialize,
@@ -78,17 +76,7 @@ def encode_prompts(prompts: dict[str, Prompt], schema: Schema, fingerprint_sha25
 
 def read_prompts(path: str | os.PathLike) -> dict[str, Prompt]:
     """All prompts of a prompts file, by key."""
-    path = Path(path)
-    try:
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as e:  # safetensors raises its own error types for damaged files
-        raise FormatError(f"{path}: cannot read prompt embeddings ({e}); rerun `make precompute` to rebuild them") from e
-    if meta.get("format") != FORMAT_NAME or meta.get("kind") != "prompts":
-        raise FormatError(f"{path} is not a {FORMAT_NAME} prompts file")
-    version = meta.get("format_version", "")
-    check_version(int(version) if version.isdigit() else version, str(path))
+    meta, tensors = open_file(Path(path), kind="prompts")
     schema = schema_from_json(json.loads(meta["fields"]))
     n = int(meta["samples"])
 

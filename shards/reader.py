@@ -10,19 +10,17 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from shards.buckets import Bucket
 from shards.manifest import MANIFEST, RANK_MANIFEST_GLOB, Manifest, ShardEntry
 from shards.prompts import Prompt, read_prompts
 from shards.schema import (
     DIGEST,
-    FORMAT_NAME,
     KEY,
     OFFSETS_SUFFIX,
     FormatError,
     Schema,
-    check_version,
+    open_file,
     schema_from_json,
 )
 
@@ -55,16 +53,7 @@ class ShardReader:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        try:
-            with safe_open(self.path, framework="pt") as f:
-                metadata = f.metadata() or {}
-                tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except (SafetensorError, OSError) as e:
-            raise FormatError(f"{self.path}: cannot open as safetensors ({e}); run `python -m shards verify` on the cache") from e
-        if metadata.get("format") != FORMAT_NAME:
-            raise FormatError(f"{self.path} is a safetensors file but not a {FORMAT_NAME} shard")
-        version = metadata.get("format_version", "")
-        check_version(int(version) if version.isdigit() else version, str(self.path))
+        metadata, tensors = open_file(self.path)
         try:
             self.bucket = Bucket.parse(metadata["bucket"])
             self.num_samples = int(metadata["samples"])

@@ -151,3 +151,25 @@ def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> byt
     if len(header) > n:  # never expected: the original is compact too
         return data
     return data[:8] + header + b" " * (n - len(header)) + data[8 + n :]
+
+
+def open_file(path, kind: str = "shard") -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Open one of our safetensors files: its metadata and every tensor as a private memory map.
+
+    Raises:
+        FormatError: unreadable, not of this format or kind, or of an unknown version; the message
+            says what to do.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise FormatError(f"{path}: cannot open as safetensors ({e}); run `python -m shards verify` on the cache") from e
+    if metadata.get("format") != FORMAT_NAME or metadata.get("kind", "shard") != kind:
+        raise FormatError(f"{path} is a safetensors file but not a {FORMAT_NAME} {kind} file")
+    version = metadata.get("format_version", "")
+    check_version(int(version) if version.isdigit() else version, str(path))
+    return metadata, tensors
