@@ -254,7 +254,7 @@ def train(cfg: TrainConfig) -> dict:
     # 5. the loop
     metrics = open(cfg.run / "metrics.jsonl", "a")
     bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=not cfg.progress, dynamic_ncols=True)
-    smoothed, bad_in_row, micro = None, 0, 0
+    smooth_sum, smooth_n, bad_in_row, micro = 0.0, 0, 0, 0
     window = {"loss": 0.0, "n": 0, "samples": 0, "t0": time.perf_counter(), "wait": 0.0, "bins": [[0.0, 0] for _ in range(TIMESTEP_BINS)]}
     losses = []
     wait_before = 0.0  # data wait of finished epochs' prefetchers
@@ -282,7 +282,9 @@ def train(cfg: TrainConfig) -> dict:
                     raise RuntimeError(f"{bad_in_row} non-finite losses in a row; stopping (last samples {batch['keys']})")
                 continue
             scaler.scale(loss / cfg.grad_accum).backward()
-            window["loss"] += float(loss.detach())  # one sync per micro-batch, for the bar and metrics
+            value = float(loss.detach())  # one sync per micro-batch, for the bar and metrics
+            smooth_sum, smooth_n = 0.95 * smooth_sum + 0.05 * value, smooth_n + 1
+            window["loss"] += value
             window["n"] += 1
             window["samples"] += len(batch["keys"])
             for value, tt in zip(per_sample.detach().float().tolist(), t.tolist()):
@@ -313,7 +315,7 @@ def train(cfg: TrainConfig) -> dict:
             if step % cfg.log_every == 0 or step == cfg.steps:
                 elapsed = time.perf_counter() - window["t0"]
                 mean = window["loss"] / max(window["n"], 1)
-                smoothed = mean if smoothed is None else 0.9 * smoothed + 0.1 * mean
+                smoothed = smooth_sum / (1 - 0.95**smooth_n)  # debiased EMA over ~20 micro-batches
                 record = {
                     "step": step, "loss": mean, "smoothed_loss": smoothed, "lr": scheduler.get_last_lr()[0],
                     "grad_norm": float(grad_norm), "samples_per_s": window["samples"] / elapsed,
