@@ -220,3 +220,13 @@ def test_two_processes_equal_one(folder, tmp_path):
     ranks = {s.path.split("/")[1][:6] for s in Cache(tmp_path / "two").shards}
     assert ranks == {"r00000", "r00001"}
     assert verify(tmp_path / "two").ok
+
+
+def test_a_damaged_tar_is_counted_and_the_rest_encoded(tmp_path):
+    tars = make_tars(tmp_path / "tars", count=24, per_tar=8)
+    data = tars[1].read_bytes()
+    tars[1].write_bytes(data[: len(data) // 2 + 100])  # cut inside a member
+    summary = run(tmp_path / "tars", tmp_path / "cache", workers=2, max_failure_fraction=1.0)
+    assert summary["failed_by_reason"].get("corrupt_tar") == 1
+    assert 16 <= summary["new"] < 24  # the two intact tars, plus what precedes the cut
+    assert verify(tmp_path / "cache").ok
