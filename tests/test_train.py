@@ -213,3 +213,18 @@ def test_new_shards_join_at_the_next_epoch(tmp_path):
     finally:
         loop.collate = real
     assert len(seen) == epoch1 and len({k for batch in seen for k in batch}) == 8  # epoch 1 covers all eight
+
+
+def test_memory_report_on_demand(caches, tmp_path, monkeypatch):
+    import train.loop as loop
+
+    real = loop.model_forward
+    def forward(m, f):
+        fn = real(m, f)
+        def call(xt, t, b):
+            os.kill(os.getpid(), signal.SIGUSR1)  # as a user would with `kill -USR1 PID`
+            return fn(xt, t, b)
+        return call
+    monkeypatch.setattr(loop, "model_forward", forward)
+    train(cfg(caches["tiny-sana"], tmp_path, steps=2))
+    assert "rss" in (tmp_path / "memory.txt").read_text()

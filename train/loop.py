@@ -233,10 +233,20 @@ def train(cfg: TrainConfig) -> dict:
     autocast = torch.autocast(device.type, dtype=PRECISIONS[cfg.precision], enabled=cfg.precision != "fp32")
     forward = model_forward(model, preset.family)
 
-    stop = {"signal": None}
+    stop = {"signal": None, "memory": False}
     def on_signal(signum, frame):
         stop["signal"] = signum
+    def on_memory_request(signum, frame):  # `kill -USR1 PID` writes RUN/memory.txt at the next step
+        stop["memory"] = True
     previous_handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous_handlers[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, on_memory_request)
+    tensorboard = None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+
+        tensorboard = SummaryWriter(str(cfg.run / "tensorboard"))
+    except ImportError:  # TensorBoard is optional
+        pass
 
     def save_checkpoint() -> None:
         tensors = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
@@ -324,11 +334,17 @@ def train(cfg: TrainConfig) -> dict:
                 }
                 metrics.write(json.dumps(record) + "\n")
                 metrics.flush()
+                if tensorboard is not None:
+                    for name in ("loss", "smoothed_loss", "lr", "grad_norm", "samples_per_s", "data_wait", "peak_memory"):
+                        tensorboard.add_scalar(f"train/{name}", record[name], step)
                 losses.append((step, mean))
                 bar.set_postfix(loss=f"{mean:.4f}", smooth=f"{smoothed:.4f}", lr=f"{record['lr']:.2e}",
                                 sps=f"{record['samples_per_s']:.1f}", wait=f"{record['data_wait']:.0%}")
                 window.update(loss=0.0, n=0, samples=0, t0=time.perf_counter(), wait=wait_before + prefetch.wait_s,
                               bins=[[0.0, 0] for _ in range(TIMESTEP_BINS)])
+            if stop["memory"]:
+                stop["memory"] = False
+                write_memory_report(cfg.run / "memory.txt", device, step)
             if step % cfg.checkpoint_every == 0:
                 save_checkpoint()
             if step >= cfg.steps or stop["signal"] is not None:
@@ -343,6 +359,8 @@ def train(cfg: TrainConfig) -> dict:
             dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout)
     bar.close()
     metrics.close()
+    if tensorboard is not None:
+        tensorboard.close()
     save_checkpoint()
     for s, h in previous_handlers.items():
         signal.signal(s, h)
@@ -354,6 +372,17 @@ def train(cfg: TrainConfig) -> dict:
     print(f"run {cfg.run}: step {step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
           f"loss curve {cfg.run / 'loss.png'}")
     return summary
+
+
+def write_memory_report(path: Path, device: torch.device, step: int) -> None:
+    """The allocator's `memory_summary()` on CUDA; the process's memory figures on the CPU."""
+    if device.type == "cuda":
+        text = torch.cuda.memory_summary(device)
+    else:
+        info = psutil.Process().memory_full_info()
+        text = "\n".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in info._asdict().items())
+    path.write_text(f"step {step}\n{text}\n")
+    print(f"memory report written to {path}")
 
 
 def plot_losses(run: Path) -> None:
