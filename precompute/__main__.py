@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -62,7 +63,8 @@ def cli(
             max_failure_fraction=max_failure_fraction, max_shard_mb=max_shard_mb, check_disk=check_disk, progress=progress,
         )
     except (ValueError, FileNotFoundError, OSError) as e:
-        typer.echo(f"error: {e}", err=True)
+        rank = f" (rank {os.environ['RANK']})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        typer.echo(f"error{rank}: {e}", err=True)
         raise typer.Exit(2)
     if summary and summary["failure_fraction"] > max_failure_fraction:
         typer.echo(f"error: {summary['failure_fraction']:.1%} of inputs were skipped, over --max-failure-fraction "

@@ -233,8 +233,8 @@ class ShardWriter:
         seq = self._next_seq.get(bucket, 0)
         self._next_seq[bucket] = seq + 1
         directory = self.root / bucket.name
-        if not directory.exists():
-            directory.mkdir()
+        if not directory.is_dir():
+            directory.mkdir(exist_ok=True)  # other ranks create bucket directories concurrently
             fsync_dir(self.root)
         path = directory / shard_name(self.rank, seq)
         atomic_write_bytes(path, data)

@@ -209,12 +209,13 @@ def test_two_processes_equal_one(folder, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for n, name in ((1, "one"), (2, "two")):
         out = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", str(29517 + n),
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
              "-m", "precompute", str(folder), "--model", "tiny-sana", "--cache", str(tmp_path / name), "--workers", "0",
              "--batch-size", "4", "--no-progress"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
         )
-        assert out.returncode == 0, out.stderr[-3000:]
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error")]
+        assert out.returncode == 0, "\n".join(errors) + "\n" + out.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "two").glob("index*.json")) == ["index.json"]
     assert digests(tmp_path / "two") == digests(tmp_path / "one")
     ranks = {s.path.split("/")[1][:6] for s in Cache(tmp_path / "two").shards}
