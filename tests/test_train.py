@@ -87,11 +87,65 @@ def test_fp16_run_restarts_in_bf16(caches, tmp_path, caplog):
         train(cfg(cache, tmp_path, steps=8, precision="bf16"))
     assert "GradScaler state is dropped" in caplog.text
     state = json.loads((complete_checkpoints(tmp_path)[-1] / "state.json").read_text())
-    assert state["precision_history"] == [{"step": 0, "precision": "fp16"}, {"step": 4, "precision": "bf16"}]
+    assert state["precision_history"] == [{"step": 0, "precision": "fp16", "weights_dtype": "fp32"},
+                                          {"step": 4, "precision": "bf16", "weights_dtype": "fp32"}]
     assert not (complete_checkpoints(tmp_path)[-1] / "scaler.pt").exists()
     rows = metrics(tmp_path)
     assert [r["precision"] for r in rows] == ["fp16"] * 4 + ["bf16"] * 4
     assert before == {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}  # nothing re-encoded
+
+
+@pytest.mark.slow
+def test_bf16_weights_with_stochastic_rounding_train_and_resume_exactly(caches, tmp_path):
+    common = dict(weights_dtype="bf16", optimizer="adamw-bf16", precision="bf16", ema_decay=0.9, lr=2e-3)
+    train(cfg(caches["tiny-sana"], tmp_path / "straight", steps=30, **common))
+    train(cfg(caches["tiny-sana"], tmp_path / "resumed", steps=15, **common))
+    train(cfg(caches["tiny-sana"], tmp_path / "resumed", steps=30, **common))
+    a, b = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [x["loss"] for x in a] == [y["loss"] for y in b]  # stochastic rounding replays exactly
+    assert [x["smoothed_loss"] for x in a] == [y["smoothed_loss"] for y in b]
+    assert b[-1]["smoothed_loss"] < 0.8 * b[0]["smoothed_loss"]
+    ckpt = complete_checkpoints(tmp_path / "resumed")[-1]
+    moments = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
+    assert {v.dtype for m in moments.values() for k, v in m.items() if k != "step"} == {torch.bfloat16}
+    from safetensors.torch import load_file
+
+    assert {t.dtype for t in load_file(ckpt / "transformer" / "diffusion_pytorch_model.safetensors").values()} == {torch.bfloat16}
+    ema = torch.load(ckpt / "ema.pt", weights_only=True)
+    assert {t.dtype for t in ema["shadow_params"]} == {torch.float32}
+
+
+def test_bf16_weights_options_are_checked():
+    with pytest.raises(ValueError, match="adamw-bf16"):
+        TrainConfig(optimizer="adamw-bf16")
+    with pytest.raises(ValueError, match="--precision fp16"):
+        TrainConfig(weights_dtype="bf16", precision="fp16")
+    with pytest.raises(ValueError, match="every-K"):
+        TrainConfig(grad_checkpointing="sometimes")
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_gradient_checkpointing_every_kth_block_keeps_gradients(every):
+    from train.loop import checkpoint_blocks
+    from train.presets import build_transformer, get_preset
+
+    preset = get_preset("tiny-sana")
+    config = {**preset.transformer_config(), "num_layers": 4}
+    preset = type(preset)(**{**preset.__dict__, "config": config})
+
+    def grads(every_k):
+        model = build_transformer(preset, None, seed=0)
+        if every_k:
+            assert checkpoint_blocks(model, every_k) == 4 // every_k
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 8, 8, 8, generator=g)
+        text = torch.randn(2, 5, 32, generator=g)
+        out = model(hidden_states=x, encoder_hidden_states=text, timestep=torch.tensor([10, 500]), return_dict=False)[0]
+        out.square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for plain, recomputed in zip(grads(0), grads(every)):
+        torch.testing.assert_close(plain, recomputed)
 
 
 def test_sampler_properties_three_ranks_skewed_buckets():

@@ -27,11 +27,15 @@ HELP = {
     "warmup_steps": "Linear warmup steps.",
     "lr_schedule": "After warmup: constant or cosine.",
     "weight_decay": "Weight decay.",
-    "optimizer": "adamw (fused on CUDA), came (Sana's default), adafactor, adamw-8bit (CUDA, bitsandbytes).",
-    "precision": "Autocast precision over fp32 master weights: fp32, bf16 or fp16 (with a GradScaler). "
+    "optimizer": "adamw (fused on CUDA), adamw-bf16 (bf16 moments with stochastic rounding, for --weights-dtype bf16; "
+                 "torchao), came (Sana's default), adafactor, adamw-8bit (CUDA, bitsandbytes).",
+    "precision": "Autocast precision: fp32, bf16 or fp16 (with a GradScaler). "
                  "Changing it on resume keeps weights and optimizer moments and drops the scaler.",
+    "weights_dtype": "fp32 master weights, or bf16 weights (half the weight, gradient and moment memory; "
+                     "pair with --optimizer adamw-bf16). The EMA stays fp32.",
     "grad_clip": "Clip the gradient norm to this (0: off).",
-    "grad_checkpointing": "Recompute activations in the backward pass to save memory.",
+    "grad_checkpointing": "Recompute activations in the backward pass to save memory: off, all, or every-K "
+                          "(every K-th transformer block).",
     "pretrained": "Fine-tune released weights: a Hub id or directory with a transformer/ subfolder (default: fresh weights).",
     "seed": "Seed of weights, data order and noise.",
     "caption_dropout": "Probability of replacing the caption by the cached empty caption.",

@@ -16,9 +16,14 @@ from shards import Bucket, Cache, prompt_key
 BATCH_SAMPLER_VERSION = 1
 
 
-def _generator(*parts: int) -> torch.Generator:
+def derived_seed(*parts: int) -> int:
+    """A 63-bit seed determined by `parts` alone (no hidden RNG state to save and restore)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _generator(*parts: int) -> torch.Generator:
+    return torch.Generator().manual_seed(derived_seed(*parts))
 
 
 @dataclass

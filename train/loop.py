@@ -16,16 +16,19 @@ from pathlib import Path
 
 import psutil
 import torch
+import torch.utils.checkpoint
 from tqdm import tqdm
 
 from shards import Cache
 from train import checkpoint
-from train.data import BATCH_SAMPLER_VERSION, BucketBatchSampler, EpochBatches, Prefetcher, TrainingSamples, _generator, collate
+from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, EpochBatches, Prefetcher, TrainingSamples, _generator, collate,
+                        derived_seed)
 from train.objectives import TIMESTEP_BINS, build_objective
 from train.presets import build_transformer, get_preset
 
 log = logging.getLogger("train")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZERS = ("adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit")
 
 
 @dataclass
@@ -42,10 +45,11 @@ class TrainConfig:
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
     weight_decay: float = 0.0
-    optimizer: str = "adamw"  # adamw | came | adafactor | adamw-8bit
-    precision: str = "bf16"  # fp32 | bf16 | fp16 (autocast over fp32 master weights)
+    optimizer: str = "adamw"  # one of OPTIMIZERS
+    precision: str = "bf16"  # fp32 | bf16 | fp16 (autocast over the weights)
+    weights_dtype: str = "fp32"  # fp32 master weights, or bf16 weights (with adamw-bf16: stochastic rounding)
     grad_clip: float = 1.0
-    grad_checkpointing: bool = False
+    grad_checkpointing: str = "off"  # off | all | every-K (every K-th transformer block)
     pretrained: str | None = None  # Hub id or directory of released weights (subfolder transformer)
     seed: int = 0
     caption_dropout: float = 0.1
@@ -68,12 +72,31 @@ class TrainConfig:
         self.cache, self.run = Path(self.cache), Path(self.run)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: choose one of {list(PRECISIONS)}")
-        if self.optimizer not in ("adamw", "came", "adafactor", "adamw-8bit"):
-            raise ValueError(f"optimizer {self.optimizer!r}: choose adamw, came, adafactor or adamw-8bit")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
+        if self.weights_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"weights dtype {self.weights_dtype!r}: choose fp32 or bf16")
+        if self.weights_dtype == "bf16" and self.precision != "bf16":
+            raise ValueError(f"--weights-dtype bf16 trains in bf16; --precision {self.precision} needs --weights-dtype fp32")
+        if self.optimizer == "adamw-bf16" and self.weights_dtype != "bf16":
+            raise ValueError("--optimizer adamw-bf16 keeps bf16 states for bf16 weights; add --weights-dtype bf16 "
+                             "(or choose adamw for fp32 master weights)")
+        self.checkpoint_every_k()  # validates the spelling
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr schedule {self.lr_schedule!r}: choose constant or cosine")
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("steps, batch size and gradient accumulation must be at least 1")
+
+    def checkpoint_every_k(self) -> int:
+        """0: no gradient checkpointing; 1: every block; K: every K-th block."""
+        value = str(self.grad_checkpointing).lower()
+        if value in ("off", "false", "0", ""):
+            return 0
+        if value in ("all", "true", "1"):
+            return 1
+        if value.startswith("every-") and value[6:].isdigit() and int(value[6:]) >= 1:
+            return int(value[6:])
+        raise ValueError(f"grad checkpointing {self.grad_checkpointing!r}: choose off, all or every-K (e.g. every-2)")
 
 
 def check_cache(preset, cache: Cache, config: dict) -> None:
@@ -109,11 +132,43 @@ def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.opt
         from transformers.optimization import Adafactor
 
         return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, scale_parameter=False, relative_step=False)
+    if cfg.optimizer == "adamw-bf16":
+        # bf16 moments and bf16 weights; stochastic rounding keeps updates smaller than bf16's resolution
+        # in expectation, which plain rounding would drop. torchao compiles the step on first use.
+        try:
+            from torchao.optim import _AdamW
+        except ImportError:
+            raise ValueError("--optimizer adamw-bf16 needs torchao: pip install 'cachedit[bf16]'") from None
+        logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional CUDA kernels are absent on CPU
+        return _AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, bf16_stochastic_round=True)
     if device.type != "cuda":
         raise ValueError("adamw-8bit needs CUDA (bitsandbytes); choose adamw, came or adafactor on this machine")
     import bitsandbytes as bnb
 
     return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def checkpoint_blocks(model: torch.nn.Module, every: int) -> int:
+    """Recompute every `every`-th transformer block in the backward pass; returns how many blocks.
+
+    diffusers' `enable_gradient_checkpointing()` covers all blocks; this trades memory for compute
+    in finer steps by wrapping chosen blocks' forward in `torch.utils.checkpoint`.
+    """
+    if every == 1:
+        model.enable_gradient_checkpointing()
+        return len(model.transformer_blocks)
+    chosen = list(model.transformer_blocks)[every - 1 :: every]
+    for block in chosen:
+        block.forward = _checkpointed(block.forward)
+    return len(chosen)
+
+
+def _checkpointed(forward):
+    def wrapped(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return wrapped
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -162,15 +217,16 @@ def train(cfg: TrainConfig) -> dict:
                          f"resume with the same number of processes")
 
     # 2. the transformer, and only it
-    source = str(resume_from / "transformer") if resume_from else cfg.pretrained
+    weights_dtype = PRECISIONS[cfg.weights_dtype]
     if resume_from:
-        model = preset.transformer_class.from_pretrained(source, torch_dtype=torch.float32)
+        model = preset.transformer_class.from_pretrained(resume_from / "transformer", torch_dtype=weights_dtype)
     else:
-        model = build_transformer(preset, cfg.pretrained, cfg.seed)
+        model = build_transformer(preset, cfg.pretrained, cfg.seed, weights_dtype)
     if cfg.pretrained and preset.released_dtype and cfg.precision != {"float16": "fp16", "bfloat16": "bf16"}.get(preset.released_dtype):
         log.warning("%s weights were released for %s training; this run uses %s", preset.name, preset.released_dtype, cfg.precision)
-    if cfg.grad_checkpointing:
-        model.enable_gradient_checkpointing()
+    if cfg.checkpoint_every_k():
+        n = checkpoint_blocks(model, cfg.checkpoint_every_k())
+        print(f"gradient checkpointing: {n} of {len(model.transformer_blocks)} transformer blocks recomputed in backward")
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params, device)
@@ -181,6 +237,7 @@ def train(cfg: TrainConfig) -> dict:
         from diffusers.training_utils import EMAModel
 
         ema = EMAModel(params, decay=cfg.ema_decay, foreach=True)
+        ema.to(dtype=torch.float32)  # a bf16 average would drop the (1 - decay)-sized updates
         if cfg.ema_device == "cpu":
             ema.to("cpu")
             if device.type == "cuda":
@@ -191,7 +248,8 @@ def train(cfg: TrainConfig) -> dict:
 
     # 3. resume: weights came with the model; now optimizer, schedule, scaler, EMA, data cursor
     step, epoch, cursor = 0, 0, 0
-    history = [{"step": 0, "precision": cfg.precision}]
+    smooth_sum, smooth_n = 0.0, 0  # debiased EMA of the loss, carried across resumes
+    history = [{"step": 0, "precision": cfg.precision, "weights_dtype": cfg.weights_dtype}]
     if resume_from:
         optimizer.load_state_dict(checkpoint.load_tensors(resume_from, "optimizer"))
         scheduler.load_state_dict(checkpoint.load_tensors(resume_from, "scheduler"))
@@ -204,13 +262,20 @@ def train(cfg: TrainConfig) -> dict:
             ema_state = checkpoint.load_tensors(resume_from, "ema")
             if ema_state:
                 ema.load_state_dict(ema_state)
+        previous = state["config"]
+        if previous["optimizer"] != cfg.optimizer:
+            raise ValueError(f"{resume_from} was trained with --optimizer {previous['optimizer']}; its moments do not carry "
+                             f"over to {cfg.optimizer}. Resume with --optimizer {previous['optimizer']} or start a new run.")
+        if previous.get("weights_dtype", "fp32") != cfg.weights_dtype:
+            log.warning("weights were %s in %s and continue in %s", previous.get("weights_dtype", "fp32"), resume_from.name, cfg.weights_dtype)
         step, epoch, cursor = state["step"], state["epoch"], state["cursor"]
+        smooth_sum, smooth_n = state.get("smoothed_loss", [0.0, 0])
         if state["sampler"] != {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder}:
             raise ValueError(f"{resume_from}: batch size, seed or remainder policy differ from the checkpoint's {state['sampler']}; "
                              f"resume with the same data settings")
         history = state["precision_history"]
-        if history[-1]["precision"] != cfg.precision:
-            history.append({"step": step, "precision": cfg.precision})
+        if (history[-1]["precision"], history[-1].get("weights_dtype", "fp32")) != (cfg.precision, cfg.weights_dtype):
+            history.append({"step": step, "precision": cfg.precision, "weights_dtype": cfg.weights_dtype})
         print(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {cursor})")
 
     # 4. data: one bucket per batch, the same number of batches on every rank
@@ -256,6 +321,7 @@ def train(cfg: TrainConfig) -> dict:
             tensors["ema"] = ema.state_dict()
         checkpoint.save(cfg.run, step, model=model, tensors=tensors, keep=cfg.keep_checkpoints, state={
             "step": step, "epoch": epoch, "cursor": cursor, "epoch_shards": epoch_shards, "world_size": world, "model": cfg.model,
+            "smoothed_loss": [smooth_sum, smooth_n],
             "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "precision_history": history,
             "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder},
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
@@ -264,7 +330,7 @@ def train(cfg: TrainConfig) -> dict:
     # 5. the loop
     metrics = open(cfg.run / "metrics.jsonl", "a")
     bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=not cfg.progress, dynamic_ncols=True)
-    smooth_sum, smooth_n, bad_in_row, micro = 0.0, 0, 0, 0
+    bad_in_row, micro = 0, 0
     window = {"loss": 0.0, "n": 0, "samples": 0, "t0": time.perf_counter(), "wait": 0.0, "bins": [[0.0, 0] for _ in range(TIMESTEP_BINS)]}
     losses = []
     wait_before = 0.0  # data wait of finished epochs' prefetchers
@@ -313,6 +379,9 @@ def train(cfg: TrainConfig) -> dict:
                 if bad_in_row >= cfg.max_bad_steps:
                     raise RuntimeError(f"{bad_in_row} non-finite gradients in a row; stopping")
                 continue
+            # Whatever draws from the global RNG in the step (stochastic rounding) is fixed by the step
+            # number, so a resumed run rounds exactly as an uninterrupted one.
+            torch.manual_seed(derived_seed(cfg.seed, 2_000_003, step, rank))
             scaler.step(optimizer)  # with fp16 the scaler skips steps whose gradients overflowed
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -327,7 +396,7 @@ def train(cfg: TrainConfig) -> dict:
                 mean = window["loss"] / max(window["n"], 1)
                 smoothed = smooth_sum / (1 - 0.95**smooth_n)  # debiased EMA over ~20 micro-batches
                 record = {
-                    "step": step, "loss": mean, "smoothed_loss": smoothed, "lr": scheduler.get_last_lr()[0],
+                    "step": step, "loss": mean, "smoothed_loss": smoothed, "lr": float(scheduler.get_last_lr()[0]),
                     "grad_norm": float(grad_norm), "samples_per_s": window["samples"] / elapsed,
                     "data_wait": (wait_before + prefetch.wait_s - window["wait"]) / elapsed, "peak_memory": peak_memory(device),
                     "loss_by_timestep": [b[0] / b[1] if b[1] else None for b in window["bins"]], "precision": cfg.precision,

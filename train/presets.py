@@ -86,11 +86,12 @@ def get_preset(name: str) -> ModelPreset:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
-def build_transformer(preset: ModelPreset, pretrained: str | None, seed: int) -> torch.nn.Module:
-    """The transformer in fp32: released weights when `pretrained` is given, else fresh seeded weights."""
+def build_transformer(preset: ModelPreset, pretrained: str | None, seed: int,
+                      dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The transformer in `dtype`: released weights when `pretrained` is given, else fresh seeded weights."""
     cls = preset.transformer_class
     if pretrained:
-        return cls.from_pretrained(pretrained, subfolder="transformer", torch_dtype=torch.float32)
+        return cls.from_pretrained(pretrained, subfolder="transformer", torch_dtype=dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return cls.from_config(preset.transformer_config())
+        return cls.from_config(preset.transformer_config()).to(dtype)
