@@ -240,7 +240,7 @@ def test_non_finite_loss_skips_then_aborts(caches, tmp_path, caplog, monkeypatch
     assert "non-finite loss, skipped; samples ['" in caplog.text
 
 
-def test_new_shards_join_at_the_next_epoch(tmp_path):
+def test_new_shards_join_at_the_next_epoch(tmp_path, monkeypatch):
     data = make_folder(tmp_path / "data", count=8)
     for p in sorted(data.glob("0000[4-7].*")):
         p.rename(tmp_path / p.name)
@@ -254,18 +254,15 @@ def test_new_shards_join_at_the_next_epoch(tmp_path):
         p.rename(data / p.name)
     precompute(str(data), "tiny-sana", cache, workers=0, progress=False)  # incremental: 4 more
     seen = []
-    import train.loop as loop
+    import train.data as train_data
 
-    real = loop.collate
+    real = train_data.collate
     def spy(samples):
         seen.append([s["key"] for s in samples])
         return real(samples)
-    loop.collate = spy
+    monkeypatch.setattr(train_data, "collate", spy)
     epoch1 = BucketBatchSampler(Cache(cache).ranges_by_bucket(), 2).batches_per_epoch()
-    try:
-        train(cfg(cache, tmp_path / "run", steps=epoch0 + epoch1, batch_size=2))
-    finally:
-        loop.collate = real
+    train(cfg(cache, tmp_path / "run", steps=epoch0 + epoch1, batch_size=2))
     assert len(seen) == epoch1 and len({k for batch in seen for k in batch}) == 8  # epoch 1 covers all eight
 
 

@@ -157,6 +157,20 @@ class EpochBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
+def epoch_loader(dataset: TrainingSamples, batches: list[list[int]], epoch: int, workers: int, device: torch.device):
+    """The batches of one epoch, collated, from `workers` DataLoader processes or (0) the training process.
+
+    With memory-mapped shards a batch is a few small copies: reading it in the training process costs
+    less than handing it over from a worker (shared memory, pickling, page faults in the receiver), and
+    on CUDA it overlaps the device's queued work anyway. A read-ahead thread measured slower on CPU: it
+    competes for the GIL with the step's Python.
+    """
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=EpochBatches(batches, epoch), collate_fn=collate, num_workers=workers,
+        pin_memory=device.type == "cuda", prefetch_factor=4 if workers else None,
+    )
+
+
 class Prefetcher:
     """Copies batch k+1 to the device on a side CUDA stream while step k runs; a plain iterator on CPU.
 

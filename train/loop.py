@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from shards import Cache
 from train import checkpoint
-from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, EpochBatches, Prefetcher, TrainingSamples, _generator, collate,
-                        derived_seed)
+from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, Prefetcher, TrainingSamples, _generator, derived_seed,
+                        epoch_loader)
 from train.objectives import TIMESTEP_BINS, build_objective
 from train.presets import build_transformer, get_preset
 
@@ -60,7 +60,7 @@ class TrainConfig:
     ema_decay: float = 0.0  # 0 disables EMA
     ema_every: int = 1
     ema_device: str = "device"  # device | cpu
-    workers: int = 2
+    workers: int = 0
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     resume: str | None = "auto"
@@ -337,11 +337,7 @@ def train(cfg: TrainConfig) -> dict:
     optimizer.zero_grad(set_to_none=True)
     while step < cfg.steps and stop["signal"] is None:
         batches = sampler(epoch, start=cursor)
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=EpochBatches(batches, epoch), collate_fn=collate, num_workers=cfg.workers,
-            pin_memory=device.type == "cuda", persistent_workers=False, prefetch_factor=4 if cfg.workers else None,
-        )
-        prefetch = Prefetcher(loader, device)
+        prefetch = Prefetcher(epoch_loader(dataset, batches, epoch, cfg.workers, device), device)
         for batch in prefetch:
             cursor += 1
             g = _generator(cfg.seed, 1_000_003, step, micro, rank)  # noise and timesteps of this micro-batch
