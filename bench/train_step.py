@@ -25,9 +25,8 @@ from precompute.run import main as precompute  # noqa: E402
 from precompute.sample_data import make_folder  # noqa: E402
 from shards import Cache, bucket_table  # noqa: E402
 from train.data import BucketBatchSampler, Prefetcher, TrainingSamples, _generator, collate, epoch_loader  # noqa: E402
-from train.loop import model_forward  # noqa: E402
 from train.objectives import build_objective  # noqa: E402
-from train.presets import build_transformer, get_preset  # noqa: E402
+from train.presets import build_transformer, get_preset, model_forward  # noqa: E402
 
 
 def main(

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -66,6 +67,7 @@ class Encoders:
         self.text_dtype = resolve_dtype(text_dtype, preset.text.cuda_dtype, device, preset.text.fp16_safe, "text encoder", force_fp16)
         vae_repo = pretrained or preset.vae.repo
         text_repo = pretrained or preset.text.repo
+        self.vae_repo = vae_repo
         self.vae_source = vae_repo or f"tiny-{preset.vae.kind} (seeded)"
         self.text_source = text_repo or f"{preset.text.name} (seeded)"
 
@@ -167,6 +169,21 @@ class Encoders:
                 "padding": "trimmed",
             },
         }
+
+    def decoder_recipe(self) -> tuple[dict, dict[str, bytes]]:
+        """How stage two rebuilds this VAE to decode samples: its class, where its weights are, and the
+        latent scaling; plus the files to store in the cache when the weights exist nowhere else (tiny
+        presets). Stage two loads it with `from_pretrained` and keeps only the decoder."""
+        recipe = {"class": type(self.vae).__name__, "scaling_factor": self.scaling_factor, "shift_factor": self.shift_factor}
+        if self.vae_repo:
+            local = Path(self.vae_repo)
+            source = str(local.resolve()) if local.is_dir() else self.vae_repo
+            return {**recipe, "source": source, "subfolder": self.preset.vae.subfolder, "revision": self.preset.vae.revision}, {}
+        from safetensors.torch import save
+
+        weights = save({k: v.detach().float().contiguous().cpu() for k, v in self.vae.state_dict().items()})
+        files = {"vae/config.json": self.vae.to_json_string().encode(), "vae/diffusion_pytorch_model.safetensors": weights}
+        return {**recipe, "source": "vae", "subfolder": None, "revision": None, "in_cache": True}, files
 
     # -- encoding -------------------------------------------------------------------------------
 

@@ -258,8 +258,11 @@ def main(
                 emb = enc.encode_text([text], instruction=instruction).embeds[0].to(storage)
                 stored[prompt_key(text)] = Prompt(text, {"text": emb})
             final.add_prompts(stored, enc.prompt_schema(storage))
-            final.manifest.extra["precompute"] = {"preset": preset.name, "family": preset.family,
-                                                  "text_encoder": preset.text.name, "base_resolution": preset.base_resolution}
+            decoder, files = enc.decoder_recipe()
+            for path, data in files.items():
+                final.add_file(f"decoder:{Path(path).name}", path, data)
+            final.manifest.extra["precompute"] = {"preset": preset.name, "family": preset.family, "text_encoder": preset.text.name,
+                                                  "base_resolution": preset.base_resolution, "decoder": decoder}
         counts["removed"] = len(stale) - counts["changed"]
         lines = "".join(json.dumps(f) + "\n" for f in failures)
         atomic_write_bytes(cache / "failures.jsonl", lines.encode())

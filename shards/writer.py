@@ -262,13 +262,26 @@ class ShardWriter:
         merged = read_prompts(self.root / entry["path"]) if entry else {}
         merged.update(prompts)
         data = encode_prompts(merged, schema, self.manifest.fingerprint_sha256)
-        path = self.root / (entry["path"] if entry else PROMPTS_FILE)
-        atomic_write_bytes(path, data)
-        self.manifest.files["prompts"] = {
-            "path": path.relative_to(self.root).as_posix(),
+        self.add_file("prompts", entry["path"] if entry else PROMPTS_FILE, data, count=len(merged))
+
+    def add_file(self, role: str, path: str, data: bytes, **info) -> None:
+        """Store an auxiliary file (prompt embeddings, the decoder of a VAE that exists nowhere else).
+
+        Written atomically now; listed in the manifest under `role`, with its size and sha256, at the
+        next commit, so `verify` checks it like a shard.
+        """
+        target = self.root / path
+        if not target.resolve().is_relative_to(self.root.resolve()):
+            raise ValueError(f"auxiliary file {path!r} must lie inside the cache {self.root}")
+        if not target.parent.is_dir():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fsync_dir(target.parent.parent)
+        atomic_write_bytes(target, data)
+        self.manifest.files[role] = {
+            "path": target.relative_to(self.root).as_posix(),
             "bytes": len(data),
             "sha256": hashlib.sha256(data).hexdigest(),
-            "count": len(merged),
+            **info,
         }
 
     def remove(self, keys: set[str]) -> int:

@@ -39,3 +39,21 @@ def make_sample(i: int, bucket=None, *, dim: int = 16, channels: int = 4) -> tup
 @pytest.fixture
 def sample():
     return make_sample
+
+
+VALIDATION_PROMPTS = ("a large red circle on a blue background", "a small yellow square on a black background")
+
+
+@pytest.fixture(scope="session")
+def tiny_caches(tmp_path_factory):
+    """Caches of 8 sample images built by stage one for each tiny preset, with two validation prompts."""
+    from precompute.run import main as precompute
+    from precompute.sample_data import make_folder
+
+    root = tmp_path_factory.mktemp("caches")
+    data = make_folder(root / "data", count=8)
+    out = {}
+    for model in ("tiny-sana", "tiny-pixart"):
+        precompute(str(data), model, root / model, workers=0, progress=False, validation_prompts=VALIDATION_PROMPTS)
+        out[model] = root / model
+    return out

@@ -22,20 +22,14 @@ from train.loop import TrainConfig, train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def caches(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    data = make_folder(root / "data", count=8)
-    out = {}
-    for model in ("tiny-sana", "tiny-pixart"):
-        precompute(str(data), model, root / model, workers=0, progress=False)
-        out[model] = root / model
-    return out
+@pytest.fixture
+def caches(tiny_caches):
+    return tiny_caches
 
 
 def cfg(cache, run, **kw):
     base = dict(model="tiny-sana", cache=cache, run=run, steps=20, batch_size=4, workers=0, progress=False,
-                log_every=1, checkpoint_every=1000, caption_dropout=0.0, lr=1e-3)
+                log_every=1, checkpoint_every=1000, caption_dropout=0.0, lr=1e-3, validate=False)
     return TrainConfig(**{**base, **kw})
 
 
@@ -181,20 +175,29 @@ def test_training_never_imports_an_encoder():
     assert found == []
 
 
-def test_training_process_holds_no_encoder(caches, tmp_path):
+def test_training_process_holds_no_encoder_even_while_validating(caches, tmp_path):
     code = f"""
 import sys, gc, torch
+from collections import Counter
 sys.path.insert(0, {str(ROOT)!r})
+import train.validate as validate
 from train.loop import TrainConfig, train
-train(TrainConfig(model="tiny-sana", cache={str(caches["tiny-sana"])!r}, run={str(tmp_path)!r}, steps=2, batch_size=4, workers=0, progress=False))
-import diffusers, transformers
-kinds = {{type(o).__name__ for o in gc.get_objects() if isinstance(o, torch.nn.Module)}}
-bad = kinds & {{"AutoencoderDC", "AutoencoderKL", "Gemma2Model", "T5EncoderModel"}}
-print("MODULES", sorted(bad))
+kinds = []
+real = validate.Validator.run
+def run(self, *args, **kwargs):
+    path = real(self, *args, **kwargs)
+    kinds.append(Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, torch.nn.Module)))
+    return path
+validate.Validator.run = run
+train(TrainConfig(model="tiny-sana", cache={str(caches["tiny-sana"])!r}, run={str(tmp_path)!r}, steps=2, batch_size=4, workers=0,
+                  progress=False, validate_every=1, validation_steps=2))
+bad = set().union(*kinds) & {{"AutoencoderDC", "AutoencoderKL", "Gemma2Model", "T5EncoderModel", "Decoder"}}
+print("VALIDATIONS", len(kinds), "MODULES", sorted(bad), "TRANSFORMERS", max(k["SanaTransformer2DModel"] for k in kinds))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "MODULES []" in out.stdout
+    assert "VALIDATIONS 2 MODULES [] TRANSFORMERS 1" in out.stdout  # no encoder, no second transformer
+    assert sorted(p.name for p in tmp_path.glob("samples-*.png")) == ["samples-step00000001.png", "samples-step00000002.png"]
 
 
 def test_mismatched_cache_fails_fast_naming_fields(caches, tmp_path):
@@ -217,7 +220,7 @@ def dying(path, obj):
     real(path, obj)
 ck.atomic_write_json = dying
 from train.loop import TrainConfig, train
-train(TrainConfig(model="tiny-sana", cache={cache!r}, run={run!r}, steps=6, batch_size=4, workers=0, progress=False, checkpoint_every=2))
+train(TrainConfig(model="tiny-sana", cache={cache!r}, run={run!r}, steps=6, batch_size=4, workers=0, progress=False, checkpoint_every=2, validate=False))
 """
 
 

@@ -1,4 +1,8 @@
-"""`python -m train`: train the diffusion transformer from a cache built by `python -m precompute`."""
+"""`python -m train`: train the diffusion transformer from a cache built by `python -m precompute`.
+
+Also `python -m train export RUN --out DIR` (diffusers-format weights) and
+`python -m train sample RUN --prompt-cache CACHE` (images for cached prompts); see their --help.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,10 @@ import dataclasses
 import inspect
 import json
 import logging
+import sys
 import typing
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 
@@ -54,6 +59,16 @@ HELP = {
     "log_every": "Write metrics every N steps.",
     "max_bad_steps": "Abort after this many non-finite steps in a row.",
     "progress": "Show the progress bar.",
+    "validation_prompt": "Validation prompt (repeatable); its embedding must be in the cache (precompute --validation-prompt). "
+                         "Default: every prompt cached with the data.",
+    "validate_every": "Sample a validation grid every N steps (0: only at the end).",
+    "validation_bucket": "Bucket HxW to sample at (repeatable; default: the cache's 3 most populous).",
+    "validation_steps": "Sampler steps per validation image.",
+    "guidance_scale": "Classifier-free guidance scale (the cached empty caption is the unconditional input).",
+    "validation_seed": "Seed of the validation noise (fixed per prompt and bucket).",
+    "decode_device": "Decode validation latents in a background CPU process (cpu) or on the training device after "
+                     "releasing memory (device).",
+    "validate": "Sample validation grids (--no-validate: never).",
 }
 assert set(HELP) == {f.name for f in dataclasses.fields(TrainConfig)}
 
@@ -87,8 +102,9 @@ def _signature() -> inspect.Signature:
         annotation = hints[f.name]
         if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
             annotation = Optional[[a for a in typing.get_args(annotation) if a is not type(None)][0]]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                        default=typer.Option(f.default, help=HELP[f.name])))
+                                        default=typer.Option(default, help=HELP[f.name])))
     return inspect.Signature(params)
 
 
@@ -96,5 +112,61 @@ command.__signature__ = _signature()
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 app.command(help=__doc__)(command)
 
+tools = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
+
+
+@tools.command("export")
+def export_command(
+    run: Path = typer.Argument(..., help="Run directory (its newest complete checkpoint) or one checkpoint directory."),
+    out: Path = typer.Option(..., help="Output directory; the transformer goes to OUT/transformer in the diffusers layout."),
+    ema: bool = typer.Option(False, help="Export the EMA weights instead of the trained ones."),
+    dtype: Optional[str] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
+) -> None:
+    """Write a checkpoint's transformer in the diffusers format (load it with `from_pretrained(OUT, subfolder="transformer")`)."""
+    from train.export import export
+
+    _run(lambda: print(f"exported {export(run, out, ema=ema, dtype=dtype)}"))
+
+
+@tools.command("sample")
+def sample_command(
+    run: Path = typer.Argument(..., help="Run directory (its newest complete checkpoint) or one checkpoint directory."),
+    prompt_cache: Path = typer.Option(..., help="Cache whose prompts.safetensors holds the prompts' embeddings."),
+    prompt: List[str] = typer.Option([], help="Prompt to sample (repeatable; default: every prompt in the cache)."),
+    bucket: List[str] = typer.Option([], help="Bucket HxW (repeatable; default: the cache's 3 most populous)."),
+    steps: int = typer.Option(20, help="Sampler steps."),
+    guidance: float = typer.Option(4.5, help="Classifier-free guidance scale."),
+    seed: int = typer.Option(0, help="Seed of the initial noise (fixed per prompt and bucket)."),
+    ema: bool = typer.Option(False, help="Sample with the EMA weights."),
+    precision: str = typer.Option("bf16", help="Autocast precision of the transformer: fp32, bf16 or fp16."),
+    decode_device: str = typer.Option("cpu", help="Decode on the cpu or on the device the transformer ran on (freed first)."),
+    out: Optional[Path] = typer.Option(None, help="Output directory (default: CHECKPOINT/samples)."),
+) -> None:
+    """Images for cached prompts from any checkpoint: one PNG per prompt and bucket."""
+    from train.export import sample
+
+    def go():
+        for path in sample(run, prompt_cache, out, prompts=prompt, buckets=bucket, steps=steps, guidance=guidance, seed=seed,
+                           ema=ema, decode_device=decode_device, precision=precision):
+            print(path)
+    _run(go)
+
+
+def _run(fn) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        fn()
+    except (ValueError, FileNotFoundError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("export", "sample"):
+        tools(prog_name="python -m train", args=sys.argv[1:])
+    else:
+        app(prog_name="python -m train")
+
+
 if __name__ == "__main__":
-    app(prog_name="python -m train")
+    main()

@@ -24,7 +24,8 @@ from train import checkpoint
 from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, Prefetcher, TrainingSamples, _generator, derived_seed,
                         epoch_loader)
 from train.objectives import TIMESTEP_BINS, build_objective
-from train.presets import build_transformer, get_preset
+from train.presets import build_transformer, get_preset, model_forward
+from train.validate import Validator
 
 log = logging.getLogger("train")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,6 +68,14 @@ class TrainConfig:
     log_every: int = 10
     max_bad_steps: int = 5
     progress: bool = True
+    validation_prompt: list[str] = field(default_factory=list)  # default: every prompt cached with the data
+    validate_every: int = 0  # 0: at the end only
+    validation_bucket: list[str] = field(default_factory=list)  # default: the 3 most populous buckets
+    validation_steps: int = 20
+    guidance_scale: float = 4.5
+    validation_seed: int = 0
+    decode_device: str = "cpu"  # cpu (a background process) | device (in-process, after releasing memory)
+    validate: bool = True
 
     def __post_init__(self) -> None:
         self.cache, self.run = Path(self.cache), Path(self.run)
@@ -82,6 +91,8 @@ class TrainConfig:
             raise ValueError("--optimizer adamw-bf16 keeps bf16 states for bf16 weights; add --weights-dtype bf16 "
                              "(or choose adamw for fp32 master weights)")
         self.checkpoint_every_k()  # validates the spelling
+        if self.decode_device not in ("cpu", "device"):
+            raise ValueError(f"decode device {self.decode_device!r}: choose cpu or device")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr schedule {self.lr_schedule!r}: choose constant or cosine")
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
@@ -182,15 +193,6 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
-def model_forward(model, family: str):
-    """The family's call signature as (noisy latents, timesteps, batch) -> prediction."""
-    def fn(xt, t, batch):
-        kwargs = {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}} if family == "pixart" else {}
-        return model(hidden_states=xt, encoder_hidden_states=batch["text"], encoder_attention_mask=batch["text_mask"].to(xt.dtype),
-                     timestep=t, return_dict=False, **kwargs)[0]
-    return fn
-
-
 def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -210,6 +212,19 @@ def train(cfg: TrainConfig) -> dict:
     cache = Cache(cfg.cache)
     config = preset.transformer_config()
     check_cache(preset, cache, config)
+    objective = build_objective(preset.objective, preset.prediction, weighting=cfg.weighting,
+                                shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
+                                base_resolution=preset.base_resolution)
+    validator = None
+    if cfg.validate:  # prompts without a cached embedding stop the run here, before any weights load
+        validator = Validator(cache, preset, objective, prompts=cfg.validation_prompt, buckets=cfg.validation_bucket,
+                              steps=cfg.validation_steps, guidance=cfg.guidance_scale, seed=cfg.validation_seed,
+                              decode_device="cpu" if cfg.decode_device == "cpu" else str(device), out=cfg.run,
+                              model_name=cfg.model)
+        if not validator:
+            print(f"no validation prompts cached in {cache.root} (add some with precompute --validation-prompt); not validating")
+            validator.close()
+            validator = None
     resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)
     state = checkpoint.load_state(resume_from) if resume_from else {}
     if state and state["world_size"] != world:
@@ -242,9 +257,6 @@ def train(cfg: TrainConfig) -> dict:
             ema.to("cpu")
             if device.type == "cuda":
                 ema.pin_memory()
-    objective = build_objective(preset.objective, preset.prediction, weighting=cfg.weighting,
-                                shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
-                                base_resolution=preset.base_resolution)
 
     # 3. resume: weights came with the model; now optimizer, schedule, scaler, EMA, data cursor
     step, epoch, cursor = 0, 0, 0
@@ -326,6 +338,30 @@ def train(cfg: TrainConfig) -> dict:
             "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder},
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
         })
+
+    validated_at = None
+
+    def validate() -> float:
+        """Queue a validation grid of this step; returns the seconds it took the training process."""
+        nonlocal validated_at
+        t0 = time.perf_counter()
+        validator.run(model, step, PRECISIONS[cfg.precision], ema, params)
+        validated_at = step
+        report_grids(validator.finished())
+        return time.perf_counter() - t0
+
+    def report_grids(done: list[tuple[str, str]]) -> None:
+        for status, message in done:
+            if status != "ok":
+                log.warning("validation grid failed: %s", message)
+                continue
+            tqdm.write(f"validation samples: {message}")
+            if tensorboard is not None:
+                import numpy as np
+                from PIL import Image
+
+                tensorboard.add_image("validation", np.asarray(Image.open(message).convert("RGB")),
+                                      int(Path(message).stem.removeprefix("samples-step")), dataformats="HWC")
 
     # 5. the loop
     metrics = open(cfg.run / "metrics.jsonl", "a")
@@ -410,6 +446,8 @@ def train(cfg: TrainConfig) -> dict:
             if stop["memory"]:
                 stop["memory"] = False
                 write_memory_report(cfg.run / "memory.txt", device, step)
+            if validator is not None and cfg.validate_every and step % cfg.validate_every == 0:
+                window["t0"] += validate()
             if step % cfg.checkpoint_every == 0:
                 save_checkpoint()
             if step >= cfg.steps or stop["signal"] is not None:
@@ -424,9 +462,13 @@ def train(cfg: TrainConfig) -> dict:
             dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout)
     bar.close()
     metrics.close()
+    save_checkpoint()
+    if validator is not None:
+        if stop["signal"] is None and validated_at != step:
+            validate()
+        report_grids(validator.finished(wait=True))
     if tensorboard is not None:
         tensorboard.close()
-    save_checkpoint()
     for s, h in previous_handlers.items():
         signal.signal(s, h)
     if stop["signal"] is not None:

@@ -40,9 +40,13 @@ class FlowMatching:
     resolution_shift: bool = False
     base_resolution: int = 1024
 
+    def shift_at(self, pixels: int) -> float:
+        """The shift for a bucket of `pixels` (sampling uses the same one)."""
+        return self.shift * (math.sqrt(pixels) / self.base_resolution if self.resolution_shift else 1.0)
+
     def sigmas(self, n: int, pixels: int, generator: torch.Generator) -> torch.Tensor:
         u = compute_density_for_timestep_sampling(self.weighting, n, self.logit_mean, self.logit_std, self.mode_scale, generator=generator)
-        shift = self.shift * (math.sqrt(pixels) / self.base_resolution if self.resolution_shift else 1.0)
+        shift = self.shift_at(pixels)
         return shift * u / (1 + (shift - 1) * u)
 
     def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,3 +95,12 @@ def build_transformer(preset: ModelPreset, pretrained: str | None, seed: int,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return cls.from_config(preset.transformer_config()).to(dtype)
+
+
+def model_forward(model, family: str):
+    """The family's call signature as (noisy latents, timesteps, batch) -> prediction."""
+    def fn(xt, t, batch):
+        kwargs = {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}} if family == "pixart" else {}
+        return model(hidden_states=xt, encoder_hidden_states=batch["text"], encoder_attention_mask=batch["text_mask"].to(xt.dtype),
+                     timestep=t, return_dict=False, **kwargs)[0]
+    return fn

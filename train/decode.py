@@ -1,0 +1,153 @@
+"""Latents to pictures, away from the training device.
+
+The VAE's decoder is rebuilt from the recipe stage one recorded in the cache manifest (class, weights
+source, latent scaling) and runs in a background process on the CPU by default, so the training
+process never holds VAE weights; `Decoder(..., device=cuda)` decodes in-process on the device instead,
+for runs that release training memory first. Sample grids are labelled PNGs written atomically.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import textwrap
+from pathlib import Path
+
+import torch
+
+from shards import Cache
+from shards.atomic import atomic_write_bytes
+
+LABEL_WIDTH = 240
+TITLE_HEIGHT = 28
+
+
+def decoder_recipe(cache: Cache) -> dict:
+    recipe = cache.manifest.extra.get("precompute", {}).get("decoder")
+    if recipe is None:
+        raise ValueError(f"{cache.root} records no VAE decoder; rebuild it with this version's `make precompute`")
+    recipe = dict(recipe)
+    if recipe.get("in_cache"):
+        recipe["source"] = str(cache.root / recipe["source"])
+    return recipe
+
+
+def load_decoder(recipe: dict, device: torch.device) -> torch.nn.Module:
+    """The VAE of `recipe` with its encoder dropped: only the decoder's weights stay in memory."""
+    import diffusers
+
+    cls = getattr(diffusers, recipe["class"])
+    vae = cls.from_pretrained(recipe["source"], subfolder=recipe.get("subfolder"), revision=recipe.get("revision"))
+    vae.encoder = None
+    if hasattr(vae, "quant_conv"):
+        vae.quant_conv = None
+    return vae.to(device).eval().requires_grad_(False)
+
+
+@torch.inference_mode()
+def decode(vae: torch.nn.Module, recipe: dict, latents: torch.Tensor) -> list:
+    """(B, C, h, w) cached-scale latents -> PIL images."""
+    from PIL import Image
+
+    z = latents.to(vae.device, torch.float32) / recipe["scaling_factor"] + recipe["shift_factor"]
+    pixels = vae.decode(z).sample.float().clamp(-1, 1)
+    pixels = ((pixels + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(p) for p in pixels]
+
+
+def grid(title: str, rows: list[tuple[str, list]]) -> "Image.Image":
+    """One row per label; images of different sizes are centred in equal cells."""
+    from PIL import Image, ImageDraw
+
+    cols = max(len(images) for _, images in rows)
+    cell_w = max(im.width for _, images in rows for im in images)
+    heights = [max(im.height for im in images) for _, images in rows]
+    canvas = Image.new("RGB", (LABEL_WIDTH + cols * (cell_w + 4), TITLE_HEIGHT + sum(h + 4 for h in heights)), "white")
+    draw = ImageDraw.Draw(canvas)
+    draw.text((6, 8), title, fill="black")
+    y = TITLE_HEIGHT
+    for (label, images), h in zip(rows, heights):
+        draw.multiline_text((6, y + 4), "\n".join(textwrap.wrap(label, 36)[:8]), fill="black")
+        for j, im in enumerate(images):
+            x = LABEL_WIDTH + j * (cell_w + 4) + (cell_w - im.width) // 2
+            canvas.paste(im, (x, y + (h - im.height) // 2))
+        y += h + 4
+    return canvas
+
+
+def render(vae, recipe: dict, job: dict) -> Path:
+    """Decode a job's rows of latents and write its grid; returns the PNG's path."""
+    rows = [(label, [im for z in latents for im in decode(vae, recipe, z[None])]) for label, latents in job["rows"]]
+    buf = io.BytesIO()
+    grid(job["title"], rows).save(buf, format="PNG")
+    atomic_write_bytes(job["path"], buf.getvalue())
+    return Path(job["path"])
+
+
+def _worker(recipe: dict, jobs, results) -> None:
+    torch.set_num_threads(1)  # the training process keeps the other cores
+    vae = load_decoder(recipe, torch.device("cpu"))
+    while (job := jobs.get()) is not None:
+        try:
+            results.put(("ok", str(render(vae, recipe, job))))
+        except Exception as e:  # reported in the training process, which carries on
+            results.put(("error", f"{job['path']}: {type(e).__name__}: {e}"))
+
+
+class Decoder:
+    """Turns rows of latents into grid PNGs: in a background CPU process, or in-process on `device`.
+
+    `submit` returns at once in the background mode; `finished()` yields the grids written so far,
+    `close()` waits for the rest.
+    """
+
+    def __init__(self, recipe: dict, device: torch.device | None = None):
+        self.recipe, self.device = recipe, device
+        self._done: list[tuple[str, str]] = []
+        if device is None:
+            ctx = mp.get_context("spawn")  # a clean interpreter: no copy of the training process's memory
+            self._jobs, self._results = ctx.Queue(), ctx.Queue()
+            self._process = ctx.Process(target=_worker, args=(recipe, self._jobs, self._results), daemon=True, name="decoder")
+            self._process.start()
+            self._pending = 0
+
+    def submit(self, title: str, rows: list[tuple[str, list[torch.Tensor]]], path: Path) -> None:
+        job = {"title": title, "rows": [(label, [z.detach().float().cpu() for z in zs]) for label, zs in rows], "path": str(path)}
+        if self.device is None:
+            self._jobs.put(job)
+            self._pending += 1
+            return
+        vae = load_decoder(self.recipe, self.device)
+        try:
+            self._done.append(("ok", str(render(vae, self.recipe, job))))
+        finally:
+            del vae
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def finished(self, wait: bool = False) -> list[tuple[str, str]]:
+        """(status, path or error) of the grids completed since the last call."""
+        if self.device is None:
+            import queue
+
+            while self._pending:
+                try:
+                    item = self._results.get(timeout=1.0) if wait else self._results.get_nowait()
+                except queue.Empty:
+                    if not wait:
+                        break
+                    if not self._process.is_alive():
+                        self._done.append(("error", f"the decoder process exited with code {self._process.exitcode}"))
+                        self._pending = 0
+                    continue
+                self._done.append(item)
+                self._pending -= 1
+        done, self._done = self._done, []
+        return done
+
+    def close(self) -> list[tuple[str, str]]:
+        done = self.finished(wait=True)
+        if self.device is None:
+            self._jobs.put(None)
+            self._process.join(timeout=60)
+        return done

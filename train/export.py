@@ -1,0 +1,108 @@
+"""From a run's checkpoint to what inference tools load: diffusers-format weights and sample images."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from shards import Cache
+from train import checkpoint
+from train.objectives import build_objective
+from train.presets import get_preset
+from train.validate import Validator
+
+
+def find_checkpoint(run_or_checkpoint: Path) -> Path:
+    """A checkpoint directory as given, or the newest complete checkpoint of a run directory."""
+    path = Path(run_or_checkpoint)
+    if (path / checkpoint.MARKER).exists():
+        return path
+    found = checkpoint.complete_checkpoints(path)
+    if not found:
+        raise FileNotFoundError(f"{path} is neither a complete checkpoint nor a run directory with one")
+    return found[-1]
+
+
+def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
+    """(transformer, preset, training state) of a checkpoint; with `ema`, the EMA weights."""
+    state = checkpoint.load_state(ckpt)
+    preset = get_preset(state["model"])
+    model = preset.transformer_class.from_pretrained(ckpt / "transformer", torch_dtype=dtype)
+    if ema:
+        ema_state = checkpoint.load_tensors(ckpt, "ema")
+        if ema_state is None:
+            raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
+        params = [p for p in model.parameters() if p.requires_grad]
+        shadow = ema_state["shadow_params"]
+        if len(shadow) != len(params) or any(s.shape != p.shape for s, p in zip(shadow, params)):
+            raise ValueError(f"{ckpt}: the EMA weights do not match the transformer's parameters")
+        with torch.no_grad():
+            for p, s in zip(params, shadow):
+                p.copy_(s)
+    return model, preset, state
+
+
+def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None) -> Path:
+    """Write the transformer of a run's newest checkpoint (or of a given checkpoint) to OUT/transformer in
+    the diffusers layout, with a note of where it came from. Returns OUT/transformer."""
+    ckpt = find_checkpoint(run)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if dtype else None
+    model, preset, state = load_model(ckpt, ema, torch_dtype)
+    target = Path(out) / "transformer"
+    tmp = target.with_name(".tmp-transformer")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    (tmp / "training.json").write_text(json.dumps({
+        "checkpoint": str(ckpt.resolve()), "step": state["step"], "weights": "ema" if ema else "trained", "preset": preset.name,
+        "precision_history": state["precision_history"],
+    }, indent=1) + "\n")
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
+def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: list[str] = (), buckets: list[str] = (),
+           steps: int = 20, guidance: float = 4.5, seed: int = 0, ema: bool = False, decode_device: str = "cpu",
+           precision: str = "bf16") -> list[Path]:
+    """Images for cached prompts from a checkpoint: one PNG per prompt and bucket, and a grid."""
+    from train.decode import decode, load_decoder
+
+    ckpt = find_checkpoint(run)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    model, preset, state = load_model(ckpt, ema)
+    model.to(device)
+    cfg = state["config"]
+    objective = build_objective(preset.objective, preset.prediction, weighting=cfg.get("weighting", "logit_normal"),
+                                shift=cfg.get("flow_shift") or preset.flow_shift, resolution_shift=cfg.get("resolution_shift", False),
+                                base_resolution=preset.base_resolution)
+    cache = Cache(prompt_cache)
+    out = Path(out) if out else ckpt / "samples"
+    out.mkdir(parents=True, exist_ok=True)
+    validator = Validator(cache, preset, objective, prompts=list(prompts), buckets=list(buckets), steps=steps, guidance=guidance,
+                          seed=seed, decode_device="cpu", out=out, model_name=preset.name)
+    if not validator:
+        raise ValueError(f"{cache.root} holds no prompts; pass --prompt TEXT for prompts cached there, or add some with "
+                         f"precompute --validation-prompt")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    latents = validator.sample(model, dtype)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    vae = load_decoder(validator.recipe, device if decode_device == "device" else torch.device("cpu"))
+    written = []
+    for (text, bucket), z in latents.items():
+        image = decode(vae, validator.recipe, z[None])[0]
+        path = out / f"{_slug(text)}-{bucket.name}-seed{seed}.png"
+        image.save(path)
+        written.append(path)
+    return written
+
+
+def _slug(text: str) -> str:
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "prompt"

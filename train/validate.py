@@ -1,0 +1,195 @@
+"""Validation samples from the training transformer itself and the prompt embeddings stage one cached.
+
+No text encoder and no second transformer: prompts come from the cache (`prompts.safetensors`), the
+null embedding drives classifier-free guidance, the family's diffusers scheduler samples (flow-match
+Euler for Sana, DPM-Solver for PixArt-Sigma), EMA weights are swapped in for the duration, and the
+latents go to `train.decode.Decoder` (a CPU process by default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shards import Bucket, Cache
+from shards.prompts import prompt_key
+from train.data import derived_seed
+from train.decode import Decoder, decoder_recipe
+from train.objectives import DDPM, FlowMatching
+from train.presets import ModelPreset, model_forward
+
+
+@dataclass
+class ValidationPrompt:
+    text: str
+    embed: torch.Tensor  # (L, D)
+
+
+def resolve_prompts(cache: Cache, requested: list[str], model: str) -> list[ValidationPrompt]:
+    """The requested prompts (all the cache's validation prompts when none are), with their cached
+    embeddings; a prompt that was never encoded stops the run here, naming the command that adds it."""
+    stored = cache.prompts()
+    if not requested:
+        return [ValidationPrompt(p.text, p.fields["text"]) for p in sorted(stored.values(), key=lambda p: p.text) if p.text]
+    missing = [text for text in requested if prompt_key(text) not in stored]
+    if missing:
+        args = " ".join(f"--validation-prompt {_quote(t)}" for t in missing)
+        raise ValueError(
+            f"validation prompt(s) {missing} have no cached embedding in {cache.root}. Add them (nothing else is "
+            f"re-encoded):\n  make precompute DATA=<your data> MODEL={model} CACHE={cache.root} PRECOMPUTE_ARGS={_quote(args)}"
+        )
+    return [ValidationPrompt(t, stored[prompt_key(t)].fields["text"]) for t in requested]
+
+
+def _quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
+
+
+def parse_bucket(text: str) -> Bucket:
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"bucket {text!r}: write HEIGHTxWIDTH, e.g. 256x256") from None
+    return Bucket(h, w)
+
+
+def default_buckets(cache: Cache, n: int = 3) -> list[Bucket]:
+    """The cache's `n` most populous buckets."""
+    stats = cache.manifest.buckets()
+    return sorted(stats, key=lambda b: (-stats[b].samples, b))[:n]
+
+
+def sampling_scheduler(preset: ModelPreset, objective, pixels: int):
+    """The family's inference scheduler, set up as training defined the noise."""
+    if isinstance(objective, FlowMatching):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=objective.shift_at(pixels))
+    if isinstance(objective, DDPM):
+        from diffusers import DPMSolverMultistepScheduler
+
+        return DPMSolverMultistepScheduler.from_config(objective.scheduler.config)
+    raise TypeError(f"no sampler for {type(objective).__name__}")
+
+
+def _pad(embeds: list[torch.Tensor], device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    longest = max(e.shape[0] for e in embeds)
+    text = torch.zeros(len(embeds), longest, embeds[0].shape[1], device=device, dtype=dtype)
+    mask = torch.zeros(len(embeds), longest, device=device, dtype=torch.bool)
+    for i, e in enumerate(embeds):
+        text[i, : e.shape[0]], mask[i, : e.shape[0]] = e.to(device, dtype), True
+    return text, mask
+
+
+@torch.no_grad()
+def generate(model, preset: ModelPreset, objective, embed: torch.Tensor, null: torch.Tensor, latent_shape: tuple[int, int, int],
+             pixels: int, *, steps: int, guidance: float, seed: int, precision: torch.dtype) -> torch.Tensor:
+    """One sample (C, h, w) at the cache's latent scale, with classifier-free guidance; `pixels` of its bucket."""
+    device = next(model.parameters()).device
+    c, h, w = latent_shape
+    scheduler = sampling_scheduler(preset, objective, pixels)
+    scheduler.set_timesteps(steps, device=device)
+    g = torch.Generator().manual_seed(seed)
+    latents = (torch.randn(1, c, h, w, generator=g) * getattr(scheduler, "init_noise_sigma", 1.0)).to(device)
+    text, mask = _pad([null, embed], device, torch.float32)
+    forward = model_forward(model, preset.family)
+    autocast = torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
+    for t in scheduler.timesteps:
+        x = torch.cat([latents, latents])
+        if hasattr(scheduler, "scale_model_input"):
+            x = scheduler.scale_model_input(x, t)
+        with autocast:
+            pred = forward(x, t.expand(2), {"text": text, "text_mask": mask}).float()
+        pred = pred[:, :c]  # learned-sigma models append variance channels
+        uncond, cond = pred.chunk(2)
+        latents = scheduler.step(uncond + guidance * (cond - uncond), t, latents).prev_sample
+    return latents[0]
+
+
+class Validator:
+    """Generates one grid per call: a row per prompt, a column per bucket, and a row of dataset latents
+    decoded the same way, so generated samples can be judged against what the model learns from."""
+
+    def __init__(self, cache: Cache, preset: ModelPreset, objective, *, prompts: list[str], buckets: list[str], steps: int,
+                 guidance: float, seed: int, decode_device: str, out: Path, model_name: str):
+        self.prompts = resolve_prompts(cache, prompts, model_name)
+        null = cache.prompts().get(prompt_key(""))
+        if null is None:
+            raise ValueError(f"{cache.root} holds no empty-caption embedding for guidance; rebuild it with `make precompute`")
+        self.null = null.fields["text"]
+        self.buckets = [parse_bucket(b) for b in buckets] or default_buckets(cache)
+        down = cache.fingerprint["vae"]["downsample"]
+        bad = [b.name for b in self.buckets if b.height % down or b.width % down]
+        if bad:
+            raise ValueError(f"validation buckets {bad} are not multiples of the VAE's downsampling factor {down}")
+        channels = cache.fingerprint["vae"]["latent_channels"]
+        self.shapes = [(channels, b.height // down, b.width // down) for b in self.buckets]
+        self.preset, self.objective = preset, objective
+        self.steps, self.guidance, self.seed = steps, guidance, seed
+        self.out = out
+        self.references = reference_latents(cache, self.buckets)
+        self.recipe = decoder_recipe(cache)
+        self.decode_device = None if decode_device == "cpu" else torch.device(decode_device)
+        self.decoder: Decoder | None = None  # started at the first grid
+
+    def __bool__(self) -> bool:
+        return bool(self.prompts)
+
+    def sample(self, model, precision: torch.dtype, ema=None, params=None) -> dict[tuple[str, Bucket], torch.Tensor]:
+        """Latents of every prompt at every bucket, by (prompt, bucket); EMA weights when given."""
+        was_training = model.training
+        model.eval()
+        if ema is not None:
+            ema.store(params)
+            ema.copy_to(params)
+        try:
+            return {
+                (prompt.text, b): generate(model, self.preset, self.objective, prompt.embed, self.null, shape, b.height * b.width,
+                                           steps=self.steps, guidance=self.guidance, seed=derived_seed(self.seed, i, *shape),
+                                           precision=precision)
+                for i, prompt in enumerate(self.prompts) for shape, b in zip(self.shapes, self.buckets)
+            }
+        finally:
+            if ema is not None:
+                ema.restore(params)
+            model.train(was_training)
+
+    def run(self, model, step: int, precision: torch.dtype, ema=None, params=None) -> Path:
+        """Sample every prompt at every bucket and queue the grid's decoding; returns the grid's path."""
+        latents = self.sample(model, precision, ema, params)
+        rows = [(p.text, [latents[p.text, b] for b in self.buckets]) for p in self.prompts]
+        if self.references:
+            rows.append(("dataset latents, decoded: " + ", ".join(name for name, _ in self.references), [z for _, z in self.references]))
+        path = self.out / f"samples-step{step:08d}.png"
+        buckets = ", ".join(b.name for b in self.buckets)
+        if self.decoder is None:
+            self.decoder = Decoder(self.recipe, self.decode_device)
+        self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance} · buckets {buckets}", rows, path)
+        return path
+
+    def finished(self, wait: bool = False) -> list[tuple[str, str]]:
+        """Grids decoded since the last call; `wait` waits for all and stops the decoder."""
+        if self.decoder is None:
+            return []
+        return self.decoder.close() if wait else self.decoder.finished()
+
+    def close(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()
+
+
+def reference_latents(cache: Cache, buckets: list[Bucket], n: int = 4) -> list[tuple[str, torch.Tensor]]:
+    """Up to `n` cached latents (posterior means), the validation buckets' first samples first."""
+    ranges = cache.ranges_by_bucket()
+    order = [b for b in buckets if b in ranges] + [b for b in ranges if b not in buckets]
+    out = []
+    for bucket in order[:n]:
+        sample = cache[ranges[bucket][0].start]
+        latent = sample.fields["latent_mean"] if "latent_mean" in sample.fields else sample.fields["latent"]
+        source = bytes(sample.fields["source"].numpy()).decode("utf-8", "replace")
+        out.append((Path(source).name, latent.float().clone()))
+    return out
