@@ -17,7 +17,12 @@ TRAIN_ARGS ?=
 # one process, or torchrun with NPROC processes on this node
 LAUNCH = $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
 
-.PHONY: install test bench precompute train clean
+DEMO ?= demo
+DEMO_PROMPTS = --validation-prompt "a large red circle on a blue background" \
+	--validation-prompt "a small yellow square on a black background" \
+	--validation-prompt "a large white triangle on a green background"
+
+.PHONY: install test bench precompute train demo clean
 
 install: $(VENV)/.installed
 
@@ -41,6 +46,22 @@ precompute: install
 
 train: install
 	$(PY) -m train --model $(MODEL) --cache $(CACHE) --run $(RUN) --steps $(STEPS) --precision $(PRECISION) $(TRAIN_ARGS)
+
+# The whole path offline on a generated sample: data -> stage one -> stage two with validation grids.
+# The tiny preset's VAE and text encoder have random weights: the grids show the mechanics, not art.
+demo: install
+	$(PY) -m precompute.sample_data $(DEMO)/data --count 96
+	$(PY) -m precompute $(DEMO)/data --model tiny-sana --cache $(DEMO)/cache $(DEMO_PROMPTS)
+	rm -rf $(DEMO)/run
+	$(PY) -m train --model tiny-sana --cache $(DEMO)/cache --run $(DEMO)/run --steps 400 --batch-size 8 --lr 1e-3 \
+		--warmup-steps 20 --ema-decay 0.99 --checkpoint-every 200 --validate-every 200 --validation-steps 20 --log-every 20
+	@echo
+	@echo "demo done:"
+	@echo "  sample grids   $$(ls $(DEMO)/run/samples-*.png | tr '\n' ' ')"
+	@echo "  loss curve     $(DEMO)/run/loss.png"
+	@echo "  metrics        $(DEMO)/run/metrics.jsonl"
+	@echo "  checkpoints    $$(ls -d $(DEMO)/run/checkpoints/step-* | tr '\n' ' ')"
+	@echo "  cache          $(DEMO)/cache (inspect: $(PY) -m shards inspect $(DEMO)/cache)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

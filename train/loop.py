@@ -350,11 +350,14 @@ def train(cfg: TrainConfig) -> dict:
         report_grids(validator.finished())
         return time.perf_counter() - t0
 
+    grids: list[str] = []
+
     def report_grids(done: list[tuple[str, str]]) -> None:
         for status, message in done:
             if status != "ok":
                 log.warning("validation grid failed: %s", message)
                 continue
+            grids.append(message)
             tqdm.write(f"validation samples: {message}")
             if tensorboard is not None:
                 import numpy as np
@@ -439,6 +442,8 @@ def train(cfg: TrainConfig) -> dict:
                     for name in ("loss", "smoothed_loss", "lr", "grad_norm", "samples_per_s", "data_wait", "peak_memory"):
                         tensorboard.add_scalar(f"train/{name}", record[name], step)
                 losses.append((step, mean))
+                if validator is not None:
+                    report_grids(validator.finished())
                 bar.set_postfix(loss=f"{mean:.4f}", smooth=f"{smoothed:.4f}", lr=f"{record['lr']:.2e}",
                                 sps=f"{record['samples_per_s']:.1f}", wait=f"{record['data_wait']:.0%}")
                 window.update(loss=0.0, n=0, samples=0, t0=time.perf_counter(), wait=wait_before + prefetch.wait_s,
@@ -474,7 +479,7 @@ def train(cfg: TrainConfig) -> dict:
     if stop["signal"] is not None:
         print(f"stopped by signal {stop['signal']} at step {step}; resume with the same command")
     plot_losses(cfg.run)
-    summary = {"step": step, "epoch": epoch, "elapsed_s": time.perf_counter() - t_start,
+    summary = {"step": step, "epoch": epoch, "elapsed_s": time.perf_counter() - t_start, "grids": grids,
                "last_loss": losses[-1][1] if losses else None, "checkpoint": str(checkpoint.complete_checkpoints(cfg.run)[-1])}
     print(f"run {cfg.run}: step {step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
           f"loss curve {cfg.run / 'loss.png'}")
@@ -506,7 +511,7 @@ def plot_losses(run: Path) -> None:
     ax.plot([r["step"] for r in rows], [r["smoothed_loss"] for r in rows], label="smoothed")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.set_title(run.name)
+    ax.set_title(str(run))
     ax.legend()
     fig.tight_layout()
     fig.savefig(run / "loss.png", dpi=100)

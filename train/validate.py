@@ -8,6 +8,7 @@ latents go to `train.decode.Decoder` (a CPU process by default).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def resolve_prompts(cache: Cache, requested: list[str], model: str) -> list[Vali
         return [ValidationPrompt(p.text, p.fields["text"]) for p in sorted(stored.values(), key=lambda p: p.text) if p.text]
     missing = [text for text in requested if prompt_key(text) not in stored]
     if missing:
-        args = " ".join(f"--validation-prompt {_quote(t)}" for t in missing)
+        args = " ".join(f"--validation-prompt {json.dumps(t)}" for t in missing)
         raise ValueError(
             f"validation prompt(s) {missing} have no cached embedding in {cache.root}. Add them (nothing else is "
             f"re-encoded):\n  make precompute DATA=<your data> MODEL={model} CACHE={cache.root} PRECOMPUTE_ARGS={_quote(args)}"

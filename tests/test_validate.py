@@ -1,0 +1,112 @@
+"""Validation samples, export to the stock diffusers pipelines, and the sampling CLI (tiny presets, CPU)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import VALIDATION_PROMPTS
+from train.checkpoint import complete_checkpoints
+from train.loop import TrainConfig, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cfg(cache, run, **kw):
+    base = dict(model="tiny-sana", cache=cache, run=run, steps=4, batch_size=4, workers=0, progress=False, log_every=1,
+                checkpoint_every=1000, lr=1e-3, validation_steps=3)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_an_uncached_validation_prompt_stops_before_step_one(tiny_caches, tmp_path):
+    with pytest.raises(ValueError) as e:
+        train(cfg(tiny_caches["tiny-sana"], tmp_path, validation_prompt=[VALIDATION_PROMPTS[0], "a green triangle at dusk"]))
+    message = str(e.value)
+    assert "a green triangle at dusk" in message and VALIDATION_PROMPTS[0] not in message.split("Add them")[0]
+    assert "make precompute DATA=<your data> MODEL=tiny-sana" in message and """PRECOMPUTE_ARGS='--validation-prompt "a green triangle at dusk"'""" in message
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("model", ["tiny-sana", "tiny-pixart"])
+def test_validation_grid_has_a_row_per_prompt_and_the_dataset_row(tiny_caches, tmp_path, model):
+    train(cfg(tiny_caches[model], tmp_path, model=model, validation_bucket=["256x256", "208x304"]))
+    grid = Image.open(tmp_path / "samples-step00000004.png")
+    # title + 2 prompt rows + 1 dataset row of 256-px-high cells; label column + 4 reference cells
+    assert grid.height >= 28 + 3 * 256 and grid.width >= 240 + 4 * 256
+
+
+def test_decoding_on_the_training_device(tiny_caches, tmp_path):
+    train(cfg(tiny_caches["tiny-sana"], tmp_path, decode_device="device", validation_bucket=["256x256"]))
+    assert (tmp_path / "samples-step00000004.png").stat().st_size > 10_000
+
+
+def _pipeline(model: str, transformer_dir: Path, tmp_path: Path):
+    """The family's stock diffusers pipeline from the exported transformer and the tiny VAE / text encoder."""
+    from diffusers import (DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, PixArtSigmaPipeline,
+                           PixArtTransformer2DModel, SanaPipeline, SanaTransformer2DModel)
+    from precompute.presets import get_preset, save_tiny
+
+    parts = tmp_path / "parts"
+    save_tiny(get_preset(model), parts)
+    if model == "tiny-sana":
+        from diffusers import AutoencoderDC
+        from transformers import AutoTokenizer, Gemma2Model
+
+        pipe = SanaPipeline(tokenizer=AutoTokenizer.from_pretrained(parts / "tokenizer"),
+                            text_encoder=Gemma2Model.from_pretrained(parts / "text_encoder"),
+                            vae=AutoencoderDC.from_pretrained(parts / "vae"),
+                            transformer=SanaTransformer2DModel.from_pretrained(transformer_dir, subfolder="transformer"),
+                            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
+    else:
+        from diffusers import AutoencoderKL
+        from transformers import AutoTokenizer, T5EncoderModel
+
+        pipe = PixArtSigmaPipeline(tokenizer=AutoTokenizer.from_pretrained(parts / "tokenizer"),
+                                   text_encoder=T5EncoderModel.from_pretrained(parts / "text_encoder"),
+                                   vae=AutoencoderKL.from_pretrained(parts / "vae"),
+                                   transformer=PixArtTransformer2DModel.from_pretrained(transformer_dir, subfolder="transformer"),
+                                   scheduler=DPMSolverMultistepScheduler())
+    pipe.save_pretrained(tmp_path / "pipeline")
+    return type(pipe).from_pretrained(tmp_path / "pipeline")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-sana", "tiny-pixart"])
+def test_exported_weights_generate_through_the_stock_pipeline(tiny_caches, tmp_path, model):
+    train(cfg(tiny_caches[model], tmp_path / "run", model=model, ema_decay=0.5, validate=False))
+    out = subprocess.run([sys.executable, "-m", "train", "export", str(tmp_path / "run"), "--ema", "--out", str(tmp_path / "export")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    ckpt = complete_checkpoints(tmp_path / "run")[-1]
+    shadow = torch.load(ckpt / "ema.pt", weights_only=True)["shadow_params"]
+    from safetensors.torch import load_file
+
+    exported = load_file(tmp_path / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
+    trained = load_file(ckpt / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert exported.keys() == trained.keys() and any(not torch.equal(exported[k], trained[k]) for k in exported)  # EMA, not raw
+    assert sorted(t.numel() for t in exported.values()) == sorted(t.numel() for t in shadow)
+    assert json.loads((tmp_path / "export" / "transformer" / "training.json").read_text())["weights"] == "ema"
+
+    pipe = _pipeline(model, tmp_path / "export", tmp_path)
+    kwargs = {"complex_human_instruction": None} if model == "tiny-sana" else {}
+    image = pipe(VALIDATION_PROMPTS[0], height=256, width=256, num_inference_steps=2, guidance_scale=4.5, max_sequence_length=64,
+                 generator=torch.Generator().manual_seed(0), output_type="np", **kwargs).images[0]
+    assert image.shape == (256, 256, 3) and float(image.std()) > 0
+
+
+def test_sample_cli_writes_one_image_per_prompt_and_bucket(tiny_caches, tmp_path):
+    train(cfg(tiny_caches["tiny-pixart"], tmp_path / "run", model="tiny-pixart", validate=False))
+    out = subprocess.run([sys.executable, "-m", "train", "sample", str(tmp_path / "run"), "--prompt-cache", str(tiny_caches["tiny-pixart"]),
+                          "--bucket", "256x256", "--bucket", "304x208", "--steps", "3", "--out", str(tmp_path / "samples")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    images = sorted((tmp_path / "samples").glob("*.png"))
+    assert len(images) == 2 * len(VALIDATION_PROMPTS)
+    assert {Image.open(p).size for p in images} == {(256, 256), (208, 304)}
+    missing = subprocess.run([sys.executable, "-m", "train", "sample", str(tmp_path / "run"), "--prompt-cache",
+                              str(tiny_caches["tiny-pixart"]), "--prompt", "never cached"], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode == 2 and "never cached" in missing.stderr
