@@ -9,13 +9,23 @@ PYTEST_ARGS ?=
 MODEL ?= tiny-sana
 CACHE ?= cache/$(MODEL)
 NPROC ?= 1
+NNODES ?= 1
+RDZV_ENDPOINT ?= localhost:29400
+RDZV_ID ?= cachedit
+PARALLEL ?= auto
 RUN ?= runs/$(MODEL)
 STEPS ?= 200
 PRECISION ?= bf16
 PRECOMPUTE_ARGS ?=
 TRAIN_ARGS ?=
-# one process, or torchrun with NPROC processes on this node
-LAUNCH = $(if $(filter 1,$(NPROC)),$(PY),$(PY) -m torch.distributed.run --standalone --nproc_per_node $(NPROC))
+# One process; torchrun with NPROC processes on this node; or, with NNODES > 1, NPROC per node on every
+# node, which meet at RDZV_ENDPOINT (host:port of any one of them) through torchrun's c10d rendezvous.
+TORCHRUN = $(PY) -m torch.distributed.run
+ifeq ($(NNODES),1)
+LAUNCH = $(if $(filter 1,$(NPROC)),$(PY),$(TORCHRUN) --standalone --nproc_per_node $(NPROC))
+else
+LAUNCH = $(TORCHRUN) --nnodes $(NNODES) --nproc_per_node $(NPROC) --rdzv_backend c10d --rdzv_endpoint $(RDZV_ENDPOINT) --rdzv_id $(RDZV_ID)
+endif
 
 DEMO ?= demo
 DEMO_PROMPTS = --validation-prompt "a large red circle on a blue background" \
@@ -45,7 +55,8 @@ precompute: install
 	$(LAUNCH) -m precompute "$(DATA)" --model $(MODEL) --cache $(CACHE) $(PRECOMPUTE_ARGS)
 
 train: install
-	$(PY) -m train --model $(MODEL) --cache $(CACHE) --run $(RUN) --steps $(STEPS) --precision $(PRECISION) $(TRAIN_ARGS)
+	$(LAUNCH) -m train --model $(MODEL) --cache $(CACHE) --run-dir $(RUN) --steps $(STEPS) --precision $(PRECISION) \
+		--parallel $(PARALLEL) $(TRAIN_ARGS)
 
 # The whole path offline on a generated sample: data -> stage one -> stage two with validation grids.
 # The tiny preset's VAE and text encoder have random weights: the grids show the mechanics, not art.
@@ -53,7 +64,7 @@ demo: install
 	$(PY) -m precompute.sample_data $(DEMO)/data --count 96
 	$(PY) -m precompute $(DEMO)/data --model tiny-sana --cache $(DEMO)/cache $(DEMO_PROMPTS)
 	rm -rf $(DEMO)/run
-	$(PY) -m train --model tiny-sana --cache $(DEMO)/cache --run $(DEMO)/run --steps 400 --batch-size 8 --lr 1e-3 \
+	$(PY) -m train --model tiny-sana --cache $(DEMO)/cache --run-dir $(DEMO)/run --steps 400 --batch-size 8 --lr 1e-3 \
 		--warmup-steps 20 --ema-decay 0.99 --checkpoint-every 200 --validate-every 200 --validation-steps 20 --log-every 20
 	@echo
 	@echo "demo done:"

@@ -69,8 +69,16 @@ HELP = {
     "decode_device": "Decode validation latents in a background CPU process (cpu) or on the training device after "
                      "releasing memory (device).",
     "validate": "Sample validation grids (--no-validate: never).",
+    "parallel": "Under torchrun: ddp (replicated weights; auto picks it) or fsdp (FSDP2: weights, gradients and "
+                "optimizer states sharded per transformer block).",
+    "fsdp_block": "Class name of the modules FSDP shards one by one (default: the model's transformer blocks).",
+    "fsdp_reshard": "Free each block's gathered weights after its forward (ZeRO-3-like, least memory); "
+                    "--no-fsdp-reshard keeps them until backward (ZeRO-2-like, less communication).",
+    "fsdp_cpu_offload": "Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP's CPUOffloadPolicy).",
 }
 assert set(HELP) == {f.name for f in dataclasses.fields(TrainConfig)}
+# torchrun's own parser would take `--run` for an abbreviation of its `--run-path`
+OPTION_NAMES = {"run": ("--run-dir",)}
 
 
 def load_config(ctx: typer.Context, param, value: Optional[Path]):
@@ -104,7 +112,7 @@ def _signature() -> inspect.Signature:
             annotation = Optional[[a for a in typing.get_args(annotation) if a is not type(None)][0]]
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                        default=typer.Option(default, help=HELP[f.name])))
+                                        default=typer.Option(default, *OPTION_NAMES.get(f.name, ()), help=HELP[f.name])))
     return inspect.Signature(params)
 
 

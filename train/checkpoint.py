@@ -16,6 +16,7 @@ import torch
 from shards.atomic import atomic_write_json, fsync_dir
 
 MARKER = "COMPLETE"
+SHARDED = "sharded"  # torch.distributed.checkpoint directory of an FSDP run
 STATE_VERSION = 1
 
 
@@ -28,25 +29,67 @@ def complete_checkpoints(run: Path) -> list[Path]:
     return sorted(p for p in root.glob("step-*") if (p / MARKER).exists()) if root.exists() else []
 
 
-def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: dict[str, dict], keep: int) -> Path:
-    """Write checkpoint `step`: the model via `save_pretrained`, each of `tensors` as NAME.pt, `state` as JSON."""
+def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: dict[str, dict], keep: int,
+         sharded: dict | None = None, rank: int = 0) -> Path:
+    """Write checkpoint `step`: the model via `save_pretrained`, each of `tensors` as NAME.pt, `state` as JSON.
+
+    With `sharded` (FSDP: model, optimizer and EMA state dicts of DTensors), every rank writes its own
+    shards with `torch.distributed.checkpoint` into `sharded/` and only the model's config goes to
+    `transformer/`: no rank ever gathers the full model. Rank 0 writes the rest and publishes; all
+    ranks call this together.
+    """
     final = checkpoint_dir(run, step)
     tmp = final.with_name(f".tmp-{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "transformer", safe_serialization=True)
-    for name, obj in tensors.items():
-        torch.save(obj, tmp / f"{name}.pt")
-    atomic_write_json(tmp / "state.json", {"version": STATE_VERSION, **state})
-    (tmp / MARKER).write_text("ok\n")
-    fsync_dir(tmp)
-    if final.exists():  # a re-save of the same step
-        shutil.rmtree(final)
-    tmp.rename(final)
-    fsync_dir(final.parent)
-    for old in complete_checkpoints(run)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    if sharded is not None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(sharded, checkpoint_id=tmp / SHARDED)
+    if rank == 0:
+        if sharded is None:
+            model.save_pretrained(tmp / "transformer", safe_serialization=True)
+        else:
+            model.save_config(tmp / "transformer")
+        for name, obj in tensors.items():
+            torch.save(obj, tmp / f"{name}.pt")
+        atomic_write_json(tmp / "state.json", {"version": STATE_VERSION, **state})
+    _barrier()
+    if rank == 0:
+        (tmp / MARKER).write_text("ok\n")
+        fsync_dir(tmp)
+        if final.exists():  # a re-save of the same step
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(final.parent)
+        for old in complete_checkpoints(run)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+    _barrier()
     return final
+
+
+def load_sharded(path: Path, state: dict) -> dict:
+    """Fill `state` (nested state dicts, DTensors or plain tensors) from a checkpoint's `sharded/`.
+
+    Works under any world size of the same sharding, and in one process without a process group,
+    where it assembles full tensors (export)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=path / SHARDED)
+    return state
+
+
+def is_sharded(path: Path) -> bool:
+    return (path / SHARDED).is_dir()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def load_state(path: Path) -> dict:

@@ -13,7 +13,7 @@ import torch
 
 from shards import Bucket, Cache, prompt_key
 
-BATCH_SAMPLER_VERSION = 1
+BATCH_SAMPLER_VERSION = 2
 
 
 def derived_seed(*parts: int) -> int:
@@ -30,12 +30,12 @@ def _generator(*parts: int) -> torch.Generator:
 class BucketBatchSampler:
     """Batches of global sample indices, every batch from one bucket (one shape, no padded images).
 
-    The epoch's batch list is the same on every rank (a function of seed and epoch); rank r takes
-    batches r, r + W, r + 2W, ..., so every rank gets the same number of batches (no collective waits
-    forever on a rank that ran out). With `remainder="repeat"` (default) each bucket's last batch is
-    completed with other samples of that bucket and the batch list is padded to a multiple of the
-    world size by repeating batches, so every sample is used every epoch; `"drop"` drops both
-    remainders instead.
+    The epoch's list of global batches (`batch_size * world_size` samples of one bucket each) is the same
+    on every rank, a function of seed and epoch alone; rank r takes slice r of each. So every rank gets
+    the same number of batches of the same shape at every step (no collective waits on a rank that ran
+    out or on a larger bucket), and N ranks see exactly the samples one process with the global batch
+    would. With `remainder="repeat"` (default) each bucket's last global batch is completed with other
+    samples of that bucket, so every sample is used every epoch; `"drop"` drops it instead.
 
     Args:
         ranges: global index ranges per bucket (`Cache.ranges_by_bucket()`).
@@ -59,33 +59,28 @@ class BucketBatchSampler:
 
     def global_batches(self, epoch: int) -> list[tuple[Bucket, list[int]]]:
         g = _generator(self.seed, epoch)
+        size = self.batch_size * self.world_size
         batches = []
         for bucket, ranges in sorted(self.ranges.items()):
             idx = torch.tensor([i for r in ranges for i in r], dtype=torch.int64)
             idx = idx[torch.randperm(len(idx), generator=g)].tolist()
-            full = len(idx) // self.batch_size * self.batch_size
+            full = len(idx) // size * size
             rest = idx[full:]
-            for k in range(0, full, self.batch_size):
-                batches.append((bucket, idx[k : k + self.batch_size]))
+            for k in range(0, full, size):
+                batches.append((bucket, idx[k : k + size]))
             if rest and self.remainder == "repeat":
-                fill = (idx * (self.batch_size // len(idx) + 1))[: self.batch_size - len(rest)]
+                fill = (idx * (size // len(idx) + 1))[: size - len(rest)]
                 batches.append((bucket, rest + fill))
         order = torch.randperm(len(batches), generator=g).tolist()
-        batches = [batches[i] for i in order]
-        extra = -len(batches) % self.world_size
-        if extra and self.remainder == "repeat":
-            batches += batches[:extra]
-        elif extra:
-            batches = batches[: len(batches) - len(batches) % self.world_size]
-        return batches
+        return [batches[i] for i in order]
 
     def __call__(self, epoch: int, start: int = 0) -> list[list[int]]:
         """This rank's batches of `epoch`, from its `start`-th on (a resume jumps there in O(1) reads)."""
-        mine = self.global_batches(epoch)[self.rank :: self.world_size]
-        return [b for _, b in mine[start:]]
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        return [b[mine] for _, b in self.global_batches(epoch)[start:]]
 
     def batches_per_epoch(self) -> int:
-        return len(self.global_batches(0)) // self.world_size
+        return len(self.global_batches(0))
 
 
 class TrainingSamples(torch.utils.data.Dataset):

@@ -30,9 +30,23 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
     """(transformer, preset, training state) of a checkpoint; with `ema`, the EMA weights."""
     state = checkpoint.load_state(ckpt)
     preset = get_preset(state["model"])
-    model = preset.transformer_class.from_pretrained(ckpt / "transformer", torch_dtype=dtype)
+    cls = preset.transformer_class
+    if checkpoint.is_sharded(ckpt):  # an FSDP run: assemble full tensors from every rank's shards
+        model = cls.from_config(cls.load_config(ckpt / "transformer"))
+        weights = model.state_dict()
+        params = [p for p in model.parameters() if p.requires_grad]
+        wanted = {"model": weights, **({"ema": {"shadow_params": [torch.empty_like(p) for p in params]}} if ema else {})}
+        if ema and state["config"].get("ema_decay", 0) <= 0:
+            raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
+        loaded = checkpoint.load_sharded(ckpt, wanted)
+        model.load_state_dict(loaded["model"])
+        ema_state = loaded.get("ema")
+        if dtype is not None:
+            model.to(dtype)
+    else:
+        model = cls.from_pretrained(ckpt / "transformer", torch_dtype=dtype)
+        ema_state = checkpoint.load_tensors(ckpt, "ema") if ema else None
     if ema:
-        ema_state = checkpoint.load_tensors(ckpt, "ema")
         if ema_state is None:
             raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
         params = [p for p in model.parameters() if p.requires_grad]

@@ -5,10 +5,10 @@ Read top to bottom: config, data, model, optimizer, resume, loop, checkpoint, su
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
-import os
 import signal
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,7 +20,7 @@ import torch.utils.checkpoint
 from tqdm import tqdm
 
 from shards import Cache
-from train import checkpoint
+from train import checkpoint, distributed
 from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, Prefetcher, TrainingSamples, _generator, derived_seed,
                         epoch_loader)
 from train.objectives import TIMESTEP_BINS, build_objective
@@ -76,6 +76,10 @@ class TrainConfig:
     validation_seed: int = 0
     decode_device: str = "cpu"  # cpu (a background process) | device (in-process, after releasing memory)
     validate: bool = True
+    parallel: str = "auto"  # auto (ddp under torchrun) | ddp | fsdp
+    fsdp_block: str | None = None  # class name of the modules to shard (default: the model's transformer blocks)
+    fsdp_reshard: bool = True  # free gathered weights after forward (ZeRO-3-like); False keeps them (ZeRO-2-like)
+    fsdp_cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         self.cache, self.run = Path(self.cache), Path(self.run)
@@ -91,6 +95,8 @@ class TrainConfig:
             raise ValueError("--optimizer adamw-bf16 keeps bf16 states for bf16 weights; add --weights-dtype bf16 "
                              "(or choose adamw for fp32 master weights)")
         self.checkpoint_every_k()  # validates the spelling
+        if self.parallel not in ("auto", "ddp", "fsdp"):
+            raise ValueError(f"parallel {self.parallel!r}: choose auto, ddp or fsdp")
         if self.decode_device not in ("cpu", "device"):
             raise ValueError(f"decode device {self.decode_device!r}: choose cpu or device")
         if self.lr_schedule not in ("constant", "cosine"):
@@ -201,10 +207,23 @@ def peak_memory(device: torch.device) -> int:
 
 def train(cfg: TrainConfig) -> dict:
     t_start = time.perf_counter()
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ValueError("this trainer runs one process; launch it without torchrun")
-    rank, world = 0, 1
+    rank, world, _, device = distributed.setup()
+    try:
+        return _train(cfg, rank, world, device, t_start)
+    finally:
+        distributed.teardown()
+
+
+def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_start: float) -> dict:
+    is_main = rank == 0
+    say = print if is_main else (lambda *a, **k: None)  # one voice for all ranks
+    parallel = "none" if world == 1 else ("ddp" if cfg.parallel == "auto" else cfg.parallel)
+    if cfg.parallel == "fsdp" and world == 1:
+        raise ValueError("--parallel fsdp shards over processes: launch with torchrun (make train NPROC=2 ...)")
+    if parallel == "fsdp" and cfg.precision == "fp16":
+        raise ValueError("--parallel fsdp trains in bf16 or fp32 (fp16 would need a sharded loss scaler); use --precision bf16")
+    if parallel == "fsdp" and cfg.ema_decay > 0 and cfg.ema_device == "cpu":
+        raise ValueError("under FSDP the EMA is sharded like the weights; use --fsdp-cpu-offload instead of --ema-device cpu")
     preset = get_preset(cfg.model)
     cfg.run.mkdir(parents=True, exist_ok=True)
 
@@ -222,27 +241,52 @@ def train(cfg: TrainConfig) -> dict:
                               decode_device="cpu" if cfg.decode_device == "cpu" else str(device), out=cfg.run,
                               model_name=cfg.model)
         if not validator:
-            print(f"no validation prompts cached in {cache.root} (add some with precompute --validation-prompt); not validating")
+            say(f"no validation prompts cached in {cache.root} (add some with precompute --validation-prompt); not validating")
             validator.close()
             validator = None
     resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)
     state = checkpoint.load_state(resume_from) if resume_from else {}
     if state and state["world_size"] != world:
         raise ValueError(f"{resume_from} was saved with world size {state['world_size']}, this run has {world}; "
-                         f"resume with the same number of processes")
+                         f"resume with the same number of processes (the data cursor and the batch split depend on it)")
+    if state and state["config"]["optimizer"] != cfg.optimizer:
+        was = state["config"]["optimizer"]
+        raise ValueError(f"{resume_from} was trained with --optimizer {was}; its moments do not carry over to {cfg.optimizer}. "
+                         f"Resume with --optimizer {was} or start a new run.")
+    if state and state.get("parallel", "none") != parallel:
+        raise ValueError(f"{resume_from} was saved under --parallel {state.get('parallel', 'none')}, this run is {parallel}; "
+                         f"resume the same way")
 
     # 2. the transformer, and only it
     weights_dtype = PRECISIONS[cfg.weights_dtype]
-    if resume_from:
+    if resume_from and not checkpoint.is_sharded(resume_from):
         model = preset.transformer_class.from_pretrained(resume_from / "transformer", torch_dtype=weights_dtype)
+    elif resume_from:  # FSDP: the architecture now, the weights after sharding
+        model = build_transformer(preset, None, cfg.seed, weights_dtype)
     else:
         model = build_transformer(preset, cfg.pretrained, cfg.seed, weights_dtype)
     if cfg.pretrained and preset.released_dtype and cfg.precision != {"float16": "fp16", "bfloat16": "bf16"}.get(preset.released_dtype):
         log.warning("%s weights were released for %s training; this run uses %s", preset.name, preset.released_dtype, cfg.precision)
     if cfg.checkpoint_every_k():
         n = checkpoint_blocks(model, cfg.checkpoint_every_k())
-        print(f"gradient checkpointing: {n} of {len(model.transformer_blocks)} transformer blocks recomputed in backward")
-    model.to(device).train()
+        say(f"gradient checkpointing: {n} of {len(model.transformer_blocks)} transformer blocks recomputed in backward")
+    model.train()
+    net = model  # what the step calls: the model itself, or its DDP wrapper
+    if parallel == "fsdp":
+        blocks = distributed.find_blocks(model, cfg.fsdp_block)
+        distributed.shard(model, blocks, reshard_after_forward=cfg.fsdp_reshard, cpu_offload=cfg.fsdp_cpu_offload,
+                          param_dtype=None if cfg.precision == "fp32" else PRECISIONS[cfg.precision])
+        if not cfg.fsdp_cpu_offload:
+            model.to(device)
+        say(f"FSDP over {world} ranks: {len(blocks)} {type(blocks[0]).__name__.removeprefix('FSDP')} blocks sharded, "
+            f"reshard after forward {cfg.fsdp_reshard}, CPU offload {cfg.fsdp_cpu_offload}")
+    else:
+        model.to(device)
+        if parallel == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            say(f"DDP over {world} ranks")
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(cfg, params, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -263,21 +307,27 @@ def train(cfg: TrainConfig) -> dict:
     smooth_sum, smooth_n = 0.0, 0  # debiased EMA of the loss, carried across resumes
     history = [{"step": 0, "precision": cfg.precision, "weights_dtype": cfg.weights_dtype}]
     if resume_from:
-        optimizer.load_state_dict(checkpoint.load_tensors(resume_from, "optimizer"))
+        if parallel == "fsdp":  # every rank reads its shards
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            loaded = checkpoint.load_sharded(resume_from, {"model": model_sd, "optimizer": optim_sd,
+                                                           **({"ema": ema.state_dict()} if ema is not None else {})})
+            set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+            if ema is not None:
+                ema.load_state_dict(loaded["ema"])
+        else:
+            optimizer.load_state_dict(checkpoint.load_tensors(resume_from, "optimizer"))
+            ema_state = checkpoint.load_tensors(resume_from, "ema") if ema is not None else None
+            if ema_state:
+                ema.load_state_dict(ema_state)
         scheduler.load_state_dict(checkpoint.load_tensors(resume_from, "scheduler"))
         scaler_state = checkpoint.load_tensors(resume_from, "scaler")
         if scaler_state and cfg.precision == "fp16":
             scaler.load_state_dict(scaler_state)
         elif scaler_state:
             log.warning("resuming an fp16 run in %s: the GradScaler state is dropped (loss scaling is not needed)", cfg.precision)
-        if ema is not None:
-            ema_state = checkpoint.load_tensors(resume_from, "ema")
-            if ema_state:
-                ema.load_state_dict(ema_state)
         previous = state["config"]
-        if previous["optimizer"] != cfg.optimizer:
-            raise ValueError(f"{resume_from} was trained with --optimizer {previous['optimizer']}; its moments do not carry "
-                             f"over to {cfg.optimizer}. Resume with --optimizer {previous['optimizer']} or start a new run.")
         if previous.get("weights_dtype", "fp32") != cfg.weights_dtype:
             log.warning("weights were %s in %s and continue in %s", previous.get("weights_dtype", "fp32"), resume_from.name, cfg.weights_dtype)
         step, epoch, cursor = state["step"], state["epoch"], state["cursor"]
@@ -288,7 +338,7 @@ def train(cfg: TrainConfig) -> dict:
         history = state["precision_history"]
         if (history[-1]["precision"], history[-1].get("weights_dtype", "fp32")) != (cfg.precision, cfg.weights_dtype):
             history.append({"step": step, "precision": cfg.precision, "weights_dtype": cfg.weights_dtype})
-        print(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {cursor})")
+        say(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {cursor})")
 
     # 4. data: one bucket per batch, the same number of batches on every rank
     def sampler_for(c: Cache, only: set[str] | None = None) -> BucketBatchSampler:
@@ -303,12 +353,13 @@ def train(cfg: TrainConfig) -> dict:
                              f"the cache was rebuilt or samples removed mid-epoch. Resume from an epoch boundary or start a new run.")
         epoch_shards = state["epoch_shards"]
     sampler = sampler_for(cache, set(epoch_shards))
-    print(f"cache {cache.root}: {len(cache)} samples, {sampler.batches_per_epoch()} batches of {cfg.batch_size} per epoch")
+    say(f"cache {cache.root}: {len(cache)} samples, {sampler.batches_per_epoch()} batches of {cfg.batch_size} x {world} "
+        f"rank(s) per epoch")
     for bucket, st in cache.manifest.buckets().items():
-        print(f"  {bucket.name:>10}: {st.samples} samples")
+        say(f"  {bucket.name:>10}: {st.samples} samples")
     dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout)
     autocast = torch.autocast(device.type, dtype=PRECISIONS[cfg.precision], enabled=cfg.precision != "fp32")
-    forward = model_forward(model, preset.family)
+    forward = model_forward(net, preset.family)
 
     stop = {"signal": None, "memory": False}
     def on_signal(signum, frame):
@@ -321,18 +372,27 @@ def train(cfg: TrainConfig) -> dict:
     try:
         from torch.utils.tensorboard import SummaryWriter
 
-        tensorboard = SummaryWriter(str(cfg.run / "tensorboard"))
+        tensorboard = SummaryWriter(str(cfg.run / "tensorboard")) if is_main else None
     except ImportError:  # TensorBoard is optional
         pass
 
     def save_checkpoint() -> None:
-        tensors = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+        tensors = {"scheduler": scheduler.state_dict()}
         if scaler.is_enabled():
             tensors["scaler"] = scaler.state_dict()
-        if ema is not None:
-            tensors["ema"] = ema.state_dict()
-        checkpoint.save(cfg.run, step, model=model, tensors=tensors, keep=cfg.keep_checkpoints, state={
+        sharded = None
+        if parallel == "fsdp":  # every rank writes its shards; nothing is gathered
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            sharded = {"model": model_sd, "optimizer": optim_sd, **({"ema": ema.state_dict()} if ema is not None else {})}
+        else:
+            tensors["optimizer"] = optimizer.state_dict()
+            if ema is not None:
+                tensors["ema"] = ema.state_dict()
+        checkpoint.save(cfg.run, step, model=model, tensors=tensors, keep=cfg.keep_checkpoints, sharded=sharded, rank=rank, state={
             "step": step, "epoch": epoch, "cursor": cursor, "epoch_shards": epoch_shards, "world_size": world, "model": cfg.model,
+            "parallel": parallel,
             "smoothed_loss": [smooth_sum, smooth_n],
             "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "precision_history": history,
             "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder},
@@ -345,7 +405,7 @@ def train(cfg: TrainConfig) -> dict:
         """Queue a validation grid of this step; returns the seconds it took the training process."""
         nonlocal validated_at
         t0 = time.perf_counter()
-        validator.run(model, step, PRECISIONS[cfg.precision], ema, params)
+        validator.run(model, step, PRECISIONS[cfg.precision], ema, params, submit=is_main)
         validated_at = step
         report_grids(validator.finished())
         return time.perf_counter() - t0
@@ -367,8 +427,8 @@ def train(cfg: TrainConfig) -> dict:
                                       int(Path(message).stem.removeprefix("samples-step")), dataformats="HWC")
 
     # 5. the loop
-    metrics = open(cfg.run / "metrics.jsonl", "a")
-    bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=not cfg.progress, dynamic_ncols=True)
+    metrics = open(cfg.run / "metrics.jsonl", "a") if is_main else None
+    bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=not cfg.progress or not is_main, dynamic_ncols=True)
     bad_in_row, micro = 0, 0
     window = {"loss": 0.0, "n": 0, "samples": 0, "t0": time.perf_counter(), "wait": 0.0, "bins": [[0.0, 0] for _ in range(TIMESTEP_BINS)]}
     losses = []
@@ -379,12 +439,23 @@ def train(cfg: TrainConfig) -> dict:
         prefetch = Prefetcher(epoch_loader(dataset, batches, epoch, cfg.workers, device), device)
         for batch in prefetch:
             cursor += 1
-            g = _generator(cfg.seed, 1_000_003, step, micro, rank)  # noise and timesteps of this micro-batch
-            with autocast:
-                per_sample, t = objective(forward, batch, g)
-                loss = per_sample.mean()
+            # Noise and timesteps of this micro-batch: drawn for the global batch, this rank's slice taken.
+            g = _generator(cfg.seed, 1_000_003, step, micro)
+            last = micro + 1 >= cfg.grad_accum  # gradients are reduced across ranks only on the last micro-batch
+            if parallel == "fsdp":
+                model.set_requires_gradient_sync(last)
+            with net.no_sync() if parallel == "ddp" and not last else contextlib.nullcontext():
+                with autocast:
+                    per_sample, t = objective(forward, batch, g, part=(rank, world))
+                    loss = per_sample.mean()
+                local = float(loss.detach())  # one sync per micro-batch, for the bar and metrics
+                finite = math.isfinite(local)
+                # one collective: every rank skips together, and the logged loss is the global batch's
+                total, bad = distributed.sum_across([local if finite else 0.0, 0.0 if finite else 1.0], device)
+                if not bad:
+                    scaler.scale(loss / cfg.grad_accum).backward()
             micro += 1
-            if not torch.isfinite(loss):
+            if bad:
                 bad_in_row += 1
                 log.warning("step %d: non-finite loss, skipped; samples %s", step, batch["keys"])
                 optimizer.zero_grad(set_to_none=True)
@@ -392,12 +463,11 @@ def train(cfg: TrainConfig) -> dict:
                 if bad_in_row >= cfg.max_bad_steps:
                     raise RuntimeError(f"{bad_in_row} non-finite losses in a row; stopping (last samples {batch['keys']})")
                 continue
-            scaler.scale(loss / cfg.grad_accum).backward()
-            value = float(loss.detach())  # one sync per micro-batch, for the bar and metrics
+            value = total / world
             smooth_sum, smooth_n = 0.95 * smooth_sum + 0.05 * value, smooth_n + 1
             window["loss"] += value
             window["n"] += 1
-            window["samples"] += len(batch["keys"])
+            window["samples"] += len(batch["keys"]) * world
             for value, tt in zip(per_sample.detach().float().tolist(), t.tolist()):
                 b = window["bins"][min(TIMESTEP_BINS - 1, int(tt * TIMESTEP_BINS))]
                 b[0] += value
@@ -406,7 +476,7 @@ def train(cfg: TrainConfig) -> dict:
                 continue
             micro = 0
             scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+            grad_norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf")))
             if not torch.isfinite(grad_norm) and not scaler.is_enabled():
                 bad_in_row += 1
                 log.warning("step %d: non-finite gradients, skipped; samples %s", step, batch["keys"])
@@ -416,7 +486,8 @@ def train(cfg: TrainConfig) -> dict:
                 continue
             # Whatever draws from the global RNG in the step (stochastic rounding) is fixed by the step
             # number, so a resumed run rounds exactly as an uninterrupted one.
-            torch.manual_seed(derived_seed(cfg.seed, 2_000_003, step, rank))
+            # The same seed on every rank: DDP replicas must round alike; FSDP ranks round different shards.
+            torch.manual_seed(derived_seed(cfg.seed, 2_000_003, step))
             scaler.step(optimizer)  # with fp16 the scaler skips steps whose gradients overflowed
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
@@ -426,9 +497,13 @@ def train(cfg: TrainConfig) -> dict:
             if ema is not None and step % cfg.ema_every == 0:
                 ema.step(params)
             bar.update(1)
+            if world > 1 and distributed.any_across(stop["signal"] is not None, device):
+                stop["signal"] = stop["signal"] or signal.SIGTERM  # a signal to any rank stops all at this step
             if step % cfg.log_every == 0 or step == cfg.steps:
                 elapsed = time.perf_counter() - window["t0"]
                 mean = window["loss"] / max(window["n"], 1)
+                flat = distributed.sum_across([v for b in window["bins"] for v in b], device)
+                window["bins"] = [flat[i : i + 2] for i in range(0, len(flat), 2)]
                 smoothed = smooth_sum / (1 - 0.95**smooth_n)  # debiased EMA over ~20 micro-batches
                 record = {
                     "step": step, "loss": mean, "smoothed_loss": smoothed, "lr": float(scheduler.get_last_lr()[0]),
@@ -436,8 +511,9 @@ def train(cfg: TrainConfig) -> dict:
                     "data_wait": (wait_before + prefetch.wait_s - window["wait"]) / elapsed, "peak_memory": peak_memory(device),
                     "loss_by_timestep": [b[0] / b[1] if b[1] else None for b in window["bins"]], "precision": cfg.precision,
                 }
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
+                if is_main:
+                    metrics.write(json.dumps(record) + "\n")
+                    metrics.flush()
                 if tensorboard is not None:
                     for name in ("loss", "smoothed_loss", "lr", "grad_norm", "samples_per_s", "data_wait", "peak_memory"):
                         tensorboard.add_scalar(f"train/{name}", record[name], step)
@@ -450,7 +526,7 @@ def train(cfg: TrainConfig) -> dict:
                               bins=[[0.0, 0] for _ in range(TIMESTEP_BINS)])
             if stop["memory"]:
                 stop["memory"] = False
-                write_memory_report(cfg.run / "memory.txt", device, step)
+                write_memory_report(cfg.run / ("memory.txt" if world == 1 else f"memory-rank{rank}.txt"), device, step)
             if validator is not None and cfg.validate_every and step % cfg.validate_every == 0:
                 window["t0"] += validate()
             if step % cfg.checkpoint_every == 0:
@@ -466,7 +542,8 @@ def train(cfg: TrainConfig) -> dict:
             sampler = sampler_for(cache)
             dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout)
     bar.close()
-    metrics.close()
+    if metrics is not None:
+        metrics.close()
     save_checkpoint()
     if validator is not None:
         if stop["signal"] is None and validated_at != step:
@@ -477,11 +554,12 @@ def train(cfg: TrainConfig) -> dict:
     for s, h in previous_handlers.items():
         signal.signal(s, h)
     if stop["signal"] is not None:
-        print(f"stopped by signal {stop['signal']} at step {step}; resume with the same command")
-    plot_losses(cfg.run)
+        say(f"stopped by signal {stop['signal']} at step {step}; resume with the same command")
+    if is_main:
+        plot_losses(cfg.run)
     summary = {"step": step, "epoch": epoch, "elapsed_s": time.perf_counter() - t_start, "grids": grids,
                "last_loss": losses[-1][1] if losses else None, "checkpoint": str(checkpoint.complete_checkpoints(cfg.run)[-1])}
-    print(f"run {cfg.run}: step {step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
+    say(f"run {cfg.run}: step {step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
           f"loss curve {cfg.run / 'loss.png'}")
     return summary
 

@@ -49,13 +49,19 @@ class FlowMatching:
         shift = self.shift_at(pixels)
         return shift * u / (1 + (shift - 1) * u)
 
-    def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sample losses (B,) and timesteps in [0, 1) (B,)."""
+    def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1)
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample losses (B,) and timesteps in [0, 1) (B,).
+
+        `part` = (rank, world size): the draws are made for the global batch and this rank takes its
+        slice, so N processes see the same noise and timesteps as one process with the global batch.
+        """
         x0 = batch["latents"]  # (B, C, h, w)
         n, _, h, w = x0.shape
         pixels = batch["bucket"][0] * batch["bucket"][1]
-        s = self.sigmas(n, pixels, generator).to(x0.device)
-        noise = torch.randn(x0.shape, generator=generator).to(x0.device)
+        mine = slice(part[0] * n, (part[0] + 1) * n)
+        s = self.sigmas(n * part[1], pixels, generator)[mine].to(x0.device)
+        noise = torch.randn((n * part[1], *x0.shape[1:]), generator=generator)[mine].to(x0.device)
         xt = (1 - s[:, None, None, None]) * x0 + s[:, None, None, None] * noise
         pred = model_fn(xt, s * 1000, batch)
         loss = F.mse_loss(pred.float(), (noise - x0).float(), reduction="none").mean(dim=(1, 2, 3))
@@ -76,12 +82,14 @@ class DDPM:
                                        beta_start=0.0001, beta_end=0.02, prediction_type=prediction)
         self.prediction = prediction
 
-    def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1)
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         x0 = batch["latents"]
         n, c = x0.shape[:2]
+        mine = slice(part[0] * n, (part[0] + 1) * n)
         total = self.scheduler.config.num_train_timesteps
-        t = torch.randint(0, total, (n,), generator=generator).to(x0.device)
-        noise = torch.randn(x0.shape, generator=generator).to(x0.device)
+        t = torch.randint(0, total, (n * part[1],), generator=generator)[mine].to(x0.device)
+        noise = torch.randn((n * part[1], *x0.shape[1:]), generator=generator)[mine].to(x0.device)
         xt = self.scheduler.add_noise(x0, noise, t)
         target = noise if self.prediction == "epsilon" else self.scheduler.get_velocity(x0, noise, t)
         pred = model_fn(xt, t, batch)[:, :c]  # learned-sigma models append variance channels

@@ -144,9 +144,12 @@ class Validator:
         """Latents of every prompt at every bucket, by (prompt, bucket); EMA weights when given."""
         was_training = model.training
         model.eval()
-        if ema is not None:
-            ema.store(params)
-            ema.copy_to(params)
+        backup = []
+        if ema is not None:  # one tensor at a time: foreach copies have no DTensor (FSDP) rule
+            with torch.no_grad():
+                for p, s in zip(params, ema.shadow_params):
+                    backup.append(p.detach().clone())
+                    p.copy_(s)
         try:
             return {
                 (prompt.text, b): generate(model, self.preset, self.objective, prompt.embed, self.null, shape, b.height * b.width,
@@ -155,17 +158,22 @@ class Validator:
                 for i, prompt in enumerate(self.prompts) for shape, b in zip(self.shapes, self.buckets)
             }
         finally:
-            if ema is not None:
-                ema.restore(params)
+            with torch.no_grad():
+                for p, b in zip(params or [], backup):
+                    p.copy_(b)
             model.train(was_training)
 
-    def run(self, model, step: int, precision: torch.dtype, ema=None, params=None) -> Path:
-        """Sample every prompt at every bucket and queue the grid's decoding; returns the grid's path."""
+    def run(self, model, step: int, precision: torch.dtype, ema=None, params=None, submit: bool = True) -> Path:
+        """Sample every prompt at every bucket and queue the grid's decoding; returns the grid's path.
+
+        Under FSDP every rank samples (the weights are sharded) and only one submits the grid."""
         latents = self.sample(model, precision, ema, params)
+        path = self.out / f"samples-step{step:08d}.png"
+        if not submit:
+            return path
         rows = [(p.text, [latents[p.text, b] for b in self.buckets]) for p in self.prompts]
         if self.references:
             rows.append(("dataset latents, decoded: " + ", ".join(name for name, _ in self.references), [z for _, z in self.references]))
-        path = self.out / f"samples-step{step:08d}.png"
         buckets = ", ".join(b.name for b in self.buckets)
         if self.decoder is None:
             self.decoder = Decoder(self.recipe, self.decode_device)
