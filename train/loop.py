@@ -222,6 +222,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         raise ValueError("--parallel fsdp shards over processes: launch with torchrun (make train NPROC=2 ...)")
     if parallel == "fsdp" and cfg.precision == "fp16":
         raise ValueError("--parallel fsdp trains in bf16 or fp32 (fp16 would need a sharded loss scaler); use --precision bf16")
+    if cfg.fsdp_cpu_offload and (parallel != "fsdp" or device.type != "cuda"):
+        raise ValueError("--fsdp-cpu-offload moves FSDP's shards between GPU and CPU memory: it needs --parallel fsdp on CUDA")
     if parallel == "fsdp" and cfg.ema_decay > 0 and cfg.ema_device == "cpu":
         raise ValueError("under FSDP the EMA is sharded like the weights; use --fsdp-cpu-offload instead of --ema-device cpu")
     preset = get_preset(cfg.model)
