@@ -117,6 +117,8 @@ class Decoder:
             self._jobs.put(job)
             self._pending += 1
             return
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # cached blocks of the step go back before the decoder comes in
         vae = load_decoder(self.recipe, self.device)
         try:
             self._done.append(("ok", str(render(vae, self.recipe, job))))
