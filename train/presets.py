@@ -94,7 +94,8 @@ def build_transformer(preset: ModelPreset, pretrained: str | None, seed: int,
         return cls.from_pretrained(pretrained, subfolder="transformer", torch_dtype=dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return cls.from_config(preset.transformer_config()).to(dtype)
+        model = cls.from_config(preset.transformer_config())
+    return model if dtype == torch.float32 else model.to(dtype)
 
 
 def model_forward(model, family: str):
