@@ -1,7 +1,7 @@
 """`python -m train`: train the diffusion transformer from a cache built by `python -m precompute`.
 
-Also `python -m train export RUN --out DIR` (diffusers-format weights) and
-`python -m train sample RUN --prompt-cache CACHE` (images for cached prompts); see their --help.
+Also `python -m train export RUN --out DIR` (diffusers-format weights), `python -m train sample RUN
+--prompt-cache CACHE` (images for cached prompts) and `python -m train plan MODEL` (memory plan); see their --help.
 """
 
 from __future__ import annotations
@@ -160,6 +160,36 @@ def sample_command(
     _run(go)
 
 
+@tools.command("plan")
+def plan_command(
+    model: str = typer.Argument(..., help=f"Preset: {', '.join(PRESETS)}."),
+    batch: int = typer.Option(1, help="Samples per batch on each device."),
+    resolution: Optional[int] = typer.Option(None, help="Square bucket of this many pixels a side (default 1024, 256 for tiny-*)."),
+    bucket: Optional[str] = typer.Option(None, help="Bucket HxW (instead of --resolution)."),
+    precision: str = typer.Option("bf16", help="Compute precision: fp32, bf16 or fp16."),
+    weights_dtype: str = typer.Option("fp32", help="Weights (and gradients, optimizer states) dtype: fp32 or bf16."),
+    optimizer: str = typer.Option("adamw", help="adamw, adamw-bf16, adamw-8bit, came or adafactor."),
+    grad_ckpt: str = typer.Option("off", help="Gradient checkpointing: off, all or every-K."),
+    ema: str = typer.Option("off", help="EMA on the device, on the cpu, or off."),
+    world_size: int = typer.Option(1, help="Number of devices."),
+    parallel: str = typer.Option("ddp", help="ddp (replicated) or fsdp (sharded over --world-size)."),
+    cpu_offload: bool = typer.Option(False, help="FSDP CPU offload of parameters, gradients and optimizer states."),
+    text_tokens: int = typer.Option(300, help="Caption tokens to plan for (the cache's token limit)."),
+    gpu_memory: str = typer.Option("80GB", help="Memory of one device, e.g. 48GB."),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
+) -> None:
+    """Predict memory per device before launching: bytes by component, peak, verdict, largest batch."""
+    from train.plan import PlanConfig, format_plan, parse_bucket, parse_bytes, plan
+
+    def go():
+        size = parse_bucket(bucket) if bucket else (resolution or (256 if model.startswith("tiny") else 1024),) * 2
+        result = plan(PlanConfig(model, batch=batch, bucket=tuple(size), precision=precision, weights_dtype=weights_dtype,
+                                 optimizer=optimizer, grad_ckpt=grad_ckpt, ema=ema, world_size=world_size, parallel=parallel,
+                                 cpu_offload=cpu_offload, text_tokens=text_tokens, gpu_memory=parse_bytes(gpu_memory)))
+        print(json.dumps(result, indent=1) if as_json else format_plan(result))
+    _run(go)
+
+
 def _run(fn) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -170,7 +200,7 @@ def _run(fn) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in ("export", "sample"):
+    if len(sys.argv) > 1 and sys.argv[1] in ("export", "sample", "plan"):
         tools(prog_name="python -m train", args=sys.argv[1:])
     else:
         app(prog_name="python -m train")

@@ -30,6 +30,9 @@ class ModelPreset:
         flow_shift: timestep shift at the preset's base resolution (Sana 3.0).
         base_resolution: pixels of the square bucket the shift refers to.
         released_dtype: the precision the released weights were trained in.
+        latent_downsample: pixels per latent pixel of the family's VAE (for planning memory per bucket).
+        encoder_parameters: parameter counts of the VAE and text encoder(s) stage one uses, by name, from the
+            published configs: what a trainer without a cache keeps resident (the memory planner's comparison).
     """
 
     name: str
@@ -41,6 +44,8 @@ class ModelPreset:
     flow_shift: float = 1.0
     base_resolution: int = 1024
     released_dtype: str | None = None
+    latent_downsample: int = 8
+    encoder_parameters: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -65,15 +70,23 @@ TINY_SANA = dict(
     cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32, mlp_ratio=2.5, patch_size=1, sample_size=32,
 )
 
+# Parameter counts of the published encoder configs (diffusers 0.42.1 / transformers 5.23.0 modules).
+PIXART_ENCODERS = {"SDXL VAE (AutoencoderKL)": 83_653_863, "T5-v1.1-XXL encoder": 4_762_310_656}
+SANA_ENCODERS = {"DC-AE f32c32 (AutoencoderDC)": 312_250_275, "Gemma-2-2B": 2_614_341_888}
+
 PRESETS: dict[str, Callable[[], ModelPreset]] = {
     "pixart-sigma-512": lambda: ModelPreset("pixart-sigma-512", "pixart", "PixArt-alpha/PixArt-Sigma-XL-2-512-MS",
-                                            "pixart_sigma_xl2_512_transformer.json", "ddpm", "epsilon", base_resolution=512),
+                                            "pixart_sigma_xl2_512_transformer.json", "ddpm", "epsilon", base_resolution=512,
+                                            encoder_parameters=PIXART_ENCODERS),
     "pixart-sigma-1024": lambda: ModelPreset("pixart-sigma-1024", "pixart", "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS",
-                                             "pixart_sigma_xl2_1024_transformer.json", "ddpm", "epsilon"),
+                                             "pixart_sigma_xl2_1024_transformer.json", "ddpm", "epsilon",
+                                             encoder_parameters=PIXART_ENCODERS),
     "sana-600m": lambda: ModelPreset("sana-600m", "sana", "Efficient-Large-Model/Sana_600M_1024px_diffusers",
-                                     "sana_600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="float16"),
+                                     "sana_600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="float16",
+                                     latent_downsample=32, encoder_parameters=SANA_ENCODERS),
     "sana-1600m": lambda: ModelPreset("sana-1600m", "sana", "Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
-                                      "sana_1600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="bfloat16"),
+                                      "sana_1600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="bfloat16",
+                                      latent_downsample=32, encoder_parameters=SANA_ENCODERS),
     "tiny-pixart": lambda: ModelPreset("tiny-pixart", "pixart", None, TINY_PIXART, "ddpm", "epsilon", base_resolution=256),
     "tiny-sana": lambda: ModelPreset("tiny-sana", "sana", None, TINY_SANA, "flow", "flow", flow_shift=3.0, base_resolution=256),
 }

@@ -1,0 +1,84 @@
+"""The memory planner: exact parameter counts of the real presets, and predictions against measurement."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from train.loop import TrainConfig, build_optimizer, checkpoint_blocks
+from train.plan import PlanConfig, measure_peak, plan
+from train.presets import PRESETS, TINY_SANA, build_transformer, get_preset, model_forward
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The counts published with the configs (../shared/model_configs/README.md, diffusers 0.42.1).
+PUBLISHED = {"sana-1600m": 1_604_462_752, "sana-600m": 591_747_872, "pixart-sigma-1024": 610_856_096, "pixart-sigma-512": 610_856_096}
+
+
+@pytest.mark.parametrize("model", sorted(PUBLISHED))
+def test_parameter_counts_of_the_real_presets(model):
+    assert plan(PlanConfig(model, batch=1, bucket=(512, 512)))["parameters"] == PUBLISHED[model]
+
+
+@pytest.fixture
+def wide(monkeypatch):
+    """A tiny Sana whose weights, not its activations, dominate: the optimizer states decide the peak."""
+    config = {**TINY_SANA, "num_attention_heads": 4, "attention_head_dim": 64, "cross_attention_dim": 256,
+              "num_cross_attention_heads": 4, "cross_attention_head_dim": 64, "num_layers": 3}
+    monkeypatch.setitem(PRESETS, "wide-sana", lambda: dataclasses.replace(get_preset("tiny-sana"), name="wide-sana", config=config))
+    return "wide-sana"
+
+
+def measured(model: str, batch: int, bucket, optimizer: str, ckpt: str, tokens: int, weights_dtype: str = "fp32") -> int:
+    """Peak of one training step as the trainer runs it (the step after the first, so states exist)."""
+    preset = get_preset(model)
+    cfg = TrainConfig(optimizer=optimizer, grad_checkpointing=ckpt, weights_dtype=weights_dtype,
+                      precision="bf16" if weights_dtype == "bf16" else "fp32")
+    net = build_transformer(preset, None, 0, torch.bfloat16 if weights_dtype == "bf16" else torch.float32)
+    if cfg.checkpoint_every_k():
+        checkpoint_blocks(net, cfg.checkpoint_every_k())
+    opt = build_optimizer(cfg, list(net.parameters()), torch.device("cpu"))
+    forward = model_forward(net, preset.family)
+    down = preset.latent_downsample
+    c = net.config.in_channels
+    x = torch.randn(batch, c, bucket[0] // down, bucket[1] // down)
+    text = {"text": torch.randn(batch, tokens, net.config.caption_channels), "text_mask": torch.ones(batch, tokens, dtype=torch.bool)}
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+
+    def step():
+        with autocast:
+            out = forward(x, torch.full((batch,), 500.0), text)
+        out.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    return measure_peak(step, torch.device("cpu"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["adamw", "came", "adafactor", "adamw-bf16"])
+@pytest.mark.parametrize("ckpt", ["off", "all"])
+@pytest.mark.parametrize("model,batch,bucket", [("tiny-sana", 8, (256, 256)), ("tiny-pixart", 4, (256, 256)), ("wide", 1, (64, 64))])
+def test_predicted_peak_within_15_percent_of_measured(model, batch, bucket, optimizer, ckpt, wide):
+    model = wide if model == "wide" else model
+    weights = "bf16" if optimizer == "adamw-bf16" else "fp32"  # bf16 weights and moments, stochastic rounding
+    predicted = plan(PlanConfig(model, batch=batch, bucket=bucket, precision="bf16" if weights == "bf16" else "fp32",
+                                weights_dtype=weights, optimizer=optimizer, grad_ckpt=ckpt, text_tokens=20))["predicted_peak"]
+    actual = measured(model, batch, bucket, optimizer, ckpt, tokens=20, weights_dtype=weights)
+    assert abs(predicted / actual - 1) <= 0.15, (predicted, actual)
+
+
+def test_plan_cli_json_and_verdict():
+    out = subprocess.run([sys.executable, "-m", "train", "plan", "sana-1600m", "--batch", "4", "--optimizer", "came",
+                          "--grad-ckpt", "all", "--gpu-memory", "48GB", "--json"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["parameters"] == PUBLISHED["sana-1600m"]
+    assert set(result["bytes"]) >= {"weights", "gradients", "optimizer states", "activations"}
+    assert result["fits"] is True and result["largest_batch"] >= 4
+    assert result["peak_with_encoders_resident"] - result["predicted_peak"] == 2 * (312_250_275 + 2_614_341_888)

@@ -1,0 +1,285 @@
+"""Memory plan of a training setup, from the real architecture, before anything is allocated.
+
+The transformer is built on the meta device from the preset's config: parameters are counted
+exactly, and one forward pass at the requested bucket and batch is traced with saved-tensor hooks,
+so activation memory is what autograd actually keeps for the backward pass (deduplicated by storage),
+with and without gradient checkpointing. Weights, gradients, optimizer states (per optimizer, from
+the parameter shapes) and the EMA are accounted per rank, with FSDP sharding and CPU offload.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from train.presets import get_preset, model_forward
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+GiB = 2**30
+
+
+@dataclass
+class PlanConfig:
+    model: str
+    batch: int = 1
+    bucket: tuple[int, int] = (1024, 1024)
+    precision: str = "bf16"
+    weights_dtype: str = "fp32"
+    optimizer: str = "adamw"
+    grad_ckpt: str = "off"  # off | all | every-K
+    ema: str = "off"  # device | cpu | off
+    world_size: int = 1
+    parallel: str = "ddp"
+    cpu_offload: bool = False
+    text_tokens: int = 300  # caption length the activations are traced at (the cache's token limit)
+    gpu_memory: float = 80 * GiB
+
+
+def optimizer_state_bytes(params: list[torch.Tensor], optimizer: str, weight_bytes: int) -> int:
+    """Bytes of optimizer state for `params`, as each optimizer allocates it."""
+    total = 0
+    for p in params:
+        n, shape = p.numel(), tuple(p.shape)
+        if optimizer in ("adamw", "adamw-bf16"):  # exp_avg, exp_avg_sq in the parameter's dtype
+            total += 2 * n * weight_bytes
+        elif optimizer == "adamw-8bit":  # two uint8 moments + one fp32 absmax per 256-value block each
+            total += 2 * n + 2 * 4 * math.ceil(n / 256)
+        elif optimizer == "came":  # came_pytorch: factored second moments for >= 2-D parameters
+            if len(shape) >= 2:
+                rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
+                total += (n + 2 * rows + 2 * cols) * weight_bytes  # exp_avg, sq row/col, residual row/col
+            else:
+                total += 2 * n * weight_bytes
+        elif optimizer == "adafactor":  # transformers' Adafactor without first moment
+            if len(shape) >= 2:
+                total += (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) * weight_bytes
+            else:
+                total += n * weight_bytes
+        else:
+            raise ValueError(f"optimizer {optimizer!r}: choose adamw, adamw-bf16, adamw-8bit, came or adafactor")
+    return total
+
+
+def meta_model(name: str, dtype: torch.dtype = torch.float32):
+    from diffusers.utils import logging as diffusers_logging
+
+    preset = get_preset(name)
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # published configs carry keys the class ignores; nothing to act on
+    try:
+        with torch.device("meta"):
+            model = preset.transformer_class.from_config(preset.transformer_config())
+        return preset, model.to(dtype)
+    finally:
+        diffusers_logging.set_verbosity(level)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What flash / memory-efficient attention keeps for backward: q, k, v, the output and the
+    log-sum-exp per query (fp32) - never the (L x S) probabilities the meta device's math path would."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        lse = torch.empty(q.shape[:-1], device=q.device, dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return _FusedAttention.apply(query, key, value)
+
+
+def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype,
+                      every: int = 0) -> dict:
+    """Bytes autograd saves for backward in one forward pass (meta tensors, no memory used).
+
+    Returns the total, the largest block's share (what a checkpointed block recomputes at once), and
+    the total with every `every`-th block checkpointed (0: none)."""
+    from train.loop import checkpoint_blocks
+
+    cfg = model.config
+    down = preset.latent_downsample
+    c, h, w = cfg.in_channels, bucket[0] // down, bucket[1] // down
+    x = torch.zeros(batch, c, h, w, device="meta", dtype=dtype)
+    text = {"text": torch.zeros(batch, text_tokens, cfg.caption_channels, device="meta", dtype=dtype),
+            "text_mask": torch.ones(batch, text_tokens, device="meta", dtype=torch.bool)}
+    t = torch.full((batch,), 500.0, device="meta")
+
+    saved: dict[int, int] = {}
+    by_block: dict[int, int] = {}
+    current = [-1]
+    weights = {p.untyped_storage()._cdata for p in model.parameters()}  # saved, but counted as weights
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in saved and storage._cdata not in weights:
+            saved[storage._cdata] = storage.nbytes()
+            by_block[current[0]] = by_block.get(current[0], 0) + storage.nbytes()
+        return tensor
+
+    hooks = []
+    for i, block in enumerate(model.transformer_blocks):
+        hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
+        hooks.append(block.register_forward_hook(lambda m, a, o: current.__setitem__(0, -1)))
+    forward = model_forward(model, preset.family)
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _fused_sdpa  # the kernels training runs with on GPUs
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forward(x, t, text)
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    full = sum(saved.values()) + out.numel() * 4  # the loss keeps the output in fp32
+    blocks = [v for k, v in by_block.items() if k >= 0]
+    result = {"full": full, "block": max(blocks, default=0), "checkpointed": full}
+    if every:
+        saved.clear()
+        by_block.clear()
+        checkpoint_blocks(model, every)
+        F.scaled_dot_product_attention = _fused_sdpa
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = forward(x, t, text)
+        finally:
+            F.scaled_dot_product_attention = sdpa
+        result["checkpointed"] = sum(saved.values()) + out.numel() * 4 + result["block"]
+    for hook in hooks:
+        hook.remove()
+    return result
+
+
+def parse_every(grad_ckpt: str) -> int:
+    from train.loop import TrainConfig
+
+    return TrainConfig(grad_checkpointing=grad_ckpt).checkpoint_every_k()
+
+
+def plan(pc: PlanConfig) -> dict:
+    """Bytes per component on one rank's device, the predicted peak, the verdict and the largest batch."""
+    wb = DTYPE_BYTES[pc.weights_dtype]
+    compute = COMPUTE[pc.precision]
+    preset, model = meta_model(pc.model, COMPUTE[pc.weights_dtype])
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    n_buffers = sum(b.numel() for b in model.buffers())
+    shard = pc.world_size if pc.parallel == "fsdp" else 1
+    on_device = 0.0 if pc.cpu_offload else 1.0
+    every = parse_every(pc.grad_ckpt)
+    components = {
+        "weights": on_device * n_params * wb / shard + n_buffers * wb,
+        "gradients": on_device * n_params * wb / shard,
+        "optimizer states": on_device * optimizer_state_bytes(params, pc.optimizer, wb) / shard,
+        "ema": n_params * 4 / shard if pc.ema == "device" else 0.0,
+    }
+    if pc.parallel == "fsdp" and pc.world_size > 1:
+        # one block's full parameters gathered in the compute dtype, and the next prefetched
+        block_params = max(sum(p.numel() for p in b.parameters()) for b in model.transformer_blocks)
+        components["fsdp all-gather buffers"] = 2 * block_params * DTYPE_BYTES[pc.precision]
+
+    def activations(batch: int) -> float:
+        _, m = meta_model(pc.model, compute)
+        a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens, compute, every)
+        return a["checkpointed"] if every else a["full"]
+
+    act = activations(pc.batch)
+    if pc.precision != pc.weights_dtype:  # autocast keeps a compute-dtype copy of each weight for the step
+        act += n_params * DTYPE_BYTES[pc.precision] / shard if pc.parallel != "fsdp" else 0
+    components["activations"] = act
+    grads = components["gradients"]
+    static = sum(v for k, v in components.items() if k not in ("activations", "gradients"))
+    # Backward frees saved activations as it creates gradients: the step peaks at the larger of the two.
+    peak = static + max(act, grads)
+    # activations grow linearly with the batch: the slope from two traces gives the largest batch
+    per_sample = (activations(pc.batch + 1) - act) if pc.batch else act
+    room = pc.gpu_memory - static
+    largest = int(pc.batch + (room - act) // per_sample) if per_sample > 0 and room > act else (pc.batch if room >= act else 0)
+    if room < grads:
+        largest = 0
+    # What a trainer without a cache adds: the VAE and text encoder(s) resident, frozen, in bf16.
+    encoders = {name: 2 * n for name, n in preset.encoder_parameters.items()}
+    return {
+        "config": {**asdict(pc), "bucket": f"{pc.bucket[0]}x{pc.bucket[1]}"},
+        "encoders_resident": encoders,
+        "peak_with_encoders_resident": peak + sum(encoders.values()),
+        "parameters": n_params,
+        "buffers": n_buffers,
+        "bytes": components,
+        "predicted_peak": peak,
+        "fits": peak <= pc.gpu_memory,
+        "largest_batch": max(largest, 0),
+        "activation_bytes_per_sample": per_sample,
+    }
+
+
+def format_plan(result: dict) -> str:
+    cfg = result["config"]
+    lines = [
+        f"{cfg['model']}: {result['parameters']:,} parameters ({result['buffers']:,} buffer values); batch {cfg['batch']} at "
+        f"{cfg['bucket']}, {cfg['precision']} compute, {cfg['weights_dtype']} weights, {cfg['optimizer']}, checkpointing "
+        f"{cfg['grad_ckpt']}, EMA {cfg['ema']}, {cfg['world_size']} rank(s) {cfg['parallel'] if cfg['world_size'] > 1 else ''}"
+        f"{' + CPU offload' if cfg['cpu_offload'] else ''}",
+    ]
+    for name, value in result["bytes"].items():
+        lines.append(f"  {name:<24} {value / GiB:9.2f} GiB")
+    lines.append(f"  {'predicted peak':<24} {result['predicted_peak'] / GiB:9.2f} GiB per device")
+    verdict = "fits" if result["fits"] else "does NOT fit"
+    lines.append(f"  {verdict} in {cfg['gpu_memory'] / GiB:.0f} GiB; largest batch at {cfg['bucket']}: {result['largest_batch']}")
+    if result["encoders_resident"]:
+        resident = sum(result["encoders_resident"].values())
+        names = " + ".join(f"{k} {v / GiB:.1f} GiB" for k, v in result["encoders_resident"].items())
+        lines.append(f"  with the encoders resident in bf16, as trainers without a cache run ({names}): "
+                     f"{result['peak_with_encoders_resident'] / GiB:.2f} GiB; the cache saves {resident / GiB:.2f} GiB per device")
+    lines.append("  (activations traced at one forward on the meta device; backward frees them as it makes gradients, "
+                 "so the peak counts the larger of the two)")
+    return "\n".join(lines)
+
+
+def parse_bytes(text: str) -> float:
+    """'48GB', '80GiB', '24g' -> bytes (GB taken as GiB, as GPU memory is quoted)."""
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    if t and t[-1] in units:
+        return float(t[:-1]) * units[t[-1]]
+    return float(t)
+
+
+def parse_bucket(text: str) -> tuple[int, int]:
+    if "x" in text.lower():
+        h, w = (int(v) for v in text.lower().split("x"))
+        return h, w
+    return int(text), int(text)
+
+
+def measure_peak(step, device: torch.device) -> int:
+    """Peak bytes of tensors during `step()`: the CUDA allocator's peak, or on the CPU the torch
+    profiler's memory timeline (every tensor alive at each instant, parameters and states included)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        step()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/timeline.json"
+        prof.export_memory_timeline(path, device="cpu")
+        with open(path) as f:
+            _, sizes = json.load(f)
+    return int(max(sum(row) for row in sizes))
