@@ -32,7 +32,9 @@ DEMO_PROMPTS = --validation-prompt "a large red circle on a blue background" \
 	--validation-prompt "a small yellow square on a black background" \
 	--validation-prompt "a large white triangle on a green background"
 
-.PHONY: install test bench precompute train demo clean
+PLAN_ARGS ?=
+
+.PHONY: install test bench precompute train plan demo clean
 
 install: $(VENV)/.installed
 
@@ -57,6 +59,9 @@ precompute: install
 train: install
 	$(LAUNCH) -m train --model $(MODEL) --cache $(CACHE) --run-dir $(RUN) --steps $(STEPS) --precision $(PRECISION) \
 		--parallel $(PARALLEL) $(TRAIN_ARGS)
+
+plan: install
+	$(PY) -m train plan $(MODEL) $(PLAN_ARGS)
 
 # The whole path offline on a generated sample: data -> stage one -> stage two with validation grids.
 # The tiny preset's VAE and text encoder have random weights: the grids show the mechanics, not art.

@@ -82,3 +82,15 @@ def test_plan_cli_json_and_verdict():
     assert set(result["bytes"]) >= {"weights", "gradients", "optimizer states", "activations"}
     assert result["fits"] is True and result["largest_batch"] >= 4
     assert result["peak_with_encoders_resident"] - result["predicted_peak"] == 2 * (312_250_275 + 2_614_341_888)
+
+
+@pytest.mark.parametrize("model", ["tiny-sana", "tiny-pixart"])
+def test_dry_run_measures_one_step_next_to_the_plan(tiny_caches, tmp_path, model, capsys):
+    from train.loop import train
+
+    result = train(TrainConfig(model=model, cache=tiny_caches[model], run=tmp_path, batch_size=4, precision="fp32",
+                               progress=False, dry_run=True, validation_steps=2))
+    assert result["bucket"] == "256x256"
+    assert abs(result["predicted_peak"] / result["measured_peak"] - 1) <= 0.15
+    assert "measured peak" in capsys.readouterr().out
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()

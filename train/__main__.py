@@ -69,6 +69,8 @@ HELP = {
     "decode_device": "Decode validation latents in a background CPU process (cpu) or on the training device after "
                      "releasing memory (device).",
     "validate": "Sample validation grids (--no-validate: never).",
+    "dry_run": "Run one full step (forward, backward, optimizer step, a validation sample) at the cache's largest "
+               "bucket and print its measured peak memory next to the plan; nothing is saved.",
     "parallel": "Under torchrun: ddp (replicated weights; auto picks it) or fsdp (FSDP2: weights, gradients and "
                 "optimizer states sharded per transformer block).",
     "fsdp_block": "Class name of the modules FSDP shards one by one (default: the model's transformer blocks).",

@@ -24,6 +24,7 @@ from train import checkpoint, distributed
 from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, Prefetcher, TrainingSamples, _generator, derived_seed,
                         epoch_loader)
 from train.objectives import TIMESTEP_BINS, build_objective
+from train.plan import PlanConfig, format_plan, measure_peak, plan
 from train.presets import build_transformer, get_preset, model_forward
 from train.validate import Validator
 
@@ -76,6 +77,7 @@ class TrainConfig:
     validation_seed: int = 0
     decode_device: str = "cpu"  # cpu (a background process) | device (in-process, after releasing memory)
     validate: bool = True
+    dry_run: bool = False  # one step at the largest bucket, measured next to the plan; nothing saved
     parallel: str = "auto"  # auto (ddp under torchrun) | ddp | fsdp
     fsdp_block: str | None = None  # class name of the modules to shard (default: the model's transformer blocks)
     fsdp_reshard: bool = True  # free gathered weights after forward (ZeRO-3-like); False keeps them (ZeRO-2-like)
@@ -362,6 +364,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout)
     autocast = torch.autocast(device.type, dtype=PRECISIONS[cfg.precision], enabled=cfg.precision != "fp32")
     forward = model_forward(net, preset.family)
+    if is_main or cfg.dry_run:
+        planned = startup_plan(cfg, cache, device, world, parallel)
+        say(format_plan(planned))
+    if cfg.dry_run:
+        return dry_run(cfg, cache, dataset, objective, forward, model, optimizer, scaler, autocast, validator, preset, planned,
+                       device, rank, world, say)
 
     stop = {"signal": None, "memory": False}
     def on_signal(signum, frame):
@@ -564,6 +572,57 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     say(f"run {cfg.run}: step {step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
           f"loss curve {cfg.run / 'loss.png'}")
     return summary
+
+
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().total
+
+
+def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: int, parallel: str) -> dict:
+    """The memory plan of this run at the cache's largest bucket."""
+    largest = max(cache.manifest.buckets(), key=lambda b: (b.height * b.width, b))
+    ema = "off" if cfg.ema_decay <= 0 else cfg.ema_device if cfg.ema_device == "cpu" else "device"
+    return plan(PlanConfig(cfg.model, batch=cfg.batch_size, bucket=(largest.height, largest.width), precision=cfg.precision,
+                           weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer, grad_ckpt=str(cfg.grad_checkpointing),
+                           ema=ema, world_size=world, parallel="fsdp" if parallel == "fsdp" else "ddp",
+                           cpu_offload=cfg.fsdp_cpu_offload, text_tokens=cache.fingerprint["text_encoder"]["max_length"],
+                           gpu_memory=device_memory(device)))
+
+
+def dry_run(cfg, cache, dataset, objective, forward, model, optimizer, scaler, autocast, validator, preset, planned,
+            device, rank, world, say) -> dict:
+    """One full step at the largest bucket (forward, backward, optimizer step, one validation sample),
+    its measured peak next to the plan. Nothing is written to the run."""
+    from train.data import collate
+    from train.validate import generate
+
+    largest = max(cache.manifest.buckets(), key=lambda b: (b.height * b.width, b))
+    indices = [i for r in cache.ranges_by_bucket()[largest] for i in r]
+    indices = (indices * cfg.batch_size)[: cfg.batch_size]
+    batch = collate([dataset[(0, i)] for i in indices])
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def step() -> None:
+        with autocast:
+            per_sample, _ = objective(forward, batch, _generator(cfg.seed, 0), part=(rank, world))
+        scaler.scale(per_sample.mean()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        if validator is not None:
+            prompt = validator.prompts[0]
+            shape = (model.config.in_channels, largest.height // cache.fingerprint["vae"]["downsample"],
+                     largest.width // cache.fingerprint["vae"]["downsample"])
+            generate(model, preset, objective, prompt.embed, validator.null, shape, largest.height * largest.width,
+                     steps=2, guidance=cfg.guidance_scale, seed=0, precision=PRECISIONS[cfg.precision])
+
+    measured = measure_peak(step, device)
+    predicted = planned["predicted_peak"]
+    say(f"dry run at {largest.name}, batch {cfg.batch_size}: measured peak {measured / 2**30:.3f} GiB, planned "
+        f"{predicted / 2**30:.3f} GiB ({predicted / measured - 1:+.1%})")
+    return {"dry_run": True, "bucket": largest.name, "measured_peak": measured, "predicted_peak": predicted}
 
 
 def write_memory_report(path: Path, device: torch.device, step: int) -> None:

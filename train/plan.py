@@ -10,6 +10,7 @@ the parameter shapes) and the EMA are accounted per rank, with FSDP sharding and
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
@@ -277,7 +278,8 @@ def measure_peak(step, device: torch.device) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
         step()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # its CUDA successor has no CPU counterpart
         path = f"{tmp}/timeline.json"
         prof.export_memory_timeline(path, device="cpu")
         with open(path) as f:
