@@ -11,12 +11,13 @@ import torch
 
 from train.loop import TrainConfig, build_optimizer, checkpoint_blocks
 from train.plan import PlanConfig, measure_peak, plan
-from train.presets import PRESETS, TINY_SANA, build_transformer, get_preset, model_forward
+from train.presets import PRESETS, TINY_SANA, build_transformer, get_preset, model_forward, text_width
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # The counts published with the configs (../shared/model_configs/README.md, diffusers 0.42.1).
-PUBLISHED = {"sana-1600m": 1_604_462_752, "sana-600m": 591_747_872, "pixart-sigma-1024": 610_856_096, "pixart-sigma-512": 610_856_096}
+PUBLISHED = {"sana-1600m": 1_604_462_752, "sana-600m": 591_747_872, "pixart-sigma-1024": 610_856_096, "pixart-sigma-512": 610_856_096,
+             "sd3-medium": 2_028_328_000, "sd35-medium": 2_243_171_520, "sd35-large": 8_056_627_520}
 
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED))
@@ -46,7 +47,7 @@ def measured(model: str, batch: int, bucket, optimizer: str, ckpt: str, tokens: 
     down = preset.latent_downsample
     c = net.config.in_channels
     x = torch.randn(batch, c, bucket[0] // down, bucket[1] // down)
-    text = {"text": torch.randn(batch, tokens, net.config.caption_channels), "text_mask": torch.ones(batch, tokens, dtype=torch.bool)}
+    text = {"text": torch.randn(batch, tokens, text_width(net.config)), "text_mask": torch.ones(batch, tokens, dtype=torch.bool)}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
 
     def step():

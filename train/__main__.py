@@ -176,7 +176,7 @@ def plan_command(
     world_size: int = typer.Option(1, help="Number of devices."),
     parallel: str = typer.Option("ddp", help="ddp (replicated) or fsdp (sharded over --world-size)."),
     cpu_offload: bool = typer.Option(False, help="FSDP CPU offload of parameters, gradients and optimizer states."),
-    text_tokens: int = typer.Option(300, help="Caption tokens to plan for (the cache's token limit)."),
+    text_tokens: Optional[int] = typer.Option(None, help="Caption tokens to plan for (default: the preset's limit, 300; SD3 77 + 256)."),
     gpu_memory: str = typer.Option("80GB", help="Memory of one device, e.g. 48GB."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:

@@ -25,7 +25,7 @@ from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, Prefetcher, T
                         epoch_loader)
 from train.objectives import TIMESTEP_BINS, build_objective
 from train.plan import PlanConfig, format_plan, measure_peak, plan
-from train.presets import build_transformer, get_preset, model_forward
+from train.presets import build_transformer, get_preset, model_forward, text_width
 from train.validate import Validator
 
 log = logging.getLogger("train")
@@ -127,8 +127,8 @@ def check_cache(preset, cache: Cache, config: dict) -> None:
         problems.append(f"family: cache {extra['family']!r}, model {preset.family!r}")
     if fp["vae"]["latent_channels"] != config["in_channels"]:
         problems.append(f"latent channels: cache {fp['vae']['latent_channels']}, model in_channels {config['in_channels']}")
-    if fp["text_encoder"]["hidden_size"] != config["caption_channels"]:
-        problems.append(f"text width: cache {fp['text_encoder']['hidden_size']}, model caption_channels {config['caption_channels']}")
+    if fp["text_encoder"]["hidden_size"] != text_width(config):
+        problems.append(f"text width: cache {fp['text_encoder']['hidden_size']}, model {text_width(config)}")
     down = fp["vae"]["downsample"]
     for bucket in cache.manifest.buckets():
         if (bucket.height // down) % patch or (bucket.width // down) % patch:

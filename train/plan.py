@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from train.presets import get_preset, model_forward
+from train.presets import get_preset, model_forward, text_width
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,7 +35,7 @@ class PlanConfig:
     world_size: int = 1
     parallel: str = "ddp"
     cpu_offload: bool = False
-    text_tokens: int = 300  # caption length the activations are traced at (the cache's token limit)
+    text_tokens: int | None = None  # caption tokens traced (the cache's limit; default the preset's: 300, SD3 77 + 256)
     gpu_memory: float = 80 * GiB
 
 
@@ -111,8 +111,10 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     down = preset.latent_downsample
     c, h, w = cfg.in_channels, bucket[0] // down, bucket[1] // down
     x = torch.zeros(batch, c, h, w, device="meta", dtype=dtype)
-    text = {"text": torch.zeros(batch, text_tokens, cfg.caption_channels, device="meta", dtype=dtype),
+    text = {"text": torch.zeros(batch, text_tokens, text_width(cfg), device="meta", dtype=dtype),
             "text_mask": torch.ones(batch, text_tokens, device="meta", dtype=torch.bool)}
+    if "pooled_projection_dim" in cfg:
+        text["pooled"] = torch.zeros(batch, cfg["pooled_projection_dim"], device="meta", dtype=dtype)
     t = torch.full((batch,), 500.0, device="meta")
 
     saved: dict[int, int] = {}
@@ -190,10 +192,12 @@ def plan(pc: PlanConfig) -> dict:
 
     def activations(batch: int) -> float:
         _, m = meta_model(pc.model, compute)
-        a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens, compute, every)
+        a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens or preset.extra.get("text_tokens", 300), compute, every)
         return a["checkpointed"] if every else a["full"]
 
     act = activations(pc.batch)
+    # activations grow linearly with the batch: the slope from two traces gives the largest batch
+    per_sample = (activations(pc.batch + 1) - act) if pc.batch else act
     if pc.precision != pc.weights_dtype:  # autocast keeps a compute-dtype copy of each weight for the step
         act += n_params * DTYPE_BYTES[pc.precision] / shard if pc.parallel != "fsdp" else 0
     components["activations"] = act
@@ -201,12 +205,12 @@ def plan(pc: PlanConfig) -> dict:
     static = sum(v for k, v in components.items() if k not in ("activations", "gradients"))
     # Backward frees saved activations as it creates gradients: the step peaks at the larger of the two.
     peak = static + max(act, grads)
-    # activations grow linearly with the batch: the slope from two traces gives the largest batch
-    per_sample = (activations(pc.batch + 1) - act) if pc.batch else act
-    room = pc.gpu_memory - static
-    largest = int(pc.batch + (room - act) // per_sample) if per_sample > 0 and room > act else (pc.batch if room >= act else 0)
-    if room < grads:
-        largest = 0
+    def largest_batch(memory: float) -> int:
+        room = memory - static
+        if room < max(grads, act - per_sample * (pc.batch - 1)):  # not even one sample
+            return 0
+        return max(1, int(pc.batch + (room - act) // per_sample)) if per_sample > 0 else pc.batch
+
     # What a trainer without a cache adds: the VAE and text encoder(s) resident, frozen, in bf16.
     encoders = {name: 2 * n for name, n in preset.encoder_parameters.items()}
     return {
@@ -218,7 +222,8 @@ def plan(pc: PlanConfig) -> dict:
         "bytes": components,
         "predicted_peak": peak,
         "fits": peak <= pc.gpu_memory,
-        "largest_batch": max(largest, 0),
+        "largest_batch": largest_batch(pc.gpu_memory),
+        "largest_batch_with_encoders_resident": largest_batch(pc.gpu_memory - sum(encoders.values())),
         "activation_bytes_per_sample": per_sample,
     }
 
@@ -240,7 +245,8 @@ def format_plan(result: dict) -> str:
         resident = sum(result["encoders_resident"].values())
         names = " + ".join(f"{k} {v / GiB:.1f} GiB" for k, v in result["encoders_resident"].items())
         lines.append(f"  with the encoders resident in bf16, as trainers without a cache run ({names}): "
-                     f"{result['peak_with_encoders_resident'] / GiB:.2f} GiB; the cache saves {resident / GiB:.2f} GiB per device")
+                     f"{result['peak_with_encoders_resident'] / GiB:.2f} GiB, largest batch "
+                     f"{result['largest_batch_with_encoders_resident']}; the cache saves {resident / GiB:.2f} GiB per device")
     lines.append("  (activations traced at one forward on the meta device; backward frees them as it makes gradients, "
                  "so the peak counts the larger of the two)")
     return "\n".join(lines)

@@ -36,7 +36,7 @@ class ModelPreset:
     """
 
     name: str
-    family: Literal["pixart", "sana"]
+    family: Literal["pixart", "sana", "sd3"]
     repo: str | None
     config: dict | str
     objective: Literal["flow", "ddpm"]
@@ -50,9 +50,9 @@ class ModelPreset:
 
     @property
     def transformer_class(self):
-        from diffusers import PixArtTransformer2DModel, SanaTransformer2DModel
+        from diffusers import PixArtTransformer2DModel, SanaTransformer2DModel, SD3Transformer2DModel
 
-        return PixArtTransformer2DModel if self.family == "pixart" else SanaTransformer2DModel
+        return {"pixart": PixArtTransformer2DModel, "sana": SanaTransformer2DModel, "sd3": SD3Transformer2DModel}[self.family]
 
     def transformer_config(self) -> dict:
         cfg = self.config if isinstance(self.config, dict) else json.loads((CONFIGS / self.config).read_text())
@@ -73,6 +73,8 @@ TINY_SANA = dict(
 # Parameter counts of the published encoder configs (diffusers 0.42.1 / transformers 5.23.0 modules).
 PIXART_ENCODERS = {"SDXL VAE (AutoencoderKL)": 83_653_863, "T5-v1.1-XXL encoder": 4_762_310_656}
 SANA_ENCODERS = {"DC-AE f32c32 (AutoencoderDC)": 312_250_275, "Gemma-2-2B": 2_614_341_888}
+SD3_ENCODERS = {"SD3 VAE (AutoencoderKL)": 83_819_683, "CLIP-L": 123_650_304, "CLIP-G": 694_659_840,
+                "T5-v1.1-XXL encoder": 4_762_310_656}
 
 PRESETS: dict[str, Callable[[], ModelPreset]] = {
     "pixart-sigma-512": lambda: ModelPreset("pixart-sigma-512", "pixart", "PixArt-alpha/PixArt-Sigma-XL-2-512-MS",
@@ -87,6 +89,17 @@ PRESETS: dict[str, Callable[[], ModelPreset]] = {
     "sana-1600m": lambda: ModelPreset("sana-1600m", "sana", "Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
                                       "sana_1600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="bfloat16",
                                       latent_downsample=32, encoder_parameters=SANA_ENCODERS),
+    # SD3 / SD3.5: the architectures, for memory planning; stage one and the trainer build their caches
+    # and conditioning separately (CLIP-L + CLIP-G + T5 joint tokens, pooled projections).
+    "sd3-medium": lambda: ModelPreset("sd3-medium", "sd3", "stabilityai/stable-diffusion-3-medium-diffusers",
+                                      "sd3_medium_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
+                                      extra={"text_tokens": 77 + 256}),
+    "sd35-medium": lambda: ModelPreset("sd35-medium", "sd3", "stabilityai/stable-diffusion-3.5-medium",
+                                       "sd35_medium_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
+                                       extra={"text_tokens": 77 + 256}),
+    "sd35-large": lambda: ModelPreset("sd35-large", "sd3", "stabilityai/stable-diffusion-3.5-large",
+                                      "sd35_large_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
+                                      extra={"text_tokens": 77 + 256}),
     "tiny-pixart": lambda: ModelPreset("tiny-pixart", "pixart", None, TINY_PIXART, "ddpm", "epsilon", base_resolution=256),
     "tiny-sana": lambda: ModelPreset("tiny-sana", "sana", None, TINY_SANA, "flow", "flow", flow_shift=3.0, base_resolution=256),
 }
@@ -111,9 +124,17 @@ def build_transformer(preset: ModelPreset, pretrained: str | None, seed: int,
     return model if dtype == torch.float32 else model.to(dtype)
 
 
+def text_width(config) -> int:
+    """Width of the text embeddings the transformer consumes."""
+    return config["joint_attention_dim"] if "joint_attention_dim" in config else config["caption_channels"]
+
+
 def model_forward(model, family: str):
     """The family's call signature as (noisy latents, timesteps, batch) -> prediction."""
     def fn(xt, t, batch):
+        if family == "sd3":  # joint attention over all tokens, no mask; pooled CLIP projections
+            return model(hidden_states=xt, encoder_hidden_states=batch["text"], pooled_projections=batch["pooled"],
+                         timestep=t, return_dict=False)[0]
         kwargs = {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}} if family == "pixart" else {}
         return model(hidden_states=xt, encoder_hidden_states=batch["text"], encoder_attention_mask=batch["text_mask"].to(xt.dtype),
                      timestep=t, return_dict=False, **kwargs)[0]
