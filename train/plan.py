@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from shards import bucket_table
 from train.presets import get_preset, model_forward, text_width
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -211,6 +212,16 @@ def plan(pc: PlanConfig) -> dict:
             return 0
         return max(1, int(pc.batch + (room - act) // per_sample)) if per_sample > 0 else pc.batch
 
+    # Per bucket of the preset's table: activations per sample scale with the bucket's pixels (every
+    # layer is linear in the tokens with fused attention), so the traced slope is rescaled, not retraced.
+    pixels = pc.bucket[0] * pc.bucket[1]
+    by_bucket = {}
+    for b in bucket_table(preset.base_resolution):
+        scale = b.height * b.width / pixels
+        room = pc.gpu_memory - static
+        fixed = act - per_sample * pc.batch  # what does not grow with the batch (autocast copies, ...)
+        n = int((room - fixed) // (per_sample * scale)) if per_sample > 0 and room > max(grads, fixed) else 0
+        by_bucket[b.name] = max(n, 0)
     # What a trainer without a cache adds: the VAE and text encoder(s) resident, frozen, in bf16.
     encoders = {name: 2 * n for name, n in preset.encoder_parameters.items()}
     return {
@@ -224,6 +235,7 @@ def plan(pc: PlanConfig) -> dict:
         "fits": peak <= pc.gpu_memory,
         "largest_batch": largest_batch(pc.gpu_memory),
         "largest_batch_with_encoders_resident": largest_batch(pc.gpu_memory - sum(encoders.values())),
+        "largest_batch_per_bucket": by_bucket,
         "activation_bytes_per_sample": per_sample,
     }
 
@@ -241,6 +253,12 @@ def format_plan(result: dict) -> str:
     lines.append(f"  {'predicted peak':<24} {result['predicted_peak'] / GiB:9.2f} GiB per device")
     verdict = "fits" if result["fits"] else "does NOT fit"
     lines.append(f"  {verdict} in {cfg['gpu_memory'] / GiB:.0f} GiB; largest batch at {cfg['bucket']}: {result['largest_batch']}")
+    per_bucket = result["largest_batch_per_bucket"]
+    if per_bucket:
+        shown = sorted(per_bucket.items(), key=lambda kv: _aspect(kv[0]))
+        picks = [shown[0], *[kv for kv in shown if _aspect(kv[0]) == 1.0][:1], shown[-1]]
+        lines.append("  largest batch per bucket (estimated from the traced one): "
+                     + ", ".join(f"{k}: {v}" for k, v in dict(picks).items()) + f" ... ({len(per_bucket)} buckets in --json)")
     if result["encoders_resident"]:
         resident = sum(result["encoders_resident"].values())
         names = " + ".join(f"{k} {v / GiB:.1f} GiB" for k, v in result["encoders_resident"].items())
@@ -250,6 +268,11 @@ def format_plan(result: dict) -> str:
     lines.append("  (activations traced at one forward on the meta device; backward frees them as it makes gradients, "
                  "so the peak counts the larger of the two)")
     return "\n".join(lines)
+
+
+def _aspect(name: str) -> float:
+    h, w = (int(v) for v in name.split("x"))
+    return h / w
 
 
 def parse_bytes(text: str) -> float:
