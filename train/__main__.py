@@ -170,7 +170,8 @@ def plan_command(
     bucket: Optional[str] = typer.Option(None, help="Bucket HxW (instead of --resolution)."),
     precision: str = typer.Option("bf16", help="Compute precision: fp32, bf16 or fp16."),
     weights_dtype: str = typer.Option("fp32", help="Weights (and gradients, optimizer states) dtype: fp32 or bf16."),
-    optimizer: str = typer.Option("adamw", help="adamw, adamw-bf16, adamw-8bit, came or adafactor."),
+    optimizer: str = typer.Option("adamw", help="adamw, adamw-bf16, adamw-8bit, came, came-8bit (planning only: no maintained "
+                                                "implementation to train with) or adafactor."),
     grad_ckpt: str = typer.Option("off", help="Gradient checkpointing: off, all or every-K."),
     ema: str = typer.Option("off", help="EMA on the device, on the cpu, or off."),
     world_size: int = typer.Option(1, help="Number of devices."),

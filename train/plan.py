@@ -49,19 +49,22 @@ def optimizer_state_bytes(params: list[torch.Tensor], optimizer: str, weight_byt
             total += 2 * n * weight_bytes
         elif optimizer == "adamw-8bit":  # two uint8 moments + one fp32 absmax per 256-value block each
             total += 2 * n + 2 * 4 * math.ceil(n / 256)
-        elif optimizer == "came":  # came_pytorch: factored second moments for >= 2-D parameters
+        elif optimizer in ("came", "came-8bit"):  # came_pytorch: factored second moments for >= 2-D parameters
+            # came-8bit: the full-size first moment in 8-bit blocks (as bitsandbytes stores Adam's), the
+            # factored rows and columns unchanged. Planning only: no maintained implementation trains with it.
+            first = (n + 4 * math.ceil(n / 256)) if optimizer == "came-8bit" else n * weight_bytes
             if len(shape) >= 2:
                 rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
-                total += (n + 2 * rows + 2 * cols) * weight_bytes  # exp_avg, sq row/col, residual row/col
+                total += first + (2 * rows + 2 * cols) * weight_bytes  # exp_avg, sq row/col, residual row/col
             else:
-                total += 2 * n * weight_bytes
+                total += first + n * weight_bytes
         elif optimizer == "adafactor":  # transformers' Adafactor without first moment
             if len(shape) >= 2:
                 total += (math.prod(shape[:-1]) + math.prod(shape[:-2]) * shape[-1]) * weight_bytes
             else:
                 total += n * weight_bytes
         else:
-            raise ValueError(f"optimizer {optimizer!r}: choose adamw, adamw-bf16, adamw-8bit, came or adafactor")
+            raise ValueError(f"optimizer {optimizer!r}: choose adamw, adamw-bf16, adamw-8bit, came, came-8bit or adafactor")
     return total
 
 
