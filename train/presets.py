@@ -133,9 +133,9 @@ def model_forward(model, family: str):
     """The family's call signature as (noisy latents, timesteps, batch) -> prediction."""
     def fn(xt, t, batch):
         if family == "sd3":  # joint attention over all tokens, no mask; pooled CLIP projections
-            return model(hidden_states=xt, encoder_hidden_states=batch["text"], pooled_projections=batch["pooled"],
+            return model(hidden_states=xt, encoder_hidden_states=batch["text"].to(xt.dtype), pooled_projections=batch["pooled"],
                          timestep=t, return_dict=False)[0]
         kwargs = {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}} if family == "pixart" else {}
-        return model(hidden_states=xt, encoder_hidden_states=batch["text"], encoder_attention_mask=batch["text_mask"].to(xt.dtype),
+        return model(hidden_states=xt, encoder_hidden_states=batch["text"].to(xt.dtype), encoder_attention_mask=batch["text_mask"].to(xt.dtype),
                      timestep=t, return_dict=False, **kwargs)[0]
     return fn
