@@ -96,12 +96,7 @@ def load_config(ctx: typer.Context, param, value: Optional[Path]):
 
 def command(**options) -> None:
     options.pop("config", None)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        train(TrainConfig(**options))
-    except (ValueError, FileNotFoundError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+    _run(lambda: train(TrainConfig(**options)))
 
 
 def _signature() -> inspect.Signature:
@@ -182,10 +177,11 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """Predict memory per device before launching: bytes by component, peak, verdict, largest batch."""
-    from train.plan import PlanConfig, format_plan, parse_bucket, parse_bytes, plan
+    from train.plan import PlanConfig, format_plan, parse_bytes, plan
+    from train.validate import parse_bucket
 
     def go():
-        size = parse_bucket(bucket) if bucket else (resolution or (256 if model.startswith("tiny") else 1024),) * 2
+        size = tuple(parse_bucket(bucket)) if bucket else (resolution or (256 if model.startswith("tiny") else 1024),) * 2
         result = plan(PlanConfig(model, batch=batch, bucket=tuple(size), precision=precision, weights_dtype=weights_dtype,
                                  optimizer=optimizer, grad_ckpt=grad_ckpt, ema=ema, world_size=world_size, parallel=parallel,
                                  cpu_offload=cpu_offload, text_tokens=text_tokens, gpu_memory=parse_bytes(gpu_memory)))

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from shards.atomic import atomic_write_json, fsync_dir
+from train.distributed import barrier
 
 MARKER = "COMPLETE"
 SHARDED = "sharded"  # torch.distributed.checkpoint directory of an FSDP run
@@ -43,7 +44,7 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier()
     if sharded is not None:
         import torch.distributed.checkpoint as dcp
 
@@ -56,7 +57,7 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
         for name, obj in tensors.items():
             torch.save(obj, tmp / f"{name}.pt")
         atomic_write_json(tmp / "state.json", {"version": STATE_VERSION, **state})
-    _barrier()
+    barrier()
     if rank == 0:
         (tmp / MARKER).write_text("ok\n")
         fsync_dir(tmp)
@@ -66,7 +67,7 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
         fsync_dir(final.parent)
         for old in complete_checkpoints(run)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
-    _barrier()
+    barrier()
     return final
 
 
@@ -83,13 +84,6 @@ def load_sharded(path: Path, state: dict) -> dict:
 
 def is_sharded(path: Path) -> bool:
     return (path / SHARDED).is_dir()
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def load_state(path: Path) -> dict:

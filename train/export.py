@@ -11,7 +11,7 @@ import torch
 from shards import Cache
 from train import checkpoint
 from train.objectives import build_objective
-from train.presets import get_preset
+from train.presets import DTYPES, get_preset
 from train.validate import Validator
 
 
@@ -63,7 +63,7 @@ def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None) ->
     """Write the transformer of a run's newest checkpoint (or of a given checkpoint) to OUT/transformer in
     the diffusers layout, with a note of where it came from. Returns OUT/transformer."""
     ckpt = find_checkpoint(run)
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if dtype else None
+    torch_dtype = DTYPES[dtype] if dtype else None
     model, preset, state = load_model(ckpt, ema, torch_dtype)
     target = Path(out) / "transformer"
     tmp = target.with_name(".tmp-transformer")
@@ -101,7 +101,7 @@ def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: l
     if not validator:
         raise ValueError(f"{cache.root} holds no prompts; pass --prompt TEXT for prompts cached there, or add some with "
                          f"precompute --validation-prompt")
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    dtype = DTYPES[precision]
     latents = validator.sample(model, dtype)
     del model
     if device.type == "cuda":

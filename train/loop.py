@@ -25,11 +25,11 @@ from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, Prefetcher, T
                         epoch_loader)
 from train.objectives import TIMESTEP_BINS, build_objective
 from train.plan import PlanConfig, format_plan, measure_peak, plan
+from train.presets import DTYPES as PRECISIONS
 from train.presets import build_transformer, get_preset, model_forward, text_width
 from train.validate import Validator
 
 log = logging.getLogger("train")
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ("adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit")
 
 
@@ -580,9 +580,13 @@ def device_memory(device: torch.device) -> int:
     return psutil.virtual_memory().total
 
 
+def largest_bucket(cache: Cache):
+    return max(cache.manifest.buckets(), key=lambda b: (b.height * b.width, b))
+
+
 def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: int, parallel: str) -> dict:
     """The memory plan of this run at the cache's largest bucket."""
-    largest = max(cache.manifest.buckets(), key=lambda b: (b.height * b.width, b))
+    largest = largest_bucket(cache)
     ema = "off" if cfg.ema_decay <= 0 else cfg.ema_device if cfg.ema_device == "cpu" else "device"
     return plan(PlanConfig(cfg.model, batch=cfg.batch_size, bucket=(largest.height, largest.width), precision=cfg.precision,
                            weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer, grad_ckpt=str(cfg.grad_checkpointing),
@@ -598,7 +602,7 @@ def dry_run(cfg, cache, dataset, objective, forward, model, optimizer, scaler, a
     from train.data import collate
     from train.validate import generate
 
-    largest = max(cache.manifest.buckets(), key=lambda b: (b.height * b.width, b))
+    largest = largest_bucket(cache)
     indices = [i for r in cache.ranges_by_bucket()[largest] for i in r]
     indices = (indices * cfg.batch_size)[: cfg.batch_size]
     batch = collate([dataset[(0, i)] for i in indices])

@@ -16,10 +16,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shards import bucket_table
-from train.presets import get_preset, model_forward, text_width
+from train.presets import DTYPES, get_preset, model_forward, text_width
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 GiB = 2**30
 
 
@@ -175,8 +174,8 @@ def parse_every(grad_ckpt: str) -> int:
 def plan(pc: PlanConfig) -> dict:
     """Bytes per component on one rank's device, the predicted peak, the verdict and the largest batch."""
     wb = DTYPE_BYTES[pc.weights_dtype]
-    compute = COMPUTE[pc.precision]
-    preset, model = meta_model(pc.model, COMPUTE[pc.weights_dtype])
+    compute = DTYPES[pc.precision]
+    preset, model = meta_model(pc.model, DTYPES[pc.weights_dtype])
     params = list(model.parameters())
     n_params = sum(p.numel() for p in params)
     n_buffers = sum(b.numel() for b in model.buffers())
@@ -285,13 +284,6 @@ def parse_bytes(text: str) -> float:
     if t and t[-1] in units:
         return float(t[:-1]) * units[t[-1]]
     return float(t)
-
-
-def parse_bucket(text: str) -> tuple[int, int]:
-    if "x" in text.lower():
-        h, w = (int(v) for v in text.lower().split("x"))
-        return h, w
-    return int(text), int(text)
 
 
 def measure_peak(step, device: torch.device) -> int:

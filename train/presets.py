@@ -15,6 +15,7 @@ from typing import Callable, Literal
 import torch
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # option value -> torch dtype
 
 
 @dataclass(frozen=True)
