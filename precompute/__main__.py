@@ -23,8 +23,12 @@ def cli(
     model: str = typer.Option("tiny-sana", "--model", "-m", help=f"Preset: {', '.join(PRESETS)}."),
     cache: Optional[Path] = typer.Option(None, "--cache", "-c", help="Cache directory to create or extend (default: cache/MODEL, where `make train` looks)."),
     text_encoder: Optional[str] = typer.Option(None, help=f"Override the preset's text encoder: {', '.join(TEXT_ENCODERS)}."),
-    pretrained: Optional[str] = typer.Option(None, help="Local directory (diffusers layout: vae/, text_encoder/, tokenizer/) "
-                                             "or Hub id to load both encoders from instead of the preset's."),
+    pretrained: Optional[str] = typer.Option(None, help="Local directory (diffusers layout: vae/, text_encoder/, tokenizer/; "
+                                             "SD3 adds text_encoder_2/3, tokenizer_2/3) or Hub id to load the encoders from "
+                                             "instead of the preset's."),
+    drop_t5: bool = typer.Option(False, help="SD3 presets: leave T5 out (CLIP-L + CLIP-G only), as StableDiffusion3Pipeline "
+                                 "does with text_encoder_3=None; its tokens are zeros in training and inference."),
+    max_length: Optional[int] = typer.Option(None, help="Token limit of a caption (default: the preset's; SD3's T5 part: 256)."),
     batch_size: Optional[int] = typer.Option(None, help="Images per VAE batch, one bucket per batch (default: 16 on CUDA, 4 on CPU)."),
     text_batch_size: int = typer.Option(64, help="Captions per text-encoder batch."),
     workers: int = typer.Option(2, help="DataLoader worker processes that read, decode and resize images."),
@@ -55,7 +59,8 @@ def cli(
         prompts += [line.strip() for line in validation_file.read_text(encoding="utf-8").splitlines() if line.strip()]
     try:
         summary = main(
-            data, model, cache, text_encoder=text_encoder, pretrained=pretrained, batch_size=batch_size,
+            data, model, cache, text_encoder=text_encoder, pretrained=pretrained, drop_t5=drop_t5, max_length=max_length,
+            batch_size=batch_size,
             text_batch_size=text_batch_size, workers=workers, storage_dtype=storage_dtype, vae_dtype=vae_dtype,
             text_dtype=text_dtype, force_fp16=force_fp16, max_upscale=max_upscale, allow_upscale=allow_upscale,
             extreme_aspect=extreme_aspect, max_pixels=max_pixels, caption_column=caption_column,

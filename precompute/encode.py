@@ -13,6 +13,7 @@ import torch
 from precompute.presets import (
     Preset,
     sana_complex_human_instruction,
+    sd3_text_parts,
     tiny_text_encoder,
     tiny_tokenizer,
     tiny_vae,
@@ -42,9 +43,19 @@ def resolve_dtype(requested: str | None, default_cuda: str, device: torch.device
     return DTYPES[name]
 
 
+CLIP_TOKENS = 77  # SD3's CLIP tokenizers pad every caption to this length
+
+
 @dataclass
 class TextBatch:
-    embeds: list[torch.Tensor]  # per caption (L_i, D), valid tokens only
+    """Per caption, the cached text fields (float32, on the CPU) and whether it was truncated.
+
+    Masked families: `text` (L_i, D), valid tokens only. SD3: `clip` (77, D_clip) CLIP-L and CLIP-G
+    side by side without the zero padding to the joint width, `pooled` (1, D_pooled), and `text`
+    (T5 tokens, D) unless T5 is dropped.
+    """
+
+    fields: list[dict[str, torch.Tensor]]
     truncated: list[bool]
 
 
@@ -71,7 +82,7 @@ class Encoders:
         self.vae_source = vae_repo or f"tiny-{preset.vae.kind} (seeded)"
         self.text_source = text_repo or f"{preset.text.name} (seeded)"
 
-        if preset.vae.kind == "kl":
+        if preset.vae.gaussian:
             from diffusers import AutoencoderKL as VaeClass
         else:
             from diffusers import AutoencoderDC as VaeClass
@@ -83,32 +94,52 @@ class Encoders:
         if self.vae_dtype != torch.float32:
             self.vae.to(self.vae_dtype)
 
-        if text_repo:
-            from transformers import AutoTokenizer, Gemma2Model, T5EncoderModel
-
-            TextClass = T5EncoderModel if preset.text.kind == "t5" else Gemma2Model
-            self.tokenizer = AutoTokenizer.from_pretrained(text_repo, subfolder=preset.text.tokenizer_subfolder, revision=preset.text.revision)
-            text_encoder = TextClass.from_pretrained(text_repo, subfolder=preset.text.subfolder, revision=preset.text.revision, dtype=self.text_dtype)
-        else:
-            self.tokenizer = tiny_tokenizer(preset.text.kind)
-            text_encoder = tiny_text_encoder(preset.text.kind, len(self.tokenizer))
-        self.text_encoder = text_encoder.to(device, self.text_dtype).eval().requires_grad_(False)
-
         # Captions go through the family pipeline's own encode_prompt, so cached embeddings are
         # exactly what inference computes (Sana's instruction prefix and token selection included).
-        if preset.text.kind == "t5":
-            from diffusers import PixArtSigmaPipeline as Pipeline
+        self.text_modules: dict[str, torch.nn.Module] = {}  # by subfolder, in pipeline order
+        self.tokenizers: dict[str, object] = {}
+        parts = (sd3_text_parts(preset.text.drop_t5) if preset.text.kind == "sd3"
+                 else [(preset.text.kind, preset.text.subfolder, preset.text.tokenizer_subfolder)])
+        for kind, subfolder, tokenizer_subfolder in parts:
+            if text_repo:
+                from transformers import AutoTokenizer, CLIPTextModelWithProjection, Gemma2Model, T5EncoderModel
+
+                TextClass = {"t5": T5EncoderModel, "gemma2": Gemma2Model}.get(kind, CLIPTextModelWithProjection)
+                tokenizer = AutoTokenizer.from_pretrained(text_repo, subfolder=tokenizer_subfolder, revision=preset.text.revision)
+                model = TextClass.from_pretrained(text_repo, subfolder=subfolder, revision=preset.text.revision, dtype=self.text_dtype)
+            else:
+                tokenizer = tiny_tokenizer("clip" if kind.startswith("clip") else kind)
+                model = tiny_text_encoder(kind, len(tokenizer))
+            self.tokenizers[tokenizer_subfolder] = tokenizer
+            self.text_modules[subfolder] = model.to(device, self.text_dtype).eval().requires_grad_(False)
+        self.tokenizer = list(self.tokenizers.values())[-1]  # the caption limit's tokenizer (T5 for SD3)
+        self.text_encoder = list(self.text_modules.values())[-1]
+        modules, tokenizers = self.text_modules, self.tokenizers
+        if preset.text.kind == "sd3":
+            from diffusers import StableDiffusion3Pipeline
+
+            self.pipeline = StableDiffusion3Pipeline(
+                transformer=None, scheduler=None, vae=None,
+                text_encoder=modules["text_encoder"], tokenizer=tokenizers["tokenizer"],
+                text_encoder_2=modules["text_encoder_2"], tokenizer_2=tokenizers["tokenizer_2"],
+                text_encoder_3=modules.get("text_encoder_3"), tokenizer_3=tokenizers.get("tokenizer_3"),
+            )
+            self.clip_dim = sum(modules[k].config.hidden_size for k in ("text_encoder", "text_encoder_2"))
+            self.pooled_dim = sum(modules[k].config.projection_dim for k in ("text_encoder", "text_encoder_2"))
         else:
-            from diffusers import SanaPipeline as Pipeline
-        self.pipeline = Pipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=None, transformer=None, scheduler=None)
+            from diffusers import PixArtSigmaPipeline, SanaPipeline
+
+            Pipeline = PixArtSigmaPipeline if preset.text.kind == "t5" else SanaPipeline
+            self.pipeline = Pipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=None, transformer=None, scheduler=None)
         self.instruction = sana_complex_human_instruction() if preset.text.complex_human_instruction else None
         cfg = self.vae.config
         self.scaling_factor = float(cfg.scaling_factor)
         self.shift_factor = float(getattr(cfg, "shift_factor", None) or 0.0)
         self.latent_channels = int(cfg.latent_channels)
-        blocks = cfg.block_out_channels if preset.vae.kind == "kl" else cfg.encoder_block_out_channels
+        blocks = cfg.block_out_channels if preset.vae.gaussian else cfg.encoder_block_out_channels
         self.downsample = 2 ** (len(blocks) - 1)
-        self.text_dim = int(self.text_encoder.config.hidden_size if preset.text.kind == "gemma2" else self.text_encoder.config.d_model)
+        config = self.text_encoder.config
+        self.text_dim = int(getattr(config, "d_model", None) or config.hidden_size)  # T5's d_model; Gemma's and CLIP's hidden_size
 
     # -- what the cache records ---------------------------------------------------------------
 
@@ -117,12 +148,12 @@ class Encoders:
         `text_lengths` their token counts, so one image can carry several captions."""
         latent = (
             {"latent_mean": Field(storage_dtype), "latent_std": Field(storage_dtype)}
-            if self.preset.vae.kind == "kl"
+            if self.preset.vae.gaussian
             else {"latent": Field(storage_dtype)}
         )
         return {
             **latent,
-            "text": Field(storage_dtype, ragged=True),
+            **self.prompt_schema(storage_dtype),
             "text_lengths": Field(torch.int32, ragged=True),
             "original_size": Field(torch.int32),
             "crop": Field(torch.int32),
@@ -130,7 +161,27 @@ class Encoders:
         }
 
     def prompt_schema(self, storage_dtype: torch.dtype) -> Schema:
-        return {"text": Field(storage_dtype, ragged=True)}
+        """The text fields of one caption (see `TextBatch`)."""
+        names = ["text"]
+        if self.preset.text.kind == "sd3":
+            names = ["clip", "pooled"] + ([] if self.preset.text.drop_t5 else ["text"])
+        return {name: Field(storage_dtype, ragged=True) for name in names}
+
+    def text_layout(self) -> dict:
+        """How stage two turns the cached text fields into the transformer's input."""
+        if self.preset.text.kind != "sd3":
+            return {"kind": "masked"}  # text padded to the batch's longest caption, with a mask
+        return {
+            # encoder_hidden_states = cat(pad(clip, to the joint width), T5 tokens, dim=tokens)
+            "kind": "sd3_joint",
+            "clip_tokens": CLIP_TOKENS,
+            "t5_tokens": self.preset.text.max_length,
+            # dropped: StableDiffusion3Pipeline with text_encoder_3=None uses this many zero tokens
+            "t5": "dropped" if self.preset.text.drop_t5 else "stored",
+            "clip_width": self.clip_dim,
+            "pooled_width": self.pooled_dim,
+            "t5_width": None if self.preset.text.drop_t5 else self.text_dim,
+        }
 
     def fingerprint(self) -> dict:
         tokenizer_vocab = json.dumps(sorted(self.tokenizer.get_vocab().items())).encode()
@@ -146,29 +197,39 @@ class Encoders:
                 "latent_channels": self.latent_channels,
                 "downsample": self.downsample,
                 # KL: the posterior's mean and std, so training samples a fresh latent each step.
-                "posterior": "mean_std" if self.preset.vae.kind == "kl" else "deterministic",
+                "posterior": "mean_std" if self.preset.vae.gaussian else "deterministic",
                 "stored": "(z - shift_factor) * scaling_factor",
             },
             "text_encoder": {
                 "name": self.preset.text.name,
-                "class": type(self.text_encoder).__name__,
                 "source": self.text_source,
                 "revision": self.preset.text.revision,
-                "weights": weights_digest(self.text_encoder),
+                **self._text_modules_fingerprint(),
                 "compute_dtype": str(self.text_dtype).removeprefix("torch."),
-                "hidden_size": self.text_dim,
-                "tokenizer": type(self.tokenizer).__name__,
-                "tokenizer_vocab_sha256": hashlib.sha256(tokenizer_vocab).hexdigest(),
+                "hidden_size": None if self.preset.text.drop_t5 else self.text_dim,
                 "max_length": self.preset.text.max_length,
                 "encode_prompt": f"{type(self.pipeline).__name__}.encode_prompt",
                 "complex_human_instruction_sha256": (
                     hashlib.sha256("\n".join(self.instruction).encode()).hexdigest() if self.instruction else None
                 ),
                 "clean_caption": False,
-                # Both families mask padding in cross-attention, so trimming it is lossless.
-                "padding": "trimmed",
+                # PixArt and Sana mask padding in cross-attention, so trimming it is lossless. SD3 attends
+                # to every token without a mask: only CLIP's zero padding to the joint width is trimmed.
+                "padding": "trimmed" if self.preset.text.kind != "sd3" else "clip width trimmed; all tokens kept",
+                **({"layout": self.text_layout()} if self.preset.text.kind == "sd3" else {}),
             },
         }
+
+    def _text_modules_fingerprint(self) -> dict:
+        def one(module, tokenizer) -> dict:
+            vocab = json.dumps(sorted(tokenizer.get_vocab().items())).encode()
+            return {"class": type(module).__name__, "weights": weights_digest(module), "tokenizer": type(tokenizer).__name__,
+                    "tokenizer_vocab_sha256": hashlib.sha256(vocab).hexdigest()}
+
+        pairs = list(zip(self.text_modules.items(), self.tokenizers.values()))
+        if len(pairs) == 1:
+            return one(self.text_encoder, self.tokenizer)
+        return {"modules": {name: one(module, tokenizer) for (name, module), tokenizer in pairs}}
 
     def decoder_recipe(self) -> tuple[dict, dict[str, bytes]]:
         """How stage two rebuilds this VAE to decode samples: its class, where its weights are, and the
@@ -191,7 +252,7 @@ class Encoders:
     def encode_images(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
         """(B, 3, H, W) uint8 -> scaled latents: `latent_mean`/`latent_std` (KL) or `latent` (DC), (B, C, h, w)."""
         x = pixels.to(self.device, non_blocking=True).to(self.vae_dtype) / 127.5 - 1.0
-        if self.preset.vae.kind == "kl":
+        if self.preset.vae.gaussian:
             dist = self.vae.encode(x).latent_dist
             return {
                 "latent_mean": ((dist.mean.float() - self.shift_factor) * self.scaling_factor),
@@ -201,23 +262,50 @@ class Encoders:
 
     @torch.inference_mode()
     def encode_text(self, captions: list[str], instruction: bool = True) -> TextBatch:
-        """Captions -> embeddings of their valid tokens (float32, on the CPU), and whether each was truncated.
+        """Captions -> their cached text fields (see `TextBatch`), and whether each was truncated.
 
         `instruction=False` encodes without Sana's instruction prefix, as its pipeline encodes the
         negative (empty) prompt for classifier-free guidance.
         """
+        if self.preset.text.kind == "sd3":
+            return TextBatch(self._encode_sd3(captions), self.truncated(captions))
         kwargs = {"complex_human_instruction": self.instruction if instruction else None} if self.preset.text.kind == "gemma2" else {}
         embeds, mask, _, _ = self.pipeline.encode_prompt(
             captions, do_classifier_free_guidance=False, device=self.device,
             max_sequence_length=self.preset.text.max_length, clean_caption=False, **kwargs,
         )
         embeds, mask = embeds.float().cpu(), mask.bool().cpu()
-        out = [e[m] for e, m in zip(embeds, mask)]  # (L_i, D): padding dropped, order kept
-        return TextBatch(out, self.truncated(captions))
+        return TextBatch([{"text": e[m]} for e, m in zip(embeds, mask)], self.truncated(captions))  # padding dropped
+
+    def _encode_sd3(self, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+        if self.preset.text.drop_t5:
+            # encode_prompt needs the transformer's joint width for the zero T5 tokens; the CLIP half is
+            # the pipeline's own per-encoder call, concatenated as encode_prompt does.
+            (l, pooled_l), (g, pooled_g) = (
+                self.pipeline._get_clip_prompt_embeds(captions, device=self.device, clip_model_index=i) for i in (0, 1)
+            )
+            clip, pooled, t5 = torch.cat([l, g], dim=-1), torch.cat([pooled_l, pooled_g], dim=-1), None
+        else:
+            joint, _, pooled, _ = self.pipeline.encode_prompt(
+                captions, None, None, device=self.device, do_classifier_free_guidance=False,
+                max_sequence_length=self.preset.text.max_length,
+            )
+            clip, t5 = joint[:, :CLIP_TOKENS, : self.clip_dim], joint[:, CLIP_TOKENS:]
+        out = []
+        for i in range(len(captions)):
+            fields = {"clip": clip[i].float().cpu(), "pooled": pooled[i : i + 1].float().cpu()}
+            if t5 is not None:
+                fields["text"] = t5[i].float().cpu()
+            out.append(fields)
+        return out
 
     def truncated(self, captions: list[str]) -> list[bool]:
         """Which captions exceed the token limit (the pipeline truncates them)."""
         limit = self.preset.text.max_length
+        if self.preset.text.kind == "sd3":
+            clip = self.tokenizers["tokenizer"]
+            t5 = self.tokenizers.get("tokenizer_3")
+            return [len(clip(c).input_ids) > CLIP_TOKENS or (t5 is not None and len(t5(c).input_ids) > limit) for c in captions]
         if self.instruction:
             prefix = "\n".join(self.instruction)
             budget = len(self.tokenizer.encode(prefix)) + limit - 2

@@ -20,6 +20,9 @@ import torch
 PIXART_SIGMA_ENCODERS = "PixArt-alpha/pixart_sigma_sdxlvae_T5_diffusers"
 SANA_600M = "Efficient-Large-Model/Sana_600M_1024px_diffusers"
 SANA_1600M = "Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers"
+SD3_MEDIUM = "stabilityai/stable-diffusion-3-medium-diffusers"
+SD35_MEDIUM = "stabilityai/stable-diffusion-3.5-medium"
+SD35_LARGE = "stabilityai/stable-diffusion-3.5-large"
 
 
 @dataclass(frozen=True)
@@ -28,18 +31,24 @@ class VaeSpec:
 
     Args:
         kind: "kl" for AutoencoderKL (a Gaussian posterior: mean and std are cached so training
-            can sample), "dc" for AutoencoderDC (deterministic latent).
+            can sample), "sd3" for SD3's 16-channel AutoencoderKL (the same, with a shift factor),
+            "dc" for AutoencoderDC (deterministic latent).
         repo: Hub id or local directory; None builds the tiny model of this kind.
         fp16_safe: False for VAEs that overflow to NaN in fp16 (the SDXL VAE).
         cuda_dtype: compute dtype on CUDA by default (on CPU it is always float32).
     """
 
-    kind: Literal["kl", "dc"]
+    kind: Literal["kl", "dc", "sd3"]
     repo: str | None
     subfolder: str = "vae"
     revision: str | None = None
     fp16_safe: bool = False
     cuda_dtype: str = "float32"
+
+    @property
+    def gaussian(self) -> bool:
+        """An AutoencoderKL: its posterior's mean and std are cached."""
+        return self.kind != "dc"
 
 
 @dataclass(frozen=True)
@@ -48,10 +57,13 @@ class TextEncoderSpec:
 
     Args:
         name: the name `--text-encoder` selects it by.
-        kind: "t5" (T5EncoderModel, encoded like PixArt-Sigma) or "gemma2" (Gemma2Model, encoded
-            like Sana, with its token selection).
+        kind: "t5" (T5EncoderModel, encoded like PixArt-Sigma), "gemma2" (Gemma2Model, encoded
+            like Sana, with its token selection) or "sd3" (CLIP-L + CLIP-G + T5, encoded like
+            StableDiffusion3Pipeline; subfolders text_encoder{,_2,_3} and tokenizer{,_2,_3}).
         repo: Hub id or local directory; None builds the tiny model of this kind.
-        max_length: token limit of a caption.
+        max_length: token limit of a caption (for "sd3": of the T5 part; CLIP's is 77).
+        drop_t5: "sd3" only: leave T5 out, as StableDiffusion3Pipeline does with `text_encoder_3=None`
+            (its tokens are zeros at inference, so they are not stored).
         complex_human_instruction: prepend Sana's instruction prompt, as the released Sana models
             were trained.
         fp16_safe: False for encoders that overflow in fp16 (T5).
@@ -59,13 +71,14 @@ class TextEncoderSpec:
     """
 
     name: str
-    kind: Literal["t5", "gemma2"]
+    kind: Literal["t5", "gemma2", "sd3"]
     repo: str | None
     subfolder: str = "text_encoder"
     tokenizer_subfolder: str = "tokenizer"
     revision: str | None = None
     max_length: int = 300
     complex_human_instruction: bool = False
+    drop_t5: bool = False
     fp16_safe: bool = False
     cuda_dtype: str = "bfloat16"
 
@@ -75,7 +88,7 @@ class Preset:
     """A model family's encoders, bucket table and the transformer stage two trains."""
 
     name: str
-    family: Literal["pixart", "sana"]
+    family: Literal["pixart", "sana", "sd3"]
     base_resolution: int
     vae: VaeSpec
     text: TextEncoderSpec
@@ -87,6 +100,9 @@ TEXT_ENCODERS: dict[str, Callable[[], TextEncoderSpec]] = {
     "gemma2-2b": lambda: TextEncoderSpec("gemma2-2b", "gemma2", SANA_1600M, complex_human_instruction=True, fp16_safe=True),
     "tiny-t5": lambda: TextEncoderSpec("tiny-t5", "t5", None, max_length=64),
     "tiny-gemma2": lambda: TextEncoderSpec("tiny-gemma2", "gemma2", None, max_length=64, complex_human_instruction=True, fp16_safe=True),
+    # StableDiffusion3Pipeline's default T5 length is 256 tokens (SD3.5 was also trained with 256).
+    "clip-l-g-t5": lambda: TextEncoderSpec("clip-l-g-t5", "sd3", SD35_LARGE, max_length=256),
+    "tiny-clip-l-g-t5": lambda: TextEncoderSpec("tiny-clip-l-g-t5", "sd3", None, max_length=32),
 }
 
 
@@ -99,15 +115,24 @@ def _sana(name: str, repo: str) -> Preset:
     return Preset(name, "sana", 1024, vae, replace(TEXT_ENCODERS["gemma2-2b"](), repo=repo), repo)
 
 
+def _sd3(name: str, repo: str) -> Preset:
+    # The SD3 VAE has no fp16 guarantee (its config asks for upcasting): float32 by default.
+    return Preset(name, "sd3", 1024, VaeSpec("sd3", repo), replace(TEXT_ENCODERS["clip-l-g-t5"](), repo=repo), repo)
+
+
 PRESETS: dict[str, Callable[[], Preset]] = {
     "pixart-sigma-512": lambda: _pixart("pixart-sigma-512", 512, "PixArt-alpha/PixArt-Sigma-XL-2-512-MS"),
     "pixart-sigma-1024": lambda: _pixart("pixart-sigma-1024", 1024, "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"),
     "sana-600m": lambda: _sana("sana-600m", SANA_600M),
     "sana-1600m": lambda: _sana("sana-1600m", SANA_1600M),
+    "sd3-medium": lambda: _sd3("sd3-medium", SD3_MEDIUM),
+    "sd35-medium": lambda: _sd3("sd35-medium", SD35_MEDIUM),
+    "sd35-large": lambda: _sd3("sd35-large", SD35_LARGE),
     "tiny-pixart": lambda: Preset("tiny-pixart", "pixart", 256, VaeSpec("kl", None), TEXT_ENCODERS["tiny-t5"](), None),
     "tiny-sana": lambda: Preset(
         "tiny-sana", "sana", 256, VaeSpec("dc", None, fp16_safe=True, cuda_dtype="bfloat16"), TEXT_ENCODERS["tiny-gemma2"](), None
     ),
+    "tiny-sd3": lambda: Preset("tiny-sd3", "sd3", 256, VaeSpec("sd3", None), TEXT_ENCODERS["tiny-clip-l-g-t5"](), None),
 }
 
 
@@ -145,7 +170,22 @@ TINY_WORDS = (
 
 
 def tiny_tokenizer(kind: str):
-    """A small tokenizer of the real class, built in-process (no download)."""
+    """A small tokenizer of the real class, built in-process (no download): "t5", "gemma2" or "clip"."""
+    if kind == "clip":
+        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+        from transformers import CLIPTokenizer
+
+        # A byte-level BPE with CLIP's end-of-word suffix, trained here on the sample vocabulary.
+        specials = ["<|startoftext|>", "<|endoftext|>"]
+        bpe = Tokenizer(models.BPE(end_of_word_suffix="</w>", unk_token=specials[1]))
+        bpe.normalizer = normalizers.Lowercase()
+        bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        corpus = [" ".join(TINY_WORDS)] * 4 + [" ".join(".,;:!?'\"-()0123456789")]
+        bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=1000, special_tokens=specials, end_of_word_suffix="</w>",
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        state = json.loads(bpe.to_str())["model"]
+        merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]
+        return CLIPTokenizer(vocab=state["vocab"], merges=merges, model_max_length=77)
     if kind == "t5":
         from transformers import T5Tokenizer
 
@@ -192,11 +232,19 @@ def tiny_text_encoder(kind: str, vocab_size: int) -> torch.nn.Module:
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
                               pad_token_id=0, bos_token_id=2, eos_token_id=1, attn_logit_softcapping=None)
         return _seeded(lambda: Gemma2Model(config))
+    if kind in ("clip-l", "clip-g"):
+        from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+        width = 8 if kind == "clip-l" else 16  # CLIP-L is the narrower of SD3's two (768 and 1280)
+        config = CLIPTextConfig(vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width, projection_dim=width,
+                                num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
+                                bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_act="gelu")
+        return _seeded(lambda: CLIPTextModelWithProjection(config))
     raise ValueError(kind)
 
 
 def tiny_vae(kind: str) -> torch.nn.Module:
-    """f8 autoencoders: KL with 4 latent channels (SDXL-like), DC with 8 (DC-AE-like)."""
+    """f8 autoencoders: KL with 4 latent channels (SDXL-like), SD3's KL with 16 and a shift, DC with 8."""
     if kind == "kl":
         from diffusers import AutoencoderKL
 
@@ -204,6 +252,15 @@ def tiny_vae(kind: str) -> torch.nn.Module:
             block_out_channels=(16, 32, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
             up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, latent_channels=4, norm_num_groups=8,
             sample_size=256, scaling_factor=0.13025,
+        ))
+    if kind == "sd3":
+        from diffusers import AutoencoderKL
+
+        # SD3's VAE: 16 channels, no quant convs, the published shift and scaling factors.
+        return _seeded(lambda: AutoencoderKL(
+            block_out_channels=(16, 32, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, latent_channels=16, norm_num_groups=8,
+            sample_size=256, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
         ))
     if kind == "dc":
         from diffusers import AutoencoderDC
@@ -220,12 +277,23 @@ def tiny_vae(kind: str) -> torch.nn.Module:
     raise ValueError(kind)
 
 
+def sd3_text_parts(drop_t5: bool = False) -> list[tuple[str, str, str]]:
+    """(tiny kind, model subfolder, tokenizer subfolder) of SD3's text encoders, in pipeline order."""
+    parts = [("clip-l", "text_encoder", "tokenizer"), ("clip-g", "text_encoder_2", "tokenizer_2"), ("t5", "text_encoder_3", "tokenizer_3")]
+    return parts[:2] if drop_t5 else parts
+
+
 def save_tiny(preset: Preset, directory) -> None:
     """Write a tiny preset's components in the diffusers layout, to load back with `from_pretrained`."""
-    tokenizer = tiny_tokenizer(preset.text.kind)
     tiny_vae(preset.vae.kind).save_pretrained(f"{directory}/{preset.vae.subfolder}")
-    tiny_text_encoder(preset.text.kind, len(tokenizer)).save_pretrained(f"{directory}/{preset.text.subfolder}")
-    tokenizer.save_pretrained(f"{directory}/{preset.text.tokenizer_subfolder}")
+    if preset.text.kind == "sd3":
+        parts = sd3_text_parts()
+    else:
+        parts = [(preset.text.kind, preset.text.subfolder, preset.text.tokenizer_subfolder)]
+    for kind, model_dir, tokenizer_dir in parts:
+        tokenizer = tiny_tokenizer("clip" if kind.startswith("clip") else kind)
+        tiny_text_encoder(kind, len(tokenizer)).save_pretrained(f"{directory}/{model_dir}")
+        tokenizer.save_pretrained(f"{directory}/{tokenizer_dir}")
 
 
 def weights_digest(module: torch.nn.Module, samples: int = 4096) -> str:

@@ -69,8 +69,10 @@ def cached_sources(cache: Path) -> dict[str, str]:
 def estimate_bytes_per_sample(enc: Encoders, policy: ImagePolicy, storage: torch.dtype, captions: int = 1) -> int:
     """Latents at the largest bucket area plus half the token limit per caption: an estimate for the disk check."""
     area = max(b.height * b.width for b in policy.buckets) // enc.downsample**2
-    latents = (2 if enc.preset.vae.kind == "kl" else 1) * enc.latent_channels * area
+    latents = (2 if enc.preset.vae.gaussian else 1) * enc.latent_channels * area
     text = captions * enc.preset.text.max_length // 2 * enc.text_dim
+    if enc.preset.text.kind == "sd3":  # every token is kept: CLIP's 77 and T5's whole length
+        text = captions * (77 * enc.clip_dim + enc.pooled_dim + (0 if enc.preset.text.drop_t5 else enc.preset.text.max_length * enc.text_dim))
     return (latents + text) * storage.itemsize + 256
 
 
@@ -81,6 +83,8 @@ def main(
     *,
     text_encoder: str | None = None,
     pretrained: str | None = None,
+    drop_t5: bool = False,
+    max_length: int | None = None,
     batch_size: int | None = None,
     text_batch_size: int = 64,
     workers: int = 2,
@@ -108,6 +112,15 @@ def main(
     preset = get_preset(model)
     if text_encoder:
         preset = replace(preset, text=get_text_encoder(text_encoder))
+    if (preset.family == "sd3") != (preset.text.kind == "sd3"):
+        raise ValueError(f"--text-encoder {preset.text.name}: the {preset.family} family needs "
+                         + ("CLIP-L + CLIP-G + T5 (clip-l-g-t5)" if preset.family == "sd3" else "a single text encoder"))
+    if drop_t5:
+        if preset.text.kind != "sd3":
+            raise ValueError(f"--drop-t5 applies to SD3 presets; {preset.name} has no T5 to drop beside CLIP")
+        preset = replace(preset, text=replace(preset.text, drop_t5=True))
+    if max_length:
+        preset = replace(preset, text=replace(preset.text, max_length=max_length))
     device = best_device()
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -178,19 +191,19 @@ def main(
     def encode_and_write(items: list[dict]) -> None:
         latents = enc.encode_images(torch.stack([it["pixels"] for it in items]))  # (B, C, h, w) each
         captions = [c for it in items for c in it["captions"]]
-        embeds, truncated = [], []
+        texts, truncated = [], []
         for i in range(0, len(captions), text_batch_size):
             batch = enc.encode_text(captions[i : i + text_batch_size])
-            embeds += batch.embeds
+            texts += batch.fields
             truncated += batch.truncated
         counts["captions_truncated"] += sum(truncated)
         at = 0
         for j, it in enumerate(items):
-            mine_embeds = embeds[at : at + len(it["captions"])]
+            mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field
             at += len(it["captions"])
             fields = {name: t[j].to(storage) for name, t in latents.items()}
-            fields["text"] = torch.cat(mine_embeds).to(storage)  # (sum L, D)
-            fields["text_lengths"] = torch.tensor([e.shape[0] for e in mine_embeds], dtype=torch.int32)
+            fields.update({name: torch.cat([c[name] for c in mine]).to(storage) for name in mine[0]})
+            fields["text_lengths"] = torch.tensor([c["text"].shape[0] if "text" in c else 0 for c in mine], dtype=torch.int32)
             fields["original_size"] = torch.tensor(it["original_size"], dtype=torch.int32)
             fields["crop"] = torch.tensor(it["crop"], dtype=torch.int32)
             fields["source"] = torch.frombuffer(bytearray(it["source"].encode("utf-8")), dtype=torch.uint8)
@@ -255,8 +268,8 @@ def main(
             prompts = {"": False, **{p: True for p in validation_prompts}}  # text -> with instruction
             stored = {}
             for text, instruction in prompts.items():
-                emb = enc.encode_text([text], instruction=instruction).embeds[0].to(storage)
-                stored[prompt_key(text)] = Prompt(text, {"text": emb})
+                fields = enc.encode_text([text], instruction=instruction).fields[0]
+                stored[prompt_key(text)] = Prompt(text, {name: t.to(storage) for name, t in fields.items()})
             final.add_prompts(stored, enc.prompt_schema(storage))
             decoder, files = enc.decoder_recipe()
             for path, data in files.items():
