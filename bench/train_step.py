@@ -24,7 +24,7 @@ from precompute.presets import get_preset as encoder_preset  # noqa: E402
 from precompute.run import main as precompute  # noqa: E402
 from precompute.sample_data import make_folder  # noqa: E402
 from shards import Cache, bucket_table  # noqa: E402
-from train.data import BucketBatchSampler, Prefetcher, TrainingSamples, _generator, collate, epoch_loader  # noqa: E402
+from train.data import BucketBatchSampler, Prefetcher, TrainingSamples, _generator, epoch_loader  # noqa: E402
 from train.objectives import build_objective  # noqa: E402
 from train.presets import build_transformer, get_preset, model_forward  # noqa: E402
 
@@ -58,7 +58,7 @@ def main(
         dataset = TrainingSamples(work / "cache", 0, 0.1)
         epochs = [sampler(e) for e in range(steps // len(sampler(0)) + 2)]
         plan = [(e, b) for e, bs in enumerate(epochs) for b in bs][:steps]
-        in_memory = [collate([dataset[(e, i)] for i in b]) for e, b in plan]
+        in_memory = [dataset.collate([dataset[(e, i)] for i in b]) for e, b in plan]
 
         # (b): pixels and captions of the same samples, encoded inside the step
         enc = Encoders(encoder_preset(model), torch.device("cpu"))

@@ -259,11 +259,11 @@ def test_new_shards_join_at_the_next_epoch(tmp_path, monkeypatch):
     seen = []
     import train.data as train_data
 
-    real = train_data.collate
-    def spy(samples):
+    real = train_data.TrainingSamples.collate
+    def spy(self, samples):
         seen.append([s["key"] for s in samples])
-        return real(samples)
-    monkeypatch.setattr(train_data, "collate", spy)
+        return real(self, samples)
+    monkeypatch.setattr(train_data.TrainingSamples, "collate", spy)
     epoch1 = BucketBatchSampler(Cache(cache).ranges_by_bucket(), 2).batches_per_epoch()
     train(cfg(cache, tmp_path / "run", steps=epoch0 + epoch1, batch_size=2))
     assert len(seen) == epoch1 and len({k for batch in seen for k in batch}) == 8  # epoch 1 covers all eight

@@ -83,19 +83,80 @@ class BucketBatchSampler:
         return len(self.global_batches(0))
 
 
+@dataclass(frozen=True)
+class TextLayout:
+    """How a cache's text fields become the transformer's text input (stage one records it).
+
+    "masked" (PixArt, Sana): one `text` field of valid tokens per caption, padded per batch with a mask.
+    "sd3_joint": per caption `clip` (77, D_clip) and `pooled` (D_pooled,) and, unless T5 was dropped,
+    `text` (T5 tokens, D); the model input is cat(pad(clip, to the joint width), T5 tokens) as
+    StableDiffusion3Pipeline builds it, with `t5_zeros` zero tokens in T5's place when it was dropped.
+    """
+
+    kind: str = "masked"
+    t5_zeros: int = 0
+
+    @classmethod
+    def of(cls, cache: Cache) -> "TextLayout":
+        layout = cache.fingerprint["text_encoder"].get("layout") or {"kind": "masked"}
+        if layout["kind"] not in ("masked", "sd3_joint"):
+            raise ValueError(f"{cache.root}: unknown text layout {layout['kind']!r}; update this trainer")
+        return cls(layout["kind"], layout["t5_tokens"] if layout.get("t5") == "dropped" else 0)
+
+    def caption(self, fields: dict, pick: int, captions: int) -> dict[str, torch.Tensor]:
+        """Caption `pick` (of `captions`) of a sample's or prompt's fields."""
+        lengths = fields["text_lengths"].tolist() if "text_lengths" in fields else [len(fields["text"])]
+        out = {}
+        if "text" in fields:
+            start = sum(lengths[:pick])
+            out["text"] = fields["text"][start : start + lengths[pick]]
+        if self.kind == "sd3_joint":
+            tokens = fields["clip"].shape[0] // captions
+            out["clip"] = fields["clip"][pick * tokens : (pick + 1) * tokens]
+            out["pooled"] = fields["pooled"][pick]
+        return out
+
+    def collate(self, conds: list[dict[str, torch.Tensor]]) -> dict:
+        """Per-caption conditioning -> the batch's: `text` padded to the longest caption (B, L, D) with
+        `text_mask` (B, L); for SD3 also `clip` (B, 77, D_clip), `pooled` (B, D_pooled), `t5_zeros`."""
+        out: dict = {}
+        if "text" in conds[0]:
+            longest = max(c["text"].shape[0] for c in conds)
+            text = torch.zeros(len(conds), longest, conds[0]["text"].shape[1], dtype=conds[0]["text"].dtype)
+            mask = torch.zeros(len(conds), longest, dtype=torch.bool)
+            for j, c in enumerate(conds):
+                n = c["text"].shape[0]
+                text[j, :n], mask[j, :n] = c["text"], True
+            out.update(text=text, text_mask=mask)
+        if self.kind == "sd3_joint":
+            out.update(clip=torch.stack([c["clip"] for c in conds]), pooled=torch.stack([c["pooled"] for c in conds]),
+                       t5_zeros=self.t5_zeros)
+        return out
+
+
 class TrainingSamples(torch.utils.data.Dataset):
     """Cache samples made ready for the model, indexed by (epoch, global index).
 
     Per sample and epoch: a fresh latent from the cached posterior (mean + std * eps) where the cache
-    stores one, one of the sample's captions, and caption dropout to the cached empty-caption embedding.
+    stores one, one of the sample's captions, and caption dropout: to the cached empty-caption embedding
+    (`null="empty"`, PixArt and Sana) or to zeroed embeddings (`null="zeros"`, SD3's convention).
     """
 
-    def __init__(self, cache_dir, seed: int, caption_dropout: float):
+    def __init__(self, cache_dir, seed: int, caption_dropout: float, null: str = "empty"):
         self.cache_dir, self.seed, self.caption_dropout = cache_dir, seed, caption_dropout
         self._cache: Cache | None = None
-        self.null = Cache(cache_dir).prompts().get(prompt_key(""))
-        if caption_dropout > 0 and self.null is None:
-            raise ValueError(f"{cache_dir} holds no empty-caption embedding; rebuild it with `make precompute`")
+        cache = Cache(cache_dir)
+        self.layout = TextLayout.of(cache)
+        if null not in ("empty", "zeros"):
+            raise ValueError(f"caption dropout embedding {null!r}: choose empty or zeros")
+        self.null = None
+        if caption_dropout > 0:
+            stored = cache.prompts().get(prompt_key(""))
+            if stored is None:
+                raise ValueError(f"{cache_dir} holds no empty-caption embedding; rebuild it with `make precompute`")
+            self.null = self.layout.caption(stored.fields, 0, 1)
+            if null == "zeros":
+                self.null = {k: torch.zeros_like(v) for k, v in self.null.items()}
 
     @property
     def cache(self) -> Cache:
@@ -112,32 +173,22 @@ class TrainingSamples(torch.utils.data.Dataset):
             latent = mean + std * torch.randn(mean.shape, generator=g)
         else:
             latent = s["latent"].float()
-        lengths = s["text_lengths"].tolist()
-        pick = int(torch.randint(len(lengths), (1,), generator=g))
-        start = sum(lengths[:pick])
-        text = s["text"][start : start + lengths[pick]]
+        captions = len(s["text_lengths"])
+        pick = int(torch.randint(captions, (1,), generator=g))
+        cond = self.layout.caption(s.fields, pick, captions)
         if self.caption_dropout and float(torch.rand((), generator=g)) < self.caption_dropout:
-            text = self.null.fields["text"]
+            cond = self.null
         # text stays in its storage dtype (bf16 by default) until the device: half the bytes to copy
-        return {"key": s.key, "bucket": s.bucket, "latent": latent, "text": text}
+        return {"key": s.key, "bucket": s.bucket, "latent": latent, "cond": cond}
 
-
-def collate(samples: list[dict]) -> dict:
-    """Stack latents (B, C, h, w); pad text only to the batch's longest caption (B, L, D) with its mask (B, L)."""
-    longest = max(s["text"].shape[0] for s in samples)
-    dim = samples[0]["text"].shape[1]
-    text = torch.zeros(len(samples), longest, dim, dtype=samples[0]["text"].dtype)
-    mask = torch.zeros(len(samples), longest, dtype=torch.bool)
-    for j, s in enumerate(samples):
-        n = s["text"].shape[0]
-        text[j, :n], mask[j, :n] = s["text"], True
-    return {
-        "latents": torch.stack([s["latent"] for s in samples]),
-        "text": text,
-        "text_mask": mask,
-        "bucket": tuple(samples[0]["bucket"]),
-        "keys": [s["key"] for s in samples],
-    }
+    def collate(self, samples: list[dict]) -> dict:
+        """Stack latents (B, C, h, w); the text as `TextLayout.collate` builds it."""
+        return {
+            "latents": torch.stack([s["latent"] for s in samples]),
+            **self.layout.collate([s["cond"] for s in samples]),
+            "bucket": tuple(samples[0]["bucket"]),
+            "keys": [s["key"] for s in samples],
+        }
 
 
 class EpochBatches(torch.utils.data.Sampler):
@@ -162,7 +213,7 @@ def epoch_loader(dataset: TrainingSamples, batches: list[list[int]], epoch: int,
     competes for the GIL with the step's Python.
     """
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=EpochBatches(batches, epoch), collate_fn=collate, num_workers=workers,
+        dataset, batch_sampler=EpochBatches(batches, epoch), collate_fn=dataset.collate, num_workers=workers,
         pin_memory=device.type == "cuda", prefetch_factor=4 if workers else None,
     )
 

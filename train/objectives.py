@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
-from diffusers.training_utils import compute_density_for_timestep_sampling
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
 # (model, noisy latents, timesteps, batch) -> prediction with the latents' channels first
 ModelFn = Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]
@@ -26,7 +26,8 @@ class FlowMatching:
     """Rectified flow with SD3's timestep densities and a shift.
 
     Args:
-        weighting: timestep density: "uniform", "logit_normal" or "mode".
+        weighting: timestep density: "uniform", "logit_normal" (SD3's default) or "mode".
+        loss_weighting: SD3's per-timestep loss weights: "none", "sigma_sqrt" (1 / sigma^2) or "cosmap".
         shift: s -> shift * s / (1 + (shift - 1) s); larger shifts spend more steps at high noise.
         resolution_shift: scale the shift with sqrt(pixels / base pixels) per bucket.
         base_resolution: the square size `shift` was tuned at.
@@ -36,6 +37,7 @@ class FlowMatching:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
+    loss_weighting: str = "none"
     shift: float = 1.0
     resolution_shift: bool = False
     base_resolution: int = 1024
@@ -65,6 +67,8 @@ class FlowMatching:
         xt = (1 - s[:, None, None, None]) * x0 + s[:, None, None, None] * noise
         pred = model_fn(xt, s * 1000, batch)
         loss = F.mse_loss(pred.float(), (noise - x0).float(), reduction="none").mean(dim=(1, 2, 3))
+        if self.loss_weighting != "none":
+            loss = loss * compute_loss_weighting_for_sd3(self.loss_weighting, s.float())
         return loss, s
 
 

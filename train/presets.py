@@ -66,6 +66,12 @@ TINY_PIXART = dict(
     norm_eps=1e-6, num_embeds_ada_norm=1000, activation_fn="gelu-approximate", attention_bias=True,
     use_additional_conditions=False, interpolation_scale=1,
 )
+# SD3.5-medium's features at CPU size: QK RMS-norm and one dual-attention (MMDiT-X) block.
+TINY_SD3 = dict(
+    sample_size=32, patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=24, pos_embed_max_size=48, qk_norm="rms_norm",
+    dual_attention_layers=(0,),
+)
 TINY_SANA = dict(
     in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, num_layers=2, num_cross_attention_heads=2,
     cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32, mlp_ratio=2.5, patch_size=1, sample_size=32,
@@ -90,19 +96,20 @@ PRESETS: dict[str, Callable[[], ModelPreset]] = {
     "sana-1600m": lambda: ModelPreset("sana-1600m", "sana", "Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
                                       "sana_1600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="bfloat16",
                                       latent_downsample=32, encoder_parameters=SANA_ENCODERS),
-    # SD3 / SD3.5: the architectures, for memory planning; stage one and the trainer build their caches
-    # and conditioning separately (CLIP-L + CLIP-G + T5 joint tokens, pooled projections).
+    # SD3 / SD3.5: joint attention over CLIP-L + CLIP-G + T5 tokens, pooled CLIP projections; trained in bf16
     "sd3-medium": lambda: ModelPreset("sd3-medium", "sd3", "stabilityai/stable-diffusion-3-medium-diffusers",
                                       "sd3_medium_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
-                                      extra={"text_tokens": 77 + 256}),
+                                      released_dtype="float16", extra={"text_tokens": 77 + 256}),
     "sd35-medium": lambda: ModelPreset("sd35-medium", "sd3", "stabilityai/stable-diffusion-3.5-medium",
                                        "sd35_medium_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
-                                       extra={"text_tokens": 77 + 256}),
+                                       released_dtype="bfloat16", extra={"text_tokens": 77 + 256}),
     "sd35-large": lambda: ModelPreset("sd35-large", "sd3", "stabilityai/stable-diffusion-3.5-large",
                                       "sd35_large_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
-                                      extra={"text_tokens": 77 + 256}),
+                                      released_dtype="bfloat16", extra={"text_tokens": 77 + 256}),
     "tiny-pixart": lambda: ModelPreset("tiny-pixart", "pixart", None, TINY_PIXART, "ddpm", "epsilon", base_resolution=256),
     "tiny-sana": lambda: ModelPreset("tiny-sana", "sana", None, TINY_SANA, "flow", "flow", flow_shift=3.0, base_resolution=256),
+    "tiny-sd3": lambda: ModelPreset("tiny-sd3", "sd3", None, TINY_SD3, "flow", "flow", flow_shift=3.0, base_resolution=256,
+                                    extra={"text_tokens": 77 + 32}),
 }
 
 
@@ -132,11 +139,25 @@ def text_width(config) -> int:
 
 def model_forward(model, family: str):
     """The family's call signature as (noisy latents, timesteps, batch) -> prediction."""
+    config = getattr(model, "module", model).config  # through a DDP wrapper
+
     def fn(xt, t, batch):
         if family == "sd3":  # joint attention over all tokens, no mask; pooled CLIP projections
-            return model(hidden_states=xt, encoder_hidden_states=batch["text"].to(xt.dtype), pooled_projections=batch["pooled"],
-                         timestep=t, return_dict=False)[0]
+            return model(hidden_states=xt, encoder_hidden_states=sd3_joint_tokens(batch, config.joint_attention_dim, xt.dtype),
+                         pooled_projections=batch["pooled"].to(xt.dtype), timestep=t, return_dict=False)[0]
         kwargs = {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}} if family == "pixart" else {}
         return model(hidden_states=xt, encoder_hidden_states=batch["text"].to(xt.dtype), encoder_attention_mask=batch["text_mask"].to(xt.dtype),
                      timestep=t, return_dict=False, **kwargs)[0]
     return fn
+
+
+def sd3_joint_tokens(batch: dict, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """SD3's text input as StableDiffusion3Pipeline.encode_prompt builds it: CLIP-L and CLIP-G tokens
+    zero-padded to the joint width, then the T5 tokens (zeros when the cache dropped T5). (B, 77 + L, width)"""
+    clip = batch["clip"].to(dtype)
+    clip = torch.nn.functional.pad(clip, (0, width - clip.shape[-1]))
+    if "text" in batch:
+        t5 = batch["text"].to(dtype)
+    else:
+        t5 = clip.new_zeros(clip.shape[0], batch["t5_zeros"], width)
+    return torch.cat([clip, t5], dim=1)

@@ -16,7 +16,7 @@ import torch
 
 from shards import Bucket, Cache
 from shards.prompts import prompt_key
-from train.data import derived_seed
+from train.data import TextLayout, derived_seed
 from train.decode import Decoder, decoder_recipe
 from train.objectives import DDPM, FlowMatching
 from train.presets import ModelPreset, model_forward
@@ -25,15 +25,15 @@ from train.presets import ModelPreset, model_forward
 @dataclass
 class ValidationPrompt:
     text: str
-    embed: torch.Tensor  # (L, D)
+    cond: dict[str, torch.Tensor]  # one caption's text fields (`TextLayout.caption`)
 
 
 def resolve_prompts(cache: Cache, requested: list[str], model: str) -> list[ValidationPrompt]:
     """The requested prompts (all the cache's validation prompts when none are), with their cached
     embeddings; a prompt that was never encoded stops the run here, naming the command that adds it."""
-    stored = cache.prompts()
+    stored, layout = cache.prompts(), TextLayout.of(cache)
     if not requested:
-        return [ValidationPrompt(p.text, p.fields["text"]) for p in sorted(stored.values(), key=lambda p: p.text) if p.text]
+        return [ValidationPrompt(p.text, layout.caption(p.fields, 0, 1)) for p in sorted(stored.values(), key=lambda p: p.text) if p.text]
     missing = [text for text in requested if prompt_key(text) not in stored]
     if missing:
         args = " ".join(f"--validation-prompt {json.dumps(t)}" for t in missing)
@@ -41,7 +41,7 @@ def resolve_prompts(cache: Cache, requested: list[str], model: str) -> list[Vali
             f"validation prompt(s) {missing} have no cached embedding in {cache.root}. Add them (nothing else is "
             f"re-encoded):\n  make precompute DATA=<your data> MODEL={model} CACHE={cache.root} PRECOMPUTE_ARGS={_quote(args)}"
         )
-    return [ValidationPrompt(t, stored[prompt_key(t)].fields["text"]) for t in requested]
+    return [ValidationPrompt(t, layout.caption(stored[prompt_key(t)].fields, 0, 1)) for t in requested]
 
 
 def _quote(text: str) -> str:
@@ -77,26 +77,20 @@ def sampling_scheduler(preset: ModelPreset, objective, pixels: int):
     raise TypeError(f"no sampler for {type(objective).__name__}")
 
 
-def _pad(embeds: list[torch.Tensor], device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(e.shape[0] for e in embeds)
-    text = torch.zeros(len(embeds), longest, embeds[0].shape[1], device=device, dtype=dtype)
-    mask = torch.zeros(len(embeds), longest, device=device, dtype=torch.bool)
-    for i, e in enumerate(embeds):
-        text[i, : e.shape[0]], mask[i, : e.shape[0]] = e.to(device, dtype), True
-    return text, mask
-
-
 @torch.no_grad()
-def generate(model, preset: ModelPreset, objective, embed: torch.Tensor, null: torch.Tensor, latent_shape: tuple[int, int, int],
-             pixels: int, *, steps: int, guidance: float, seed: int, precision: torch.dtype) -> torch.Tensor:
-    """One sample (C, h, w) at the cache's latent scale, with classifier-free guidance; `pixels` of its bucket."""
+def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, latent_shape: tuple[int, int, int],
+             pixels: int, *, steps: int, guidance: float, seed: int, precision: torch.dtype,
+             layout: TextLayout | None = None) -> torch.Tensor:
+    """One sample (C, h, w) at the cache's latent scale, with classifier-free guidance; `pixels` of its bucket.
+    `cond` and `null` are one caption's cached text fields each."""
     device = next(model.parameters()).device
     c, h, w = latent_shape
     scheduler = sampling_scheduler(preset, objective, pixels)
     scheduler.set_timesteps(steps, device=device)
     g = torch.Generator().manual_seed(seed)
     latents = (torch.randn(1, c, h, w, generator=g) * getattr(scheduler, "init_noise_sigma", 1.0)).to(device)
-    text, mask = _pad([null, embed], device, torch.float32)
+    text = (layout or TextLayout()).collate([{k: v.float() for k, v in c.items()} for c in (null, cond)])
+    text = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in text.items()}
     forward = model_forward(model, preset.family)
     autocast = torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
     for t in scheduler.timesteps:
@@ -104,7 +98,7 @@ def generate(model, preset: ModelPreset, objective, embed: torch.Tensor, null: t
         if hasattr(scheduler, "scale_model_input"):
             x = scheduler.scale_model_input(x, t)
         with autocast:
-            pred = forward(x, t.expand(2), {"text": text, "text_mask": mask}).float()
+            pred = forward(x, t.expand(2), text).float()
         pred = pred[:, :c]  # learned-sigma models append variance channels
         uncond, cond = pred.chunk(2)
         latents = scheduler.step(uncond + guidance * (cond - uncond), t, latents).prev_sample
@@ -121,7 +115,8 @@ class Validator:
         null = cache.prompts().get(prompt_key(""))
         if null is None:
             raise ValueError(f"{cache.root} holds no empty-caption embedding for guidance; rebuild it with `make precompute`")
-        self.null = null.fields["text"]
+        self.layout = TextLayout.of(cache)
+        self.null = self.layout.caption(null.fields, 0, 1)  # the empty caption, as the family's pipeline guides
         self.buckets = [parse_bucket(b) for b in buckets] or default_buckets(cache)
         down = cache.fingerprint["vae"]["downsample"]
         bad = [b.name for b in self.buckets if b.height % down or b.width % down]
@@ -152,9 +147,9 @@ class Validator:
                     p.copy_(s)
         try:
             return {
-                (prompt.text, b): generate(model, self.preset, self.objective, prompt.embed, self.null, shape, b.height * b.width,
+                (prompt.text, b): generate(model, self.preset, self.objective, prompt.cond, self.null, shape, b.height * b.width,
                                            steps=self.steps, guidance=self.guidance, seed=derived_seed(self.seed, i, *shape),
-                                           precision=precision)
+                                           precision=precision, layout=self.layout)
                 for i, prompt in enumerate(self.prompts) for shape, b in zip(self.shapes, self.buckets)
             }
         finally:
