@@ -43,9 +43,12 @@ HELP = {
                           "(every K-th transformer block).",
     "pretrained": "Fine-tune released weights: a Hub id or directory with a transformer/ subfolder (default: fresh weights).",
     "seed": "Seed of weights, data order and noise.",
-    "caption_dropout": "Probability of replacing the caption by the cached empty caption.",
+    "caption_dropout": "Probability of dropping the caption (see --caption-dropout-embedding).",
+    "caption_dropout_embedding": "What a dropped caption becomes: auto (zeroed embeddings for SD3, as it was trained; the "
+                                 "cached empty caption for PixArt and Sana), empty or zeros.",
     "remainder": "Incomplete batches: repeat (complete them with samples of the same bucket) or drop.",
-    "weighting": "Flow matching timestep density: uniform, logit_normal or mode.",
+    "weighting": "Flow matching timestep density: uniform, logit_normal (SD3's) or mode.",
+    "loss_weighting": "Flow matching loss weight per timestep, as SD3's training offers: none, sigma_sqrt or cosmap.",
     "flow_shift": "Flow matching timestep shift (default: the preset's).",
     "resolution_shift": "Scale the shift with each bucket's resolution.",
     "ema_decay": "EMA decay of the weights (0: no EMA).",
@@ -77,6 +80,13 @@ HELP = {
     "fsdp_reshard": "Free each block's gathered weights after its forward (ZeRO-3-like, least memory); "
                     "--no-fsdp-reshard keeps them until backward (ZeRO-2-like, less communication).",
     "fsdp_cpu_offload": "Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP's CPUOffloadPolicy).",
+    "lora_rank": "Train LoRA adapters of this rank on the frozen transformer instead of every weight (0: full fine-tuning). "
+                 "Only the adapters get gradients and optimizer states; checkpoints hold the adapters alone, in the format "
+                 "the family's pipeline loads. --weights-dtype bf16 halves the frozen base.",
+    "lora_alpha": "LoRA alpha (the adapters' output is scaled by alpha / rank; default: the rank).",
+    "lora_targets": "Module names to adapt (repeatable, matched by suffix; default: attention q/k/v/out, and SD3's text-stream "
+                    "projections).",
+    "lora_dropout": "Dropout on the LoRA adapters' input.",
 }
 assert set(HELP) == {f.name for f in dataclasses.fields(TrainConfig)}
 # torchrun's own parser would take `--run` for an abbreviation of its `--run-path`
@@ -123,11 +133,13 @@ tools = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_arg
 @tools.command("export")
 def export_command(
     run: Path = typer.Argument(..., help="Run directory (its newest complete checkpoint) or one checkpoint directory."),
-    out: Path = typer.Option(..., help="Output directory; the transformer goes to OUT/transformer in the diffusers layout."),
+    out: Path = typer.Option(..., help="Output directory; the transformer goes to OUT/transformer in the diffusers layout. "
+                             "A LoRA run's adapters go to OUT (pipe.load_lora_weights(OUT); PixArt: PeftModel.from_pretrained)."),
     ema: bool = typer.Option(False, help="Export the EMA weights instead of the trained ones."),
     dtype: Optional[str] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
 ) -> None:
-    """Write a checkpoint's transformer in the diffusers format (load it with `from_pretrained(OUT, subfolder="transformer")`)."""
+    """Write a checkpoint's transformer in the diffusers format (load it with `from_pretrained(OUT, subfolder="transformer")`),
+    or a LoRA run's adapters in the format its family's pipeline loads."""
     from train.export import export
 
     _run(lambda: print(f"exported {export(run, out, ema=ema, dtype=dtype)}"))
@@ -174,6 +186,9 @@ def plan_command(
     cpu_offload: bool = typer.Option(False, help="FSDP CPU offload of parameters, gradients and optimizer states."),
     text_tokens: Optional[int] = typer.Option(None, help="Caption tokens to plan for (default: the preset's limit, 300; SD3 77 + 256)."),
     gpu_memory: str = typer.Option("80GB", help="Memory of one device, e.g. 48GB."),
+    lora_rank: int = typer.Option(0, help="Plan LoRA fine-tuning with adapters of this rank on the frozen base (0: full fine-tuning); "
+                                          "--weights-dtype is then the base's dtype."),
+    lora_targets: List[str] = typer.Option([], help="LoRA target modules (repeatable; default: the family's attention projections)."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """Predict memory per device before launching: bytes by component, peak, verdict, largest batch."""
@@ -184,7 +199,8 @@ def plan_command(
         size = tuple(parse_bucket(bucket)) if bucket else (resolution or (256 if model.startswith("tiny") else 1024),) * 2
         result = plan(PlanConfig(model, batch=batch, bucket=tuple(size), precision=precision, weights_dtype=weights_dtype,
                                  optimizer=optimizer, grad_ckpt=grad_ckpt, ema=ema, world_size=world_size, parallel=parallel,
-                                 cpu_offload=cpu_offload, text_tokens=text_tokens, gpu_memory=parse_bytes(gpu_memory)))
+                                 cpu_offload=cpu_offload, text_tokens=text_tokens, gpu_memory=parse_bytes(gpu_memory),
+                                 lora_rank=lora_rank, lora_targets=tuple(lora_targets)))
         print(json.dumps(result, indent=1) if as_json else format_plan(result))
     _run(go)
 

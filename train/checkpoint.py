@@ -18,6 +18,7 @@ from train.distributed import barrier
 
 MARKER = "COMPLETE"
 SHARDED = "sharded"  # torch.distributed.checkpoint directory of an FSDP run
+ADAPTER_DIR = "transformer_lora"  # a LoRA run's adapters, in the format the family's pipeline loads
 STATE_VERSION = 1
 
 
@@ -31,8 +32,11 @@ def complete_checkpoints(run: Path) -> list[Path]:
 
 
 def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: dict[str, dict], keep: int,
-         sharded: dict | None = None, rank: int = 0) -> Path:
+         sharded: dict | None = None, rank: int = 0, adapter: tuple | None = None) -> Path:
     """Write checkpoint `step`: the model via `save_pretrained`, each of `tensors` as NAME.pt, `state` as JSON.
+
+    With `adapter` = (directory name, writer): a LoRA run, whose frozen base is not saved; the writer
+    puts the adapters into that directory and the model's config goes to `transformer/`.
 
     With `sharded` (FSDP: model, optimizer and EMA state dicts of DTensors), every rank writes its own
     shards with `torch.distributed.checkpoint` into `sharded/` and only the model's config goes to
@@ -50,7 +54,11 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
 
         dcp.save(sharded, checkpoint_id=tmp / SHARDED)
     if rank == 0:
-        if sharded is None:
+        if adapter is not None:
+            name, write = adapter
+            write(tmp / name)
+            model.save_config(tmp / "transformer")
+        elif sharded is None:
             model.save_pretrained(tmp / "transformer", safe_serialization=True)
         else:
             model.save_config(tmp / "transformer")
@@ -109,3 +117,7 @@ def resolve_resume(run: Path, resume: str | None) -> Path | None:
     if not (path / MARKER).exists():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
     return path
+
+
+def is_lora(path: Path) -> bool:
+    return (path / ADAPTER_DIR).is_dir()

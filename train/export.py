@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from shards import Cache
-from train import checkpoint
+from train import checkpoint, lora
 from train.objectives import build_objective
-from train.presets import DTYPES, get_preset
+from train.presets import DTYPES, build_transformer, get_preset
 from train.validate import Validator
 
 
@@ -31,7 +31,13 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
     state = checkpoint.load_state(ckpt)
     preset = get_preset(state["model"])
     cls = preset.transformer_class
-    if checkpoint.is_sharded(ckpt):  # an FSDP run: assemble full tensors from every rank's shards
+    if checkpoint.is_lora(ckpt):  # the run's base weights, then its adapters
+        cfg = state["config"]
+        model = build_transformer(preset, cfg.get("pretrained"), cfg["seed"], dtype or DTYPES[cfg["weights_dtype"]])
+        lora.add_lora(model, adapter_config(state))
+        lora.load_adapter_state(model, lora.read_adapter(ckpt / checkpoint.ADAPTER_DIR), ckpt / checkpoint.ADAPTER_DIR)
+        ema_state = checkpoint.load_tensors(ckpt, "ema") if ema else None
+    elif checkpoint.is_sharded(ckpt):  # an FSDP run: assemble full tensors from every rank's shards
         model = cls.from_config(cls.load_config(ckpt / "transformer"))
         weights = model.state_dict()
         params = [p for p in model.parameters() if p.requires_grad]
@@ -59,10 +65,52 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
     return model, preset, state
 
 
+def adapter_config(state: dict):
+    cfg = state["config"]
+    return lora.lora_config(get_preset(state["model"]).family, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_targets"],
+                            cfg["lora_dropout"])
+
+
+def export_adapter(ckpt: Path, out: Path, ema: bool) -> Path:
+    """A LoRA run's adapters (trained or EMA) into OUT, in the format the family's pipeline loads; the base
+    weights are the run's `--pretrained` ones, not written again."""
+    state = checkpoint.load_state(ckpt)
+    preset, config = get_preset(state["model"]), adapter_config(state)
+    weights = lora.read_adapter(ckpt / checkpoint.ADAPTER_DIR)
+    if ema:
+        ema_state = checkpoint.load_tensors(ckpt, "ema")
+        if ema_state is None:
+            raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
+        # the EMA follows the trainable parameters in model order: their names, from the architecture on the meta device
+        with torch.device("meta"):
+            model = preset.transformer_class.from_config(preset.transformer_class.load_config(ckpt / "transformer"))
+            lora.add_lora(model, config)
+        names = [n.replace(".default.", ".") for n, p in model.named_parameters() if p.requires_grad]
+        shadow = ema_state["shadow_params"]
+        if sorted(names) != sorted(weights) or len(shadow) != len(names):
+            raise ValueError(f"{ckpt}: the EMA weights do not match the adapters")
+        weights = {n: s.to(weights[n].dtype) for n, s in zip(names, shadow)}
+    tmp = Path(out).with_name(f".tmp-{Path(out).name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    written = lora.save_adapter(tmp, preset.family, weights, config)
+    (tmp / "training.json").write_text(json.dumps({
+        "checkpoint": str(ckpt.resolve()), "step": state["step"], "weights": "ema" if ema else "trained", "preset": preset.name,
+        "base": state["config"].get("pretrained") or f"fresh weights, seed {state['config']['seed']}",
+        "precision_history": state["precision_history"],
+    }, indent=1) + "\n")
+    if Path(out).exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return Path(out) / written.name
+
+
 def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None) -> Path:
     """Write the transformer of a run's newest checkpoint (or of a given checkpoint) to OUT/transformer in
-    the diffusers layout, with a note of where it came from. Returns OUT/transformer."""
+    the diffusers layout, with a note of where it came from. Returns OUT/transformer. A LoRA run's
+    adapters go to OUT itself (`export_adapter`)."""
     ckpt = find_checkpoint(run)
+    if checkpoint.is_lora(ckpt):
+        return export_adapter(ckpt, out, ema)
     torch_dtype = DTYPES[dtype] if dtype else None
     model, preset, state = load_model(ckpt, ema, torch_dtype)
     target = Path(out) / "transformer"

@@ -26,6 +26,8 @@ from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, Prefetcher, T
 from train.objectives import TIMESTEP_BINS, build_objective
 from train.plan import PlanConfig, format_plan, measure_peak, plan
 from train.presets import DTYPES as PRECISIONS
+from train import lora
+from train.checkpoint import ADAPTER_DIR
 from train.presets import build_transformer, get_preset, model_forward, text_width
 from train.validate import Validator
 
@@ -55,8 +57,10 @@ class TrainConfig:
     pretrained: str | None = None  # Hub id or directory of released weights (subfolder transformer)
     seed: int = 0
     caption_dropout: float = 0.1
+    caption_dropout_embedding: str = "auto"  # auto (zeros for SD3, else the empty caption) | empty | zeros
     remainder: str = "repeat"
     weighting: str = "logit_normal"  # flow matching timestep density
+    loss_weighting: str = "none"  # flow matching loss weight per timestep: none | sigma_sqrt | cosmap
     flow_shift: float | None = None  # default: the preset's
     resolution_shift: bool = False
     ema_decay: float = 0.0  # 0 disables EMA
@@ -82,6 +86,10 @@ class TrainConfig:
     fsdp_block: str | None = None  # class name of the modules to shard (default: the model's transformer blocks)
     fsdp_reshard: bool = True  # free gathered weights after forward (ZeRO-3-like); False keeps them (ZeRO-2-like)
     fsdp_cpu_offload: bool = False
+    lora_rank: int = 0  # 0: train every weight; N: LoRA adapters of rank N on the frozen transformer
+    lora_alpha: float | None = None  # default: the rank (scale 1)
+    lora_targets: list[str] = field(default_factory=list)  # default: the family's attention projections
+    lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         self.cache, self.run = Path(self.cache), Path(self.run)
@@ -93,7 +101,7 @@ class TrainConfig:
             raise ValueError(f"weights dtype {self.weights_dtype!r}: choose fp32 or bf16")
         if self.weights_dtype == "bf16" and self.precision != "bf16":
             raise ValueError(f"--weights-dtype bf16 trains in bf16; --precision {self.precision} needs --weights-dtype fp32")
-        if self.optimizer == "adamw-bf16" and self.weights_dtype != "bf16":
+        if self.optimizer == "adamw-bf16" and self.weights_dtype != "bf16" and not self.lora_rank:
             raise ValueError("--optimizer adamw-bf16 keeps bf16 states for bf16 weights; add --weights-dtype bf16 "
                              "(or choose adamw for fp32 master weights)")
         self.checkpoint_every_k()  # validates the spelling
@@ -103,6 +111,14 @@ class TrainConfig:
             raise ValueError(f"decode device {self.decode_device!r}: choose cpu or device")
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"lr schedule {self.lr_schedule!r}: choose constant or cosine")
+        if self.caption_dropout_embedding not in ("auto", "empty", "zeros"):
+            raise ValueError(f"caption dropout embedding {self.caption_dropout_embedding!r}: choose auto, empty or zeros")
+        if self.loss_weighting not in ("none", "sigma_sqrt", "cosmap"):
+            raise ValueError(f"loss weighting {self.loss_weighting!r}: choose none, sigma_sqrt or cosmap")
+        if self.lora_rank < 0:
+            raise ValueError(f"LoRA rank {self.lora_rank}: choose 0 (full fine-tuning) or a positive rank")
+        if self.lora_rank and self.optimizer == "adamw-bf16":
+            raise ValueError("LoRA adapters train in fp32 (--weights-dtype sets the frozen base's dtype); choose adamw, came or adafactor")
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("steps, batch size and gradient accumulation must be at least 1")
 
@@ -127,7 +143,15 @@ def check_cache(preset, cache: Cache, config: dict) -> None:
         problems.append(f"family: cache {extra['family']!r}, model {preset.family!r}")
     if fp["vae"]["latent_channels"] != config["in_channels"]:
         problems.append(f"latent channels: cache {fp['vae']['latent_channels']}, model in_channels {config['in_channels']}")
-    if fp["text_encoder"]["hidden_size"] != text_width(config):
+    layout = fp["text_encoder"].get("layout") or {}
+    if layout.get("kind") == "sd3_joint":
+        if layout["clip_width"] > config["joint_attention_dim"]:
+            problems.append(f"CLIP width: cache {layout['clip_width']}, over the model's joint width {config['joint_attention_dim']}")
+        if layout["pooled_width"] != config["pooled_projection_dim"]:
+            problems.append(f"pooled width: cache {layout['pooled_width']}, model pooled_projection_dim {config['pooled_projection_dim']}")
+        if layout["t5_width"] not in (None, config["joint_attention_dim"]):
+            problems.append(f"T5 width: cache {layout['t5_width']}, model joint_attention_dim {config['joint_attention_dim']}")
+    elif fp["text_encoder"]["hidden_size"] != text_width(config):
         problems.append(f"text width: cache {fp['text_encoder']['hidden_size']}, model {text_width(config)}")
     down = fp["vae"]["downsample"]
     for bucket in cache.manifest.buckets():
@@ -138,6 +162,13 @@ def check_cache(preset, cache: Cache, config: dict) -> None:
             f"the cache {cache.root} does not fit model {preset.name}:\n  " + "\n  ".join(problems)
             + f"\nBuild a matching cache: make precompute DATA=... MODEL={preset.name} CACHE={cache.root}-{preset.name}"
         )
+
+
+def null_caption(cfg: TrainConfig, preset) -> str:
+    """What caption dropout feeds: SD3 was trained with zeroed embeddings, PixArt and Sana with the empty caption."""
+    if cfg.caption_dropout_embedding != "auto":
+        return cfg.caption_dropout_embedding
+    return "zeros" if preset.family == "sd3" else "empty"
 
 
 def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.optim.Optimizer:
@@ -226,6 +257,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         raise ValueError("--parallel fsdp trains in bf16 or fp32 (fp16 would need a sharded loss scaler); use --precision bf16")
     if cfg.fsdp_cpu_offload and (parallel != "fsdp" or device.type != "cuda"):
         raise ValueError("--fsdp-cpu-offload moves FSDP's shards between GPU and CPU memory: it needs --parallel fsdp on CUDA")
+    if parallel == "fsdp" and cfg.lora_rank:
+        raise ValueError("LoRA trains with the frozen base replicated on every GPU: use --parallel ddp (the default)")
     if parallel == "fsdp" and cfg.ema_decay > 0 and cfg.ema_device == "cpu":
         raise ValueError("under FSDP the EMA is sharded like the weights; use --fsdp-cpu-offload instead of --ema-device cpu")
     preset = get_preset(cfg.model)
@@ -235,7 +268,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     cache = Cache(cfg.cache)
     config = preset.transformer_config()
     check_cache(preset, cache, config)
-    objective = build_objective(preset.objective, preset.prediction, weighting=cfg.weighting,
+    objective = build_objective(preset.objective, preset.prediction, weighting=cfg.weighting, loss_weighting=cfg.loss_weighting,
                                 shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
                                 base_resolution=preset.base_resolution)
     validator = None
@@ -257,13 +290,29 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         was = state["config"]["optimizer"]
         raise ValueError(f"{resume_from} was trained with --optimizer {was}; its moments do not carry over to {cfg.optimizer}. "
                          f"Resume with --optimizer {was} or start a new run.")
+    if state:
+        was = {k: state["config"].get(k) for k in ("lora_rank", "lora_alpha", "lora_targets", "pretrained")}
+        now = {k: getattr(cfg, k) for k in was}
+        if was != now and (was["lora_rank"] or cfg.lora_rank):
+            raise ValueError(f"{resume_from} was trained with {was}; this run has {now}. LoRA adapters resume onto the same "
+                             f"base weights with the same rank, alpha and targets.")
     if state and state.get("parallel", "none") != parallel:
         raise ValueError(f"{resume_from} was saved under --parallel {state.get('parallel', 'none')}, this run is {parallel}; "
                          f"resume the same way")
 
     # 2. the transformer, and only it
     weights_dtype = PRECISIONS[cfg.weights_dtype]
-    if resume_from and not checkpoint.is_sharded(resume_from):
+    adapter = None  # the LoRA config when only adapters train
+    if cfg.lora_rank:
+        model = build_transformer(preset, cfg.pretrained, cfg.seed, weights_dtype)
+        adapter = lora.lora_config(preset.family, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
+        layers = lora.add_lora(model, adapter, seed=cfg.seed)
+        if resume_from:
+            lora.load_adapter_state(model, lora.read_adapter(resume_from / ADAPTER_DIR), resume_from / ADAPTER_DIR)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        say(f"LoRA rank {cfg.lora_rank}, alpha {adapter.lora_alpha:g} on {layers} layers ({', '.join(sorted(adapter.target_modules))}): "
+            f"{trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters; base frozen in {cfg.weights_dtype}")
+    elif resume_from and not checkpoint.is_sharded(resume_from):
         model = preset.transformer_class.from_pretrained(resume_from / "transformer", torch_dtype=weights_dtype)
     elif resume_from:  # FSDP: the architecture now, the weights after sharding
         model = build_transformer(preset, None, cfg.seed, weights_dtype)
@@ -361,7 +410,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         f"rank(s) per epoch")
     for bucket, st in cache.manifest.buckets().items():
         say(f"  {bucket.name:>10}: {st.samples} samples")
-    dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout)
+    dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset))
     autocast = torch.autocast(device.type, dtype=PRECISIONS[cfg.precision], enabled=cfg.precision != "fp32")
     forward = model_forward(net, preset.family)
     if is_main or cfg.dry_run:
@@ -400,7 +449,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             tensors["optimizer"] = optimizer.state_dict()
             if ema is not None:
                 tensors["ema"] = ema.state_dict()
-        checkpoint.save(cfg.run, step, model=model, tensors=tensors, keep=cfg.keep_checkpoints, sharded=sharded, rank=rank, state={
+        adapter_files = None
+        if adapter is not None:  # the adapters alone, as the family's pipeline loads them
+            adapter_files = (ADAPTER_DIR, lambda d: lora.save_adapter(d, preset.family, lora.adapter_state(model), adapter))
+        checkpoint.save(cfg.run, step, model=model, tensors=tensors, keep=cfg.keep_checkpoints, sharded=sharded, rank=rank,
+                        adapter=adapter_files, state={
             "step": step, "epoch": epoch, "cursor": cursor, "epoch_shards": epoch_shards, "world_size": world, "model": cfg.model,
             "parallel": parallel,
             "smoothed_loss": [smooth_sum, smooth_n],
@@ -550,7 +603,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             cache = Cache(cfg.cache)
             epoch_shards = [s.path for s in cache.shards]
             sampler = sampler_for(cache)
-            dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout)
+            dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset))
     bar.close()
     if metrics is not None:
         metrics.close()
@@ -591,21 +644,27 @@ def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: in
     return plan(PlanConfig(cfg.model, batch=cfg.batch_size, bucket=(largest.height, largest.width), precision=cfg.precision,
                            weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer, grad_ckpt=str(cfg.grad_checkpointing),
                            ema=ema, world_size=world, parallel="fsdp" if parallel == "fsdp" else "ddp",
-                           cpu_offload=cfg.fsdp_cpu_offload, text_tokens=cache.fingerprint["text_encoder"]["max_length"],
-                           gpu_memory=device_memory(device)))
+                           cpu_offload=cfg.fsdp_cpu_offload, text_tokens=cache_text_tokens(cache),
+                           gpu_memory=device_memory(device), lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets)))
+
+
+def cache_text_tokens(cache: Cache) -> int:
+    """The most text tokens a batch of this cache feeds the transformer (SD3: CLIP's 77 and T5's)."""
+    text = cache.fingerprint["text_encoder"]
+    layout = text.get("layout") or {}
+    return layout["clip_tokens"] + layout["t5_tokens"] if layout.get("kind") == "sd3_joint" else text["max_length"]
 
 
 def dry_run(cfg, cache, dataset, objective, forward, model, optimizer, scaler, autocast, validator, preset, planned,
             device, rank, world, say) -> dict:
     """One full step at the largest bucket (forward, backward, optimizer step, one validation sample),
     its measured peak next to the plan. Nothing is written to the run."""
-    from train.data import collate
     from train.validate import generate
 
     largest = largest_bucket(cache)
     indices = [i for r in cache.ranges_by_bucket()[largest] for i in r]
     indices = (indices * cfg.batch_size)[: cfg.batch_size]
-    batch = collate([dataset[(0, i)] for i in indices])
+    batch = dataset.collate([dataset[(0, i)] for i in indices])
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def step() -> None:
@@ -619,8 +678,8 @@ def dry_run(cfg, cache, dataset, objective, forward, model, optimizer, scaler, a
             prompt = validator.prompts[0]
             shape = (model.config.in_channels, largest.height // cache.fingerprint["vae"]["downsample"],
                      largest.width // cache.fingerprint["vae"]["downsample"])
-            generate(model, preset, objective, prompt.embed, validator.null, shape, largest.height * largest.width,
-                     steps=2, guidance=cfg.guidance_scale, seed=0, precision=PRECISIONS[cfg.precision])
+            generate(model, preset, objective, prompt.cond, validator.null, shape, largest.height * largest.width,
+                     steps=2, guidance=cfg.guidance_scale, seed=0, precision=PRECISIONS[cfg.precision], layout=validator.layout)
 
     measured = measure_peak(step, device)
     predicted = planned["predicted_peak"]

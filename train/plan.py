@@ -37,6 +37,8 @@ class PlanConfig:
     cpu_offload: bool = False
     text_tokens: int | None = None  # caption tokens traced (the cache's limit; default the preset's: 300, SD3 77 + 256)
     gpu_memory: float = 80 * GiB
+    lora_rank: int = 0  # 0: every weight trains; N: LoRA adapters of rank N on the frozen base
+    lora_targets: tuple[str, ...] = ()  # default: the family's
 
 
 def optimizer_state_bytes(params: list[torch.Tensor], optimizer: str, weight_bytes: int) -> int:
@@ -67,7 +69,9 @@ def optimizer_state_bytes(params: list[torch.Tensor], optimizer: str, weight_byt
     return total
 
 
-def meta_model(name: str, dtype: torch.dtype = torch.float32):
+def meta_model(name: str, dtype: torch.dtype = torch.float32, lora_rank: int = 0, lora_targets=(),
+               adapter_dtype: torch.dtype = torch.float32):
+    """The preset's transformer on the meta device; with `lora_rank`, frozen, with adapters in `adapter_dtype`."""
     from diffusers.utils import logging as diffusers_logging
 
     preset = get_preset(name)
@@ -76,7 +80,13 @@ def meta_model(name: str, dtype: torch.dtype = torch.float32):
     try:
         with torch.device("meta"):
             model = preset.transformer_class.from_config(preset.transformer_config())
-        return preset, model.to(dtype)
+        model = model.to(dtype)
+        if lora_rank:
+            from train import lora
+
+            with torch.device("meta"):
+                lora.add_lora(model, lora.lora_config(preset.family, lora_rank, targets=list(lora_targets)), adapter_dtype)
+        return preset, model
     finally:
         diffusers_logging.set_verbosity(level)
 
@@ -114,10 +124,14 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     down = preset.latent_downsample
     c, h, w = cfg.in_channels, bucket[0] // down, bucket[1] // down
     x = torch.zeros(batch, c, h, w, device="meta", dtype=dtype)
-    text = {"text": torch.zeros(batch, text_tokens, text_width(cfg), device="meta", dtype=dtype),
-            "text_mask": torch.ones(batch, text_tokens, device="meta", dtype=torch.bool)}
-    if "pooled_projection_dim" in cfg:
-        text["pooled"] = torch.zeros(batch, cfg["pooled_projection_dim"], device="meta", dtype=dtype)
+    if preset.family == "sd3":  # CLIP's 77 tokens, the rest T5's; the joint width throughout
+        clip = min(77, text_tokens)
+        text = {"clip": torch.zeros(batch, clip, text_width(cfg), device="meta", dtype=dtype),
+                "text": torch.zeros(batch, text_tokens - clip, text_width(cfg), device="meta", dtype=dtype),
+                "pooled": torch.zeros(batch, cfg["pooled_projection_dim"], device="meta", dtype=dtype)}
+    else:
+        text = {"text": torch.zeros(batch, text_tokens, text_width(cfg), device="meta", dtype=dtype),
+                "text_mask": torch.ones(batch, text_tokens, device="meta", dtype=torch.bool)}
     t = torch.full((batch,), 500.0, device="meta")
 
     saved: dict[int, int] = {}
@@ -175,18 +189,25 @@ def plan(pc: PlanConfig) -> dict:
     """Bytes per component on one rank's device, the predicted peak, the verdict and the largest batch."""
     wb = DTYPE_BYTES[pc.weights_dtype]
     compute = DTYPES[pc.precision]
-    preset, model = meta_model(pc.model, DTYPES[pc.weights_dtype])
+    if pc.lora_rank and pc.parallel == "fsdp" and pc.world_size > 1:
+        raise ValueError("LoRA trains with the frozen base replicated on every GPU: plan it with --parallel ddp")
+    preset, model = meta_model(pc.model, DTYPES[pc.weights_dtype], pc.lora_rank, pc.lora_targets)
     params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
     n_params = sum(p.numel() for p in params)
+    n_trainable = sum(p.numel() for p in trainable)
     n_buffers = sum(b.numel() for b in model.buffers())
     shard = pc.world_size if pc.parallel == "fsdp" else 1
     on_device = 0.0 if pc.cpu_offload else 1.0
     every = parse_every(pc.grad_ckpt)
+    # Full fine-tuning: every weight trains in the weights dtype. LoRA: the base is frozen in the weights
+    # dtype and the adapters (the only gradients, optimizer states and EMA) are fp32.
+    tb = 4 if pc.lora_rank else wb
     components = {
-        "weights": on_device * n_params * wb / shard + n_buffers * wb,
-        "gradients": on_device * n_params * wb / shard,
-        "optimizer states": on_device * optimizer_state_bytes(params, pc.optimizer, wb) / shard,
-        "ema": n_params * 4 / shard if pc.ema == "device" else 0.0,
+        "weights": on_device * ((n_params - n_trainable) * wb + n_trainable * tb) / shard + n_buffers * wb,
+        "gradients": on_device * n_trainable * tb / shard,
+        "optimizer states": on_device * optimizer_state_bytes(trainable, pc.optimizer, tb) / shard,
+        "ema": n_trainable * 4 / shard if pc.ema == "device" else 0.0,
     }
     if pc.parallel == "fsdp" and pc.world_size > 1:
         # one block's full parameters gathered in the compute dtype, and the next prefetched
@@ -194,15 +215,16 @@ def plan(pc: PlanConfig) -> dict:
         components["fsdp all-gather buffers"] = 2 * block_params * DTYPE_BYTES[pc.precision]
 
     def activations(batch: int) -> float:
-        _, m = meta_model(pc.model, compute)
+        _, m = meta_model(pc.model, compute, pc.lora_rank, pc.lora_targets, adapter_dtype=compute)
         a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens or preset.extra.get("text_tokens", 300), compute, every)
         return a["checkpointed"] if every else a["full"]
 
     act = activations(pc.batch)
     # activations grow linearly with the batch: the slope from two traces gives the largest batch
     per_sample = (activations(pc.batch + 1) - act) if pc.batch else act
-    if pc.precision != pc.weights_dtype:  # autocast keeps a compute-dtype copy of each weight for the step
-        act += n_params * DTYPE_BYTES[pc.precision] / shard if pc.parallel != "fsdp" else 0
+    # autocast keeps a compute-dtype copy of each trained fp32 weight for the step (frozen ones are cast per use)
+    if pc.precision != "fp32" and tb == 4 and pc.parallel != "fsdp":
+        act += n_trainable * DTYPE_BYTES[pc.precision] / shard
     components["activations"] = act
     grads = components["gradients"]
     static = sum(v for k, v in components.items() if k not in ("activations", "gradients"))
@@ -231,6 +253,7 @@ def plan(pc: PlanConfig) -> dict:
         "encoders_resident": encoders,
         "peak_with_encoders_resident": peak + sum(encoders.values()),
         "parameters": n_params,
+        "trainable_parameters": n_trainable,
         "buffers": n_buffers,
         "bytes": components,
         "predicted_peak": peak,
@@ -245,7 +268,9 @@ def plan(pc: PlanConfig) -> dict:
 def format_plan(result: dict) -> str:
     cfg = result["config"]
     lines = [
-        f"{cfg['model']}: {result['parameters']:,} parameters ({result['buffers']:,} buffer values); batch {cfg['batch']} at "
+        f"{cfg['model']}: {result['parameters']:,} parameters ({result['buffers']:,} buffer values)"
+        + (f", LoRA rank {cfg['lora_rank']}: {result['trainable_parameters']:,} trainable" if cfg["lora_rank"] else "")
+        + f"; batch {cfg['batch']} at "
         f"{cfg['bucket']}, {cfg['precision']} compute, {cfg['weights_dtype']} weights, {cfg['optimizer']}, checkpointing "
         f"{cfg['grad_ckpt']}, EMA {cfg['ema']}, {cfg['world_size']} rank(s) {cfg['parallel'] if cfg['world_size'] > 1 else ''}"
         f"{' + CPU offload' if cfg['cpu_offload'] else ''}",
