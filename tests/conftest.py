@@ -53,7 +53,39 @@ def tiny_caches(tmp_path_factory):
     root = tmp_path_factory.mktemp("caches")
     data = make_folder(root / "data", count=8)
     out = {}
-    for model in ("tiny-sana", "tiny-pixart"):
+    for model in ("tiny-sana", "tiny-pixart", "tiny-sd3"):
         precompute(str(data), model, root / model, workers=0, progress=False, validation_prompts=VALIDATION_PROMPTS)
         out[model] = root / model
     return out
+
+
+def stock_pipeline(model: str, transformer, parts: Path):
+    """The family's stock diffusers pipeline around `transformer`, with the tiny preset's VAE and text
+    encoder(s) saved to `parts` and loaded back with `from_pretrained`."""
+    import diffusers
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection, Gemma2Model, T5EncoderModel
+
+    from precompute.presets import get_preset, save_tiny
+
+    save_tiny(get_preset(model), parts)
+    tok = lambda sub: AutoTokenizer.from_pretrained(parts / sub)  # noqa: E731
+    if model == "tiny-sana":
+        return diffusers.SanaPipeline(tokenizer=tok("tokenizer"), text_encoder=Gemma2Model.from_pretrained(parts / "text_encoder"),
+                                      vae=diffusers.AutoencoderDC.from_pretrained(parts / "vae"), transformer=transformer,
+                                      scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+    if model == "tiny-pixart":
+        return diffusers.PixArtSigmaPipeline(tokenizer=tok("tokenizer"), text_encoder=T5EncoderModel.from_pretrained(parts / "text_encoder"),
+                                             vae=diffusers.AutoencoderKL.from_pretrained(parts / "vae"), transformer=transformer,
+                                             scheduler=diffusers.DPMSolverMultistepScheduler())
+    return diffusers.StableDiffusion3Pipeline(
+        tokenizer=tok("tokenizer"), text_encoder=CLIPTextModelWithProjection.from_pretrained(parts / "text_encoder"),
+        tokenizer_2=tok("tokenizer_2"), text_encoder_2=CLIPTextModelWithProjection.from_pretrained(parts / "text_encoder_2"),
+        tokenizer_3=tok("tokenizer_3"), text_encoder_3=T5EncoderModel.from_pretrained(parts / "text_encoder_3"),
+        vae=diffusers.AutoencoderKL.from_pretrained(parts / "vae"), transformer=transformer,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+
+
+def pipeline_kwargs(model: str) -> dict:
+    """Generation options of the tiny presets: their token limits, no Sana instruction prompt."""
+    return {"tiny-sana": {"complex_human_instruction": None, "max_sequence_length": 64},
+            "tiny-pixart": {"max_sequence_length": 64}, "tiny-sd3": {"max_sequence_length": 32}}[model]

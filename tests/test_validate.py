@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import VALIDATION_PROMPTS
+from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline
 from train.checkpoint import complete_checkpoints
 from train.loop import TrainConfig, train
 
@@ -44,38 +44,8 @@ def test_decoding_on_the_training_device(tiny_caches, tmp_path):
     assert (tmp_path / "samples-step00000004.png").stat().st_size > 10_000
 
 
-def _pipeline(model: str, transformer_dir: Path, tmp_path: Path):
-    """The family's stock diffusers pipeline from the exported transformer and the tiny VAE / text encoder."""
-    from diffusers import (DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, PixArtSigmaPipeline,
-                           PixArtTransformer2DModel, SanaPipeline, SanaTransformer2DModel)
-    from precompute.presets import get_preset, save_tiny
-
-    parts = tmp_path / "parts"
-    save_tiny(get_preset(model), parts)
-    if model == "tiny-sana":
-        from diffusers import AutoencoderDC
-        from transformers import AutoTokenizer, Gemma2Model
-
-        pipe = SanaPipeline(tokenizer=AutoTokenizer.from_pretrained(parts / "tokenizer"),
-                            text_encoder=Gemma2Model.from_pretrained(parts / "text_encoder"),
-                            vae=AutoencoderDC.from_pretrained(parts / "vae"),
-                            transformer=SanaTransformer2DModel.from_pretrained(transformer_dir, subfolder="transformer"),
-                            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0))
-    else:
-        from diffusers import AutoencoderKL
-        from transformers import AutoTokenizer, T5EncoderModel
-
-        pipe = PixArtSigmaPipeline(tokenizer=AutoTokenizer.from_pretrained(parts / "tokenizer"),
-                                   text_encoder=T5EncoderModel.from_pretrained(parts / "text_encoder"),
-                                   vae=AutoencoderKL.from_pretrained(parts / "vae"),
-                                   transformer=PixArtTransformer2DModel.from_pretrained(transformer_dir, subfolder="transformer"),
-                                   scheduler=DPMSolverMultistepScheduler())
-    pipe.save_pretrained(tmp_path / "pipeline")
-    return type(pipe).from_pretrained(tmp_path / "pipeline")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-sana", "tiny-pixart"])
+@pytest.mark.parametrize("model", ["tiny-sana", "tiny-pixart", "tiny-sd3"])
 def test_exported_weights_generate_through_the_stock_pipeline(tiny_caches, tmp_path, model):
     train(cfg(tiny_caches[model], tmp_path / "run", model=model, ema_decay=0.5, validate=False))
     out = subprocess.run([sys.executable, "-m", "train", "export", str(tmp_path / "run"), "--ema", "--out", str(tmp_path / "export")],
@@ -88,13 +58,18 @@ def test_exported_weights_generate_through_the_stock_pipeline(tiny_caches, tmp_p
     exported = load_file(tmp_path / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
     trained = load_file(ckpt / "transformer" / "diffusion_pytorch_model.safetensors")
     assert exported.keys() == trained.keys() and any(not torch.equal(exported[k], trained[k]) for k in exported)  # EMA, not raw
-    assert sorted(t.numel() for t in exported.values()) == sorted(t.numel() for t in shadow)
+    from train.presets import build_transformer, get_preset
+
+    buffers = {name for name, _ in build_transformer(get_preset(model), None, 0).named_buffers()}  # SD3's pos_embed
+    assert sorted(t.numel() for k, t in exported.items() if k not in buffers) == sorted(t.numel() for t in shadow)
     assert json.loads((tmp_path / "export" / "transformer" / "training.json").read_text())["weights"] == "ema"
 
-    pipe = _pipeline(model, tmp_path / "export", tmp_path)
-    kwargs = {"complex_human_instruction": None} if model == "tiny-sana" else {}
-    image = pipe(VALIDATION_PROMPTS[0], height=256, width=256, num_inference_steps=2, guidance_scale=4.5, max_sequence_length=64,
-                 generator=torch.Generator().manual_seed(0), output_type="np", **kwargs).images[0]
+    transformer = get_preset(model).transformer_class.from_pretrained(tmp_path / "export", subfolder="transformer")
+    pipe = stock_pipeline(model, transformer, tmp_path / "parts")
+    pipe.save_pretrained(tmp_path / "pipeline")  # and back: a pipeline directory a user would load
+    pipe = type(pipe).from_pretrained(tmp_path / "pipeline")
+    image = pipe(VALIDATION_PROMPTS[0], height=256, width=256, num_inference_steps=2, guidance_scale=4.5,
+                 generator=torch.Generator().manual_seed(0), output_type="np", **pipeline_kwargs(model)).images[0]
     assert image.shape == (256, 256, 3) and float(image.std()) > 0
 
 
