@@ -74,6 +74,15 @@ def test_predicted_peak_within_15_percent_of_measured(model, batch, bucket, opti
     assert abs(predicted / actual - 1) <= 0.15, (predicted, actual)
 
 
+def test_lora_plan_counts_adapters_alone():
+    full = plan(PlanConfig("sd35-large", weights_dtype="bf16", optimizer="adamw", grad_ckpt="all"))
+    lora = plan(PlanConfig("sd35-large", weights_dtype="bf16", optimizer="adamw", grad_ckpt="all", lora_rank=16))
+    adapters = lora["trainable_parameters"]
+    assert lora["parameters"] == full["parameters"] + adapters and 0 < adapters < full["parameters"] / 100
+    assert lora["bytes"]["gradients"] == 4 * adapters and lora["bytes"]["optimizer states"] == 2 * 4 * adapters
+    assert lora["predicted_peak"] < full["predicted_peak"] / 3
+
+
 def test_plan_cli_json_and_verdict():
     out = subprocess.run([sys.executable, "-m", "train", "plan", "sana-1600m", "--batch", "4", "--optimizer", "came",
                           "--grad-ckpt", "all", "--gpu-memory", "48GB", "--json"], cwd=ROOT, capture_output=True, text=True)
@@ -85,12 +94,12 @@ def test_plan_cli_json_and_verdict():
     assert result["peak_with_encoders_resident"] - result["predicted_peak"] == 2 * (312_250_275 + 2_614_341_888)
 
 
-@pytest.mark.parametrize("model", ["tiny-sana", "tiny-pixart"])
-def test_dry_run_measures_one_step_next_to_the_plan(tiny_caches, tmp_path, model, capsys):
+@pytest.mark.parametrize("model,lora", [("tiny-sana", 0), ("tiny-pixart", 0), ("tiny-sd3", 0), ("tiny-sd3", 4), ("tiny-pixart", 4)])
+def test_dry_run_measures_one_step_next_to_the_plan(tiny_caches, tmp_path, model, lora, capsys):
     from train.loop import train
 
     result = train(TrainConfig(model=model, cache=tiny_caches[model], run=tmp_path, batch_size=4, precision="fp32",
-                               progress=False, dry_run=True, validation_steps=2))
+                               progress=False, dry_run=True, validation_steps=2, lora_rank=lora))
     assert result["bucket"] == "256x256"
     assert abs(result["predicted_peak"] / result["measured_peak"] - 1) <= 0.15
     assert "measured peak" in capsys.readouterr().out

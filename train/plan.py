@@ -160,7 +160,9 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
             out = forward(x, t, text)
     finally:
         F.scaled_dot_product_attention = sdpa
-    full = sum(saved.values()) + out.numel() * 4  # the loss keeps the output in fp32
+    # alive when backward starts: the output the loss keeps in fp32 and the batch's clean latents
+    objective = out.numel() * 4 + x.numel() * 4
+    full = sum(saved.values()) + objective
     blocks = [v for k, v in by_block.items() if k >= 0]
     result = {"full": full, "block": max(blocks, default=0), "checkpointed": full}
     if every:
@@ -173,7 +175,7 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
                 out = forward(x, t, text)
         finally:
             F.scaled_dot_product_attention = sdpa
-        result["checkpointed"] = sum(saved.values()) + out.numel() * 4 + result["block"]
+        result["checkpointed"] = sum(saved.values()) + objective + result["block"]
     for hook in hooks:
         hook.remove()
     return result
