@@ -29,7 +29,7 @@ def cli(
     drop_t5: bool = typer.Option(False, help="SD3 presets: leave T5 out (CLIP-L + CLIP-G only), as StableDiffusion3Pipeline "
                                  "does with text_encoder_3=None; its tokens are zeros in training and inference."),
     max_length: Optional[int] = typer.Option(None, help="Token limit of a caption (default: the preset's; SD3's T5 part: 256)."),
-    batch_size: Optional[int] = typer.Option(None, help="Images per VAE batch, one bucket per batch (default: 16 on CUDA, 4 on CPU)."),
+    batch_size: Optional[int] = typer.Option(None, help="Images per VAE batch, one bucket per batch (default: 16 on CUDA, 1 on CPU)."),
     text_batch_size: int = typer.Option(64, help="Captions per text-encoder batch."),
     workers: int = typer.Option(2, help="DataLoader worker processes that read, decode and resize images."),
     storage_dtype: str = typer.Option("bfloat16", help="Dtype of cached latents and embeddings: bfloat16, float16 or float32."),
