@@ -16,6 +16,7 @@ from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -39,6 +40,15 @@ from shards.manifest import RANK_MANIFEST_GLOB
 # Images per VAE batch. Large batches pay on GPUs; on CPUs a batch's activations fall out of the caches
 # and every image costs more (make bench: tiny-pixart 42 img/s at batch 1, 31 at 4, 21 at 8).
 DEFAULT_BATCH = {"cuda": 16, "cpu": 1}
+
+
+def pixels_as_array(item: dict) -> dict:
+    """A worker's item with its pixels as a numpy array: sent through the pipe in one copy. A tensor goes
+    through shared memory instead (a file, a descriptor passed over a socket and a mapping per image),
+    which costs the receiving process more than the copy for the image sizes a CPU encodes."""
+    if "pixels" in item:
+        item = {**item, "pixels": item["pixels"].numpy()}
+    return item
 
 
 def setup_distributed() -> tuple[int, int, int]:
@@ -137,31 +147,17 @@ def main(
     if extreme_aspect not in ("skip", "clamp"):
         raise ValueError(f"--extreme-aspect {extreme_aspect!r}: choose skip or clamp")
 
-    # 1. encoders and the fingerprint of everything that determines the cached values
-    enc = Encoders(preset, device, vae_dtype=vae_dtype, text_dtype=text_dtype, pretrained=pretrained, force_fp16=force_fp16)
-    policy = ImagePolicy(bucket_table(preset.base_resolution), max_upscale=max_upscale, allow_upscale=allow_upscale,
-                         extreme_aspect=extreme_aspect, max_pixels=max_pixels)
-    bad = [b.name for b in policy.buckets if b.height % enc.downsample or b.width % enc.downsample]
-    if bad:
-        raise ValueError(f"buckets {bad} of the {preset.base_resolution} table are not multiples of the VAE's "
-                         f"downsampling factor {enc.downsample}; choose a preset with another base resolution")
-    fingerprint = {**enc.fingerprint(), "storage_dtype": storage_dtype, "buckets": policy.fingerprint(),
-                   "captions": {"caption_column": caption_column, "caption_keys": list(caption_keys)}}
-    schema = enc.schema(storage)
-
-    # 2. finish an interrupted multi-process run, refuse a different fingerprint before encoding
+    # 1. the cache's samples (after finishing an interrupted multi-process run), then the inputs, split
+    # disjointly by global rank. The loader's workers start reading images now, while the encoders load.
     cache.mkdir(parents=True, exist_ok=True)
-    if is_main:
-        if any(cache.glob(RANK_MANIFEST_GLOB)):
-            merge(cache)
-        if (cache / MANIFEST).exists():
-            Manifest.load(cache / MANIFEST).check_compatible(Manifest(fingerprint, schema), cache)
+    if is_main and any(cache.glob(RANK_MANIFEST_GLOB)):
+        merge(cache)
     if world > 1:
         dist.barrier()
     previous = cached_sources(cache)
     previous_by_source = {s: k for k, s in previous.items()}
-
-    # 3. inputs, split disjointly by global rank
+    policy = ImagePolicy(bucket_table(preset.base_resolution), max_upscale=max_upscale, allow_upscale=allow_upscale,
+                         extreme_aspect=extreme_aspect, max_pixels=max_pixels)
     if is_tar_source(data):
         urls = expand_tar_urls(data, allow_pipe)
         mine = urls[rank::world]
@@ -174,18 +170,39 @@ def main(
         mine = entries[rank::world]
         dataset = FolderDataset(mine, policy, frozenset(previous))
         total = len(mine)
-    if check_disk and is_main and total:
-        need = estimate_bytes_per_sample(enc, policy, storage) * max(0, len(entries) - len(previous))
-        free = shutil.disk_usage(cache).free
-        if need > free:
-            raise OSError(f"the cache needs about {need / 2**30:.1f} GiB at {cache} but {free / 2**30:.1f} GiB are free; "
-                          f"free space or pass --no-check-disk")
-
-    # 4. decode in workers, encode per bucket, write shards
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
         prefetch_factor=4 if workers else None, multiprocessing_context="fork" if workers else None,
+        collate_fn=None if device.type == "cuda" or not workers else pixels_as_array,
     )
+    batches = iter(loader)  # forks the workers before any encoder weights exist in this process
+
+    # 2. encoders and the fingerprint of everything that determines the cached values; a cache built
+    # differently is refused before anything is encoded
+    try:
+        enc = Encoders(preset, device, vae_dtype=vae_dtype, text_dtype=text_dtype, pretrained=pretrained, force_fp16=force_fp16)
+        bad = [b.name for b in policy.buckets if b.height % enc.downsample or b.width % enc.downsample]
+        if bad:
+            raise ValueError(f"buckets {bad} of the {preset.base_resolution} table are not multiples of the VAE's "
+                             f"downsampling factor {enc.downsample}; choose a preset with another base resolution")
+        fingerprint = {**enc.fingerprint(), "storage_dtype": storage_dtype, "buckets": policy.fingerprint(),
+                       "captions": {"caption_column": caption_column, "caption_keys": list(caption_keys)}}
+        schema = enc.schema(storage)
+        if is_main and (cache / MANIFEST).exists():
+            Manifest.load(cache / MANIFEST).check_compatible(Manifest(fingerprint, schema), cache)
+        if world > 1:
+            dist.barrier()
+        if check_disk and is_main and total:
+            need = estimate_bytes_per_sample(enc, policy, storage) * max(0, len(entries) - len(previous))
+            free = shutil.disk_usage(cache).free
+            if need > free:
+                raise OSError(f"the cache needs about {need / 2**30:.1f} GiB at {cache} but {free / 2**30:.1f} GiB are free; "
+                              f"free space or pass --no-check-disk")
+    except BaseException:
+        del batches  # stops the workers now, not when the traceback is freed
+        raise
+
+    # 3. encode per bucket as images arrive, write shards
     writer = ShardWriter(cache, fingerprint, schema, rank=rank, world_size=world, max_shard_bytes=max_shard_mb << 20)
     counts: Counter = Counter()
     failures: list[dict] = []
@@ -224,13 +241,14 @@ def main(
     t_loop = time.perf_counter()
     wait_s = 0.0  # time blocked on the loader: near zero when decoding is hidden behind encoding
     try:
-        batches = iter(loader)
         while True:
             t_wait = time.perf_counter()
             item = next(batches, None)
             wait_s += time.perf_counter() - t_wait
             if item is None:
                 break
+            if isinstance(item.get("pixels"), np.ndarray):
+                item["pixels"] = torch.from_numpy(item["pixels"])
             bar.update(1)
             status = item["status"]
             if status == "failed":
