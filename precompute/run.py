@@ -132,7 +132,8 @@ def main(
                          + ("CLIP-L + CLIP-G + T5 (clip-l-g-t5)" if preset.family == "sd3" else "a single text encoder"))
     if drop_t5:
         if preset.text.kind != "sd3":
-            raise ValueError(f"--drop-t5 applies to SD3 presets; {preset.name} has no T5 to drop beside CLIP")
+            raise ValueError(f"--drop-t5 applies to SD3 presets (CLIP-L + CLIP-G + T5); {preset.name} encodes captions with "
+                             f"{preset.text.name} alone")
         preset = replace(preset, text=replace(preset.text, drop_t5=True))
     if max_length:
         preset = replace(preset, text=replace(preset.text, max_length=max_length))

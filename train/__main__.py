@@ -137,12 +137,14 @@ def export_command(
                              "A LoRA run's adapters go to OUT (pipe.load_lora_weights(OUT); PixArt: PeftModel.from_pretrained)."),
     ema: bool = typer.Option(False, help="Export the EMA weights instead of the trained ones."),
     dtype: Optional[str] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
+    merge_lora: bool = typer.Option(False, help="A LoRA run: fold the adapters into the base weights and write the whole "
+                                    "transformer to OUT/transformer (for pipelines without a LoRA loader, e.g. PixArt-Sigma's)."),
 ) -> None:
     """Write a checkpoint's transformer in the diffusers format (load it with `from_pretrained(OUT, subfolder="transformer")`),
     or a LoRA run's adapters in the format its family's pipeline loads."""
     from train.export import export
 
-    _run(lambda: print(f"exported {export(run, out, ema=ema, dtype=dtype)}"))
+    _run(lambda: print(f"exported {export(run, out, ema=ema, dtype=dtype, merge_lora=merge_lora)}"))
 
 
 @tools.command("sample")

@@ -104,22 +104,29 @@ def export_adapter(ckpt: Path, out: Path, ema: bool) -> Path:
     return Path(out) / written.name
 
 
-def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None) -> Path:
+def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, merge_lora: bool = False) -> Path:
     """Write the transformer of a run's newest checkpoint (or of a given checkpoint) to OUT/transformer in
     the diffusers layout, with a note of where it came from. Returns OUT/transformer. A LoRA run's
-    adapters go to OUT itself (`export_adapter`)."""
+    adapters go to OUT itself (`export_adapter`), or with `merge_lora` are folded into the base weights
+    and the whole transformer is written."""
     ckpt = find_checkpoint(run)
-    if checkpoint.is_lora(ckpt):
+    if checkpoint.is_lora(ckpt) and not merge_lora:
         return export_adapter(ckpt, out, ema)
+    if merge_lora and not checkpoint.is_lora(ckpt):
+        raise ValueError(f"{ckpt} is not a LoRA checkpoint; export it without --merge-lora")
     torch_dtype = DTYPES[dtype] if dtype else None
     model, preset, state = load_model(ckpt, ema, torch_dtype)
+    if merge_lora:
+        lora.merge_adapters(model)
+        if torch_dtype is None:  # the adapters were fp32: the merged weights take the base's dtype
+            model.to(DTYPES[state["config"]["weights_dtype"]])
     target = Path(out) / "transformer"
     tmp = target.with_name(".tmp-transformer")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     (tmp / "training.json").write_text(json.dumps({
         "checkpoint": str(ckpt.resolve()), "step": state["step"], "weights": "ema" if ema else "trained", "preset": preset.name,
-        "precision_history": state["precision_history"],
+        "precision_history": state["precision_history"], **({"lora": "merged"} if merge_lora else {}),
     }, indent=1) + "\n")
     if target.exists():
         shutil.rmtree(target)

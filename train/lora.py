@@ -106,6 +106,21 @@ def read_adapter(directory: Path) -> dict[str, torch.Tensor]:
     return {k.removeprefix(prefix): v for k, v in state.items()}
 
 
+def merge_adapters(model: torch.nn.Module) -> int:
+    """Fold every adapter into its layer's weight (W + scale * B A) and drop the LoRA layers, leaving the
+    plain architecture; returns how many layers were merged."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    merged = 0
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.get_base_layer())
+            merged += 1
+    return merged
+
+
 def _pipeline_class(family: str):
     from diffusers import SanaPipeline, StableDiffusion3Pipeline
 
