@@ -24,10 +24,12 @@ def cfg(cache, run, model, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def _joint(fields: dict, width: int, t5_zeros: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    batch = {"clip": fields["clip"][None].float(), "pooled": fields["pooled"].float(), "t5_zeros": t5_zeros}
-    if "text" in fields:
-        batch["text"] = fields["text"][None].float()
+def _joint(cache: Cache, fields: dict, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cached prompt as the trainer feeds it to the transformer."""
+    from train.data import TextLayout
+
+    layout = TextLayout.of(cache)
+    batch = layout.collate([{k: v.float() for k, v in layout.caption(fields).items()}])
     return sd3_joint_tokens(batch, width, torch.float32), batch["pooled"]
 
 
@@ -54,7 +56,7 @@ def test_sd3_cache_holds_what_the_stock_pipeline_computes(tmp_path, drop_t5):
     width = pipe.transformer.config.joint_attention_dim
     prompt = cache.prompts()[prompt_key(VALIDATION_PROMPTS[0])]
     embeds, _, pooled, _ = pipe.encode_prompt(VALIDATION_PROMPTS[0], None, None, do_classifier_free_guidance=False, max_sequence_length=32)
-    joint, cached_pooled = _joint(prompt.fields, width, 32 if drop_t5 else 0)
+    joint, cached_pooled = _joint(cache, prompt.fields, width)
     assert joint.shape == embeds.shape == (1, 77 + 32, width)
     assert torch.equal(joint, embeds.bfloat16().float()) and torch.equal(cached_pooled, pooled.bfloat16().float())
 
@@ -84,6 +86,11 @@ def test_sd3_end_to_end_through_the_stock_pipeline(tiny_caches, tmp_path):
     image = pipe(VALIDATION_PROMPTS[0], height=256, width=256, num_inference_steps=2, guidance_scale=4.5, output_type="np",
                  generator=torch.Generator().manual_seed(0), **pipeline_kwargs("tiny-sd3")).images[0]
     assert image.shape == (256, 256, 3) and float(image.std()) > 0
+
+
+def test_loss_weighting_is_refused_for_ddpm(tiny_caches, tmp_path):
+    with pytest.raises(ValueError, match="trains with DDPM"):
+        train(cfg(tiny_caches["tiny-pixart"], tmp_path, "tiny-pixart", loss_weighting="cosmap"))
 
 
 def test_zeroed_caption_dropout_is_sd3s_default(tiny_caches):

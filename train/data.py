@@ -103,15 +103,20 @@ class TextLayout:
             raise ValueError(f"{cache.root}: unknown text layout {layout['kind']!r}; update this trainer")
         return cls(layout["kind"], layout["t5_tokens"] if layout.get("t5") == "dropped" else 0)
 
-    def caption(self, fields: dict, pick: int, captions: int) -> dict[str, torch.Tensor]:
-        """Caption `pick` (of `captions`) of a sample's or prompt's fields."""
-        lengths = fields["text_lengths"].tolist() if "text_lengths" in fields else [len(fields["text"])]
+    @staticmethod
+    def captions(fields: dict) -> int:
+        """How many captions a sample's fields hold (a cached prompt holds one)."""
+        return len(fields["text_lengths"]) if "text_lengths" in fields else 1
+
+    def caption(self, fields: dict, pick: int = 0) -> dict[str, torch.Tensor]:
+        """Caption `pick` of a sample's or a cached prompt's fields."""
         out = {}
         if "text" in fields:
+            lengths = fields["text_lengths"].tolist() if "text_lengths" in fields else [len(fields["text"])]
             start = sum(lengths[:pick])
             out["text"] = fields["text"][start : start + lengths[pick]]
         if self.kind == "sd3_joint":
-            tokens = fields["clip"].shape[0] // captions
+            tokens = fields["clip"].shape[0] // self.captions(fields)
             out["clip"] = fields["clip"][pick * tokens : (pick + 1) * tokens]
             out["pooled"] = fields["pooled"][pick]
         return out
@@ -154,7 +159,7 @@ class TrainingSamples(torch.utils.data.Dataset):
             stored = cache.prompts().get(prompt_key(""))
             if stored is None:
                 raise ValueError(f"{cache_dir} holds no empty-caption embedding; rebuild it with `make precompute`")
-            self.null = self.layout.caption(stored.fields, 0, 1)
+            self.null = self.layout.caption(stored.fields)
             if null == "zeros":
                 self.null = {k: torch.zeros_like(v) for k, v in self.null.items()}
 
@@ -173,9 +178,8 @@ class TrainingSamples(torch.utils.data.Dataset):
             latent = mean + std * torch.randn(mean.shape, generator=g)
         else:
             latent = s["latent"].float()
-        captions = len(s["text_lengths"])
-        pick = int(torch.randint(captions, (1,), generator=g))
-        cond = self.layout.caption(s.fields, pick, captions)
+        pick = int(torch.randint(self.layout.captions(s.fields), (1,), generator=g))
+        cond = self.layout.caption(s.fields, pick)
         if self.caption_dropout and float(torch.rand((), generator=g)) < self.caption_dropout:
             cond = self.null
         # text stays in its storage dtype (bf16 by default) until the device: half the bytes to copy

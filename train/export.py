@@ -65,6 +65,14 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
     return model, preset, state
 
 
+def write_provenance(directory: Path, ckpt: Path, state: dict, ema: bool, **extra) -> None:
+    """`training.json` beside exported weights: which checkpoint, step and weights they are."""
+    (directory / "training.json").write_text(json.dumps({
+        "checkpoint": str(ckpt.resolve()), "step": state["step"], "weights": "ema" if ema else "trained", "preset": state["model"],
+        "precision_history": state["precision_history"], **extra,
+    }, indent=1) + "\n")
+
+
 def adapter_config(state: dict):
     cfg = state["config"]
     return lora.lora_config(get_preset(state["model"]).family, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_targets"],
@@ -93,11 +101,7 @@ def export_adapter(ckpt: Path, out: Path, ema: bool) -> Path:
     tmp = Path(out).with_name(f".tmp-{Path(out).name}")
     shutil.rmtree(tmp, ignore_errors=True)
     written = lora.save_adapter(tmp, preset.family, weights, config)
-    (tmp / "training.json").write_text(json.dumps({
-        "checkpoint": str(ckpt.resolve()), "step": state["step"], "weights": "ema" if ema else "trained", "preset": preset.name,
-        "base": state["config"].get("pretrained") or f"fresh weights, seed {state['config']['seed']}",
-        "precision_history": state["precision_history"],
-    }, indent=1) + "\n")
+    write_provenance(tmp, ckpt, state, ema, base=state["config"].get("pretrained") or f"fresh weights, seed {state['config']['seed']}")
     if Path(out).exists():
         shutil.rmtree(out)
     tmp.rename(out)
@@ -115,7 +119,7 @@ def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, me
     if merge_lora and not checkpoint.is_lora(ckpt):
         raise ValueError(f"{ckpt} is not a LoRA checkpoint; export it without --merge-lora")
     torch_dtype = DTYPES[dtype] if dtype else None
-    model, preset, state = load_model(ckpt, ema, torch_dtype)
+    model, _, state = load_model(ckpt, ema, torch_dtype)
     if merge_lora:
         lora.merge_adapters(model)
         if torch_dtype is None:  # the adapters were fp32: the merged weights take the base's dtype
@@ -124,10 +128,7 @@ def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, me
     tmp = target.with_name(".tmp-transformer")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    (tmp / "training.json").write_text(json.dumps({
-        "checkpoint": str(ckpt.resolve()), "step": state["step"], "weights": "ema" if ema else "trained", "preset": preset.name,
-        "precision_history": state["precision_history"], **({"lora": "merged"} if merge_lora else {}),
-    }, indent=1) + "\n")
+    write_provenance(tmp, ckpt, state, ema, **({"lora": "merged"} if merge_lora else {}))
     if target.exists():
         shutil.rmtree(target)
     tmp.rename(target)

@@ -25,9 +25,9 @@ from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, Prefetcher, T
                         epoch_loader)
 from train.objectives import TIMESTEP_BINS, build_objective
 from train.plan import PlanConfig, format_plan, measure_peak, plan
-from train.presets import DTYPES as PRECISIONS
 from train import lora
 from train.checkpoint import ADAPTER_DIR
+from train.presets import DTYPES as PRECISIONS
 from train.presets import build_transformer, get_preset, model_forward, text_width
 from train.validate import Validator
 
@@ -262,6 +262,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     if parallel == "fsdp" and cfg.ema_decay > 0 and cfg.ema_device == "cpu":
         raise ValueError("under FSDP the EMA is sharded like the weights; use --fsdp-cpu-offload instead of --ema-device cpu")
     preset = get_preset(cfg.model)
+    if preset.objective != "flow" and cfg.loss_weighting != "none":
+        raise ValueError(f"--loss-weighting {cfg.loss_weighting} weights flow matching timesteps; {cfg.model} trains with DDPM")
     cfg.run.mkdir(parents=True, exist_ok=True)
 
     # 1. the cache must fit the model: checked before any weights are loaded

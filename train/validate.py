@@ -33,7 +33,7 @@ def resolve_prompts(cache: Cache, requested: list[str], model: str) -> list[Vali
     embeddings; a prompt that was never encoded stops the run here, naming the command that adds it."""
     stored, layout = cache.prompts(), TextLayout.of(cache)
     if not requested:
-        return [ValidationPrompt(p.text, layout.caption(p.fields, 0, 1)) for p in sorted(stored.values(), key=lambda p: p.text) if p.text]
+        return [ValidationPrompt(p.text, layout.caption(p.fields)) for p in sorted(stored.values(), key=lambda p: p.text) if p.text]
     missing = [text for text in requested if prompt_key(text) not in stored]
     if missing:
         args = " ".join(f"--validation-prompt {json.dumps(t)}" for t in missing)
@@ -41,7 +41,7 @@ def resolve_prompts(cache: Cache, requested: list[str], model: str) -> list[Vali
             f"validation prompt(s) {missing} have no cached embedding in {cache.root}. Add them (nothing else is "
             f"re-encoded):\n  make precompute DATA=<your data> MODEL={model} CACHE={cache.root} PRECOMPUTE_ARGS={_quote(args)}"
         )
-    return [ValidationPrompt(t, layout.caption(stored[prompt_key(t)].fields, 0, 1)) for t in requested]
+    return [ValidationPrompt(t, layout.caption(stored[prompt_key(t)].fields)) for t in requested]
 
 
 def _quote(text: str) -> str:
@@ -89,7 +89,7 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
     scheduler.set_timesteps(steps, device=device)
     g = torch.Generator().manual_seed(seed)
     latents = (torch.randn(1, c, h, w, generator=g) * getattr(scheduler, "init_noise_sigma", 1.0)).to(device)
-    text = (layout or TextLayout()).collate([{k: v.float() for k, v in c.items()} for c in (null, cond)])
+    text = (layout or TextLayout()).collate([{k: v.float() for k, v in fields.items()} for fields in (null, cond)])
     text = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in text.items()}
     forward = model_forward(model, preset.family)
     autocast = torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
@@ -116,7 +116,7 @@ class Validator:
         if null is None:
             raise ValueError(f"{cache.root} holds no empty-caption embedding for guidance; rebuild it with `make precompute`")
         self.layout = TextLayout.of(cache)
-        self.null = self.layout.caption(null.fields, 0, 1)  # the empty caption, as the family's pipeline guides
+        self.null = self.layout.caption(null.fields)  # the empty caption, as the family's pipeline guides
         self.buckets = [parse_bucket(b) for b in buckets] or default_buckets(cache)
         down = cache.fingerprint["vae"]["downsample"]
         bad = [b.name for b in self.buckets if b.height % down or b.width % down]
