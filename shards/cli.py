@@ -98,8 +98,11 @@ def verify(
     checksums: bool = typer.Option(True, help="Compare each shard's sha256 with the manifest (reads every byte)."),
     deep: bool = typer.Option(True, help="Check offsets, shapes, dtypes, per-sample digests, duplicate keys; scan for NaN/Inf."),
 ) -> None:
-    """Check every shard against the manifest; exit 1 naming every bad file."""
+    """Check every shard against the manifest; exit 1 naming every bad file, 2 when ROOT is not a cache (yet)."""
     report = verify_cache(root, checksums=checksums, deep=deep)
+    if report.not_a_cache:
+        typer.echo(f"error: {report.not_a_cache}", err=True)
+        raise typer.Exit(2)
     for path, msg in report.warnings:
         typer.echo(f"warning: {path}: {msg}", err=True)
     for path, msg in report.problems:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from shards.schema import (
 
 MANIFEST = "index.json"
 RANK_MANIFEST_GLOB = "index.rank-*.json"
+_SHARD_FILE = re.compile(r"\.?(r\d{5})-\d{6}\.safetensors(\.\d+\.tmp)?")
 
 
 def rank_manifest_name(rank: int) -> str:
@@ -199,6 +201,37 @@ class Manifest:
                 f"{root}: field schema differs: cache has {schema_to_json(self.schema)}, "
                 f"run has {schema_to_json(other.schema)}"
             )
+
+
+def missing_manifest(root: str | os.PathLike) -> tuple[bool, str]:
+    """Why a directory without `index.json` has none: (never committed, what to tell the user).
+
+    A writer commits after every shard it publishes, so a run killed before its first commit leaves at
+    most one shard file (and one temp file) per rank. More shard files than that mean commits happened
+    and the manifest was lost afterwards.
+    """
+    root = Path(root)
+    build = f"build it with `make precompute DATA=... CACHE={root}`"
+    if not root.is_dir():
+        return True, f"{root} does not exist; {build}"
+    parts = sorted(p.name for p in root.glob(RANK_MANIFEST_GLOB))
+    if parts:
+        return False, (f"{root} has no {MANIFEST} but per-rank manifests of an unfinished multi-process run ({', '.join(parts)}); "
+                       f"re-run the same `make precompute`, or merge them with `python -m shards merge {root}`")
+    shards: dict[str, int] = {}
+    leftovers = 0
+    for path in root.glob("*/*"):
+        m = _SHARD_FILE.fullmatch(path.name)
+        if m:
+            leftovers += 1
+            if not m.group(2):
+                shards[m.group(1)] = shards.get(m.group(1), 0) + 1
+    if any(n > 1 for n in shards.values()):
+        return False, (f"{root} holds {sum(shards.values())} shard files but no {MANIFEST}: the manifest was removed or lost after "
+                       f"shards were committed. Restore {MANIFEST} from a backup, or rebuild the cache with `make precompute`")
+    left = (f" ({leftovers} file(s) left by a run interrupted before its first commit; the next `make precompute` into it "
+            f"clears them)") if leftovers else ""
+    return True, f"{root} is not a cache yet: no manifest was ever committed{left}; {build}"
 
 
 def merge(root: str | os.PathLike) -> Manifest:

@@ -12,7 +12,7 @@ from typing import Iterator
 import torch
 
 from shards.buckets import Bucket
-from shards.manifest import MANIFEST, RANK_MANIFEST_GLOB, Manifest, ShardEntry
+from shards.manifest import MANIFEST, RANK_MANIFEST_GLOB, Manifest, ShardEntry, missing_manifest
 from shards.prompts import Prompt, read_prompts
 from shards.schema import (
     DIGEST,
@@ -127,6 +127,8 @@ class Cache:
                 f"{self.root} has unmerged per-rank manifests ({', '.join(p.name for p in pending)}); "
                 f"finish the run or merge them with `python -m shards merge {self.root}`"
             )
+        if not (self.root / MANIFEST).exists():
+            raise FileNotFoundError(missing_manifest(self.root)[1])
         self.manifest = Manifest.load(self.root / MANIFEST)
         self.shards: list[ShardEntry] = self.manifest.shards
         self._starts = [0]

@@ -10,16 +10,18 @@ from pathlib import Path
 import torch
 
 from shards.atomic import TMP_SUFFIX
-from shards.manifest import MANIFEST, RANK_MANIFEST_GLOB, Manifest
+from shards.manifest import MANIFEST, RANK_MANIFEST_GLOB, Manifest, missing_manifest
 from shards.reader import ShardReader
 from shards.schema import DIGEST, KEY, OFFSETS_SUFFIX, FormatError, sample_digest
 
 
 @dataclass
 class Report:
-    """What `verify` found. `ok` is False when any problem was found; warnings do not count."""
+    """What `verify` found. `ok` is False when any problem was found or the directory is not a cache yet;
+    warnings do not count."""
 
     problems: list[tuple[str, str]] = field(default_factory=list)  # (file, what is wrong)
+    not_a_cache: str | None = None  # set when no manifest was ever committed: nothing to check, nothing lost
     warnings: list[tuple[str, str]] = field(default_factory=list)
     shards: int = 0
     samples: int = 0
@@ -27,7 +29,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.problems and self.not_a_cache is None
 
     @property
     def bad_files(self) -> list[str]:
@@ -56,6 +58,13 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
     """
     root = Path(root)
     report = Report()
+    if not (root / MANIFEST).exists():
+        never, message = missing_manifest(root)
+        if never:
+            report.not_a_cache = message
+        else:
+            report.problems.append((str(root / MANIFEST), message))
+        return report
     try:
         manifest = Manifest.load(root / MANIFEST)
     except (FileNotFoundError, FormatError) as e:
