@@ -1,12 +1,10 @@
 """Stage one end to end on CPU with the tiny presets and a dataset generated here."""
 
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +35,14 @@ def files(cache) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return make_folder(tmp_path_factory.mktemp("data") / "folder", count=24)
+
+
+@pytest.fixture(scope="module")
+def clean_cache(folder, tmp_path_factory):
+    """The folder encoded in one uninterrupted run, one shard per batch of four."""
+    cache = tmp_path_factory.mktemp("clean") / "cache"
+    run(folder, cache, max_shard_mb=0, batch_size=4)
+    return cache
 
 
 @pytest.mark.parametrize("model", ["tiny-sana", "tiny-pixart"])
@@ -170,54 +176,60 @@ def test_default_numerics_never_put_sdxl_vae_or_t5_in_fp16():
 KILLER = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import shards.writer
+import shards.manifest
 from precompute.run import main
 from pathlib import Path
 
-real = shards.writer.ShardWriter._publish
-count = 0
-def publish(self, bucket, items):
-    global count
-    real(self, bucket, items)
-    count += 1
-    if count == int(os.environ["KILL_AFTER"]):
+real = shards.manifest.Manifest.save
+commits = 0
+def save(self, path):
+    global commits
+    if commits == int(os.environ["COMMITS"]):  # this commit's shard is in place; its manifest never will be
         os.kill(os.getpid(), signal.SIGKILL)
-shards.writer.ShardWriter._publish = publish
+    real(self, path)
+    commits += 1
+shards.manifest.Manifest.save = save
 main(sys.argv[1], "tiny-sana", Path(sys.argv[2]), workers=0, progress=False, max_shard_mb=0, batch_size=4)
 """
 
 
 @pytest.mark.slow
-def test_kill_and_resume_equals_an_uninterrupted_run(folder, tmp_path):
-    run(folder, tmp_path / "clean", max_shard_mb=0, batch_size=4)
-    for kill_after in (1, 3):
-        cache = tmp_path / f"killed{kill_after}"
-        proc = subprocess.run([sys.executable, "-c", KILLER.format(root=str(ROOT)), str(folder), str(cache)],
-                              env={**os.environ, "KILL_AFTER": str(kill_after)})
-        assert proc.returncode == -signal.SIGKILL
-        partial = Cache(cache)
-        assert 0 < len(partial) < 24
-        s = run(folder, cache, max_shard_mb=0, batch_size=4)
-        assert s["unchanged"] == len(partial) and s["new"] == 24 - len(partial)
-        assert digests(cache) == digests(tmp_path / "clean")
-        assert verify(cache).ok
+@pytest.mark.parametrize("commits", [0, 2])
+def test_kill_and_resume_equals_an_uninterrupted_run(folder, tmp_path, commits, clean_cache):
+    """Killed after `commits` commits (0: before the first, so no manifest exists yet), the next run
+    encodes exactly what was not committed and ends with the cache an uninterrupted run builds."""
+    cache = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", KILLER.format(root=str(ROOT)), str(folder), str(cache)],
+                          env={**os.environ, "COMMITS": str(commits)}, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert list(cache.glob("*/*.safetensors"))  # the shard whose commit was cut off
+    if commits == 0:
+        assert not (cache / "index.json").exists() and verify(cache).not_a_cache
+        done = 0
+    else:
+        done = len(Cache(cache))
+        assert 0 < done < 24
+    s = run(folder, cache, max_shard_mb=0, batch_size=4)
+    assert s["unchanged"] == done and s["new"] == 24 - done
+    assert digests(cache) == digests(clean_cache)
+    assert verify(cache).ok
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one(folder, tmp_path):
-    # Same thread count in both runs: CPU kernels split work by thread and round differently.
+def test_two_processes_equal_one(folder, tmp_path, clean_cache):
+    # One compute thread, as the in-process build of `clean_cache` has (conftest): CPU kernels split work by
+    # thread and round differently.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for n, name in ((1, "one"), (2, "two")):
-        out = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n),
-             "-m", "precompute", str(folder), "--model", "tiny-sana", "--cache", str(tmp_path / name), "--workers", "0",
-             "--batch-size", "4", "--no-progress"],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-        )
-        errors = [line for line in out.stderr.splitlines() if line.startswith("error")]
-        assert out.returncode == 0, "\n".join(errors) + "\n" + out.stderr[-2000:]
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "precompute", str(folder), "--model", "tiny-sana", "--cache", str(tmp_path / "two"), "--workers", "0",
+         "--batch-size", "4", "--no-progress"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error")]
+    assert out.returncode == 0, "\n".join(errors) + "\n" + out.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "two").glob("index*.json")) == ["index.json"]
-    assert digests(tmp_path / "two") == digests(tmp_path / "one")
+    assert digests(tmp_path / "two") == digests(clean_cache)
     ranks = {s.path.split("/")[1][:6] for s in Cache(tmp_path / "two").shards}
     assert ranks == {"r00000", "r00001"}
     assert verify(tmp_path / "two").ok
