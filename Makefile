@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # elsewhere; override (e.g. TORCH_SPEC="torch==2.13.0 --index-url ...") for another CUDA version.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Test files run in parallel worker processes (pytest-xdist), each file's tests in one worker so a
+# module's fixtures (trained runs, encoded folders) are built once.
+TEST_WORKERS ?= 2
 MODEL ?= tiny-sana
 CACHE ?= cache/$(MODEL)
 NPROC ?= 1
@@ -45,7 +48,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: install
 	$(PY) bench/shards_read.py

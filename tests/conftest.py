@@ -8,7 +8,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(2)
+# One compute thread in this process and in every process a test starts: results do not depend on how a
+# kernel splits work, and on a busy machine no OpenMP team spins waiting for a core another process holds.
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 from shards import Field  # noqa: E402
 

@@ -2,9 +2,6 @@
 
 import io
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +11,6 @@ from precompute.data import ImagePolicy, Record, prepare
 from precompute.run import main as precompute
 from shards import Cache, bucket_table
 
-ROOT = Path(__file__).resolve().parents[1]
 CAPTION = "a small red circle on a blue background"
 
 
@@ -100,12 +96,16 @@ def test_bad_input_corpus(bad_folder, tmp_path):
 
 
 def test_failure_threshold_sets_the_exit_code(bad_folder, tmp_path):
-    args = [sys.executable, "-m", "precompute", str(bad_folder), "--model", "tiny-sana", "--cache", str(tmp_path),
-            "--workers", "0", "--no-progress", "--max-pixels", "4000000"]
-    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 1 and "over --max-failure-fraction" in out.stderr
-    out = subprocess.run(args + ["--max-failure-fraction", "0.9"], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    from typer.testing import CliRunner
+
+    from precompute.__main__ import app
+
+    args = [str(bad_folder), "--model", "tiny-sana", "--cache", str(tmp_path), "--workers", "0", "--no-progress",
+            "--max-pixels", "4000000"]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 1 and "over --max-failure-fraction" in out.output
+    out = CliRunner().invoke(app, args + ["--max-failure-fraction", "0.9"])
+    assert out.exit_code == 0, out.output
 
 
 def policy(**kw):

@@ -82,6 +82,10 @@ def test_sample_cli_writes_one_image_per_prompt_and_bucket(tiny_caches, tmp_path
     images = sorted((tmp_path / "samples").glob("*.png"))
     assert len(images) == 2 * len(VALIDATION_PROMPTS)
     assert {Image.open(p).size for p in images} == {(256, 256), (208, 304)}
-    missing = subprocess.run([sys.executable, "-m", "train", "sample", str(tmp_path / "run"), "--prompt-cache",
-                              str(tiny_caches["tiny-pixart"]), "--prompt", "never cached"], cwd=ROOT, capture_output=True, text=True)
-    assert missing.returncode == 2 and "never cached" in missing.stderr
+    from typer.testing import CliRunner
+
+    from train.__main__ import tools
+
+    missing = CliRunner().invoke(tools, ["sample", str(tmp_path / "run"), "--prompt-cache", str(tiny_caches["tiny-pixart"]),
+                                         "--prompt", "never cached"])
+    assert missing.exit_code == 2 and "never cached" in missing.output

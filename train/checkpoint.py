@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -84,9 +85,14 @@ def load_sharded(path: Path, state: dict) -> dict:
 
     Works under any world size of the same sharding, and in one process without a process group,
     where it assembles full tensors (export)."""
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state, checkpoint_id=path / SHARDED)
+    single = not dist.is_initialized()
+    with warnings.catch_warnings():
+        if single:  # loading in one process is what export means; torch warns about it every time
+            warnings.filterwarnings("ignore", message="torch.distributed is .* uninitialized")
+        dcp.load(state, checkpoint_id=path / SHARDED, no_dist=single)
     return state
 
 
