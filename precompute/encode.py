@@ -184,7 +184,6 @@ class Encoders:
         }
 
     def fingerprint(self) -> dict:
-        tokenizer_vocab = json.dumps(sorted(self.tokenizer.get_vocab().items())).encode()
         return {
             "vae": {
                 "class": type(self.vae).__name__,

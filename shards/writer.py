@@ -24,7 +24,6 @@ from shards.schema import (
     KEY,
     OFFSETS_SUFFIX,
     Schema,
-    dtype_name,
     sample_digest,
     schema_to_json,
     serialize,

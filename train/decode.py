@@ -12,11 +12,15 @@ import io
 import multiprocessing as mp
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from shards import Cache
 from shards.atomic import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 LABEL_WIDTH = 240
 TITLE_HEIGHT = 28
