@@ -17,7 +17,8 @@ from precompute.sample_data import make_folder
 from shards import Bucket
 from train.checkpoint import complete_checkpoints
 from train.data import BucketBatchSampler
-from train.loop import TrainConfig, train
+from train.config import TrainConfig
+from train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,25 +69,48 @@ def test_fp16_run_restarts_in_bf16(caches, tmp_path, caplog):
     train(cfg(cache, tmp_path, steps=4, precision="fp16"))
     ckpt = complete_checkpoints(tmp_path)[-1]
     assert (ckpt / "scaler.pt").exists()
-    moments = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
-    weights = (ckpt / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
-    with caplog.at_level("WARNING"):
-        train(cfg(cache, tmp_path, steps=4, precision="bf16"))  # restart in bf16 with no step to go: re-saved as loaded
-    assert "GradScaler state is dropped" in caplog.text
-    ckpt = complete_checkpoints(tmp_path)[-1]
-    carried = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
-    assert all(torch.equal(moments[k][m], carried[k][m]) for k in moments for m in ("exp_avg", "exp_avg_sq"))
-    assert (ckpt / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes() == weights
     with caplog.at_level("WARNING"):
         train(cfg(cache, tmp_path, steps=8, precision="bf16"))
     assert "GradScaler state is dropped" in caplog.text
-    state = json.loads((complete_checkpoints(tmp_path)[-1] / "state.json").read_text())
+    ckpt = complete_checkpoints(tmp_path)[-1]
+    moments = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
+    assert {int(m["step"]) for m in moments.values()} == {8}  # the fp16 run's moments carried on, not restarted
+    state = json.loads((ckpt / "state.json").read_text())
     assert state["precision_history"] == [{"step": 0, "precision": "fp16", "weights_dtype": "fp32"},
                                           {"step": 4, "precision": "bf16", "weights_dtype": "fp32"}]
-    assert not (complete_checkpoints(tmp_path)[-1] / "scaler.pt").exists()
+    assert not (ckpt / "scaler.pt").exists()
     rows = metrics(tmp_path)
     assert [r["precision"] for r in rows] == ["fp16"] * 4 + ["bf16"] * 4
     assert before == {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}  # nothing re-encoded
+
+
+def test_resuming_a_finished_run_changes_nothing(caches, tmp_path, capsys):
+    train(cfg(caches["tiny-sana"], tmp_path, steps=3, validate=True, validation_steps=2))
+    files = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    summary = train(cfg(caches["tiny-sana"], tmp_path, steps=3, validate=True, validation_steps=2))
+    assert summary["finished"] and summary["step"] == 3
+    assert "already finished" in capsys.readouterr().out
+    assert files == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}  # no checkpoint, grid or metric
+
+
+def test_resume_applies_a_new_schedule_and_refuses_a_new_seed(caches, tmp_path, capsys):
+    train(cfg(caches["tiny-sana"], tmp_path, steps=2, lr=1e-3, weight_decay=0.0, ema_decay=0.9))
+    train(cfg(caches["tiny-sana"], tmp_path, steps=4, lr=5e-4, weight_decay=0.01, ema_decay=0.5, warmup_steps=10))
+    out = capsys.readouterr().out
+    for line in ("lr 0.001 -> 0.0005 from step 2", "weight-decay 0.0 -> 0.01 from step 2", "ema-decay 0.9 -> 0.5 from step 2",
+                 "warmup-steps 0 -> 10 from step 2"):
+        assert line in out
+    rows = metrics(tmp_path)
+    # the warm-up of the new peak, as at steps 3 and 4 of a run started with it (the logged lr is the next step's)
+    assert [r["lr"] for r in rows[2:]] == pytest.approx([5e-4 * 4 / 10, 5e-4 * 5 / 10])
+    ckpt = complete_checkpoints(tmp_path)[-1]
+    groups = torch.load(ckpt / "optimizer.pt", weights_only=True)["param_groups"]
+    assert {g["weight_decay"] for g in groups} == {0.01}
+    assert torch.load(ckpt / "ema.pt", weights_only=True)["decay"] == 0.5
+    with pytest.raises(ValueError, match="--seed 0, this run has 1: the data order"):
+        train(cfg(caches["tiny-sana"], tmp_path, steps=6, seed=1))
+    with pytest.raises(ValueError, match="--optimizer adamw, this run has came"):
+        train(cfg(caches["tiny-sana"], tmp_path, steps=6, optimizer="came"))
 
 
 @pytest.mark.slow
@@ -109,13 +133,46 @@ def test_bf16_weights_with_stochastic_rounding_train_and_resume_exactly(caches, 
     assert {t.dtype for t in ema["shadow_params"]} == {torch.float32}
 
 
-def test_bf16_weights_options_are_checked():
+def test_options_are_checked():
     with pytest.raises(ValueError, match="adamw-bf16"):
         TrainConfig(optimizer="adamw-bf16")
     with pytest.raises(ValueError, match="--precision fp16"):
         TrainConfig(weights_dtype="bf16", precision="fp16")
     with pytest.raises(ValueError, match="every-K"):
         TrainConfig(grad_checkpointing="sometimes")
+    # bf16 weights updated with round-to-nearest lose updates below half a bf16 step: refused, pointing at adamw-bf16
+    for optimizer in ("adamw", "came", "adafactor", "adamw-8bit"):
+        with pytest.raises(ValueError, match="vanish.*--optimizer adamw-bf16"):
+            TrainConfig(weights_dtype="bf16", optimizer=optimizer)
+    TrainConfig(weights_dtype="bf16", optimizer="adamw", lora_rank=4)  # LoRA: a frozen bf16 base, fp32 adapters
+    # every option with a fixed set of values refuses anything else, listing the valid ones
+    for name, value in [("weighting_scheme", "logitnormal"), ("ema_device", "gpu"), ("parallel", "zero3"), ("precision", "bf32"),
+                        ("lr_schedule", "linear-ish"), ("remainder", "pad"), ("decode_device", "tpu"), ("optimizer", "sgd")]:
+        with pytest.raises(ValueError, match=f"--{name.replace('_', '-')} '{value}': choose one of"):
+            TrainConfig(**{name: value})
+    with pytest.raises(ValueError, match="LoRA adapts released weights"):
+        TrainConfig(lora_rank=4, from_scratch=True)
+
+
+def test_the_cli_refuses_unknown_choices_listing_the_valid_ones():
+    from typer.testing import CliRunner
+
+    from train.__main__ import app
+
+    result = CliRunner().invoke(app, ["--weighting-scheme", "logitnormal"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    assert result.exit_code == 2 and "'logitnormal' is not one of 'logit_normal', 'mode', 'sigma_sqrt', 'cosmap', 'none'" in result.output
+
+
+def test_adamw_8bit_without_bitsandbytes_says_how_to_install(monkeypatch):
+    import builtins
+
+    from train.loop import build_optimizer
+
+    real = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
+                        if name == "bitsandbytes" else real(name, *a, **k))
+    with pytest.raises(ValueError, match=r"pip install 'cachedit\[8bit\]'"):
+        build_optimizer(TrainConfig(optimizer="adamw-8bit"), [torch.nn.Parameter(torch.zeros(2))], torch.device("cuda"))
 
 
 @pytest.mark.parametrize("every", [1, 2])
@@ -181,7 +238,8 @@ import sys, gc, torch
 from collections import Counter
 sys.path.insert(0, {str(ROOT)!r})
 import train.validate as validate
-from train.loop import TrainConfig, train
+from train.config import TrainConfig
+from train.loop import train
 kinds = []
 real = validate.Validator.run
 def run(self, *args, **kwargs):
@@ -219,7 +277,8 @@ def dying(path, obj):
         os.kill(os.getpid(), signal.SIGKILL)
     real(path, obj)
 ck.atomic_write_json = dying
-from train.loop import TrainConfig, train
+from train.config import TrainConfig
+from train.loop import train
 train(TrainConfig(model="tiny-sana", cache={cache!r}, run={run!r}, steps=6, batch_size=4, workers=0, progress=False, checkpoint_every=2, validate=False))
 """
 

@@ -17,78 +17,9 @@ from typing import List, Optional
 
 import typer
 
-from train.loop import TrainConfig, train
+from train.config import TrainConfig
 from train.presets import PRESETS
 
-# One help line per TrainConfig field; the defaults come from TrainConfig alone.
-HELP = {
-    "model": f"Preset: {', '.join(PRESETS)}.",
-    "cache": "Cache directory built by `make precompute` for this model.",
-    "run": "Run directory: checkpoints, metrics.jsonl, loss.png.",
-    "steps": "Total optimizer steps of the run; a resumed run continues until it.",
-    "batch_size": "Samples per batch (all from one bucket).",
-    "grad_accum": "Micro-batches per optimizer step.",
-    "lr": "Peak learning rate.",
-    "warmup_steps": "Linear warmup steps.",
-    "lr_schedule": "After warmup: constant or cosine.",
-    "weight_decay": "Weight decay.",
-    "optimizer": "adamw (fused on CUDA), adamw-bf16 (bf16 moments with stochastic rounding, for --weights-dtype bf16; "
-                 "torchao), came (Sana's default), adafactor, adamw-8bit (CUDA, bitsandbytes).",
-    "precision": "Autocast precision: fp32, bf16 or fp16 (with a GradScaler). "
-                 "Changing it on resume keeps weights and optimizer moments and drops the scaler.",
-    "weights_dtype": "fp32 master weights, or bf16 weights (half the weight, gradient and moment memory; "
-                     "pair with --optimizer adamw-bf16). The EMA stays fp32.",
-    "grad_clip": "Clip the gradient norm to this (0: off).",
-    "grad_checkpointing": "Recompute activations in the backward pass to save memory: off, all, or every-K "
-                          "(every K-th transformer block).",
-    "pretrained": "Fine-tune released weights: a Hub id or directory with a transformer/ subfolder (default: fresh weights).",
-    "seed": "Seed of weights, data order and noise.",
-    "caption_dropout": "Probability of dropping the caption (see --caption-dropout-embedding).",
-    "caption_dropout_embedding": "What a dropped caption becomes: auto (zeroed embeddings for SD3, as it was trained; the "
-                                 "cached empty caption for PixArt and Sana), empty or zeros.",
-    "remainder": "Incomplete batches: repeat (complete them with samples of the same bucket) or drop.",
-    "weighting": "Flow matching timestep density: uniform, logit_normal (SD3's) or mode.",
-    "loss_weighting": "Flow matching loss weight per timestep, as SD3's training offers: none, sigma_sqrt or cosmap.",
-    "flow_shift": "Flow matching timestep shift (default: the preset's).",
-    "resolution_shift": "Scale the shift with each bucket's resolution.",
-    "ema_decay": "EMA decay of the weights (0: no EMA).",
-    "ema_every": "Update the EMA every N steps.",
-    "ema_device": "Keep the EMA on the training device or on the CPU (pinned).",
-    "workers": "DataLoader worker processes reading the memory-mapped shards; 0 reads them in the training process "
-               "(fastest for cached shards, see make bench).",
-    "checkpoint_every": "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT).",
-    "keep_checkpoints": "Keep the newest K checkpoints.",
-    "resume": "auto (newest complete checkpoint of the run, if any), a checkpoint directory, or '' to start over.",
-    "log_every": "Write metrics every N steps.",
-    "max_bad_steps": "Abort after this many non-finite steps in a row.",
-    "progress": "Show the progress bar.",
-    "validation_prompt": "Validation prompt (repeatable); its embedding must be in the cache (precompute --validation-prompt). "
-                         "Default: every prompt cached with the data.",
-    "validate_every": "Sample a validation grid every N steps (0: only at the end).",
-    "validation_bucket": "Bucket HxW to sample at (repeatable; default: the cache's 3 most populous).",
-    "validation_steps": "Sampler steps per validation image.",
-    "guidance_scale": "Classifier-free guidance scale (the cached empty caption is the unconditional input).",
-    "validation_seed": "Seed of the validation noise (fixed per prompt and bucket).",
-    "decode_device": "Decode validation latents in a background CPU process (cpu) or on the training device after "
-                     "releasing memory (device).",
-    "validate": "Sample validation grids (--no-validate: never).",
-    "dry_run": "Run one full step (forward, backward, optimizer step, a validation sample) at the cache's largest "
-               "bucket and print its measured peak memory next to the plan; nothing is saved.",
-    "parallel": "Under torchrun: ddp (replicated weights; auto picks it) or fsdp (FSDP2: weights, gradients and "
-                "optimizer states sharded per transformer block).",
-    "fsdp_block": "Class name of the modules FSDP shards one by one (default: the model's transformer blocks).",
-    "fsdp_reshard": "Free each block's gathered weights after its forward (ZeRO-3-like, least memory); "
-                    "--no-fsdp-reshard keeps them until backward (ZeRO-2-like, less communication).",
-    "fsdp_cpu_offload": "Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP's CPUOffloadPolicy).",
-    "lora_rank": "Train LoRA adapters of this rank on the frozen transformer instead of every weight (0: full fine-tuning). "
-                 "Only the adapters get gradients and optimizer states; checkpoints hold the adapters alone, in the format "
-                 "the family's pipeline loads. --weights-dtype bf16 halves the frozen base.",
-    "lora_alpha": "LoRA alpha (the adapters' output is scaled by alpha / rank; default: the rank).",
-    "lora_targets": "Module names to adapt (repeatable, matched by suffix; default: attention q/k/v/out, and SD3's text-stream "
-                    "projections).",
-    "lora_dropout": "Dropout on the LoRA adapters' input.",
-}
-assert set(HELP) == {f.name for f in dataclasses.fields(TrainConfig)}
 # torchrun's own parser would take `--run` for an abbreviation of its `--run-path`
 OPTION_NAMES = {"run": ("--run-dir",)}
 
@@ -97,7 +28,7 @@ def load_config(ctx: typer.Context, param, value: Optional[Path]):
     """Options from a JSON file become defaults; flags on the command line still win."""
     if value:
         data = json.loads(Path(value).read_text())
-        unknown = set(data) - set(HELP)
+        unknown = set(data) - {f.name for f in dataclasses.fields(TrainConfig)}
         if unknown:
             raise typer.BadParameter(f"{value}: unknown options {sorted(unknown)}")
         ctx.default_map = {**(ctx.default_map or {}), **data}
@@ -105,6 +36,8 @@ def load_config(ctx: typer.Context, param, value: Optional[Path]):
 
 
 def command(**options) -> None:
+    from train.loop import train
+
     options.pop("config", None)
     _run(lambda: train(TrainConfig(**options)))
 
@@ -119,7 +52,7 @@ def _signature() -> inspect.Signature:
             annotation = Optional[[a for a in typing.get_args(annotation) if a is not type(None)][0]]
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                        default=typer.Option(default, *OPTION_NAMES.get(f.name, ()), help=HELP[f.name])))
+                                        default=typer.Option(default, *OPTION_NAMES.get(f.name, ()), help=f.metadata["help"])))
     return inspect.Signature(params)
 
 

@@ -1,0 +1,184 @@
+"""Every option of a training run, in one typed dataclass: its default, its choices and its help.
+
+`python -m train --help` is built from these fields: a `Literal` type is the list of valid values
+(typer rejects anything else, as `TrainConfig` does when built in code), and `help` is the text shown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Precision = Literal["fp32", "bf16", "fp16"]
+Optimizer = Literal["adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit"]
+# diffusers' SD3 trainers' `--weighting_scheme`: it sets the timestep density and the loss weight together
+WeightingScheme = Literal["logit_normal", "mode", "sigma_sqrt", "cosmap", "none"]
+
+
+def opt(default, help: str):
+    """A field with its help text (lists and other mutable defaults are copied per instance)."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    """Every option of a training run; the CLI is built from it (see `python -m train --help`)."""
+
+    model: str = opt("tiny-sana", "Preset (see the README's table; python -m train plan --help lists them).")
+    cache: Path | None = opt(None, "Cache directory built by `make precompute` for this model (default: cache/MODEL).")
+    run: Path | None = opt(None, "Run directory: checkpoints, metrics.jsonl, loss.png (default: runs/MODEL).")
+    steps: int = opt(200, "Total optimizer steps of the run; a resumed run continues until it.")
+    batch_size: int = opt(8, "Samples per batch on each process (all from one bucket).")
+    grad_accum: int = opt(1, "Micro-batches per optimizer step.")
+    lr: float = opt(1e-4, "Peak learning rate. A resumed run given another value applies it from its step (logged).")
+    warmup_steps: int = opt(0, "Linear warm-up steps (applied on resume when changed).")
+    lr_schedule: Literal["constant", "cosine"] = opt("constant", "After warm-up: constant or cosine decay to 0 at --steps.")
+    weight_decay: float = opt(0.0, "Weight decay (applied on resume when changed).")
+    optimizer: Optimizer = opt("adamw", "adamw (fused on CUDA); adamw-bf16: bf16 moments with stochastic rounding, for "
+                                        "--weights-dtype bf16 (torchao); came (Sana's); adafactor; adamw-8bit (CUDA, bitsandbytes: "
+                                        "pip install 'cachedit[8bit]').")
+    precision: Precision = opt("bf16", "Autocast precision: fp32, bf16 or fp16 (with a GradScaler). Changing it on resume keeps "
+                                       "weights and optimizer moments and drops the scaler.")
+    weights_dtype: Literal["fp32", "bf16"] = opt("fp32", "fp32 master weights, or bf16 weights (half the weight, gradient and "
+                                                         "moment memory; full fine-tuning needs --optimizer adamw-bf16, whose "
+                                                         "stochastic rounding keeps updates smaller than bf16's step). LoRA: the "
+                                                         "frozen base's dtype. The EMA stays fp32.")
+    grad_clip: float = opt(1.0, "Clip the gradient norm to this (0: off).")
+    grad_checkpointing: str = opt("off", "Recompute activations in the backward pass to save memory: off, all, or every-K "
+                                         "(every K-th transformer block).")
+    pretrained: str | None = opt(None, "Weights to start from: a Hub id or a directory with a transformer/ subfolder (default: "
+                                       "the preset's released weights; tiny presets: seeded random weights).")
+    revision: str | None = opt(None, "Hub revision (branch, tag or commit) of the weights (default: the preset's).")
+    from_scratch: bool = opt(False, "Train the preset's architecture from random initialisation instead of released weights.")
+    seed: int = opt(0, "Seed of fresh weights, data order and noise.")
+    caption_dropout: float = opt(0.1, "Probability of dropping the caption (see --caption-dropout-embedding).")
+    caption_dropout_embedding: Literal["auto", "empty", "zeros"] = opt(
+        "auto", "What a dropped caption becomes: auto (zeroed embeddings for SD3, as it was trained; the cached empty caption "
+                "for PixArt and Sana), empty or zeros.")
+    remainder: Literal["repeat", "drop"] = opt("repeat", "Incomplete batches: repeat (complete them with samples of the same "
+                                                         "bucket) or drop.")
+    weighting_scheme: WeightingScheme = opt(
+        "logit_normal", "Flow matching, as diffusers' SD3 trainers name it: the timestep density and the loss weight together. "
+                        "logit_normal (SD3's default) and mode draw timesteps from those densities with unit weights; sigma_sqrt "
+                        "(weight 1/sigma^2) and cosmap draw them uniformly and weight the loss; none: uniform, unit weights.")
+    logit_mean: float = opt(0.0, "Mean of the logit_normal timestep density.")
+    logit_std: float = opt(1.0, "Standard deviation of the logit_normal timestep density.")
+    mode_scale: float = opt(1.29, "Scale of the mode timestep density.")
+    precondition_outputs: bool | None = opt(
+        None, "Flow matching: turn the prediction into an x0 estimate (x_t - sigma * v) and take the loss against the clean "
+              "latent, as diffusers' SD3 trainers do (default: on for SD3, off for Sana). Without it sigma_sqrt is refused: "
+              "1/sigma^2 on the velocity loss lets a few low-noise samples outweigh the rest a million-fold.")
+    flow_shift: float | None = opt(None, "Flow matching timestep shift (default: the preset's).")
+    resolution_shift: bool = opt(False, "Scale the shift with each bucket's resolution.")
+    learned_variance: bool | None = opt(
+        None, "DDPM models with variance channels (PixArt-Sigma): train them with the VLB term as PixArt-Sigma's trainer does "
+              "(learned-range sigma, mean detached). Default: on for full fine-tuning, off for LoRA (an epsilon-only loss).")
+    ema_decay: float = opt(0.0, "EMA decay of the trained weights (0: no EMA; applied on resume when changed).")
+    ema_every: int = opt(1, "Update the EMA every N steps.")
+    ema_device: Literal["device", "cpu"] = opt("device", "Keep the EMA on the training device, or on the CPU (pinned; each update "
+                                                         "copies the weights there first).")
+    workers: int = opt(0, "DataLoader worker processes reading the memory-mapped shards; 0 reads them in the training process.")
+    checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT).")
+    keep_checkpoints: int = opt(3, "Keep the newest K checkpoints.")
+    resume: str | None = opt("auto", "auto (newest complete checkpoint of the run, if any), a checkpoint directory, or '' to "
+                                     "start over.")
+    log_every: int = opt(10, "Write metrics every N steps.")
+    max_bad_steps: int = opt(5, "Abort after this many non-finite steps in a row.")
+    progress: bool = opt(True, "Show the progress bar.")
+    validation_prompt: list[str] = opt([], "Validation prompt (repeatable); its embedding must be in the cache (precompute "
+                                           "--validation-prompt). Default: every prompt cached with the data.")
+    validate_every: int = opt(0, "Sample a validation grid every N steps (0: only at the end).")
+    validation_bucket: list[str] = opt([], "Bucket HxW to sample at (repeatable; default: the cache's 3 most populous).")
+    validation_steps: int = opt(20, "Sampler steps per validation image.")
+    guidance_scale: float = opt(4.5, "Classifier-free guidance scale (the cached empty caption is the unconditional input).")
+    validation_seed: int = opt(0, "Seed of the validation noise (fixed per prompt and bucket).")
+    decode_device: Literal["cpu", "device"] = opt("cpu", "Decode validation latents in a background CPU process (cpu) or on the "
+                                                         "training device after releasing memory (device).")
+    validate: bool = opt(True, "Sample validation grids (--no-validate: never).")
+    dry_run: bool = opt(False, "Run one full step (forward, backward, optimizer step, a validation sample) at the cache's "
+                               "largest bucket and print its measured peak memory next to the plan; nothing is saved.")
+    parallel: Literal["auto", "ddp", "fsdp"] = opt("auto", "Under torchrun: ddp (replicated weights; auto picks it) or fsdp "
+                                                           "(FSDP2: weights, gradients and optimizer states sharded per block).")
+    fsdp_block: str | None = opt(None, "Class name of the modules FSDP shards one by one (default: the model's transformer blocks).")
+    fsdp_reshard: bool = opt(True, "Free each block's gathered weights after its forward (ZeRO-3-like, least memory); "
+                                   "--no-fsdp-reshard keeps them until backward (ZeRO-2-like, less communication).")
+    fsdp_cpu_offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP's "
+                                        "CPUOffloadPolicy; CUDA only).")
+    lora_rank: int = opt(0, "Train LoRA adapters of this rank on the frozen transformer instead of every weight (0: full "
+                            "fine-tuning). Only the adapters get gradients and optimizer states; checkpoints hold the adapters "
+                            "alone, in the format the family's pipeline loads. --weights-dtype bf16 halves the frozen base.")
+    lora_alpha: float | None = opt(None, "LoRA alpha (the adapters' output is scaled by alpha / rank; default: the rank).")
+    lora_targets: list[str] = opt([], "Module names to adapt (repeatable, matched by suffix; default: attention q/k/v/out, and "
+                                      "SD3's text-stream projections).")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input.")
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+        self.cache = Path(self.cache) if self.cache is not None else Path("cache") / self.model
+        self.run = Path(self.run) if self.run is not None else Path("runs") / self.model
+        if self.weights_dtype == "bf16" and self.precision != "bf16":
+            raise ValueError(f"--weights-dtype bf16 trains in bf16; --precision {self.precision} needs --weights-dtype fp32")
+        if self.optimizer == "adamw-bf16" and self.weights_dtype != "bf16" and not self.lora_rank:
+            raise ValueError("--optimizer adamw-bf16 keeps bf16 states for bf16 weights; add --weights-dtype bf16 "
+                             "(or choose adamw for fp32 master weights)")
+        if self.weights_dtype == "bf16" and not self.lora_rank and self.optimizer != "adamw-bf16":
+            raise ValueError(f"full fine-tuning with --weights-dtype bf16 and --optimizer {self.optimizer}: each update is rounded "
+                             f"to the nearest bf16 value, so updates smaller than half a bf16 step (lr x 1 against weights "
+                             f"around 1 lose everything below 2^-9) vanish and training silently stalls. Use --optimizer "
+                             f"adamw-bf16 (stochastic rounding keeps them in expectation) or --weights-dtype fp32.")
+        self.checkpoint_every_k()  # validates the spelling
+        if self.lora_rank < 0:
+            raise ValueError(f"LoRA rank {self.lora_rank}: choose 0 (full fine-tuning) or a positive rank")
+        if self.lora_rank and self.optimizer == "adamw-bf16":
+            raise ValueError("LoRA adapters train in fp32 (--weights-dtype sets the frozen base's dtype); choose adamw, came or adafactor")
+        if self.lora_rank and self.from_scratch:
+            raise ValueError("LoRA adapts released weights; with --from-scratch the frozen base would be random. Drop "
+                             "--from-scratch (the preset's released weights load by default) or train every weight (--lora-rank 0).")
+        if self.from_scratch and self.pretrained:
+            raise ValueError("--from-scratch and --pretrained contradict each other: choose one")
+        if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise ValueError("steps, batch size and gradient accumulation must be at least 1")
+        if self.ema_every < 1 or not 0 <= self.ema_decay < 1:
+            raise ValueError(f"--ema-decay {self.ema_decay} must be in [0, 1) and --ema-every {self.ema_every} at least 1")
+
+    def checkpoint_every_k(self) -> int:
+        """0: no gradient checkpointing; 1: every block; K: every K-th block."""
+        return parse_checkpointing(self.grad_checkpointing)
+
+
+def parse_checkpointing(value: str) -> int:
+    """`off` -> 0, `all` -> 1, `every-K` -> K."""
+    value = str(value).lower()
+    if value in ("off", "false", "0", ""):
+        return 0
+    if value in ("all", "true", "1"):
+        return 1
+    if value.startswith("every-") and value[6:].isdigit() and int(value[6:]) >= 1:
+        return int(value[6:])
+    raise ValueError(f"--grad-checkpointing {value!r}: choose off, all or every-K (e.g. every-2)")
+
+
+def check_choices(config) -> None:
+    """Refuse a value outside a `Literal` field's choices, naming the valid ones (as the CLI does)."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        choices = literal_choices(hints[f.name])
+        value = getattr(config, f.name)
+        if choices and value is not None and value not in choices:
+            flag = "--" + f.name.replace("_", "-")
+            raise ValueError(f"{flag} {value!r}: choose one of {', '.join(map(str, choices))}")
+
+
+def literal_choices(annotation) -> tuple:
+    """The values of a `Literal[...]` annotation (also inside `Optional`), else ()."""
+    if typing.get_origin(annotation) is Literal:
+        return typing.get_args(annotation)
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is Literal:
+            return typing.get_args(arg)
+    return ()
