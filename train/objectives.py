@@ -1,8 +1,12 @@
-"""Training objectives: `loss = objective(model, batch, generator)` and nothing else in the loop.
+"""Training objectives: `loss, t = objective(model_fn, batch, generator)` and nothing else in the loop.
 
 Flow matching (rectified flow; Sana, SD3): x_t = (1 - s) x_0 + s n, the model predicts n - x_0 at
-timestep 1000 s. DDPM (PixArt-Sigma): epsilon or v prediction with diffusers' DDPMScheduler; a model
-that also predicts variance channels has them split off before the loss.
+timestep 1000 s, with the timestep density and loss weighting of diffusers' SD3 trainers. DDPM
+(PixArt-Sigma): epsilon or v prediction with diffusers' DDPMScheduler, and for models that predict
+their variance too, the VLB term of improved DDPM as PixArt-Sigma's own trainer adds it.
+
+Noise and timesteps are drawn for the global batch on the batch's device (the generator must live
+there) and each rank takes its slice, so N processes train what one process with the global batch would.
 """
 
 from __future__ import annotations
@@ -16,59 +20,80 @@ import torch.nn.functional as F
 from diffusers import DDPMScheduler
 from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
-# (model, noisy latents, timesteps, batch) -> prediction with the latents' channels first
+# (noisy latents, timesteps, batch) -> prediction with the latents' channels first
 ModelFn = Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]
 TIMESTEP_BINS = 10  # loss is also reported per tenth of the timestep range
+# what each weighting scheme draws timesteps from (diffusers' compute_density_for_timestep_sampling)
+DENSITY = {"logit_normal": "logit_normal", "mode": "mode", "sigma_sqrt": "uniform", "cosmap": "uniform", "none": "uniform"}
+
+
+def global_slice(draw: torch.Tensor, n: int, part: tuple[int, int]) -> torch.Tensor:
+    """Rank `part[0]`'s `n` rows of a draw made for the whole global batch."""
+    return draw[part[0] * n : (part[0] + 1) * n]
 
 
 @dataclass
 class FlowMatching:
-    """Rectified flow with SD3's timestep densities and a shift.
+    """Rectified flow with the weighting schemes of diffusers' SD3 trainers and a timestep shift.
 
     Args:
-        weighting: timestep density: "uniform", "logit_normal" (SD3's default) or "mode".
-        loss_weighting: SD3's per-timestep loss weights: "none", "sigma_sqrt" (1 / sigma^2) or "cosmap".
+        weighting_scheme: "logit_normal" (SD3's default) or "mode": timesteps from that density, unit
+            weights; "sigma_sqrt" (1 / sigma^2) or "cosmap": uniform timesteps, weighted loss; "none".
+        precondition_outputs: as diffusers' SD3 trainers: the prediction becomes an x0 estimate
+            x_t - sigma * v and the loss is taken against x_0 (a velocity loss scaled by sigma^2).
         shift: s -> shift * s / (1 + (shift - 1) s); larger shifts spend more steps at high noise.
         resolution_shift: scale the shift with sqrt(pixels / base pixels) per bucket.
         base_resolution: the square size `shift` was tuned at.
     """
 
-    weighting: str = "logit_normal"
+    weighting_scheme: str = "logit_normal"
     logit_mean: float = 0.0
     logit_std: float = 1.0
     mode_scale: float = 1.29
-    loss_weighting: str = "none"
+    precondition_outputs: bool = False
     shift: float = 1.0
     resolution_shift: bool = False
     base_resolution: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.weighting_scheme not in DENSITY:
+            raise ValueError(f"weighting scheme {self.weighting_scheme!r}: choose one of {', '.join(DENSITY)}")
+        if self.weighting_scheme == "sigma_sqrt" and not self.precondition_outputs:
+            raise ValueError("--weighting-scheme sigma_sqrt weights the loss by 1/sigma^2: on the velocity loss a handful of "
+                             "low-noise samples would outweigh the rest up to a million-fold. It is meant for the x0 loss of "
+                             "--precondition-outputs (as in diffusers' SD3 trainers); add it, or choose another scheme.")
 
     def shift_at(self, pixels: int) -> float:
         """The shift for a bucket of `pixels` (sampling uses the same one)."""
         return self.shift * (math.sqrt(pixels) / self.base_resolution if self.resolution_shift else 1.0)
 
-    def sigmas(self, n: int, pixels: int, generator: torch.Generator) -> torch.Tensor:
-        u = compute_density_for_timestep_sampling(self.weighting, n, self.logit_mean, self.logit_std, self.mode_scale, generator=generator)
+    def sigmas(self, n: int, pixels: int, generator: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+        """`n` noise levels in (0, 1) for a bucket of `pixels`, drawn on `device`."""
+        u = compute_density_for_timestep_sampling(DENSITY[self.weighting_scheme], n, self.logit_mean, self.logit_std,
+                                                  self.mode_scale, device=device, generator=generator)
         shift = self.shift_at(pixels)
         return shift * u / (1 + (shift - 1) * u)
 
+    def weights(self, sigmas: torch.Tensor) -> torch.Tensor:
+        """Per-sample loss weights (diffusers' `compute_loss_weighting_for_sd3`)."""
+        return compute_loss_weighting_for_sd3(self.weighting_scheme, sigmas.float())
+
     def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1)
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sample losses (B,) and timesteps in [0, 1) (B,).
-
-        `part` = (rank, world size): the draws are made for the global batch and this rank takes its
-        slice, so N processes see the same noise and timesteps as one process with the global batch.
-        """
+        """Per-sample losses (B,) and noise levels in [0, 1) (B,); `part` = (rank, world size)."""
         x0 = batch["latents"]  # (B, C, h, w)
-        n, _, h, w = x0.shape
+        n = x0.shape[0]
         pixels = batch["bucket"][0] * batch["bucket"][1]
-        mine = slice(part[0] * n, (part[0] + 1) * n)
-        s = self.sigmas(n * part[1], pixels, generator)[mine].to(x0.device)
-        noise = torch.randn((n * part[1], *x0.shape[1:]), generator=generator)[mine].to(x0.device)
-        xt = (1 - s[:, None, None, None]) * x0 + s[:, None, None, None] * noise
-        pred = model_fn(xt, s * 1000, batch)
-        loss = F.mse_loss(pred.float(), (noise - x0).float(), reduction="none").mean(dim=(1, 2, 3))
-        if self.loss_weighting != "none":
-            loss = loss * compute_loss_weighting_for_sd3(self.loss_weighting, s.float())
+        s = global_slice(self.sigmas(n * part[1], pixels, generator, x0.device), n, part)
+        noise = global_slice(torch.randn((n * part[1], *x0.shape[1:]), generator=generator, device=x0.device), n, part)
+        s4 = s[:, None, None, None]
+        xt = (1 - s4) * x0 + s4 * noise
+        pred = model_fn(xt, s * 1000, batch).float()
+        if self.precondition_outputs:
+            pred, target = xt.float() - s4 * pred, x0.float()  # the x0 the velocity implies, against the clean latent
+        else:
+            target = (noise - x0).float()
+        loss = F.mse_loss(pred, target, reduction="none").mean(dim=(1, 2, 3)) * self.weights(s)
         return loss, s
 
 
@@ -77,33 +102,91 @@ class DDPM:
 
     Args:
         prediction: "epsilon" or "v_prediction".
+        learned_variance: the model's second half of output channels predicts the variance
+            (learned range between the posterior's and beta's, improved DDPM), trained by the VLB term
+            with the mean detached, added to the epsilon loss as PixArt-Sigma's trainer does. Off: those
+            channels are split off and get no loss.
     """
 
-    def __init__(self, prediction: str = "epsilon", num_train_timesteps: int = 1000):
+    def __init__(self, prediction: str = "epsilon", num_train_timesteps: int = 1000, learned_variance: bool = False):
         if prediction not in ("epsilon", "v_prediction"):
             raise ValueError(f"DDPM prediction {prediction!r}: choose epsilon or v_prediction")
+        if learned_variance and prediction != "epsilon":
+            raise ValueError("the learned variance's VLB term is defined for epsilon prediction")
         self.scheduler = DDPMScheduler(num_train_timesteps=num_train_timesteps, beta_schedule="linear",
                                        beta_start=0.0001, beta_end=0.02, prediction_type=prediction)
         self.prediction = prediction
+        self.learned_variance = learned_variance
 
     def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1)
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         x0 = batch["latents"]
         n, c = x0.shape[:2]
-        mine = slice(part[0] * n, (part[0] + 1) * n)
         total = self.scheduler.config.num_train_timesteps
-        t = torch.randint(0, total, (n * part[1],), generator=generator)[mine].to(x0.device)
-        noise = torch.randn((n * part[1], *x0.shape[1:]), generator=generator)[mine].to(x0.device)
+        t = global_slice(torch.randint(0, total, (n * part[1],), generator=generator, device=x0.device), n, part)
+        noise = global_slice(torch.randn((n * part[1], *x0.shape[1:]), generator=generator, device=x0.device), n, part)
         xt = self.scheduler.add_noise(x0, noise, t)
         target = noise if self.prediction == "epsilon" else self.scheduler.get_velocity(x0, noise, t)
-        pred = model_fn(xt, t, batch)[:, :c]  # learned-sigma models append variance channels
-        loss = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        out = model_fn(xt, t, batch).float()
+        pred = out[:, :c]
+        loss = F.mse_loss(pred, target.float(), reduction="none").mean(dim=(1, 2, 3))
+        if self.learned_variance:
+            if out.shape[1] != 2 * c:
+                raise ValueError(f"--learned-variance needs a model with 2 x {c} output channels; this one has {out.shape[1]}")
+            loss = loss + vlb_terms(self.scheduler, x0.float(), xt.float(), t, pred.detach(), out[:, c:])
         return loss, t.float() / total
 
 
-def build_objective(kind: str, prediction: str, **flow) -> FlowMatching | DDPM:
+def vlb_terms(scheduler: DDPMScheduler, x0: torch.Tensor, xt: torch.Tensor, t: torch.Tensor, eps: torch.Tensor,
+              variance: torch.Tensor) -> torch.Tensor:
+    """Improved DDPM's variational bound per sample, in bits per dimension (B,).
+
+    KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t)) for t > 0 and the discretised Gaussian decoder NLL of
+    x_0 at t = 0, with p's mean from the (detached) epsilon prediction and its log variance interpolated
+    between the clipped posterior's and beta's by `variance` in [-1, 1] (the "learned range").
+    """
+    betas = scheduler.betas.to(x0.device, torch.float64)
+    ac = scheduler.alphas_cumprod.to(x0.device, torch.float64)
+    ac_prev = torch.cat([ac.new_ones(1), ac[:-1]])
+    posterior_var = betas * (1 - ac_prev) / (1 - ac)
+    # log of the posterior variance, clipped: at t = 0 it is 0, so t = 1's is used
+    posterior_log_var = torch.log(torch.cat([posterior_var[1:2], posterior_var[1:]]))
+    coef_x0 = betas * ac_prev.sqrt() / (1 - ac)
+    coef_xt = (1 - ac_prev) * (1 - betas).sqrt() / (1 - ac)
+
+    def at(table: torch.Tensor) -> torch.Tensor:  # the schedule in float64, each sample's entry in float32
+        return table[t].float()[:, None, None, None]
+
+    true_mean = at(coef_x0) * x0 + at(coef_xt) * xt
+    true_log_var = at(posterior_log_var)
+    pred_x0 = (1 / at(ac)).sqrt() * xt - (1 / at(ac) - 1).sqrt() * eps
+    model_mean = at(coef_x0) * pred_x0 + at(coef_xt) * xt
+    frac = (variance + 1) / 2
+    model_log_var = frac * at(torch.log(betas)) + (1 - frac) * true_log_var
+    # KL of two Gaussians; -1 + exp(-d) as expm1(-d): their variances are close, and 1 - exp(...) would cancel
+    d = model_log_var - true_log_var
+    kl = 0.5 * (d + torch.expm1(-d) + (true_mean - model_mean) ** 2 * torch.exp(-model_log_var))
+    nll = -discretized_gaussian_log_likelihood(x0, model_mean, 0.5 * model_log_var)
+    per_dim = torch.where((t == 0)[:, None, None, None], nll, kl)
+    return per_dim.mean(dim=(1, 2, 3)) / math.log(2.0)
+
+
+def discretized_gaussian_log_likelihood(x: torch.Tensor, mean: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
+    """log-likelihood of `x` (data in [-1, 1] on a 256-level grid) under a Gaussian, per element."""
+    def cdf(v):  # the tanh approximation of the standard normal CDF improved DDPM uses
+        return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v.pow(3))))
+
+    centered, inv_std = x - mean, torch.exp(-log_scale)
+    cdf_plus, cdf_min = cdf(inv_std * (centered + 1 / 255)), cdf(inv_std * (centered - 1 / 255))
+    log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
+    log_one_minus_cdf_min = torch.log((1 - cdf_min).clamp(min=1e-12))
+    log_delta = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
+    return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_delta))
+
+
+def build_objective(kind: str, prediction: str, *, learned_variance: bool = False, **flow) -> FlowMatching | DDPM:
     if kind == "flow":
         return FlowMatching(**flow)
     if kind == "ddpm":
-        return DDPM(prediction)
+        return DDPM(prediction, learned_variance=learned_variance)
     raise ValueError(f"objective {kind!r}: choose flow or ddpm")
