@@ -1,6 +1,6 @@
 """Transformer presets: the model stage two trains, by the same names stage one builds caches for.
 
-Real presets fine-tune published weights (`from_pretrained`, subfolder `transformer`) or, with
+Real presets start from the published weights (`from_pretrained`, subfolder `transformer`) or, with
 `--from-scratch`, build the published architecture (`train/configs/*.json`) with fresh weights.
 `tiny-*` presets are the same classes at CPU size.
 """
@@ -24,7 +24,8 @@ class ModelPreset:
 
     Args:
         family: must match the cache's family (recorded by stage one).
-        repo: Hub id or local directory of the released model (diffusers layout), or None.
+        repo: Hub id or local directory of the released model (diffusers layout), loaded by default; None
+            for tiny presets (seeded random weights).
         config: the transformer config for from-scratch training (dict, or a file in train/configs).
         objective: "flow" (rectified flow) or "ddpm".
         prediction: "flow" (velocity), "epsilon" or "v_prediction".
@@ -48,6 +49,7 @@ class ModelPreset:
     latent_downsample: int = 8
     encoder_parameters: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+    revision: str | None = None  # Hub revision of `repo` (None: its default branch)
 
     @property
     def transformer_class(self):
@@ -120,12 +122,84 @@ def get_preset(name: str) -> ModelPreset:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
 
 
-def build_transformer(preset: ModelPreset, pretrained: str | None, seed: int,
+@dataclass(frozen=True)
+class Weights:
+    """Where a run's transformer weights come from, as the start-up log and the checkpoints record it.
+
+    Args:
+        kind: "hub" (a Hub repository, resolved to a local snapshot), "local" (a directory) or "fresh"
+            (random initialisation from the config, seeded).
+        source: the Hub id or the directory; for "fresh", what was initialised.
+        revision: the Hub revision asked for (None: the default branch).
+        commit: the Hub commit the snapshot holds.
+        path: the local directory `from_pretrained` reads (the snapshot, or `source`).
+    """
+
+    kind: Literal["hub", "local", "fresh"]
+    source: str
+    revision: str | None = None
+    commit: str | None = None
+    path: str | None = None
+
+    def describe(self) -> str:
+        if self.kind == "hub":
+            return f"{self.source} (revision {self.revision or 'main'}, commit {self.commit or 'unknown'})"
+        if self.kind == "local":
+            return f"local directory {self.source}"
+        return self.source
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "source": self.source, "revision": self.revision, "commit": self.commit}
+
+
+def resolve_weights(preset: "ModelPreset", pretrained: str | None = None, revision: str | None = None,
+                    from_scratch: bool = False, seed: int = 0) -> Weights:
+    """The weights a run starts from: `pretrained` (a directory or Hub id), else the preset's released
+    weights; fresh seeded ones for tiny presets or with `from_scratch`.
+
+    A Hub id is resolved to a local snapshot first (downloading `transformer/` only, or finding it in the
+    Hugging Face cache when offline), so an unreachable Hub fails at once with what to do, never hangs.
+    """
+    if from_scratch or (pretrained is None and preset.repo is None):
+        what = "the published config" if preset.repo else f"the {preset.name} config"
+        return Weights("fresh", f"fresh weights from {what} (seed {seed})")
+    source = pretrained or preset.repo
+    local = Path(source).expanduser()
+    if local.is_dir():
+        return Weights("local", str(local.resolve()), path=str(local.resolve()))
+    if pretrained and (pretrained.startswith((".", "/", "~")) or pretrained.count("/") != 1):
+        raise ValueError(f"--pretrained {pretrained}: no such directory (a Hub id has the form owner/name)")
+    revision = revision or (preset.revision if source == preset.repo else None)
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+
+    local_copy = (f"Download it where the Hub is reachable (huggingface-cli download {source} --include 'transformer/*' "
+                  f"--local-dir DIR) and pass --pretrained DIR, or train from random initialisation with --from-scratch.")
+    try:
+        path = snapshot_download(source, revision=revision, allow_patterns=["transformer/*"])
+    except GatedRepoError:
+        raise ValueError(f"{source} is gated on the Hub: accept its licence on huggingface.co and log in "
+                         f"(huggingface-cli login), or {local_copy[0].lower()}{local_copy[1:]}") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise ValueError(f"{source} (revision {revision or 'main'}) was not found on the Hub ({type(e).__name__}); check the "
+                         f"id, or pass --pretrained DIR for a local copy") from None
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError) as e:
+        raise ValueError(f"cannot load the transformer of {source} (revision {revision or 'main'}): the Hub is unreachable or "
+                         f"offline and no copy is in the Hugging Face cache ({type(e).__name__}). {local_copy}") from None
+    return Weights("hub", source, revision, commit=Path(path).name, path=path)
+
+
+def build_transformer(preset: ModelPreset, weights: Weights | str | None, seed: int,
                       dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The transformer in `dtype`: released weights when `pretrained` is given, else fresh seeded weights."""
+    """The transformer in `dtype`: from `weights` (a `resolve_weights` result, or a directory or Hub id),
+    or fresh seeded weights from the preset's config when `weights` is None or fresh."""
     cls = preset.transformer_class
-    if pretrained:
-        return cls.from_pretrained(pretrained, subfolder="transformer", torch_dtype=dtype)
+    if isinstance(weights, str):
+        weights = resolve_weights(preset, weights)
+    if weights is not None and weights.kind != "fresh":
+        path = Path(weights.path)
+        subfolder = "transformer" if (path / "transformer").is_dir() or not (path / "config.json").exists() else None
+        return cls.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls.from_config(preset.transformer_config())
