@@ -18,9 +18,42 @@ COMMON = ["--model", "tiny-sana", "--precision", "fp32", "--log-every", "1", "--
           "--caption-dropout", "0.2", "--ema-decay", "0.9", "--checkpoint-every", "3"]
 
 
-def launch(cache, run, nproc: int, *args: str) -> subprocess.CompletedProcess:
+# Runs `python -m train` recording what the transformer and its first block receive as `timestep`, per rank,
+# after FSDP's forward hooks have had their say (the hooks run before the patched `forward`).
+RECORDER = """
+import inspect, os, sys
+import torch
+sys.path.insert(0, {root!r})
+from diffusers.models.transformers.sana_transformer import SanaTransformer2DModel, SanaTransformerBlock
+seen = {{"model": [], "block": []}}
+
+def recording(cls, key):
+    real, signature = cls.forward, inspect.signature(cls.forward)
+    def forward(self, *args, **kwargs):
+        t = signature.bind(self, *args, **kwargs).arguments.get("timestep")
+        if t.device.type != "meta" and torch.is_grad_enabled() and len(seen[key]) < len(seen["model"]) + (key == "model"):  # once per step
+            seen[key].append((str(t.dtype), t.detach().float().cpu().clone()))
+        return real(self, *args, **kwargs)
+    cls.forward = forward
+
+recording(SanaTransformer2DModel, "model")
+recording(SanaTransformerBlock, "block")
+from train.__main__ import main
+try:
+    main()
+finally:
+    torch.save(seen, os.path.join(sys.argv[sys.argv.index("--run-dir") + 1], f"inputs-rank{{os.environ.get('RANK', '0')}}.pt"))
+"""
+
+
+def launch(cache, run, nproc: int, *args: str, record: bool = False) -> subprocess.CompletedProcess:
     runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
-    out = subprocess.run([*runner, "-m", "train", "--cache", str(cache), "--run-dir", str(run), *COMMON, *args],
+    entry = ["-m", "train"]
+    if record:
+        Path(run).mkdir(parents=True, exist_ok=True)
+        (Path(run) / "record.py").write_text(RECORDER.format(root=str(ROOT)))
+        entry = [str(Path(run) / "record.py")]
+    out = subprocess.run([*runner, *entry, "--cache", str(cache), "--run-dir", str(run), *COMMON, *args],
                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -39,6 +72,10 @@ def runs(tiny_caches, tmp_path_factory):
     launch(cache, root / "one", 1, "--steps", "6", "--batch-size", "4")
     launch(cache, root / "ddp", 2, "--steps", "6", "--batch-size", "2", "--parallel", "ddp")
     launch(cache, root / "fsdp", 2, "--steps", "6", "--batch-size", "2", "--parallel", "fsdp")
+    # bf16 compute: autocast in one process, FSDP's bf16 parameters in two
+    bf16 = ["--steps", "3", "--precision", "bf16"]
+    launch(cache, root / "one-bf16", 1, *bf16, "--batch-size", "4", record=True)
+    launch(cache, root / "fsdp-bf16", 2, *bf16, "--batch-size", "2", "--parallel", "fsdp", record=True)
     return root
 
 
@@ -48,6 +85,24 @@ def test_two_processes_match_one_with_the_same_global_batch(runs, kind):
     one, two = losses(runs / "one"), losses(runs / kind)
     assert len(one) == len(two) == 6
     assert two == pytest.approx(one, rel=1e-4)  # same samples, noise, timesteps and updates
+
+
+@pytest.mark.slow
+def test_fsdp_in_bf16_feeds_the_model_what_one_process_does(runs):
+    """FSDP's bf16 parameters must not round the fp32 flow timesteps (sigma * 1000) the model receives; its
+    blocks see their inputs in the dtypes of one process under autocast; the losses agree to bf16's precision."""
+    one = torch.load(runs / "one-bf16" / "inputs-rank0.pt")
+    ranks = [torch.load(runs / "fsdp-bf16" / f"inputs-rank{r}.pt") for r in range(2)]
+    assert len(one["model"]) == 3 and all(len(r["model"]) == 3 for r in ranks)
+    for step in range(3):
+        dtype, whole = one["model"][step]
+        assert dtype == "torch.float32"
+        for r, seen in enumerate(ranks):
+            assert seen["model"][step][0] == "torch.float32"
+            assert torch.equal(seen["model"][step][1], whole[2 * r : 2 * r + 2])  # this rank's half of the global batch, unrounded
+            assert seen["block"][step][0] == one["block"][step][0]
+            torch.testing.assert_close(seen["block"][step][1], one["block"][step][1][2 * r : 2 * r + 2], rtol=2e-2, atol=2e-2)
+    assert losses(runs / "fsdp-bf16") == pytest.approx(losses(runs / "one-bf16"), rel=2e-2)
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from train.loop import TrainConfig, build_optimizer, checkpoint_blocks
+from train.config import TrainConfig
+from train.loop import build_optimizer, checkpoint_blocks
 from train.plan import PlanConfig, measure_peak, plan
 from train.presets import PRESETS, TINY_SANA, build_transformer, get_preset, model_forward, text_width
 

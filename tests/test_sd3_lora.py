@@ -12,7 +12,8 @@ from PIL import Image
 from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline
 from shards import Cache, prompt_key
 from train.checkpoint import complete_checkpoints
-from train.loop import TrainConfig, train
+from train.config import TrainConfig
+from train.loop import train
 from train.presets import build_transformer, get_preset, sd3_joint_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +74,7 @@ def test_sd3_cache_holds_what_the_stock_pipeline_computes(tmp_path, drop_t5):
 def test_sd3_end_to_end_through_the_stock_pipeline(tiny_caches, tmp_path):
     """Train with SD3's loss weighting and zeroed caption dropout, validate, export, generate with the stock pipeline."""
     run = tmp_path / "run"
-    result = train(cfg(tiny_caches["tiny-sd3"], run, "tiny-sd3", steps=8, loss_weighting="cosmap", caption_dropout=0.3,
+    result = train(cfg(tiny_caches["tiny-sd3"], run, "tiny-sd3", steps=8, weighting_scheme="cosmap", caption_dropout=0.3,
                        validate=True, validation_bucket=["256x256"]))
     assert result["step"] == 8 and torch.isfinite(torch.tensor(result["last_loss"]))
     assert Image.open(run / "samples-step00000008.png").height >= 28 + 3 * 256
@@ -88,9 +89,9 @@ def test_sd3_end_to_end_through_the_stock_pipeline(tiny_caches, tmp_path):
     assert image.shape == (256, 256, 3) and float(image.std()) > 0
 
 
-def test_loss_weighting_is_refused_for_ddpm(tiny_caches, tmp_path):
+def test_weighting_scheme_is_refused_for_ddpm(tiny_caches, tmp_path):
     with pytest.raises(ValueError, match="trains with DDPM"):
-        train(cfg(tiny_caches["tiny-pixart"], tmp_path, "tiny-pixart", loss_weighting="cosmap"))
+        train(cfg(tiny_caches["tiny-pixart"], tmp_path, "tiny-pixart", weighting_scheme="cosmap"))
 
 
 def test_zeroed_caption_dropout_is_sd3s_default(tiny_caches):

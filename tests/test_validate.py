@@ -11,7 +11,8 @@ from PIL import Image
 
 from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline
 from train.checkpoint import complete_checkpoints
-from train.loop import TrainConfig, train
+from train.config import TrainConfig
+from train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

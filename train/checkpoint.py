@@ -127,3 +127,55 @@ def resolve_resume(run: Path, resume: str | None) -> Path | None:
 
 def is_lora(path: Path) -> bool:
     return (path / ADAPTER_DIR).is_dir()
+
+
+# What a resumed run may change. These take effect from the resumed step, each logged; the rest of the
+# state-bearing options would make the checkpoint mean something else, so a change stops the run.
+APPLIED_ON_RESUME = ("steps", "lr", "warmup_steps", "lr_schedule", "weight_decay", "grad_clip", "grad_accum", "ema_decay",
+                     "ema_every", "caption_dropout", "caption_dropout_embedding", "weighting_scheme", "logit_mean", "logit_std",
+                     "mode_scale", "precondition_outputs", "flow_shift", "resolution_shift", "learned_variance", "lora_dropout")
+REFUSED_ON_RESUME = {
+    "model": "the checkpoint holds another preset's weights",
+    "optimizer": "its moments do not carry over to another optimizer",
+    "batch_size": "the data cursor counts batches of the checkpoint's size",
+    "seed": "the data order, the draws and the noise are functions of the seed",
+    "remainder": "the epoch's batches depend on it",
+    "lora_rank": "LoRA adapters resume with the rank, alpha and targets they were trained with",
+    "lora_alpha": "LoRA adapters resume with the rank, alpha and targets they were trained with",
+    "lora_targets": "LoRA adapters resume with the rank, alpha and targets they were trained with",
+}
+
+
+def check_resumable(path: Path, state: dict, config: dict, world: int, parallel: str, fingerprint: str) -> list[str]:
+    """Refuse to resume `path` with settings that change what it means; return the applied changes, one
+    line each (e.g. `lr 0.0001 -> 5e-05`), for the start-up log.
+
+    Args:
+        state: the checkpoint's `state.json`.
+        config: this run's options (`TrainConfig` as a dict).
+        world, parallel: this run's number of processes and parallelism.
+        fingerprint: the cache's fingerprint hash.
+    """
+    if state["world_size"] != world:
+        raise ValueError(f"{path} was saved with world size {state['world_size']}, this run has {world}; resume with the "
+                         f"same number of processes (the data cursor and the batch split depend on it)")
+    if state.get("parallel", "none") != parallel:
+        raise ValueError(f"{path} was saved under --parallel {state.get('parallel', 'none')}, this run is {parallel}; "
+                         f"resume the same way")
+    if state.get("cache_fingerprint_sha256", fingerprint) != fingerprint:
+        raise ValueError(f"{path} was trained from a cache built differently (fingerprint "
+                         f"{state['cache_fingerprint_sha256'][:16]}, this cache {fingerprint[:16]}): its latents or embeddings "
+                         f"mean something else. Use the cache it was trained from, or start a new run (--resume '').")
+    was = state["config"]
+    for name, why in REFUSED_ON_RESUME.items():
+        if name in was and _same(was[name]) != _same(config[name]):
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{path} was trained with {flag} {was[name]}, this run has {config[name]}: {why}. Resume with "
+                             f"{flag} {was[name]}, or start a new run (another --run-dir, or --resume '').")
+    return [f"{name.replace('_', '-')} {was[name]} -> {config[name]}" for name in APPLIED_ON_RESUME
+            if name in was and _same(was[name]) != _same(config[name])]
+
+
+def _same(value):
+    return sorted(value) if isinstance(value, (list, tuple)) else value
+

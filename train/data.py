@@ -22,8 +22,11 @@ def derived_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _generator(*parts: int) -> torch.Generator:
-    return torch.Generator().manual_seed(derived_seed(*parts))
+def _generator(*parts: int, device: torch.device | str | None = None) -> torch.Generator:
+    """A generator seeded by `parts`, on `device` when that is an accelerator (so draws happen there)."""
+    device = torch.device(device or "cpu")
+    where = device if device.type not in ("cpu", "meta") else "cpu"
+    return torch.Generator(where).manual_seed(derived_seed(*parts))
 
 
 @dataclass

@@ -82,7 +82,9 @@ def shard(model: torch.nn.Module, blocks: list[torch.nn.Module], *, reshard_afte
     """FSDP2: each block, then the root, sharded over all ranks. Parameters become DTensors."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    # Inputs keep their dtypes: by default FSDP casts them to param_dtype, which would round the flow timestep
+    # sigma * 1000 to bf16 (999.7 -> 1000); autocast decides the compute dtype per op as in one process.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None, cast_forward_inputs=False)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp, offload_policy=offload)

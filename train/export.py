@@ -11,7 +11,7 @@ import torch
 from shards import Cache
 from train import checkpoint, lora
 from train.objectives import build_objective
-from train.presets import DTYPES, build_transformer, get_preset
+from train.presets import DTYPES, Weights, build_transformer, get_preset, resolve_weights
 from train.validate import Validator
 
 
@@ -33,7 +33,7 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
     cls = preset.transformer_class
     if checkpoint.is_lora(ckpt):  # the run's base weights, then its adapters
         cfg = state["config"]
-        model = build_transformer(preset, cfg.get("pretrained"), cfg["seed"], dtype or DTYPES[cfg["weights_dtype"]])
+        model = build_transformer(preset, base_weights(preset, state), cfg["seed"], dtype or DTYPES[cfg["weights_dtype"]])
         lora.add_lora(model, adapter_config(state))
         lora.load_adapter_state(model, lora.read_adapter(ckpt / checkpoint.ADAPTER_DIR), ckpt / checkpoint.ADAPTER_DIR)
         ema_state = checkpoint.load_tensors(ckpt, "ema") if ema else None
@@ -65,6 +65,16 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
     return model, preset, state
 
 
+def base_weights(preset, state: dict):
+    """The weights a run started from (a LoRA run's frozen base), as its checkpoints record them."""
+    record, cfg = state.get("weights"), state["config"]
+    if record is None:  # written before runs recorded it: released weights only when --pretrained named them
+        return resolve_weights(preset, cfg["pretrained"]) if cfg.get("pretrained") else Weights("fresh", f"fresh weights (seed {cfg['seed']})")
+    if record["kind"] == "fresh":
+        return Weights("fresh", record["source"])
+    return resolve_weights(preset, record["source"], record.get("revision"), seed=cfg["seed"])
+
+
 def write_provenance(directory: Path, ckpt: Path, state: dict, ema: bool, **extra) -> None:
     """`training.json` beside exported weights: which checkpoint, step and weights they are."""
     (directory / "training.json").write_text(json.dumps({
@@ -81,7 +91,7 @@ def adapter_config(state: dict):
 
 def export_adapter(ckpt: Path, out: Path, ema: bool) -> Path:
     """A LoRA run's adapters (trained or EMA) into OUT, in the format the family's pipeline loads; the base
-    weights are the run's `--pretrained` ones, not written again."""
+    weights are the ones the run started from, not written again."""
     state = checkpoint.load_state(ckpt)
     preset, config = get_preset(state["model"]), adapter_config(state)
     weights = lora.read_adapter(ckpt / checkpoint.ADAPTER_DIR)
@@ -101,7 +111,7 @@ def export_adapter(ckpt: Path, out: Path, ema: bool) -> Path:
     tmp = Path(out).with_name(f".tmp-{Path(out).name}")
     shutil.rmtree(tmp, ignore_errors=True)
     written = lora.save_adapter(tmp, preset.family, weights, config)
-    write_provenance(tmp, ckpt, state, ema, base=state["config"].get("pretrained") or f"fresh weights, seed {state['config']['seed']}")
+    write_provenance(tmp, ckpt, state, ema, base=base_weights(preset, state).describe())
     if Path(out).exists():
         shutil.rmtree(out)
     tmp.rename(out)
@@ -146,9 +156,8 @@ def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: l
     model, preset, state = load_model(ckpt, ema)
     model.to(device)
     cfg = state["config"]
-    objective = build_objective(preset.objective, preset.prediction, weighting=cfg.get("weighting", "logit_normal"),
-                                shift=cfg.get("flow_shift") or preset.flow_shift, resolution_shift=cfg.get("resolution_shift", False),
-                                base_resolution=preset.base_resolution)
+    objective = build_objective(preset.objective, preset.prediction, shift=cfg.get("flow_shift") or preset.flow_shift,
+                                resolution_shift=cfg.get("resolution_shift", False), base_resolution=preset.base_resolution)
     cache = Cache(prompt_cache)
     out = Path(out) if out else ckpt / "samples"
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import logging
 import math
 import signal
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import psutil
@@ -27,113 +27,13 @@ from train.objectives import TIMESTEP_BINS, build_objective
 from train.plan import PlanConfig, format_plan, measure_peak, plan
 from train import lora
 from train.checkpoint import ADAPTER_DIR
+from train.config import TrainConfig
+from train.ema import EMA
 from train.presets import DTYPES as PRECISIONS
-from train.presets import build_transformer, get_preset, model_forward, text_width
+from train.presets import build_transformer, get_preset, model_forward, resolve_weights, text_width
 from train.validate import Validator
 
 log = logging.getLogger("train")
-OPTIMIZERS = ("adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit")
-
-
-@dataclass
-class TrainConfig:
-    """Every option of a training run; the CLI is built from it (see `python -m train --help`)."""
-
-    model: str = "tiny-sana"
-    cache: Path = Path("cache/tiny-sana")
-    run: Path = Path("runs/tiny-sana")
-    steps: int = 200
-    batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 1e-4
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | cosine
-    weight_decay: float = 0.0
-    optimizer: str = "adamw"  # one of OPTIMIZERS
-    precision: str = "bf16"  # fp32 | bf16 | fp16 (autocast over the weights)
-    weights_dtype: str = "fp32"  # fp32 master weights, or bf16 weights (with adamw-bf16: stochastic rounding)
-    grad_clip: float = 1.0
-    grad_checkpointing: str = "off"  # off | all | every-K (every K-th transformer block)
-    pretrained: str | None = None  # Hub id or directory of released weights (subfolder transformer)
-    seed: int = 0
-    caption_dropout: float = 0.1
-    caption_dropout_embedding: str = "auto"  # auto (zeros for SD3, else the empty caption) | empty | zeros
-    remainder: str = "repeat"
-    weighting: str = "logit_normal"  # flow matching timestep density
-    loss_weighting: str = "none"  # flow matching loss weight per timestep: none | sigma_sqrt | cosmap
-    flow_shift: float | None = None  # default: the preset's
-    resolution_shift: bool = False
-    ema_decay: float = 0.0  # 0 disables EMA
-    ema_every: int = 1
-    ema_device: str = "device"  # device | cpu
-    workers: int = 0
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    resume: str | None = "auto"
-    log_every: int = 10
-    max_bad_steps: int = 5
-    progress: bool = True
-    validation_prompt: list[str] = field(default_factory=list)  # default: every prompt cached with the data
-    validate_every: int = 0  # 0: at the end only
-    validation_bucket: list[str] = field(default_factory=list)  # default: the 3 most populous buckets
-    validation_steps: int = 20
-    guidance_scale: float = 4.5
-    validation_seed: int = 0
-    decode_device: str = "cpu"  # cpu (a background process) | device (in-process, after releasing memory)
-    validate: bool = True
-    dry_run: bool = False  # one step at the largest bucket, measured next to the plan; nothing saved
-    parallel: str = "auto"  # auto (ddp under torchrun) | ddp | fsdp
-    fsdp_block: str | None = None  # class name of the modules to shard (default: the model's transformer blocks)
-    fsdp_reshard: bool = True  # free gathered weights after forward (ZeRO-3-like); False keeps them (ZeRO-2-like)
-    fsdp_cpu_offload: bool = False
-    lora_rank: int = 0  # 0: train every weight; N: LoRA adapters of rank N on the frozen transformer
-    lora_alpha: float | None = None  # default: the rank (scale 1)
-    lora_targets: list[str] = field(default_factory=list)  # default: the family's attention projections
-    lora_dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.cache, self.run = Path(self.cache), Path(self.run)
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision {self.precision!r}: choose one of {list(PRECISIONS)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer {self.optimizer!r}: choose one of {', '.join(OPTIMIZERS)}")
-        if self.weights_dtype not in ("fp32", "bf16"):
-            raise ValueError(f"weights dtype {self.weights_dtype!r}: choose fp32 or bf16")
-        if self.weights_dtype == "bf16" and self.precision != "bf16":
-            raise ValueError(f"--weights-dtype bf16 trains in bf16; --precision {self.precision} needs --weights-dtype fp32")
-        if self.optimizer == "adamw-bf16" and self.weights_dtype != "bf16" and not self.lora_rank:
-            raise ValueError("--optimizer adamw-bf16 keeps bf16 states for bf16 weights; add --weights-dtype bf16 "
-                             "(or choose adamw for fp32 master weights)")
-        self.checkpoint_every_k()  # validates the spelling
-        if self.parallel not in ("auto", "ddp", "fsdp"):
-            raise ValueError(f"parallel {self.parallel!r}: choose auto, ddp or fsdp")
-        if self.decode_device not in ("cpu", "device"):
-            raise ValueError(f"decode device {self.decode_device!r}: choose cpu or device")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr schedule {self.lr_schedule!r}: choose constant or cosine")
-        if self.caption_dropout_embedding not in ("auto", "empty", "zeros"):
-            raise ValueError(f"caption dropout embedding {self.caption_dropout_embedding!r}: choose auto, empty or zeros")
-        if self.loss_weighting not in ("none", "sigma_sqrt", "cosmap"):
-            raise ValueError(f"loss weighting {self.loss_weighting!r}: choose none, sigma_sqrt or cosmap")
-        if self.lora_rank < 0:
-            raise ValueError(f"LoRA rank {self.lora_rank}: choose 0 (full fine-tuning) or a positive rank")
-        if self.lora_rank and self.optimizer == "adamw-bf16":
-            raise ValueError("LoRA adapters train in fp32 (--weights-dtype sets the frozen base's dtype); choose adamw, came or adafactor")
-        if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError("steps, batch size and gradient accumulation must be at least 1")
-
-    def checkpoint_every_k(self) -> int:
-        """0: no gradient checkpointing; 1: every block; K: every K-th block."""
-        value = str(self.grad_checkpointing).lower()
-        if value in ("off", "false", "0", ""):
-            return 0
-        if value in ("all", "true", "1"):
-            return 1
-        if value.startswith("every-") and value[6:].isdigit() and int(value[6:]) >= 1:
-            return int(value[6:])
-        raise ValueError(f"grad checkpointing {self.grad_checkpointing!r}: choose off, all or every-K (e.g. every-2)")
-
-
 def check_cache(preset, cache: Cache, config: dict) -> None:
     """Stop before loading weights when the cache cannot feed this model, naming the fields."""
     fp, extra = cache.fingerprint, cache.manifest.extra.get("precompute", {})
@@ -193,7 +93,10 @@ def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.opt
         return _AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, bf16_stochastic_round=True)
     if device.type != "cuda":
         raise ValueError("adamw-8bit needs CUDA (bitsandbytes); choose adamw, came or adafactor on this machine")
-    import bitsandbytes as bnb
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ValueError("--optimizer adamw-8bit needs bitsandbytes: pip install 'cachedit[8bit]'") from None
 
     return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
@@ -232,6 +135,38 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
+def apply_schedule(cfg: TrainConfig, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """Make a resumed schedule this run's: its peak lr, warm-up, schedule and weight decay at the saved step.
+
+    A loaded optimizer and scheduler carry the checkpoint's lr and weight decay; LambdaLR's lambda is this
+    run's already, so only the base values and the current lr need setting."""
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    factor = lr_lambda(cfg)(scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+        if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers keep lr in a tensor
+            group["lr"].fill_(cfg.lr * factor)
+        else:
+            group["lr"] = cfg.lr * factor
+    scheduler._last_lr = [cfg.lr * factor for _ in optimizer.param_groups]
+
+
+def build_run_objective(cfg: TrainConfig, preset, config: dict):
+    """The objective with this run's options and the preset's defaults (SD3 preconditions its outputs as
+    diffusers' SD3 trainers do; PixArt-Sigma's full fine-tunes train the variance channels)."""
+    if preset.objective == "flow":
+        precondition = cfg.precondition_outputs if cfg.precondition_outputs is not None else preset.family == "sd3"
+        return build_objective("flow", preset.prediction, weighting_scheme=cfg.weighting_scheme, logit_mean=cfg.logit_mean,
+                               logit_std=cfg.logit_std, mode_scale=cfg.mode_scale, precondition_outputs=precondition,
+                               shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
+                               base_resolution=preset.base_resolution)
+    variance_channels = config.get("out_channels", config["in_channels"]) == 2 * config["in_channels"]
+    learned = cfg.learned_variance if cfg.learned_variance is not None else (variance_channels and not cfg.lora_rank)
+    if learned and not variance_channels:
+        raise ValueError(f"--learned-variance: {preset.name} predicts no variance channels")
+    return build_objective("ddpm", preset.prediction, learned_variance=learned)
+
+
 def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -262,17 +197,15 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     if parallel == "fsdp" and cfg.ema_decay > 0 and cfg.ema_device == "cpu":
         raise ValueError("under FSDP the EMA is sharded like the weights; use --fsdp-cpu-offload instead of --ema-device cpu")
     preset = get_preset(cfg.model)
-    if preset.objective != "flow" and cfg.loss_weighting != "none":
-        raise ValueError(f"--loss-weighting {cfg.loss_weighting} weights flow matching timesteps; {cfg.model} trains with DDPM")
+    if preset.objective != "flow" and cfg.weighting_scheme != "logit_normal":
+        raise ValueError(f"--weighting-scheme {cfg.weighting_scheme} sets flow matching timesteps; {cfg.model} trains with DDPM")
     cfg.run.mkdir(parents=True, exist_ok=True)
 
     # 1. the cache must fit the model: checked before any weights are loaded
     cache = Cache(cfg.cache)
     config = preset.transformer_config()
     check_cache(preset, cache, config)
-    objective = build_objective(preset.objective, preset.prediction, weighting=cfg.weighting, loss_weighting=cfg.loss_weighting,
-                                shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
-                                base_resolution=preset.base_resolution)
+    objective = build_run_objective(cfg, preset, config)
     validator = None
     if cfg.validate:  # prompts without a cached embedding stop the run here, before any weights load
         validator = Validator(cache, preset, objective, prompts=cfg.validation_prompt, buckets=cfg.validation_bucket,
@@ -285,28 +218,32 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             validator = None
     resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)
     state = checkpoint.load_state(resume_from) if resume_from else {}
-    if state and state["world_size"] != world:
-        raise ValueError(f"{resume_from} was saved with world size {state['world_size']}, this run has {world}; "
-                         f"resume with the same number of processes (the data cursor and the batch split depend on it)")
-    if state and state["config"]["optimizer"] != cfg.optimizer:
-        was = state["config"]["optimizer"]
-        raise ValueError(f"{resume_from} was trained with --optimizer {was}; its moments do not carry over to {cfg.optimizer}. "
-                         f"Resume with --optimizer {was} or start a new run.")
+    if state and state["step"] >= cfg.steps and not cfg.dry_run:
+        if validator is not None:
+            validator.close()
+        say(f"{cfg.run} already finished: {resume_from.name} is at step {state['step']} of --steps {cfg.steps}. Nothing to do; "
+            f"pass a larger --steps to train further.")
+        return {"step": state["step"], "epoch": state["epoch"], "elapsed_s": time.perf_counter() - t_start, "grids": [],
+                "last_loss": None, "checkpoint": str(resume_from), "finished": True}
+    run_config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     if state:
-        was = {k: state["config"].get(k) for k in ("lora_rank", "lora_alpha", "lora_targets", "pretrained")}
-        now = {k: getattr(cfg, k) for k in was}
-        if was != now and (was["lora_rank"] or cfg.lora_rank):
-            raise ValueError(f"{resume_from} was trained with {was}; this run has {now}. LoRA adapters resume onto the same "
-                             f"base weights with the same rank, alpha and targets.")
-    if state and state.get("parallel", "none") != parallel:
-        raise ValueError(f"{resume_from} was saved under --parallel {state.get('parallel', 'none')}, this run is {parallel}; "
-                         f"resume the same way")
+        for change in checkpoint.check_resumable(resume_from, state, run_config, world, parallel, cache.manifest.fingerprint_sha256):
+            say(f"applied on resume: {change} from step {state['step']}")
 
-    # 2. the transformer, and only it
+    # 2. the transformer, and only it: released weights unless told otherwise (a full fine-tune resumes its own)
     weights_dtype = PRECISIONS[cfg.weights_dtype]
+    weights = None
+    if not resume_from or cfg.lora_rank:
+        weights = resolve_weights(preset, cfg.pretrained, cfg.revision, cfg.from_scratch, cfg.seed)
+        if state and state.get("weights") and (state["weights"]["source"], state["weights"].get("revision")) != (weights.source, weights.revision):
+            raise ValueError(f"{resume_from}: its adapters were trained on {state['weights']['source']}; this run loads "
+                             f"{weights.describe()}. LoRA adapters resume onto the base they were trained on.")
+        say(f"transformer weights: {weights.describe()}")
     adapter = None  # the LoRA config when only adapters train
     if cfg.lora_rank:
-        model = build_transformer(preset, cfg.pretrained, cfg.seed, weights_dtype)
+        if weights.kind == "fresh" and preset.repo is not None:
+            raise ValueError("LoRA on random weights adapts nothing: start from the preset's released weights or --pretrained")
+        model = build_transformer(preset, weights, cfg.seed, weights_dtype)
         adapter = lora.lora_config(preset.family, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
         layers = lora.add_lora(model, adapter, seed=cfg.seed)
         if resume_from:
@@ -319,8 +256,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     elif resume_from:  # FSDP: the architecture now, the weights after sharding
         model = build_transformer(preset, None, cfg.seed, weights_dtype)
     else:
-        model = build_transformer(preset, cfg.pretrained, cfg.seed, weights_dtype)
-    if cfg.pretrained and preset.released_dtype and cfg.precision != {"float16": "fp16", "bfloat16": "bf16"}.get(preset.released_dtype):
+        model = build_transformer(preset, weights, cfg.seed, weights_dtype)
+    if weights is not None and weights.kind != "fresh" and preset.released_dtype and \
+            cfg.precision != {"float16": "fp16", "bfloat16": "bf16"}.get(preset.released_dtype):
         log.warning("%s weights were released for %s training; this run uses %s", preset.name, preset.released_dtype, cfg.precision)
     if cfg.checkpoint_every_k():
         n = checkpoint_blocks(model, cfg.checkpoint_every_k())
@@ -346,16 +284,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     optimizer = build_optimizer(cfg, params, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    ema = None
-    if cfg.ema_decay > 0:
-        from diffusers.training_utils import EMAModel
-
-        ema = EMAModel(params, decay=cfg.ema_decay, foreach=True)
-        ema.to(dtype=torch.float32)  # a bf16 average would drop the (1 - decay)-sized updates
-        if cfg.ema_device == "cpu":
-            ema.to("cpu")
-            if device.type == "cuda":
-                ema.pin_memory()
+    ema = EMA(params, cfg.ema_decay, device if cfg.ema_device == "device" else "cpu") if cfg.ema_decay > 0 else None
 
     # 3. resume: weights came with the model; now optimizer, schedule, scaler, EMA, data cursor
     step, epoch, cursor = 0, 0, 0
@@ -366,17 +295,20 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
             model_sd, optim_sd = get_state_dict(model, optimizer)
+            has_ema = ema is not None and state["config"].get("ema_decay", 0) > 0
             loaded = checkpoint.load_sharded(resume_from, {"model": model_sd, "optimizer": optim_sd,
-                                                           **({"ema": ema.state_dict()} if ema is not None else {})})
+                                                           **({"ema": ema.state_dict()} if has_ema else {})})
             set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
-            if ema is not None:
-                ema.load_state_dict(loaded["ema"])
+            ema_state = loaded.get("ema")
         else:
             optimizer.load_state_dict(checkpoint.load_tensors(resume_from, "optimizer"))
             ema_state = checkpoint.load_tensors(resume_from, "ema") if ema is not None else None
-            if ema_state:
-                ema.load_state_dict(ema_state)
+        if ema_state:
+            ema.load_state_dict(ema_state)  # back onto the EMA's device, with this run's decay
+        elif ema is not None:
+            say(f"{resume_from.name} holds no EMA: it starts from the current weights")
         scheduler.load_state_dict(checkpoint.load_tensors(resume_from, "scheduler"))
+        apply_schedule(cfg, optimizer, scheduler)  # this run's lr, warm-up, schedule and weight decay, from its step
         scaler_state = checkpoint.load_tensors(resume_from, "scaler")
         if scaler_state and cfg.precision == "fp16":
             scaler.load_state_dict(scaler_state)
@@ -387,13 +319,16 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             log.warning("weights were %s in %s and continue in %s", previous.get("weights_dtype", "fp32"), resume_from.name, cfg.weights_dtype)
         step, epoch, cursor = state["step"], state["epoch"], state["cursor"]
         smooth_sum, smooth_n = state.get("smoothed_loss", [0.0, 0])
-        if state["sampler"] != {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder}:
-            raise ValueError(f"{resume_from}: batch size, seed or remainder policy differ from the checkpoint's {state['sampler']}; "
-                             f"resume with the same data settings")
+        if state["sampler"]["version"] != BATCH_SAMPLER_VERSION:
+            raise ValueError(f"{resume_from}: its data order was drawn by batch sampler version {state['sampler']['version']}, "
+                             f"this trainer draws version {BATCH_SAMPLER_VERSION}; resume it with the version that wrote it")
         history = state["precision_history"]
         if (history[-1]["precision"], history[-1].get("weights_dtype", "fp32")) != (cfg.precision, cfg.weights_dtype):
             history.append({"step": step, "precision": cfg.precision, "weights_dtype": cfg.weights_dtype})
+        weights_record = state.get("weights")
         say(f"resumed from {resume_from} at step {step} (epoch {epoch}, batch {cursor})")
+    else:
+        weights_record = weights.to_json()
 
     # 4. data: one bucket per batch, the same number of batches on every rank
     def sampler_for(c: Cache, only: set[str] | None = None) -> BucketBatchSampler:
@@ -459,9 +394,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             "step": step, "epoch": epoch, "cursor": cursor, "epoch_shards": epoch_shards, "world_size": world, "model": cfg.model,
             "parallel": parallel,
             "smoothed_loss": [smooth_sum, smooth_n],
-            "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "precision_history": history,
+            "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "precision_history": history, "weights": weights_record,
             "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder},
-            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+            "config": run_config,
         })
 
     validated_at = None
@@ -505,7 +440,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         for batch in prefetch:
             cursor += 1
             # Noise and timesteps of this micro-batch: drawn for the global batch, this rank's slice taken.
-            g = _generator(cfg.seed, 1_000_003, step, micro)
+            g = _generator(cfg.seed, 1_000_003, step, micro, device=device)
             last = micro + 1 >= cfg.grad_accum  # gradients are reduced across ranks only on the last micro-batch
             if parallel == "fsdp":
                 model.set_requires_gradient_sync(last)
@@ -560,7 +495,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             bad_in_row = 0
             step += 1
             if ema is not None and step % cfg.ema_every == 0:
-                ema.step(params)
+                ema.step(params)  # on the EMA's device
             bar.update(1)
             if world > 1 and distributed.any_across(stop["signal"] is not None, device):
                 stop["signal"] = stop["signal"] or signal.SIGTERM  # a signal to any rank stops all at this step
@@ -671,7 +606,7 @@ def dry_run(cfg, cache, dataset, objective, forward, model, optimizer, scaler, a
 
     def step() -> None:
         with autocast:
-            per_sample, _ = objective(forward, batch, _generator(cfg.seed, 0), part=(rank, world))
+            per_sample, _ = objective(forward, batch, _generator(cfg.seed, 0, device=device), part=(rank, world))
         scaler.scale(per_sample.mean()).backward()
         scaler.step(optimizer)
         scaler.update()

@@ -182,9 +182,9 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
 
 
 def parse_every(grad_ckpt: str) -> int:
-    from train.loop import TrainConfig
+    from train.config import parse_checkpointing
 
-    return TrainConfig(grad_checkpointing=grad_ckpt).checkpoint_every_k()
+    return parse_checkpointing(grad_ckpt)
 
 
 def plan(pc: PlanConfig) -> dict:
