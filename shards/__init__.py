@@ -1,23 +1,37 @@
 """The on-disk cache format shared by `precompute` (which writes it) and `train` (which reads it).
 
-A cache is a directory of memory-mapped safetensors shards, one aspect-ratio bucket per shard, and
-a manifest `index.json` that fingerprints everything that determines the cached values.
+A cache is a directory of memory-mapped safetensors shards, one aspect-ratio bucket per shard, and a
+manifest kept as a commit log with snapshots, which fingerprints everything that determines the cached
+values and lists the shards of every generation.
 See FORMAT.md beside this file.
 """
 
 from shards.buckets import ASPECT_RATIO_TABLES, Bucket, aspect_error, bucket_table, nearest_bucket
 from shards.fingerprint import canonical_json, diff_fingerprints, fingerprint_hash
-from shards.manifest import MANIFEST, Manifest, ShardEntry, merge
+from shards.gc import gc, register_reader
+from shards.manifest import MANIFEST, Manifest, ShardEntry, exists, load
 from shards.prompts import Prompt, prompt_key
 from shards.reader import Cache, Sample, ShardReader
-from shards.schema import FORMAT_NAME, FORMAT_VERSION, Field, FingerprintMismatch, FormatError, Schema
+from shards.schema import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    CacheBusy,
+    CorruptSample,
+    Field,
+    FingerprintMismatch,
+    FormatError,
+    Schema,
+)
 from shards.verify import Report, verify
-from shards.writer import ShardWriter
+from shards.writer import CacheLock, ShardWriter
 
 __all__ = [
     "ASPECT_RATIO_TABLES",
     "Bucket",
     "Cache",
+    "CacheBusy",
+    "CacheLock",
+    "CorruptSample",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "Field",
@@ -37,7 +51,10 @@ __all__ = [
     "canonical_json",
     "diff_fingerprints",
     "fingerprint_hash",
-    "merge",
+    "exists",
+    "gc",
+    "load",
+    "register_reader",
     "nearest_bucket",
     "prompt_key",
     "verify",

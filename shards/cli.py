@@ -1,4 +1,9 @@
-"""`python -m shards`: look into a cache (inspect, ls), check it (verify), finish a multi-process run (merge)."""
+"""`python -m shards`: look into a cache (inspect, ls), check it (verify), delete what no reader needs (gc),
+convert a version 1 cache (upgrade).
+
+Exit codes: 0 done; 1 verify found damage; 2 not a cache (yet), or one this library cannot read; 3 busy (a
+run or a writer holds the cache).
+"""
 
 from __future__ import annotations
 
@@ -7,22 +12,25 @@ from pathlib import Path
 
 import typer
 
-from shards.manifest import merge as merge_manifests
 from shards.reader import Cache
-from shards.schema import FormatError
+from shards.schema import CacheBusy, FormatError
 from shards.verify import verify as verify_cache
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
-CacheDir = typer.Argument(..., exists=True, file_okay=False, help="The cache directory (holding index.json).")
+CacheDir = typer.Argument(..., exists=True, file_okay=False, help="The cache directory (holding _log/ and index.json).")
+
+
+def _fail(e: Exception) -> typer.Exit:
+    typer.echo(f"error: {e}", err=True)
+    return typer.Exit(3 if isinstance(e, CacheBusy) else 2)
 
 
 def _open(root: Path) -> Cache:
     try:
         return Cache(root)
     except (FileNotFoundError, FormatError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+        raise _fail(e) from None
 
 
 def _human(n: float) -> str:
@@ -36,10 +44,7 @@ def _human(n: float) -> str:
 def summary(cache: Cache) -> dict:
     """Everything `inspect` shows, as plain JSON."""
     m = cache.manifest
-    field_bytes = {name: 0 for name in m.schema}
-    for s in m.shards:
-        for name, n in s.field_bytes.items():
-            field_bytes[name] += n
+    field_bytes = dict(zip(m.shards.fields, (int(v) for v in m.shards.column("field_bytes").sum(0))))
     n = max(m.num_samples, 1)
     return {
         "root": str(cache.root),
@@ -51,6 +56,7 @@ def summary(cache: Cache) -> dict:
             name: {**spec.to_json(), "bytes_per_sample": field_bytes[name] / n} for name, spec in m.schema.items()
         },
         "buckets": {b.name: {"samples": st.samples, "shards": st.shards, "bytes": st.bytes} for b, st in m.buckets().items()},
+        "generation": m.generation,
         "fingerprint_sha256": m.fingerprint_sha256,
         "fingerprint": m.fingerprint,
     }
@@ -67,7 +73,7 @@ def inspect(
         typer.echo(json.dumps(info, indent=1))
         return
     typer.echo(f"{info['root']}: {info['samples']} samples in {info['shards']} shards, {_human(info['bytes'])} "
-               f"({_human(info['bytes_per_sample'])} per sample)")
+               f"({_human(info['bytes_per_sample'])} per sample), generation {info['generation']}")
     typer.echo("\nbuckets (height x width):")
     most = max((b["samples"] for b in info["buckets"].values()), default=1)
     for name, b in info["buckets"].items():
@@ -84,12 +90,13 @@ def inspect(
 
 @app.command()
 def ls(root: Path = CacheDir) -> None:
-    """One line per sample: key, bucket, shard, content digest."""
+    """One line per sample: key, bucket, shard, content digest, source."""
     cache = _open(root)
     for j, entry in enumerate(cache.shards):
         reader = cache.shard(j)
-        for i, key in enumerate(reader.keys):
-            typer.echo(f"{key}\t{entry.bucket.name}\t{entry.path}\t{reader.digest(i).hex()}")
+        keys, sources, _ = cache.shards.samples_of(int(cache.shards.rows[j]))
+        for i, (key, source) in enumerate(zip(keys, sources)):
+            typer.echo(f"{key}\t{entry.bucket.name}\t{entry.path}\t{reader.digest(i).hex()}\t{source}")
 
 
 @app.command()
@@ -107,14 +114,42 @@ def verify(
         typer.echo(f"warning: {path}: {msg}", err=True)
     for path, msg in report.problems:
         typer.echo(f"BAD {path}: {msg}")
-    typer.echo(f"checked {report.shards} shards, {report.samples} samples, {_human(report.bytes)}: "
-               + ("ok" if report.ok else f"{len(report.bad_files)} bad files"))
+    typer.echo(f"checked {report.shards} shards, {report.samples} samples, {_human(report.bytes)} of generation "
+               f"{report.generation}: " + ("ok" if report.ok else f"{len(report.bad_files)} bad files")
+               + (f"; {report.retired} retired files kept for readers of earlier generations (python -m shards gc)" if report.retired else ""))
     if not report.ok:
         raise typer.Exit(1)
 
 
 @app.command()
-def merge(root: Path = CacheDir) -> None:
-    """Fold the per-rank manifests of a multi-process run into index.json."""
-    m = merge_manifests(root)
-    typer.echo(f"{root}: {m.num_samples} samples in {len(m.shards)} shards")
+def gc(
+    root: Path = CacheDir,
+    dry_run: bool = typer.Option(False, "--dry-run", help="List what would be deleted; delete nothing."),
+) -> None:
+    """Delete shards and log entries that neither the newest generation nor a resumable training run needs
+    (retired by removals, left by interrupted writers). Runs register the generation they read; a run whose
+    directory is gone no longer counts. Exits 3, deleting nothing, while a run or a writer holds the cache."""
+    from shards.gc import gc as collect
+
+    try:
+        report = collect(root, dry_run=dry_run)
+    except (CacheBusy, FileNotFoundError, FormatError) as e:
+        raise _fail(e) from None
+    for path in report.deleted:
+        typer.echo(("would delete " if dry_run else "deleted ") + path)
+    for path in report.stale_readers:
+        typer.echo(f"dropped the registration of a run that is gone: {path}")
+    typer.echo(f"{'would free' if dry_run else 'freed'} {_human(report.bytes)} in {len(report.deleted)} files; generations kept "
+               f"for resumable runs: {report.generations or 'none'}")
+
+
+@app.command()
+def upgrade(root: Path = CacheDir) -> None:
+    """Convert a version 1 cache (a single index.json) to this version, in place, rewriting no shard."""
+    from shards.upgrade import upgrade as convert
+
+    try:
+        m = convert(root)
+    except (CacheBusy, FileNotFoundError, FormatError) as e:
+        raise _fail(e) from None
+    typer.echo(f"{root}: upgraded, {m.num_samples} samples in {len(m.shards)} shards (the old index is index.v1.json)")

@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from shards.buckets import Bucket
-from shards.manifest import MANIFEST, RANK_MANIFEST_GLOB, Manifest, ShardEntry, missing_manifest
+from shards.manifest import load, newest_copy, replacements
 from shards.prompts import Prompt, read_prompts
 from shards.schema import (
     DIGEST,
+    CorruptSample,
     KEY,
     OFFSETS_SUFFIX,
     FormatError,
     Schema,
     open_file,
+    sample_digest,
     schema_from_json,
 )
 
@@ -106,35 +109,40 @@ class ShardReader:
 
 
 class Cache:
-    """A cache directory: the manifest plus lazily opened shards, indexed globally.
+    """A cache directory at one generation: its manifest plus shards opened on demand, indexed globally.
 
-    Global sample index `i` runs over shards in manifest order; every shard holds one bucket, so
-    a bucket's samples are a union of contiguous ranges (see `ranges_by_bucket`).
+    Global sample index `i` runs over the generation's shards in commit order; every shard holds one
+    bucket, so a bucket's samples are a union of contiguous ranges (see `ranges_by_bucket`). At most
+    `max_open` shards are open (memory-mapped) at once, least recently used closed first, whatever the
+    cache's size. A shard that was repaired since the generation was written is read from its repaired copy.
 
     Args:
-        root: the cache directory (holding `index.json`).
+        root: the cache directory.
+        generation: the generation to read (default: the newest); a training run keeps reading the one its
+            epoch started with while new ones are committed.
+        check_digests: compare every sample read with the digest stored beside it; a mismatch raises
+            `CorruptSample` naming the shard.
+        max_open: shards kept open at once.
 
     Raises:
-        FileNotFoundError: no manifest; the message says how to build the cache.
-        FormatError: an unknown format version, or a multi-process run that was never merged.
+        FileNotFoundError: nothing was committed here; the message says how to build the cache.
+        FormatError: another format version, or a damaged log.
     """
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, generation: int | None = None, *, check_digests: bool = False,
+                 max_open: int = 128):
         self.root = Path(root)
-        pending = sorted(self.root.glob(RANK_MANIFEST_GLOB))
-        if pending:
-            raise FormatError(
-                f"{self.root} has unmerged per-rank manifests ({', '.join(p.name for p in pending)}); "
-                f"finish the run or merge them with `python -m shards merge {self.root}`"
-            )
-        if not (self.root / MANIFEST).exists():
-            raise FileNotFoundError(missing_manifest(self.root)[1])
-        self.manifest = Manifest.load(self.root / MANIFEST)
-        self.shards: list[ShardEntry] = self.manifest.shards
-        self._starts = [0]
-        for s in self.shards:
-            self._starts.append(self._starts[-1] + s.samples)
-        self._readers: dict[int, ShardReader] = {}
+        self.manifest = load(self.root, generation)
+        self.generation = self.manifest.generation
+        self.check_digests = check_digests
+        self.max_open = max_open
+        self.shards = self.manifest.shards
+        self._paths = self.shards.paths()
+        self._starts = np.zeros(len(self._paths) + 1, dtype=np.int64)
+        np.cumsum(self.shards.column("samples"), out=self._starts[1:])
+        # repairs committed after an older generation apply to its readers too
+        self._replaced = self.manifest.replaced if generation is None else replacements(self.root, self.manifest)
+        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
 
     @property
     def schema(self) -> Schema:
@@ -145,44 +153,57 @@ class Cache:
         return self.manifest.fingerprint
 
     def __len__(self) -> int:
-        return self._starts[-1]
+        return int(self._starts[-1])
+
+    def path(self, j: int) -> Path:
+        """The file of shard `j` (its repaired copy, if any)."""
+        return self.root / newest_copy(self._paths[j], self._replaced)[-1]
 
     def shard(self, j: int) -> ShardReader:
-        """The reader of shard `j` (opened on first use, then kept)."""
+        """The reader of shard `j`, opened on first use and kept among the `max_open` most recent."""
         reader = self._readers.get(j)
-        if reader is None:
-            entry = self.shards[j]
-            reader = ShardReader(self.root / entry.path)
-            if reader.num_samples != entry.samples or reader.bucket != entry.bucket:
-                raise FormatError(f"{reader.path} does not match the manifest; run `python -m shards verify {self.root}`")
-            self._readers[j] = reader
+        if reader is not None:
+            self._readers.move_to_end(j)
+            return reader
+        entry = self.shards[j]
+        try:
+            reader = ShardReader(self.path(j))
+        except FileNotFoundError:
+            raise FormatError(f"{self.path(j)} is listed in generation {self.generation} of {self.root} but missing: "
+                              f"{REPAIR.format(root=self.root)}") from None
+        if reader.num_samples != entry.samples or reader.bucket != entry.bucket:
+            raise FormatError(f"{reader.path} holds {reader.num_samples} samples of {reader.bucket}, the manifest says "
+                              f"{entry.samples} of {entry.bucket}: {REPAIR.format(root=self.root)}")
+        self._readers[j] = reader
+        if len(self._readers) > self.max_open:
+            self._readers.popitem(last=False)
         return reader
 
     def locate(self, i: int) -> tuple[int, int]:
         """(shard index, row in shard) of global sample `i`."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range ({len(self)} samples)")
-        j = bisect.bisect_right(self._starts, i) - 1
-        return j, i - self._starts[j]
+        j = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return j, i - int(self._starts[j])
 
     def __getitem__(self, i: int) -> Sample:
         j, row = self.locate(i)
-        return self.shard(j)[row]
+        reader = self.shard(j)
+        sample = reader[row]
+        if self.check_digests and sample_digest(sample.key, sample.fields) != reader.digest(row):
+            raise CorruptSample(f"sample {sample.key} (row {row} of {reader.path}) does not match its stored digest: the file "
+                                f"was damaged after it was written. {REPAIR.format(root=self.root)}")
+        return sample
 
     def bucket_of(self, i: int) -> Bucket:
         return self.shards[self.locate(i)[0]].bucket
 
-    def ranges_by_bucket(self, only: set[str] | None = None) -> dict[Bucket, list[range]]:
-        """Global index ranges of each bucket's samples, without opening any shard.
-
-        Args:
-            only: restrict to these shard paths (e.g. the shards an interrupted epoch started with).
-        """
+    def ranges_by_bucket(self) -> dict[Bucket, list[range]]:
+        """Global index ranges of each bucket's samples, without opening any shard."""
         out: dict[Bucket, list[range]] = {}
-        for j, s in enumerate(self.shards):
-            if only is not None and s.path not in only:
-                continue
-            out.setdefault(s.bucket, []).append(range(self._starts[j], self._starts[j + 1]))
+        heights, widths = self.shards.column("height"), self.shards.column("width")
+        for j in range(len(self._paths)):
+            out.setdefault(Bucket(int(heights[j]), int(widths[j])), []).append(range(int(self._starts[j]), int(self._starts[j + 1])))
         return dict(sorted(out.items()))
 
     def prompts(self) -> dict[str, Prompt]:
@@ -191,7 +212,27 @@ class Cache:
         return read_prompts(self.root / entry["path"]) if entry else {}
 
     def keys(self) -> Iterator[tuple[str, int]]:
-        """(key, global index) of every sample; opens every shard's header."""
-        for j in range(len(self.shards)):
-            for row, key in enumerate(self.shard(j).keys):
-                yield key, self._starts[j] + row
+        """(key, global index) of every sample, from the manifest's sample index (no shard is opened)."""
+        for i, (key, *_) in enumerate(self.manifest.samples()):
+            yield key, i
+
+    def check_files(self) -> list[tuple[str, str]]:
+        """Every shard of this generation exists with the size the manifest lists: (path, problem) of those
+        that do not. One `stat` per shard."""
+        problems = []
+        sizes = self.shards.column("bytes")
+        for j in range(len(self._paths)):
+            path = self.path(j)
+            expected = int(sizes[j]) if path.relative_to(self.root).as_posix() == self._paths[j] else None  # a copy's size is its own
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                problems.append((str(path), "missing"))
+                continue
+            if expected is not None and size != expected:
+                problems.append((str(path), f"{size} bytes, the manifest lists {expected} (truncated or replaced)"))
+        return problems
+
+
+REPAIR = ("Re-encode the damaged samples with `python -m precompute DATA --model MODEL --cache {root} --repair` (the same "
+          "DATA and options that built it); `python -m shards verify {root}` lists every damaged file.")

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 FORMAT_NAME = "cachedit-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest is a commit log with snapshots (1: a single index.json)
+SHARD_VERSIONS = (1, 2)  # shard and prompt files are laid out alike in both
 
 # Tensor names inside a shard that are not fields. User field names may not start with "__".
 KEY = "__key__"  # sample keys: ASCII bytes, ragged
@@ -36,6 +37,14 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 class FormatError(ValueError):
     """A cache file or manifest this library cannot read, with what to do about it."""
+
+
+class CacheBusy(RuntimeError):
+    """Another process is writing the cache."""
+
+
+class CorruptSample(FormatError):
+    """A sample whose bytes do not match the digest stored with it."""
 
 
 class FingerprintMismatch(ValueError):
@@ -68,13 +77,13 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot be stored; use one of {sorted(_DTYPES)}") from None
 
 
-def check_version(found: Any, where: str) -> None:
+def check_version(found: Any, where: str, accepted: tuple[int, ...] = (FORMAT_VERSION,)) -> None:
     """Reject a file of another format or version, saying what to do."""
-    if found != FORMAT_VERSION:
+    if found not in accepted:
         raise FormatError(
             f"{where} has {FORMAT_NAME} format version {found!r}, this library reads version "
             f"{FORMAT_VERSION}. Upgrade the library (pip install -U) if the cache is newer, or "
-            f"rebuild the cache with `make precompute` if it is older."
+            f"convert it with `python -m shards upgrade CACHE` if it is older."
         )
 
 
@@ -153,10 +162,12 @@ def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> byt
     return data[:8] + header + b" " * (n - len(header)) + data[8 + n :]
 
 
-def open_file(path, kind: str = "shard") -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """Open one of our safetensors files: its metadata and every tensor as a private memory map.
+def open_file(path, kind: str = "shard", tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """Open one of our safetensors files: its metadata and every tensor as a private memory map (no tensor when
+    `tensors` is False: the header alone).
 
     Raises:
+        FileNotFoundError: no such file.
         FormatError: unreadable, not of this format or kind, or of an unknown version; the message
             says what to do.
     """
@@ -165,11 +176,13 @@ def open_file(path, kind: str = "shard") -> tuple[dict[str, str], dict[str, torc
     try:
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            data = {name: f.get_tensor(name) for name in f.keys()} if tensors else {}
+    except FileNotFoundError:
+        raise
     except Exception as e:  # safetensors raises its own error types for damaged files
         raise FormatError(f"{path}: cannot open as safetensors ({e}); run `python -m shards verify` on the cache") from e
     if metadata.get("format") != FORMAT_NAME or metadata.get("kind", "shard") != kind:
         raise FormatError(f"{path} is a safetensors file but not a {FORMAT_NAME} {kind} file")
     version = metadata.get("format_version", "")
-    check_version(int(version) if version.isdigit() else version, str(path))
-    return metadata, tensors
+    check_version(int(version) if version.isdigit() else version, str(path), SHARD_VERSIONS if kind != "snapshot" else (FORMAT_VERSION,))
+    return metadata, data

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from shards.atomic import TMP_SUFFIX
-from shards.manifest import MANIFEST, RANK_MANIFEST_GLOB, Manifest, missing_manifest
+from shards.manifest import LOG_DIR, READERS_DIR, SNAPSHOT_DIR, Manifest, exists, load, missing_manifest, parse_shard_name
 from shards.reader import ShardReader
 from shards.schema import DIGEST, KEY, OFFSETS_SUFFIX, FormatError, sample_digest
 
@@ -26,6 +26,8 @@ class Report:
     shards: int = 0
     samples: int = 0
     bytes: int = 0
+    generation: int = -1
+    retired: int = 0  # files of earlier generations, kept for their readers
 
     @property
     def ok(self) -> bool:
@@ -58,24 +60,24 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
     """
     root = Path(root)
     report = Report()
-    if not (root / MANIFEST).exists():
-        never, message = missing_manifest(root)
-        if never:
-            report.not_a_cache = message
-        else:
-            report.problems.append((str(root / MANIFEST), message))
-        return report
     try:
-        manifest = Manifest.load(root / MANIFEST)
+        if not exists(root):
+            never, message = missing_manifest(root)
+            if never:
+                report.not_a_cache = message
+            else:
+                report.problems.append((str(root / LOG_DIR), message))
+            return report
+        manifest = load(root)
     except (FileNotFoundError, FormatError) as e:
-        report.problems.append((str(root / MANIFEST), str(e)))
+        report.problems.append((str(root / LOG_DIR), str(e)))
         return report
-    for p in sorted(root.glob(RANK_MANIFEST_GLOB)):
-        report.warnings.append((str(p), f"unmerged per-rank manifest; run `python -m shards merge {root}`"))
+    report.generation = manifest.generation
 
     listed = set()
     seen_keys: dict[str, str] = {}
-    for entry in manifest.shards:
+    rows = manifest.shards.rows
+    for j, entry in zip(rows, manifest.shards):
         path = root / entry.path
         listed.add(path.resolve())
         name = str(path)
@@ -98,6 +100,8 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
         report.samples += reader.num_samples
         report.bytes += size
         problems = _check_shard(reader, manifest, entry, deep)
+        if not problems and reader.keys != manifest.shards.samples_of(int(j))[0]:
+            problems.append("its keys differ from the manifest's sample index")
         report.problems += [(name, p) for p in problems]
         if not problems:
             for key in reader.keys:
@@ -113,10 +117,15 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
         elif path.stat().st_size != entry["bytes"] or (checksums and file_sha256(path) != entry["sha256"]):
             report.problems.append((str(path), f"{role} file differs from the manifest (size or sha256)"))
 
-    for path in sorted(root.rglob("*")):
-        if path.is_file() and path.resolve() not in listed:
-            if path.suffix == ".safetensors" or path.name.endswith(TMP_SUFFIX):
-                report.problems.append((str(path), "orphan: not listed in the manifest (left by an interrupted run?)"))
+    for path in sorted(root.glob("*/*")):
+        if not path.is_file() or path.resolve() in listed or path.parent.name in (LOG_DIR, SNAPSHOT_DIR, READERS_DIR):
+            continue
+        parsed = parse_shard_name(path.name)
+        if parsed and parsed[1] < manifest.next_seq.get(f"r{parsed[0]:05d}/{path.parent.name}", 0):
+            report.retired += 1  # listed by an earlier generation: kept for its readers until `shards gc`
+        elif path.suffix == ".safetensors" or path.name.endswith(TMP_SUFFIX):
+            report.problems.append((str(path), "orphan: never committed (left by an interrupted run; the next run of its "
+                                               "rank deletes it)"))
     return report
 
 
@@ -128,8 +137,9 @@ def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool) -> 
         problems.append(f"holds {reader.num_samples} samples of {reader.bucket}, the manifest says {entry.samples} of {entry.bucket}")
     if reader.schema != manifest.schema:
         problems.append("field schema differs from the manifest's")
-    if reader.shapes != entry.shapes:
-        problems.append(f"field shapes {reader.shapes} differ from the manifest's {entry.shapes}")
+    shapes = manifest.shapes.get(entry.bucket)
+    if reader.shapes != shapes:
+        problems.append(f"field shapes {reader.shapes} differ from the manifest's {shapes}")
     if problems or not deep:
         return problems
     n = reader.num_samples
@@ -137,7 +147,7 @@ def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool) -> 
         t = reader.tensor(name)
         if t.dtype != spec.dtype:
             problems.append(f"field {name} is {t.dtype}, the schema says {spec.dtype}")
-        trailing = entry.shapes[name][1:] if spec.ragged else entry.shapes[name]
+        trailing = shapes[name][1:] if spec.ragged else shapes[name]
         if list(t.shape[1:]) != list(trailing):
             problems.append(f"field {name} has shape {list(t.shape)}, expected (*, {trailing})")
     for name in [*reader.ragged_fields, KEY]:

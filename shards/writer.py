@@ -1,12 +1,12 @@
-"""ShardWriter: buffers samples per bucket and publishes each shard atomically, manifest last."""
+"""ShardWriter: buffers samples per bucket, publishes each shard atomically, then commits it to the log."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Mapping
 
@@ -14,7 +14,23 @@ import torch
 
 from shards.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir
 from shards.buckets import Bucket
-from shards.manifest import MANIFEST, Manifest, ShardEntry, rank_manifest_name
+from shards.manifest import (
+    LOG_DIR,
+    SNAPSHOT_DIR,
+    Manifest,
+    ShardEntry,
+    compact,
+    compaction_due,
+    confined,
+    exists,
+    load,
+    missing_manifest,
+    parse_shard_name,
+    replay,
+    shard_name,
+    write_commit,
+    write_pointer,
+)
 from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, read_prompts
 from shards.reader import ShardReader
 from shards.schema import (
@@ -23,6 +39,7 @@ from shards.schema import (
     FORMAT_VERSION,
     KEY,
     OFFSETS_SUFFIX,
+    CacheBusy,
     Schema,
     sample_digest,
     schema_to_json,
@@ -30,38 +47,66 @@ from shards.schema import (
     validate_schema,
 )
 
-_SHARD_RE = re.compile(r"r(\d{5})-(\d{6})\.safetensors")
+
+WRITERS_LOCK = ".lock-writers"  # every writer holds it shared; gc and upgrade exclusively
 
 
-def shard_name(rank: int, seq: int) -> str:
-    return f"r{rank:05d}-{seq:06d}.safetensors"
+class CacheLock:
+    """Exclusive use of a cache by one run (all ranks of a multi-process run share the holder's).
+
+    Raises `CacheBusy` at once when another process holds it; released on `release()` or exit. A shared
+    lock (`shared=True`) coexists with other shared holders and excludes an exclusive one.
+    """
+
+    def __init__(self, root: str | os.PathLike, name: str = ".lock", what: str = "the cache", *, shared: bool = False):
+        self.path = Path(root) / name
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a+")
+        try:
+            fcntl.flock(self._file, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            holder = self._file.read().strip() or "another process"
+            self._file.close()
+            raise CacheBusy(f"{what} at {Path(root)} is being written by {holder}; wait for it to finish (two writers would "
+                            f"encode the same samples twice)") from None
+        if not shared:  # shared holders leave the name of the last exclusive one
+            self._file.truncate(0)
+            self._file.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+            self._file.flush()
+
+    def release(self) -> None:
+        if not self._file.closed:
+            self._file.close()
 
 
 class ShardWriter:
-    """Writes samples into a cache directory, one bucket per shard.
+    """Writes samples into a cache directory, one bucket per shard, each shard one commit.
 
-    Samples are buffered per bucket; a shard is published when its buffer reaches
-    `max_shard_bytes` or `max_shard_samples` (and at `finish`), by writing it under a temp
-    name, fsyncing, renaming, and then rewriting the manifest atomically. A crash at any
-    instant leaves the previous manifest and every shard it lists intact; buffered samples
-    that were not yet published are simply absent.
+    Samples are buffered per bucket; a shard is published when its buffer reaches `max_shard_bytes` or
+    `max_shard_samples` (and at `finish`): written under a temp name, fsynced, renamed, then committed as a
+    new generation of the log. A crash at any instant leaves every committed shard intact and listed;
+    buffered samples are absent. Shard files are never modified or deleted: removing samples commits
+    new shards without them and retires the old ones, which `python -m shards gc` deletes once no reader
+    needs them.
 
-    Shard names carry the writer's rank, so the processes of a multi-process run never
-    collide; each rank keeps its own manifest, folded into `index.json` by `shards.merge`.
+    Shard names carry the writer's rank, so the processes of a multi-process run never collide; they
+    commit into the same log.
 
     Args:
         root: the cache directory (created if missing). An existing cache is appended to.
-        fingerprint: everything that determines the cached values; appending to a cache
-            with another fingerprint raises `FingerprintMismatch` naming the differing fields.
+        fingerprint: everything that determines the cached values; appending to a cache with another
+            fingerprint raises `FingerprintMismatch` naming the differing fields.
         schema: the fields of every sample.
         rank: this process's global rank.
-        world_size: number of writing processes; with more than one, this rank's manifest is
-            `index.rank-RRRRR.json` until merged.
         max_shard_bytes: publish a bucket's shard once its samples reach this many bytes.
         max_shard_samples: ... or this many samples.
-        max_buffer_bytes: bound on buffered bytes over all buckets; past it the largest
-            buffer is published early (as a smaller shard).
+        max_buffer_bytes: bound on buffered bytes over all buckets; past it the largest buffer is
+            published early (as a smaller shard).
         check_finite: refuse samples whose floating fields hold NaN or Inf.
+
+    Raises:
+        CacheBusy: another writer of this rank holds the cache, or `python -m shards gc` is collecting it.
     """
 
     def __init__(
@@ -71,15 +116,12 @@ class ShardWriter:
         schema: Schema,
         *,
         rank: int = 0,
-        world_size: int = 1,
         max_shard_bytes: int = 128 << 20,
         max_shard_samples: int = 100_000,
         max_buffer_bytes: int = 1 << 30,
         check_finite: bool = True,
     ):
         validate_schema(schema)
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.root = Path(root)
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
@@ -87,78 +129,84 @@ class ShardWriter:
         self.max_buffer_bytes = max_buffer_bytes
         self.check_finite = check_finite
         self.root.mkdir(parents=True, exist_ok=True)
-
-        # One writer per rank and cache: a second one would delete this one's files as orphans.
-        self._lock = open(self.root / f".lock-r{rank:05d}", "w")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise RuntimeError(f"another process is writing rank {rank} of the cache at {self.root}") from None
-
-        own = Manifest(fingerprint, schema)
-        listed: list[ShardEntry] = []
-        index = self.root / MANIFEST
-        if index.exists():
-            base = Manifest.load(index)
-            base.check_compatible(own, self.root)
-            listed += base.shards
-            if world_size == 1:
-                own = base
-        self.manifest_path = index if world_size == 1 else self.root / rank_manifest_name(rank)
-        if world_size > 1 and self.manifest_path.exists():
-            previous = Manifest.load(self.manifest_path)  # an interrupted run of this rank
-            previous.check_compatible(own, self.root)
-            own = previous
-            listed += previous.shards
-        self.manifest = own
-        self._shapes = {}  # bucket -> field -> shape, from what is already listed
-        for s in listed:
-            self._shapes.setdefault(s.bucket, s.shapes)
-        self._next_seq: dict[Bucket, int] = {}
-        for s in listed:
-            m = _SHARD_RE.fullmatch(Path(s.path).name)
-            if m and int(m.group(1)) == rank:
-                self._next_seq[s.bucket] = max(self._next_seq.get(s.bucket, 0), int(m.group(2)) + 1)
-        self._remove_orphans({s.path for s in listed})
-        self._buffers: dict[Bucket, list[tuple[str, dict[str, torch.Tensor]]]] = {}
+        self._buffers: dict[Bucket, list[tuple[str, dict[str, torch.Tensor], str, int]]] = {}
         self._buffer_bytes: dict[Bucket, int] = {}
+        self._pending: dict = {}  # files and run records for the next commit
         self._closed = False
-
-    def _remove_orphans(self, listed: set[str]) -> None:
-        """Delete this rank's temp files and shards no manifest lists (left by a crash)."""
-        prefix = f"r{self.rank:05d}-"
-        for path in self.root.glob("*/*"):
-            name = path.name
-            rel = path.relative_to(self.root).as_posix()
-            is_tmp = name.startswith(f".{prefix}") and name.endswith(TMP_SUFFIX)
-            if is_tmp or (_SHARD_RE.fullmatch(name) and name.startswith(prefix) and rel not in listed):
-                path.unlink()
+        # One writer per rank and cache: a second one would delete this one's files as leftovers; and no gc
+        # meanwhile, which would take a shard renamed but not yet committed for a leftover.
+        self._lock = CacheLock(self.root, f".lock-r{rank:05d}", f"rank {rank} of the cache")
+        try:
+            self._writers_lock = _writers_lock(self.root)
+        except BaseException:
+            self._lock.release()
+            raise
+        try:
+            if exists(self.root):
+                self.manifest = load(self.root)
+                self.manifest.check_compatible(fingerprint, schema, self.root)
+            else:
+                never, why = missing_manifest(self.root)
+                if not never:  # starting afresh would delete committed shards as leftovers
+                    raise FileNotFoundError(why)
+                self.manifest = Manifest(fingerprint, schema)
+            self._listed = {key for key, *_ in self.manifest.samples()}
+            self._remove_leftovers()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def schema(self) -> Schema:
         return self.manifest.schema
 
-    def write(self, key: str, bucket: Bucket | tuple[int, int], sample: Mapping[str, torch.Tensor]) -> None:
-        """Add one sample; it becomes durable when its shard is published.
+    def _remove_leftovers(self) -> None:
+        """Delete this rank's temp files and the shards a crash left uncommitted (sequence numbers past the
+        last committed one); retired shards of earlier generations are kept."""
+        prefix = f"r{self.rank:05d}-"
+        for path in self.root.glob("*/*"):
+            name = path.name
+            if path.parent.name in (LOG_DIR, SNAPSHOT_DIR):
+                if name.endswith(TMP_SUFFIX) and f".r{self.rank:05d}." in name:
+                    path.unlink()
+                continue
+            if name.startswith(f".{prefix}") and name.endswith(TMP_SUFFIX):
+                path.unlink()
+                continue
+            parsed = parse_shard_name(name)
+            if parsed and parsed[0] == self.rank:
+                committed = self.manifest.next_seq.get(f"r{self.rank:05d}/{path.parent.name}", 0)
+                if parsed[1] >= committed:
+                    path.unlink()
+
+    def write(self, key: str, bucket: Bucket | tuple[int, int], sample: Mapping[str, torch.Tensor], *,
+              source: str = "", stamp: int = 0) -> None:
+        """Add one sample; it becomes durable when its shard is committed.
 
         Args:
             key: the sample's unique key (ASCII, e.g. a content hash).
             bucket: the sample's bucket `(height, width)`.
-            sample: one tensor per schema field, in the field's dtype. Fixed fields have the
-                same shape for every sample of a bucket; ragged ones `(L, *trailing)`.
+            sample: one tensor per schema field, in the field's dtype. Fixed fields have the same shape for
+                every sample of a bucket; ragged ones `(L, *trailing)`.
+            source: where the sample came from (a path, a tar key), recorded in the sample index.
+            stamp: a 63-bit digest of the input's state when it was read (size, mtime), so a later run can
+                tell an unchanged input without reading it; 0 when unknown.
 
         Raises:
-            ValueError: the sample does not fit the schema, or holds NaN/Inf; nothing is written.
+            ValueError: the key is already in the cache, or the sample does not fit the schema or holds
+                NaN/Inf; nothing is written.
         """
         if self._closed:
             raise RuntimeError("write() after finish()")
         bucket = Bucket(*bucket)
         if not key or not key.isascii():
             raise ValueError(f"sample key {key!r} must be a non-empty ASCII string")
+        if key in self._listed:
+            raise ValueError(f"sample {key} is already in the cache at {self.root}; a key is written once")
+        _check_stamp(key, stamp)
         if set(sample) != set(self.schema):
             raise ValueError(f"sample {key}: fields {sorted(sample)} do not match the schema {sorted(self.schema)}")
-        known = self._shapes.get(bucket, {})
+        known = self.manifest.shapes.get(bucket, {})
         shapes, fields = {}, {}
         for name, spec in self.schema.items():
             t = sample[name]
@@ -175,8 +223,9 @@ class ShardWriter:
             if self.check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise ValueError(f"sample {key}: field {name} holds NaN or Inf")
             fields[name] = t.detach().to("cpu").contiguous()
-        self._shapes.setdefault(bucket, shapes)
-        self._buffers.setdefault(bucket, []).append((key, fields))
+        self.manifest.shapes.setdefault(bucket, shapes)
+        self._listed.add(key)
+        self._buffers.setdefault(bucket, []).append((key, fields, source, int(stamp)))
         size = sum(t.numel() * t.element_size() for t in fields.values())
         self._buffer_bytes[bucket] = self._buffer_bytes.get(bucket, 0) + size
         if self._buffer_bytes[bucket] >= self.max_shard_bytes or len(self._buffers[bucket]) >= self.max_shard_samples:
@@ -185,23 +234,20 @@ class ShardWriter:
             self.flush(max(self._buffer_bytes, key=self._buffer_bytes.get))
 
     def flush(self, bucket: Bucket | None = None) -> None:
-        """Publish the buffered samples of one bucket (or of all) as shards now."""
+        """Publish and commit the buffered samples of one bucket (or of all) now."""
         for b in [Bucket(*bucket)] if bucket is not None else list(self._buffers):
             items = self._buffers.pop(b, [])
             self._buffer_bytes.pop(b, None)
             if items:
-                self._publish(b, items)
+                entry = self._write_shard(b, items)
+                self.commit(add=[entry.to_json()], shapes={b.name: self.manifest.shapes[b]})
 
-    def _publish(self, bucket: Bucket, items: list[tuple[str, dict[str, torch.Tensor]]]) -> None:
-        self.manifest.shards.append(self._write_shard(bucket, items))
-        self.manifest.save(self.manifest_path)  # the commit point
-
-    def _write_shard(self, bucket: Bucket, items: list[tuple[str, dict[str, torch.Tensor]]]) -> ShardEntry:
-        """Write one shard file durably under its final name; it is part of the cache once listed."""
+    def _write_shard(self, bucket: Bucket, items: list[tuple[str, dict[str, torch.Tensor], str, int]]) -> ShardEntry:
+        """Write one shard file durably under a fresh name; it is part of the cache once committed."""
         tensors: dict[str, torch.Tensor] = {}
         field_bytes: dict[str, int] = {}
         for name, spec in self.schema.items():
-            rows = [fields[name] for _, fields in items]
+            rows = [fields[name] for _, fields, _, _ in items]
             if spec.ragged:
                 lengths = torch.tensor([0] + [r.shape[0] for r in rows], dtype=torch.int64)
                 tensors[name] = torch.cat(rows)  # (sum L_i, *trailing)
@@ -211,13 +257,12 @@ class ShardWriter:
             field_bytes[name] = sum(
                 t.numel() * t.element_size() for k, t in tensors.items() if k in (name, name + OFFSETS_SUFFIX)
             )
-        keys = [k.encode("ascii") for k, _ in items]
+        keys = [k.encode("ascii") for k, *_ in items]
         tensors[KEY] = torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8)
         tensors[KEY + OFFSETS_SUFFIX] = torch.tensor([0] + [len(k) for k in keys], dtype=torch.int64).cumsum(0)
-        digests = b"".join(sample_digest(key, fields) for key, fields in items)
+        digests = b"".join(sample_digest(key, fields) for key, fields, _, _ in items)
         tensors[DIGEST] = torch.frombuffer(bytearray(digests), dtype=torch.uint8).view(len(items), -1)
-
-        shapes = self._shapes[bucket]
+        shapes = self.manifest.shapes[bucket]
         metadata = {
             "format": FORMAT_NAME,
             "format_version": str(FORMAT_VERSION),
@@ -229,96 +274,165 @@ class ShardWriter:
             "rank": str(self.rank),
         }
         data = serialize(tensors, metadata)
-        seq = self._next_seq.get(bucket, 0)
-        self._next_seq[bucket] = seq + 1
+        sequence = f"r{self.rank:05d}/{bucket.name}"
+        seq = self.manifest.next_seq.get(sequence, 0)
+        self.manifest.next_seq[sequence] = seq + 1
         directory = self.root / bucket.name
         if not directory.is_dir():
             directory.mkdir(exist_ok=True)  # other ranks create bucket directories concurrently
             fsync_dir(self.root)
         path = directory / shard_name(self.rank, seq)
-        atomic_write_bytes(path, data)
-        return ShardEntry(
-            path=path.relative_to(self.root).as_posix(),
-            bucket=bucket,
-            samples=len(items),
-            bytes=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-            shapes=shapes,
-            field_bytes=field_bytes,
-        )
+        try:
+            atomic_write_bytes(path, data)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise OSError(e.errno, f"no space left on the device of {path} ({len(data) / 2**20:.1f} MiB to write); "
+                                       f"free space and re-run: everything committed so far is kept") from None
+            raise
+        return ShardEntry(path.relative_to(self.root).as_posix(), bucket, len(items), len(data), hashlib.sha256(data).hexdigest(),
+                          field_bytes, keys=[k for k, *_ in items], sources=[s for _, _, s, _ in items], stamps=[t for *_, t in items])
+
+    def commit(self, **actions) -> int:
+        """Append one commit of `actions` (add, remove, replace, restamp, shapes), with the files and run
+        records set since the last commit; returns its generation.
+
+        Generation numbers are claimed with create-if-absent: when another writer took the number, this one
+        reads that commit and tries the next. Each attempt first applies what other writers committed and
+        checks the actions still apply (nothing they remove or replace was removed meanwhile), so the log
+        never holds a commit that cannot be replayed.
+
+        Raises:
+            CacheBusy: another writer removed what this commit changes; nothing was committed.
+        """
+        actions = {k: v for k, v in actions.items() if v}
+        for name in ("files", "extra"):
+            if self._pending.get(name):
+                actions[name] = {**self._pending[name], **actions.get(name, {})}
+        while True:
+            self._catch_up()
+            if why := self.manifest.conflict(actions):
+                raise CacheBusy(f"another writer changed the cache at {self.root} meanwhile ({why}); nothing was "
+                                f"committed: retry")
+            generation = self.manifest.generation + 1
+            commit = {"generation": generation, "rank": self.rank, **actions}
+            if generation == 0:
+                commit["init"] = {"fingerprint": self.manifest.fingerprint, "fingerprint_sha256": self.manifest.fingerprint_sha256,
+                                  "fields": schema_to_json(self.schema)}
+            if write_commit(self.root, commit, self.rank):
+                break
+        self._pending.clear()
+        self.manifest.apply(commit)
+        if generation == 0:
+            write_pointer(self.root, self.manifest)
+        elif compaction_due(self.root, generation):
+            compact(self.root, self.manifest, self.rank)
+        return generation
+
+    def _catch_up(self) -> None:
+        """Apply the commits other writers made since this one last looked (the first one checks that they
+        started the same cache)."""
+        for commit in replay(self.root, self.manifest):
+            for obj in commit.get("add", []) + [new for _, new in commit.get("replace", [])]:
+                self._listed.update(obj.get("keys") or [])
 
     def add_prompts(self, prompts: dict[str, Prompt], schema: Schema) -> None:
         """Store prompt embeddings (the empty caption, validation prompts) beside the shards.
 
-        Prompts already stored are kept; the file is rewritten atomically and listed in the
-        manifest at its next commit (at the latest `finish`).
+        Prompts already stored are kept; the file is rewritten atomically under a new name (a reader of an
+        earlier generation keeps its own) and listed at the next commit (at the latest `finish`).
 
         Args:
             prompts: by key (`shards.prompts.prompt_key(text)`).
             schema: the fields of a prompt (the text fields of the samples).
         """
-        entry = self.manifest.files.get("prompts")
+        entry = self._pending.get("files", {}).get("prompts") or self.manifest.files.get("prompts")
         merged = read_prompts(self.root / entry["path"]) if entry else {}
         merged.update(prompts)
         data = encode_prompts(merged, schema, self.manifest.fingerprint_sha256)
-        self.add_file("prompts", entry["path"] if entry else PROMPTS_FILE, data, count=len(merged))
+        digest = hashlib.sha256(data).hexdigest()
+        if entry and entry["sha256"] == digest:
+            return
+        stem, suffix = PROMPTS_FILE.rsplit(".", 1)
+        self.add_file("prompts", f"{stem}-{digest[:16]}.{suffix}", data, count=len(merged))
 
     def add_file(self, role: str, path: str, data: bytes, **info) -> None:
         """Store an auxiliary file (prompt embeddings, the decoder of a VAE that exists nowhere else).
 
-        Written atomically now; listed in the manifest under `role`, with its size and sha256, at the
-        next commit, so `verify` checks it like a shard.
+        Written atomically now; listed in the manifest under `role`, with its size and sha256, at the next
+        commit, so `verify` checks it like a shard.
         """
-        target = self.root / path
+        target = self.root / confined(path, "add_file")
         if not target.resolve().is_relative_to(self.root.resolve()):
             raise ValueError(f"auxiliary file {path!r} must lie inside the cache {self.root}")
         if not target.parent.is_dir():
             target.parent.mkdir(parents=True, exist_ok=True)
             fsync_dir(target.parent.parent)
         atomic_write_bytes(target, data)
-        self.manifest.files[role] = {
-            "path": target.relative_to(self.root).as_posix(),
-            "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-            **info,
+        self._pending.setdefault("files", {})[role] = {
+            "path": target.relative_to(self.root).as_posix(), "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), **info,
         }
+
+    def set_extra(self, name: str, value) -> None:
+        """Record free-form JSON under `extra[name]` at the next commit."""
+        self._pending.setdefault("extra", {})[name] = json.loads(json.dumps(value))
 
     def remove(self, keys: set[str]) -> int:
         """Drop samples from the cache (e.g. their source images were removed or changed).
 
-        Each shard holding any of them is rewritten without them (its other samples are copied,
-        not re-encoded); the new shards and the removal are committed in one manifest write, so
-        a crash leaves either the old shards or the new ones listed, never both.
+        Each shard holding any of them is retired and its other samples are copied into a new shard (not
+        re-encoded); the retirements and the new shards are one commit. The retired files stay on disk for
+        readers of earlier generations until `python -m shards gc`.
 
         Returns:
             The number of samples removed.
         """
         self.flush()
-        keep, added, retired, removed = [], [], [], 0
-        for entry in self.manifest.shards:
-            reader = ShardReader(self.root / entry.path)
-            drop = [i for i, k in enumerate(reader.keys) if k in keys]
+        self._catch_up()  # shards other writers committed hold keys too
+        keys = set(keys)
+        retired, added, removed = [], [], 0
+        for j, entry in zip(self.manifest.shards.rows, self.manifest.shards):
+            shard_keys, sources, stamps = self.manifest.shards.samples_of(int(j))
+            drop = {i for i, k in enumerate(shard_keys) if k in keys}
             if not drop:
-                keep.append(entry)
                 continue
             removed += len(drop)
-            retired.append(entry)
-            items = [(reader.keys[i], {n: t.clone() for n, t in reader.fields(i).items()}) for i in range(len(reader)) if i not in set(drop)]
+            retired.append(entry.path)
+            reader = ShardReader(self.root / entry.path)
+            items = [(shard_keys[i], {n: t.clone() for n, t in reader.fields(i).items()}, sources[i], stamps[i])
+                     for i in range(len(shard_keys)) if i not in drop]
             if items:
-                added.append(self._write_shard(entry.bucket, items))
-        if not retired:
-            return 0
-        self.manifest.shards = keep + added
-        self.manifest.save(self.manifest_path)
-        for entry in retired:
-            (self.root / entry.path).unlink(missing_ok=True)
+                added.append(self._write_shard(entry.bucket, items).to_json())
+        if retired:
+            self.commit(remove=retired, add=added)
+            self._listed -= keys
         return removed
 
+    def replace(self, path: str, samples: list[tuple[str, dict[str, torch.Tensor]]]) -> str:
+        """Commit a repaired copy of shard `path`: the same keys in the same order, freshly encoded. Readers
+        of any generation are redirected to the copy; returns its path."""
+        self._catch_up()
+        j = self.manifest.shards.row_of(path)
+        keys, sources, stamps = self.manifest.shards.samples_of(j)
+        if [k for k, _ in samples] != list(keys):
+            raise ValueError(f"a repair of {path} must hold its keys in order ({len(keys)} samples)")
+        entry = self.manifest.shards.entry_at_row(j)
+        new = self._write_shard(entry.bucket, [(k, f, s, t) for (k, f), s, t in zip(samples, sources, stamps)])
+        self.commit(replace=[[path, new.to_json()]])
+        return new.path
+
+    def restamp(self, stamps: dict[str, int]) -> None:
+        """Record new input stamps of unchanged samples (their file was touched, its content is the same)."""
+        for key, stamp in stamps.items():
+            _check_stamp(key, stamp)
+        if stamps:
+            self.commit(restamp=sorted(stamps.items()))
+
     def finish(self) -> Manifest:
-        """Publish every buffered sample, write the manifest (even for an empty run) and release the cache."""
+        """Commit every buffered sample and pending record (an empty cache gets its first commit) and release."""
         if not self._closed:
             self.flush()
-            self.manifest.save(self.manifest_path)
+            if self._pending or self.manifest.generation < 0:
+                self.commit()
             self.close()
         return self.manifest
 
@@ -327,15 +441,29 @@ class ShardWriter:
         if not self._closed:
             self._closed = True
             self._buffers.clear()
-            self._lock.close()
+            self._writers_lock.release()
+            self._lock.release()
 
     def __enter__(self) -> "ShardWriter":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         # Publish only on success: an exception in flight means the caller's state is suspect,
-        # and everything already published stays listed and valid.
+        # and everything already committed stays listed and valid.
         if exc_type is None:
             self.finish()
         else:
             self.close()
+
+
+def _writers_lock(root: Path) -> CacheLock:
+    try:
+        return CacheLock(root, WRITERS_LOCK, shared=True)
+    except CacheBusy:
+        raise CacheBusy(f"`python -m shards gc` (or `upgrade`) is working on the cache at {root}; write when it has "
+                        f"finished") from None
+
+
+def _check_stamp(key: str, stamp: int) -> None:
+    if isinstance(stamp, (bool, float, str)) or not 0 <= int(stamp) < 2**63:
+        raise ValueError(f"sample {key}: stamp {stamp!r} is not a 63-bit digest (an int in [0, 2**63))")

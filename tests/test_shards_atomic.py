@@ -1,4 +1,5 @@
-"""A crash at any instant leaves the previous manifest valid and no partial shard listed."""
+"""A crash at any instant leaves every committed generation valid and no partial file listed; the next run resumes
+and ends with the samples an uninterrupted run writes."""
 
 import os
 import random
@@ -13,152 +14,197 @@ import pytest
 from conftest import FINGERPRINT, SCHEMA, make_sample
 from typer.testing import CliRunner
 
-from shards import Cache, ShardWriter, verify
+from shards import Cache, ShardWriter, gc, verify
 from shards.cli import app
 
 HERE = Path(__file__).resolve().parent
 
-# A child that writes shards until killed. It prints "committed" once its first manifest is durable, so
-# a kill "at a random instant" is counted from an instant the child is really writing, never from its
-# start-up. KILL_AT picks a deterministic instant to SIGKILL itself instead, at the KILL_SHARD-th shard:
-# mid-way through the shard's bytes, or after the shard's rename but before the manifest.
+# A child that writes samples 0..UPTO-1 not in the cache yet, three per shard (one shard per commit), and prints
+# "committed" once its first commit is durable and "done" at the end. KILL_AT makes it SIGKILL itself at the
+# KILL_N-th event of a kind, through the real code path: "mid-" leaves that event's temp file torn (half its
+# bytes) and dies before the rename or link that would publish it; "after-" dies right after it. The kinds:
+# shard (a shard's rename), commit (the link of _log/GENERATION.json), snapshot (the link of
+# _snapshots/GENERATION.safetensors) and pointer (the rename of index.json). COMPACT_MIN sets how often the
+# child snapshots (2: after generations 1, 3, 5, ...).
 CHILD = textwrap.dedent(
     """
     import os, signal, sys
-    sys.path[:0] = [{here!r}, {root!r}]
+    from pathlib import Path
     from conftest import FINGERPRINT, SCHEMA, make_sample
-    import shards.atomic, shards.writer
+    import shards.atomic, shards.manifest
     from shards import ShardWriter
 
-    kill_at, kill_shard, start = os.environ.get("KILL_AT"), int(os.environ["KILL_SHARD"]), int(os.environ["START"])
-    published = 0
-    real_publish = shards.atomic.publish
+    kill_at, kill_n = os.environ["KILL_AT"], int(os.environ["KILL_N"])
+    shards.manifest.COMPACT_MIN = int(os.environ["COMPACT_MIN"])
+    counts = dict.fromkeys(["shard", "commit", "snapshot", "pointer"], 0)
+    real_publish, real_link = shards.atomic.publish, os.link
+
+    def maybe_die(moment, kind, tmp=None):
+        if kill_at == moment + "-" + kind and counts[kind] == kill_n:
+            if tmp is not None:
+                os.truncate(tmp, os.path.getsize(tmp) // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def publish(tmp, path):
-        global published
-        if str(path).endswith(".safetensors"):
-            published += 1
-            if kill_at == "mid-shard" and published == kill_shard:
-                os.truncate(tmp, os.path.getsize(tmp) // 2)
-                os.kill(os.getpid(), signal.SIGKILL)
-            real_publish(tmp, path)
-            if kill_at == "before-manifest" and published == kill_shard:
-                os.kill(os.getpid(), signal.SIGKILL)
-        else:
-            real_publish(tmp, path)
-            if published == 1:
-                print("committed", flush=True)
+        kind = "pointer" if Path(path).name == "index.json" else "shard"
+        counts[kind] += 1
+        maybe_die("mid", kind, tmp)
+        real_publish(tmp, path)
+        maybe_die("after", kind)
 
-    shards.atomic.publish = publish
-    w = ShardWriter(sys.argv[1], FINGERPRINT, SCHEMA, max_shard_samples=3)
-    i = start
-    while True:
-        w.write(*make_sample(i))
-        i += 1
+    def link(tmp, path, **kwargs):
+        kind = "commit" if Path(path).parent.name == "_log" else "snapshot"
+        counts[kind] += 1
+        maybe_die("mid", kind, tmp)
+        real_link(tmp, path, **kwargs)
+        maybe_die("after", kind)
+        if counts["commit"] == 1 and kind == "commit":
+            print("committed", flush=True)
+
+    shards.atomic.publish, os.link = publish, link
+    with ShardWriter(sys.argv[1], FINGERPRINT, SCHEMA, max_shard_samples=3) as w:
+        listed = {key for key, *_ in w.manifest.samples()}
+        for i in range(int(os.environ["UPTO"])):
+            if make_sample(i)[0] not in listed:
+                w.write(*make_sample(i))
+    print("done", flush=True)
     """
 )
+UPTO = 30  # ten shards of three, in three buckets
 
 
-def child(root, start, kill_at="", kill_shard=0) -> subprocess.Popen:
-    code = CHILD.format(here=str(HERE), root=str(HERE.parent))
-    env = {**os.environ, "START": str(start), "KILL_AT": kill_at, "KILL_SHARD": str(kill_shard)}
-    return subprocess.Popen([sys.executable, "-c", code, str(root)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def child(root, upto=UPTO, kill_at="", kill_n=0, compact_min=2) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}", "KILL_AT": kill_at, "KILL_N": str(kill_n),
+           "UPTO": str(upto), "COMPACT_MIN": str(compact_min)}
+    return subprocess.Popen([sys.executable, "-c", CHILD, str(root)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
 
 
-def run_child_until_it_kills_itself(root, start, kill_at, kill_shard):
-    proc = child(root, start, kill_at, kill_shard)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == -signal.SIGKILL, err[-2000:]
+def run_child_until_it_kills_itself(root, kill_at, kill_n):
+    proc = child(root, kill_at=kill_at, kill_n=kill_n)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL and "done" not in out, err[-2000:]
 
 
-def kill_child_while_writing(root, start, delay):
-    proc = child(root, start)
-    line = proc.stdout.readline()  # blocks until the child has committed its first shard
-    assert line == "committed\n", proc.communicate(timeout=60)[1][-2000:]
-    # Sleeping here orders nothing: the child is already inside its endless write loop, and any delay
-    # lands somewhere in it (a shard's bytes, a rename, a manifest write).
-    time.sleep(delay)
-    proc.kill()
-    proc.communicate(timeout=60)
+def write_the_rest(root, upto=UPTO):
+    """What a re-run does: open a writer (it clears what a killed writer of its rank left) and write what is missing."""
+    with ShardWriter(root, FINGERPRINT, SCHEMA, max_shard_samples=3) as w:
+        listed = {key for key, *_ in w.manifest.samples()}
+        for i in range(upto):
+            if make_sample(i)[0] not in listed:
+                w.write(*make_sample(i))
 
 
-def assert_consistent(root, orphans_allowed=True):
+def assert_consistent(root, orphans_allowed=True) -> Cache:
     report = verify(root)
-    bad = [(p, m) for p, m in report.problems if not (orphans_allowed and "orphan" in m)]
-    assert bad == []
+    assert [(p, m) for p, m in report.problems if not (orphans_allowed and "orphan" in m)] == []
     return Cache(root)
 
 
-def test_exception_mid_write_keeps_previous_manifest(tmp_path):
+def digests(cache: Cache) -> dict[str, bytes]:
+    return {key: cache.shard(j).digest(row) for key, _, _, j, row in cache.manifest.samples()}
+
+
+def assert_resumes_like_an_uninterrupted_run(root, reference, upto=UPTO):
+    write_the_rest(root, upto)
+    cache = assert_consistent(root, orphans_allowed=False)
+    keys = [key for key, _ in cache.keys()]
+    assert len(keys) == len(set(keys)) == upto  # no sample listed twice, none lost
+    assert [p for p in root.rglob("*.tmp") if p.parent != root] == []  # the writer cleared its rank's temp files
+    write_the_rest(reference, upto)
+    assert digests(cache) == digests(Cache(reference))
+    gc(root)  # and gc clears the rest (a torn index.json temp file)
+    assert list(root.rglob("*.tmp")) == [] and verify(root).ok
+    assert digests(Cache(root)) == digests(Cache(reference))
+
+
+def test_exception_mid_write_keeps_previous_generation(tmp_path):
     with ShardWriter(tmp_path, FINGERPRINT, SCHEMA, max_shard_samples=4) as w:
         for i in range(8):
             w.write(*make_sample(i))
-    before = (tmp_path / "index.json").read_bytes()
+    def state():  # every file but the locks
+        return {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".")}
+
+    before = state()
     with pytest.raises(RuntimeError, match="boom"):
         with ShardWriter(tmp_path, FINGERPRINT, SCHEMA, max_shard_samples=100) as w:
             for i in range(8, 12):
                 w.write(*make_sample(i))
             raise RuntimeError("boom")
-    # the buffered samples were not published, and nothing listed changed
-    assert (tmp_path / "index.json").read_bytes() == before
+    # the buffered samples were not published: no commit, no shard, nothing changed
+    assert state() == before
     assert len(assert_consistent(tmp_path, orphans_allowed=False)) == 8
 
 
-def write_the_rest(root, upto):
-    done = {k for k, _ in Cache(root).keys()} if (Path(root) / "index.json").exists() else set()
-    with ShardWriter(root, FINGERPRINT, SCHEMA, max_shard_samples=3) as w:
-        for i in range(upto):
-            if f"key{i:05d}" not in done:
-                w.write(*make_sample(i))
+# (kill_at, at the n-th event, samples committed when it dies, orphans verify reports then)
+WORST_INSTANTS = [
+    ("mid-shard", 3, 6, 1),  # the third shard's temp file, torn
+    ("after-shard", 3, 6, 1),  # the third shard renamed into place, never committed
+    ("mid-commit", 3, 6, 1),  # its commit's temp file torn, not linked: the shard is an orphan
+    ("after-commit", 3, 9, 0),  # its commit linked, the temp file not yet removed
+    ("mid-snapshot", 2, 12, 0),  # the snapshot of generation 3 torn, not linked
+    ("after-snapshot", 2, 12, 0),  # ... linked, index.json not yet pointing at it
+    ("mid-pointer", 1, 3, 0),  # generation 0 committed, its index.json torn: there is none
+    ("mid-pointer", 2, 6, 0),  # index.json torn on its way to the first snapshot
+]
 
 
-@pytest.mark.parametrize("kill_at", ["mid-shard", "before-manifest"])
-def test_sigkill_at_the_worst_instants(tmp_path, kill_at):
-    run_child_until_it_kills_itself(tmp_path, start=0, kill_at=kill_at, kill_shard=3)
-    cache = assert_consistent(tmp_path)
-    assert cache.manifest.num_samples == 6  # two complete shards listed, the third not
-    orphans = [p for p, m in verify(tmp_path).problems if "orphan" in m]
-    assert len(orphans) == 1  # the temp file or the renamed, unlisted shard
-    # the next writer of that rank clears the orphan and carries on after the listed shards
-    write_the_rest(tmp_path, 12)
-    cache = assert_consistent(tmp_path, orphans_allowed=False)
-    assert sorted(k for k, _ in cache.keys()) == [f"key{i:05d}" for i in range(12)]
+@pytest.mark.parametrize("kill_at,n,committed,orphans", WORST_INSTANTS, ids=[f"{k}-{n}" for k, n, *_ in WORST_INSTANTS])
+def test_sigkill_at_the_worst_instants(tmp_path, kill_at, n, committed, orphans):
+    root = tmp_path / "cache"
+    run_child_until_it_kills_itself(root, kill_at, n)
+    cache = assert_consistent(root)  # no torn temp file is read as a commit or a snapshot
+    assert len(cache) == committed and len(list((root / "_log").glob("*.json"))) == committed // 3
+    assert len([p for p, m in verify(root).problems if "orphan" in m]) == orphans
+    assert_resumes_like_an_uninterrupted_run(root, tmp_path / "reference")
 
 
-@pytest.mark.parametrize("kill_at", ["mid-shard", "before-manifest"])
+@pytest.mark.parametrize("kill_at", ["mid-shard", "after-shard", "mid-commit"])
 def test_a_writer_killed_before_its_first_commit(tmp_path, kill_at):
     """What a user sees: verify and inspect say the directory is not a cache yet (exit 2, not "damaged"),
     and the next run starts cleanly, clearing what the killed one left."""
-    run_child_until_it_kills_itself(tmp_path, start=0, kill_at=kill_at, kill_shard=1)
-    assert not (tmp_path / "index.json").exists() and list(tmp_path.glob("*/*"))  # a shard or temp file was left
-    report = verify(tmp_path)
+    root = tmp_path / "cache"
+    run_child_until_it_kills_itself(root, kill_at, 1)
+    assert not list(root.glob("_log/*.json")) and list(root.glob("*x*/*"))  # no commit; a shard or temp file was left
+    report = verify(root)
     assert report.problems == [] and not report.ok
     assert "not a cache yet: no manifest was ever committed (1 file(s) left by a run interrupted" in report.not_a_cache
     for command in ("verify", "inspect", "ls"):
-        result = CliRunner().invoke(app, [command, str(tmp_path)])
+        result = CliRunner().invoke(app, [command, str(root)])
         assert result.exit_code == 2 and "not a cache yet" in result.output, (command, result.output)
         assert "BAD" not in result.output
-
-    write_the_rest(tmp_path, 6)
-    cache = assert_consistent(tmp_path, orphans_allowed=False)
-    assert sorted(k for k, _ in cache.keys()) == [f"key{i:05d}" for i in range(6)]
+    assert_resumes_like_an_uninterrupted_run(root, tmp_path / "reference")
 
 
-def test_a_lost_manifest_is_damage_not_an_empty_cache(tmp_path):
-    write_the_rest(tmp_path, 12)  # four shards of three
-    (tmp_path / "index.json").unlink()
+def test_a_lost_log_is_damage_but_a_lost_pointer_is_not(tmp_path):
+    write_the_rest(tmp_path, 12)  # six shards (three buckets of 3 + 1 samples), six commits
+    (tmp_path / "index.json").unlink()  # the pointer only: the log is the truth
+    assert len(assert_consistent(tmp_path, orphans_allowed=False)) == 12
+    for directory in ("_log", "_snapshots"):
+        for p in (tmp_path / directory).glob("*"):
+            p.unlink()
     report = verify(tmp_path)
     assert report.not_a_cache is None and "removed or lost after shards were committed" in report.problems[0][1]
     result = CliRunner().invoke(app, ["verify", str(tmp_path)])
     assert result.exit_code == 1 and "BAD" in result.output
+    with pytest.raises(FileNotFoundError, match="lost after shards were committed"):
+        ShardWriter(tmp_path, FINGERPRINT, SCHEMA)  # never starts afresh over committed shards
 
 
 @pytest.mark.slow
 def test_sigkill_at_random_instants(tmp_path):
+    """Killed wherever it happens to be (a shard's bytes, a rename, an fsync, a commit, a snapshot) six times over,
+    the cache stays consistent, and finishing the job gives what an uninterrupted run gives."""
     rng = random.Random(0)
-    start = 0
+    root, upto = tmp_path / "cache", 240
     for _ in range(6):
-        kill_child_while_writing(tmp_path, start=start, delay=rng.uniform(0.0, 0.5))
-        cache = assert_consistent(tmp_path)
-        start = 1_000_000 + len(cache) * 10  # fresh keys each round
-    assert len(cache) > 0
+        proc = child(root, upto=upto, compact_min=4)
+        line = proc.stdout.readline()  # blocks until the child has made its first commit, or had nothing to write
+        assert line in ("committed\n", "done\n"), proc.communicate(timeout=60)[1][-2000:]
+        if line == "committed\n":
+            # The child is inside its write loop now; the delay picks an instant in it and orders nothing.
+            time.sleep(rng.uniform(0.0, 0.3))
+            proc.kill()
+        proc.communicate(timeout=300)
+        assert_consistent(root)
+    assert_resumes_like_an_uninterrupted_run(root, tmp_path / "reference", upto)

@@ -1,0 +1,159 @@
+"""Readers of earlier generations, and `gc`: deleting what neither the cache nor a resumable run needs.
+
+A training run registers the generation it reads in `_readers/` and records it in each checkpoint; `gc`
+keeps every file that the newest generation or any generation a complete checkpoint records still lists,
+and deletes the rest: retired shards, leftovers of interrupted writers, superseded prompt files, and the
+log and snapshots before the oldest generation still needed. It runs alone: no writer may hold the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shards.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir
+from shards.manifest import (
+    LOG_DIR,
+    READERS_DIR,
+    SNAPSHOT_DIR,
+    Manifest,
+    compact,
+    first_generation,
+    load,
+    newest_copy,
+    parse_shard_name,
+    replay,
+    snapshots,
+)
+from shards.schema import CacheBusy
+from shards.writer import WRITERS_LOCK, CacheLock
+
+CHECKPOINTS_GLOB = "checkpoints/step-*/state.json"  # where a run's checkpoints record their cache generation
+COMPLETE = "COMPLETE"
+_PROMPTS_FILE = re.compile(r"prompts(-[0-9a-f]+)?\.safetensors")
+
+
+def register_reader(root: str | os.PathLike, run: str | os.PathLike, generation: int) -> bool:
+    """Record that the run in directory `run` reads `generation` of the cache (until its checkpoints say
+    otherwise). False when the cache is read-only: the run goes on, but `gc` cannot know it."""
+    root, run = Path(root), Path(run).resolve()
+    name = hashlib.sha256(str(run).encode()).hexdigest()[:16] + ".json"
+    try:
+        (root / READERS_DIR).mkdir(exist_ok=True)
+        atomic_write_json(root / READERS_DIR / name, {"run": str(run), "generation": generation, "time": time.time()})
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class GcReport:
+    generations: list[int] = field(default_factory=list)  # kept for readers
+    deleted: list[str] = field(default_factory=list)
+    bytes: int = 0
+    stale_readers: list[str] = field(default_factory=list)
+
+
+def needed_generations(root: Path) -> tuple[set[int], list[Path]]:
+    """Generations a registered run can still resume from, and the registrations of runs that are gone."""
+    needed, stale = set(), []
+    for path in sorted((root / READERS_DIR).glob("*.json")):
+        reg = json.loads(path.read_text())
+        run = Path(reg["run"])
+        if not run.is_dir():
+            stale.append(path)
+            continue
+        recorded = []
+        for state in run.glob(CHECKPOINTS_GLOB):
+            if (state.parent / COMPLETE).exists():
+                obj = json.loads(state.read_text())
+                if obj.get("cache_root") in (None, str(root.resolve())) and obj.get("cache_generation") is not None:
+                    recorded.append(obj["cache_generation"])
+        needed |= set(recorded)
+        if not recorded or reg["generation"] > max(recorded):
+            needed.add(reg["generation"])  # the epoch in progress, not checkpointed yet
+    return needed, stale
+
+
+def exclusive(root: Path) -> list[CacheLock]:
+    """The cache for this process alone: no run (`.lock`) and no writer (`.lock-writers`) holds it.
+
+    Raises:
+        CacheBusy: a run or a writer uses the cache.
+    """
+    run = CacheLock(root)
+    try:
+        return [run, CacheLock(root, WRITERS_LOCK)]
+    except CacheBusy:
+        run.release()
+        raise CacheBusy(f"a writer is writing the cache at {root}; run this when it has finished") from None
+
+
+def gc(root: str | os.PathLike, dry_run: bool = False) -> GcReport:
+    """Delete the files no reader needs (see the module's doc). Holds the cache alone: no writer runs meanwhile.
+
+    Args:
+        root: the cache directory.
+        dry_run: report what would be deleted, delete nothing.
+
+    Raises:
+        CacheBusy: a run or a writer uses the cache; nothing was deleted.
+    """
+    root = Path(root)
+    locks = exclusive(root)
+    try:
+        current = load(root)
+        needed, stale = needed_generations(root)
+        first = first_generation(root)
+        needed = {g for g in needed if first <= g <= current.generation}  # older ones were collected already
+        report = GcReport(generations=sorted(needed), stale_readers=[str(p) for p in stale])
+        oldest = min(needed | {current.generation})
+        base = current if oldest == current.generation else load(root, oldest)
+        if not dry_run and oldest not in snapshots(root):
+            compact(root, base)  # the log before `oldest` becomes redundant
+        keep = _files_needed(root, base, sorted(needed | {current.generation}), current.replaced)
+        for path in sorted([*root.glob("*"), *root.glob("*/*")]):
+            if path.is_file() and _collectable(root, path, keep, oldest, stale):
+                report.deleted.append(path.relative_to(root).as_posix())
+                report.bytes += path.stat().st_size
+                if not dry_run:
+                    path.unlink()
+        if not dry_run:
+            for directory in {root} | {p.parent for p in root.glob("*/*")}:
+                fsync_dir(directory)
+        return report
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+
+
+def _files_needed(root: Path, manifest: Manifest, generations: list[int], replaced: dict[str, str]) -> set[str]:
+    """Every file the given generations list (shards, their repaired copies, auxiliary files), relative to
+    `root`, in one replay of the log from `manifest` (the oldest of them)."""
+    keep: set[str] = set()
+    for g in generations:
+        replay(root, manifest, g)
+        for path in [*manifest.shards.paths(), *(e["path"] for e in manifest.files.values())]:
+            keep.update(newest_copy(path, replaced))  # a reader resolved its copies when it opened the cache
+    return keep
+
+
+def _collectable(root: Path, path: Path, keep: set[str], oldest: int, stale: list[Path]) -> bool:
+    """Whether gc deletes `path`; never a file this library did not write."""
+    name, parent = path.name, path.parent.name
+    if path.parent != root and parent == READERS_DIR:
+        return path in stale  # runs register without a lock: their temp files may be in use
+    if name.startswith(".") and name.endswith(TMP_SUFFIX):
+        return True  # no writer runs, so a temp file was left by one that was killed
+    if path.parent != root and parent in (LOG_DIR, SNAPSHOT_DIR):
+        stem = name.split(".")[0]
+        return stem.isdigit() and int(stem) < oldest
+    if path.relative_to(root).as_posix() in keep:
+        return False
+    # a shard no kept generation lists (retired, or never committed), or a superseded prompts file
+    return parse_shard_name(name) is not None or (path.parent == root and _PROMPTS_FILE.fullmatch(name) is not None)
