@@ -2,7 +2,9 @@
 
 Every input either becomes a prepared sample or a failure with a named reason; nothing raises out
 of a worker for bad data. Sources are a folder (sidecar captions or a `metadata.jsonl` / `metadata.csv`
-in the Hugging Face imagefolder convention) or webdataset tars (img2dataset layout).
+in the Hugging Face imagefolder convention) or webdataset tars (img2dataset layout). Only regular files
+are opened, and metadata cannot name a path outside DATA. A folder entry's stamp (size and mtime of its
+files) lets an incremental run skip an unchanged input without reading it.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import hashlib
 import io
 import json
 import os
+import stat
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 import numpy as np
@@ -39,8 +42,16 @@ REASONS = {
     "missing_caption": "no caption found",
     "empty_caption": "caption is empty",
     "caption_not_utf8": "caption is not valid UTF-8",
+    "caption_not_string": "metadata caption is not a string or a list of strings",
+    "caption_nul": "caption contains a NUL character",
     "non_finite": "an encoder produced NaN or Inf",
     "corrupt_tar": "unreadable tar shard",
+    "special_file": "not a regular file (FIFO, socket, device or directory); never opened",
+    "permission_denied": "no permission to read the file",
+    "unreadable": "file could not be read (symlink loop, I/O error, ...)",
+    "unlisted_directory": "directory could not be listed; the files in it were not seen",
+    "bad_metadata_row": "metadata row that is not valid JSON/CSV or has no usable file_name",
+    "outside_root": "metadata file_name is absolute or points outside DATA",
 }
 
 
@@ -87,6 +98,7 @@ class Record:
     image: bytes | None
     captions: list[bytes | str] = field(default_factory=list)
     missing: str | None = None  # a failure reason known before decoding
+    detail: str = ""  # what went wrong, with `missing`
 
 
 def content_key(image: bytes, captions: list[str]) -> str:
@@ -98,16 +110,23 @@ def content_key(image: bytes, captions: list[str]) -> str:
 
 
 def decode_captions(raw: list[bytes | str]) -> tuple[list[str] | None, str | None]:
+    """Caption candidates as stripped text, empty ones dropped.
+
+    Returns:
+        (captions, None), or (None, reason) when there is no usable caption or one is malformed.
+    """
     if not raw:
         return None, "missing_caption"
     out = []
     for c in raw:
-        if isinstance(c, bytes):
-            try:
-                c = c.decode("utf-8")
-            except UnicodeDecodeError:
-                return None, "caption_not_utf8"
-        c = c.strip()
+        try:
+            c = c.decode("utf-8") if isinstance(c, bytes) else c
+            c.encode("utf-8")  # a str from JSON may hold lone surrogates, which content_key could not encode
+        except UnicodeError:
+            return None, "caption_not_utf8"
+        if "\x00" in c:  # content_key separates captions with NUL: ["a\0b"] and ["a", "b"] would share a key
+            return None, "caption_nul"
+        c = c.removeprefix("\ufeff").strip()  # a byte order mark from a Windows editor is not text
         if c:
             out.append(c)
     return (out, None) if out else (None, "empty_caption")
@@ -141,7 +160,7 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         return {"status": "failed", "source": record.source, "reason": reason, "detail": detail}
 
     if record.missing:
-        return failed(record.missing)
+        return failed(record.missing, record.detail)
     if not record.image:
         return failed("empty_file")
     captions, reason = decode_captions(record.captions)
@@ -194,6 +213,10 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
 
 # ---- folders ---------------------------------------------------------------------------------
 
+METADATA_FILES = ("metadata.jsonl", "metadata.csv")  # the first one present is the dataset
+REMOTE_PREFIXES = ("http://", "https://", "pipe:", "gs://", "s3://")
+
+
 @dataclass(frozen=True)
 class FolderEntry:
     """A folder sample before reading: paths only, so listing a million files stays cheap."""
@@ -204,49 +227,185 @@ class FolderEntry:
     captions: tuple[str, ...] | None = None  # from a metadata file
 
 
-def _metadata_captions(value) -> tuple[str, ...]:
-    if isinstance(value, list):
-        return tuple(str(v) for v in value if v is not None)
+@dataclass
+class Listing:
+    """What `list_folder` found.
+
+    Args:
+        entries: the samples, sorted by source.
+        failures: files and metadata rows that are not samples: dicts with `source`, `reason` and `detail`.
+        complete: False when a directory or a metadata row could not be read, so a sample may exist that
+            is in neither `entries` nor `failures`; such a listing must not be used to remove cached samples.
+    """
+
+    entries: list[FolderEntry]
+    failures: list[dict]
+    complete: bool
+
+
+class SpecialFileError(OSError):
+    """A path that is not a regular file (FIFO, socket, device, directory). It is never opened: opening a
+    FIFO blocks until a writer appears, and opening a device can have side effects."""
+
+
+class _BadRow(ValueError):
+    """A metadata row that is not a sample; `source` is its file_name when it names one."""
+
+    def __init__(self, reason: str, detail: str, source: str | None = None):
+        super().__init__(detail)
+        self.reason, self.source = reason, source
+
+
+def _failure(source: str, reason: str, detail: str) -> dict:
+    return {"source": source, "reason": reason, "detail": detail}
+
+
+def _os_reason(e: OSError) -> str:
+    """The failure reason of a per-file OSError."""
+    if isinstance(e, SpecialFileError):
+        return "special_file"
+    if isinstance(e, PermissionError):
+        return "permission_denied"
+    if isinstance(e, FileNotFoundError):  # deleted since listing, or a dangling symlink
+        return "missing_file"
+    return "unreadable"  # ELOOP, EIO, ...
+
+
+def _stat_regular(path: str | os.PathLike, st: os.stat_result | None = None) -> os.stat_result:
+    """`os.stat` of a regular file, following symlinks (or check `st`); anything else raises SpecialFileError."""
+    st = st or os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                 (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"))
+        kind = next((name for is_kind, name in kinds if is_kind(st.st_mode)), "special file")
+        raise SpecialFileError(f"{path} is a {kind}, not a regular file")
+    return st
+
+
+def _read_regular(path: str | os.PathLike) -> bytes:
+    """A regular file's bytes; anything else raises SpecialFileError without being opened."""
+    _stat_regular(path)
+    # O_NONBLOCK: should the path become a FIFO after the check, the open still returns at once
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        _stat_regular(path, os.fstat(fd))
+        return f.read()
+
+
+def _read_utf8(path: Path) -> str:
+    """A metadata file's text without a leading byte order mark.
+
+    Raises:
+        ValueError: the file is not UTF-8; the message names the file and line.
+    """
+    data = _read_regular(path)
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 ({e.reason}); save the file as UTF-8") from e
+
+
+def _jsonl_rows(text: str) -> Iterator[tuple[int, dict | _BadRow]]:
+    """(line number, row) of a metadata.jsonl; a line that is not a JSON object yields a _BadRow instead."""
+    # split on "\n" only: str.splitlines also splits at U+2028, which a JSON string may hold unescaped
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield n, _BadRow("bad_metadata_row", f"not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        yield n, row if isinstance(row, dict) else _BadRow("bad_metadata_row", f"a JSON {type(row).__name__}, not an object")
+
+
+def _csv_rows(text: str, path: Path) -> Iterator[tuple[int, dict | _BadRow]]:
+    """(line number, row) of a metadata.csv; after a CSV syntax error, one _BadRow and no more rows."""
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        if reader.fieldnames and "file_name" not in reader.fieldnames:
+            raise ValueError(f"{path}: no 'file_name' column (columns: {reader.fieldnames}); "
+                             "name the column of image paths file_name")
+        for row in reader:
+            yield reader.line_num, row
+    except csv.Error as e:
+        yield reader.line_num, _BadRow("bad_metadata_row", f"not valid CSV ({e}); the rest of the file was not read")
+
+
+def _metadata_captions(value: object, from_csv: bool) -> tuple[str, ...] | None:
+    """A metadata caption cell as captions: a string or a list of strings (None items and cells are no
+    caption); in a CSV, a cell holding a JSON list is that list. Any other type is None: not stringified."""
     if value is None:
         return ()
-    text = str(value)
-    if text.startswith("["):  # a JSON list in a CSV cell
+    if from_csv and isinstance(value, str) and value.startswith("["):
         try:
-            return tuple(str(v) for v in json.loads(text))
+            value = json.loads(value)
         except json.JSONDecodeError:
             pass
-    return (text,)
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) or v is None for v in value):
+        return tuple(v for v in value if v is not None)
+    return None
 
 
-def list_folder(root: str | os.PathLike, caption_column: str = "text") -> list[FolderEntry]:
-    """Every image under `root` with its captions, sorted by relative path.
+def _metadata_path(root: Path, name: str, inside: dict[str, bool]) -> str:
+    """The path a metadata `file_name` names under root.
 
-    With `metadata.jsonl` or `metadata.csv` at the root (columns `file_name` and `caption_column`),
-    those rows are the dataset; otherwise each image's captions are the sidecar files beside it
-    with the same stem (`x.jpg` + `x.txt` and/or `x.caption`).
+    The name must be relative, without `..`, and its directory must resolve inside root. The file itself
+    may be a symlink, followed as in a folder listing (the Hugging Face hub cache stores a snapshot's files
+    as symlinks into ../../blobs): the text of a row reaches nothing a folder listing would not.
+    `inside` caches the answer per directory.
     """
-    root = Path(root)
-    jsonl, csv_path = root / "metadata.jsonl", root / "metadata.csv"
-    if jsonl.exists() or csv_path.exists():
-        rows = []
-        if jsonl.exists():
-            for n, line in enumerate(jsonl.read_text(encoding="utf-8").splitlines(), 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{jsonl}:{n}: not valid JSON ({e})") from e
-        else:
-            with open(csv_path, newline="", encoding="utf-8") as f:
-                rows = list(csv.DictReader(f))
-        entries = []
-        for n, row in enumerate(rows, 1):
-            if "file_name" not in row:
-                raise ValueError(f"{jsonl if jsonl.exists() else csv_path}: row {n} has no 'file_name' column")
-            entries.append(FolderEntry(row["file_name"], str(root / row["file_name"]), captions=_metadata_captions(row.get(caption_column))))
-        return sorted(entries, key=lambda e: e.source)
-    entries = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    if os.path.isabs(name) or ".." in PurePosixPath(name).parts:
+        raise _BadRow("outside_root", f"file_name {name!r} is not a relative path inside DATA", name)
+    path = root / name
+    parent = str(path.parent)
+    if parent not in inside:
+        real_root, real_parent = os.path.realpath(root), os.path.realpath(parent)
+        inside[parent] = os.path.commonpath([real_root, real_parent]) == real_root
+    if not inside[parent]:
+        raise _BadRow("outside_root", f"file_name {name!r} leads outside DATA through a symlinked directory", name)
+    return str(path)
+
+
+def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, inside: dict[str, bool]) -> FolderEntry:
+    """A metadata row as an entry; a row that is not a sample raises _BadRow."""
+    name = row.get("file_name")
+    if not isinstance(name, str) or not name.strip() or "\x00" in name:
+        raise _BadRow("bad_metadata_row", f"file_name {name!r} is not a non-empty string")
+    path = _metadata_path(root, name, inside)
+    captions = _metadata_captions(row.get(caption_column), from_csv)
+    if captions is None:
+        raise _BadRow("caption_not_string", f"{caption_column} is {row.get(caption_column)!r}, "
+                      "not a string or a list of strings", name)
+    return FolderEntry(name, path, captions=captions)
+
+
+def _list_metadata(root: Path, path: Path, caption_column: str) -> Listing:
+    text, from_csv = _read_utf8(path), path.suffix == ".csv"
+    entries, failures, complete, inside = [], [], True, {}
+    for n, row in _csv_rows(text, path) if from_csv else _jsonl_rows(text):
+        try:
+            if isinstance(row, _BadRow):
+                raise row
+            entries.append(_metadata_entry(root, row, caption_column, from_csv, inside))
+        except _BadRow as e:
+            # a row naming no file may be a cached sample's: the listing cannot say it is gone
+            complete = complete and e.source is not None
+            failures.append(_failure(e.source or f"{path.name}:{n}", e.reason, f"{path.name} line {n}: {e}"))
+    return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
+
+
+def _walk_folder(root: Path) -> Listing:
+    entries, failures = [], []
+
+    def unlisted(e: OSError) -> None:
+        source = Path(os.path.relpath(e.filename, root)).as_posix() if e.filename else "."
+        failures.append(_failure(source, "unlisted_directory", f"{type(e).__name__}: {e}"))
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlisted):
         dirnames.sort()
         names = set(filenames)
         for name in sorted(filenames):
@@ -254,65 +413,147 @@ def list_folder(root: str | os.PathLike, caption_column: str = "text") -> list[F
             if ext.lower() not in IMAGE_EXTENSIONS:
                 continue
             path = Path(dirpath) / name
+            source = path.relative_to(root).as_posix()
+            try:
+                _stat_regular(path)  # follows symlinks: a loop or a dangling one fails here
+            except OSError as e:
+                failures.append(_failure(source, _os_reason(e), f"{type(e).__name__}: {e}"))
+                continue
             sidecars = tuple(str(Path(dirpath) / (stem + c)) for c in CAPTION_EXTENSIONS if stem + c in names)
-            entries.append(FolderEntry(path.relative_to(root).as_posix(), str(path), sidecars))
-    return sorted(entries, key=lambda e: e.source)
+            entries.append(FolderEntry(source, str(path), sidecars))
+    complete = not any(f["reason"] == "unlisted_directory" for f in failures)
+    return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
+
+
+def list_folder(root: str | os.PathLike, caption_column: str = "text") -> Listing:
+    """Every image under `root` with its captions, and what could not be listed.
+
+    With `metadata.jsonl` or `metadata.csv` at the root (columns `file_name` and `caption_column`),
+    those rows are the dataset; otherwise each image's captions are the sidecar files beside it
+    with the same stem (`x.jpg` + `x.txt` and/or `x.caption`). Symlinks to files are followed, symlinks
+    to directories are not; nothing is opened but the metadata file.
+
+    Returns:
+        A Listing. Bad rows and unreadable or special files are failures; the listing goes on.
+
+    Raises:
+        ValueError: the metadata file is not UTF-8, or a CSV has no `file_name` column.
+        OSError: the metadata file cannot be read.
+    """
+    root = Path(root)
+    for name in METADATA_FILES:
+        if os.path.lexists(root / name):
+            return _list_metadata(root, root / name, caption_column)
+    return _walk_folder(root)
+
+
+def entry_stamp(entry: FolderEntry) -> int:
+    """What an incremental run compares instead of reading an entry's files.
+
+    A 63-bit blake2b digest of (size, mtime_ns) of the image and of each sidecar caption file, and of the
+    metadata captions; `os.stat` only, nothing is opened. Never 0, which stands for "unknown".
+
+    Raises:
+        OSError: a file cannot be stat'ed, or is not a regular file (SpecialFileError).
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for path in (entry.image, *entry.caption_files):
+        st = _stat_regular(path)
+        h.update(f"{os.path.splitext(path)[1]}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    for c in entry.captions or ():
+        text = c.encode("utf-8", "surrogatepass")
+        h.update(len(text).to_bytes(8, "big") + text)
+    return int.from_bytes(h.digest(), "big") >> 1 or 1
 
 
 def read_folder_entry(entry: FolderEntry) -> Record:
+    """An entry's image bytes and raw captions; a file that cannot be read makes a Record with its reason."""
     try:
-        image = Path(entry.image).read_bytes()
-    except FileNotFoundError:
-        return Record(entry.source, None, missing="missing_file")
-    if entry.captions is not None:
-        return Record(entry.source, image, list(entry.captions))
-    return Record(entry.source, image, [Path(p).read_bytes() for p in entry.caption_files])
+        image = _read_regular(entry.image)
+        if entry.captions is not None:
+            return Record(entry.source, image, list(entry.captions))
+        return Record(entry.source, image, [_read_regular(p) for p in entry.caption_files])
+    except OSError as e:
+        return Record(entry.source, None, missing=_os_reason(e), detail=f"{type(e).__name__}: {e}")
 
 
 class FolderDataset(torch.utils.data.Dataset):
-    """Map-style dataset over folder entries; each item is `prepare`'s output."""
+    """Map-style dataset over folder entries; each item is `prepare`'s output with the entry's `stamp`.
 
-    def __init__(self, entries: list[FolderEntry], policy: ImagePolicy, skip_keys: frozenset[str]):
-        self.entries, self.policy, self.skip_keys = entries, policy, skip_keys
+    Args:
+        entries: the entries to read.
+        policy: how images become pixels.
+        skip_keys: keys already cached: a sample with one of them is "unchanged" after reading.
+        known: source -> (key, stamp) of the cached samples. An entry whose stamp is its known stamp is
+            "unchanged" without being read: `{"status": "unchanged", "source", "key": known key, "stamp"}`.
+    """
+
+    def __init__(self, entries: list[FolderEntry], policy: ImagePolicy, skip_keys: frozenset[str],
+                 known: dict[str, tuple[str, int]] | None = None):
+        self.entries, self.policy, self.skip_keys, self.known = entries, policy, skip_keys, known or {}
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def __getitem__(self, i: int) -> dict:
-        return prepare(read_folder_entry(self.entries[i]), self.policy, self.skip_keys)
+        entry = self.entries[i]
+        try:
+            stamp = entry_stamp(entry)
+        except OSError as e:
+            return {"status": "failed", "source": entry.source, "reason": _os_reason(e),
+                    "detail": f"{type(e).__name__}: {e}", "stamp": 0}
+        known = self.known.get(entry.source)
+        if known is not None and known[1] == stamp:  # a known stamp of 0 never matches
+            return {"status": "unchanged", "source": entry.source, "key": known[0], "stamp": stamp}
+        return {**prepare(read_folder_entry(entry), self.policy, self.skip_keys), "stamp": stamp}
 
 
 # ---- webdataset tars -------------------------------------------------------------------------
 
 def is_tar_source(data: str) -> bool:
-    """Whether DATA names webdataset tars (a .tar path, a brace pattern, a URL, or a folder of tars)."""
-    if data.startswith(("http://", "https://", "pipe:", "gs://", "s3://")) or "{" in data or data.endswith(".tar"):
-        return True
+    """Whether DATA names webdataset tars: a .tar path, a brace pattern, a URL, or a folder holding tars
+    and no images or metadata. An existing folder is never a pattern, whatever its name."""
     path = Path(data)
-    return path.is_dir() and any(path.glob("*.tar")) and not any(
-        p.suffix.lower() in IMAGE_EXTENSIONS for p in path.iterdir()
-    ) and not (path / "metadata.jsonl").exists()
+    if path.is_dir():
+        return any(path.glob("*.tar")) and not any(
+            p.suffix.lower() in IMAGE_EXTENSIONS for p in path.iterdir()
+        ) and not any((path / name).exists() for name in METADATA_FILES)
+    return data.startswith(REMOTE_PREFIXES) or "{" in data or data.endswith(".tar")
 
 
 def expand_tar_urls(data: str, allow_pipe: bool = False) -> list[str]:
-    """The list of tar shards DATA names, in order."""
+    """The list of tar shards DATA names, in order.
+
+    Raises:
+        ValueError: DATA names no shard, or a shard is a `pipe:` command and `allow_pipe` is False.
+        FileNotFoundError: a local shard does not exist.
+    """
     import braceexpand
 
-    if data.startswith("pipe:") and not allow_pipe:
-        raise ValueError(f"{data!r} runs a shell command; pass --allow-pipe if you trust it")
     path = Path(data)
     if path.is_dir():
-        return sorted(str(p) for p in path.glob("*.tar"))
-    urls = list(braceexpand.braceexpand(data))
+        urls = sorted(str(p) for p in path.glob("*.tar"))
+    else:
+        urls = [u for u in braceexpand.braceexpand(data) if u]
+    if not urls:
+        raise ValueError(f"DATA={data} names no tar shards")
+    piped = [u for u in urls if u.startswith("pipe:")]
+    if piped and not allow_pipe:  # checked per shard: a brace pattern can expand to commands
+        raise ValueError(f"DATA={data} runs shell commands ({piped[0]!r}, ...); pass --allow-pipe if you trust them")
     for u in urls:
-        if not u.startswith(("http://", "https://", "pipe:", "gs://", "s3://")) and not Path(u).exists():
+        if not u.startswith(REMOTE_PREFIXES) and not Path(u).exists():
             raise FileNotFoundError(f"tar shard {u} does not exist (from DATA={data})")
     return urls
 
 
+def tar_name(url: str) -> str:
+    """The name a tar's samples carry as the prefix of their source: `{tar_name(url)}/{key}`."""
+    return Path(url).name
+
+
 def tar_records(sample: dict, caption_keys: tuple[str, ...]) -> Record:
     """A webdataset sample dict (raw bytes per extension) as a Record."""
-    source = f"{Path(sample.get('__url__', '')).name}/{sample['__key__']}"
+    source = f"{tar_name(sample.get('__url__', ''))}/{sample['__key__']}"
     image = next((sample[ext] for ext in ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif") if ext in sample), None)
     if image is None:
         return Record(source, None, missing="not_an_image")
@@ -325,15 +566,19 @@ def tar_records(sample: dict, caption_keys: tuple[str, ...]) -> Record:
         except (json.JSONDecodeError, UnicodeDecodeError):
             meta = {}
         for k in caption_keys:
-            v = meta.get(k) if isinstance(meta, dict) else None
-            captions += [str(x) for x in v] if isinstance(v, list) else ([str(v)] if v else [])
+            found = _metadata_captions(meta.get(k) if isinstance(meta, dict) else None, from_csv=False)
+            if found is None:
+                return Record(source, None, missing="caption_not_string", detail=f"json {k!r} is {meta[k]!r}")
+            captions += found
     return Record(source, image, captions)
 
 
 class TarDataset(torch.utils.data.IterableDataset):
-    """This rank's tar shards, split further over DataLoader workers; yields `prepare`'s output.
+    """This rank's tar shards, split further over DataLoader workers; yields `prepare`'s output with
+    `stamp` 0 (unknown: a tar's samples are always read).
 
-    A tar that cannot be read is reported once as a `corrupt_tar` failure and the run goes on.
+    A tar that cannot be read is reported once as a `corrupt_tar` failure whose source is the tar's URL,
+    after the samples read before the error, and the run goes on.
     """
 
     def __init__(self, urls: list[str], policy: ImagePolicy, skip_keys: frozenset[str], caption_keys: tuple[str, ...]):
@@ -352,6 +597,7 @@ class TarDataset(torch.utils.data.IterableDataset):
                 except StopIteration:
                     break
                 except Exception as e:  # tarfile / gopen errors: the shard is unreadable from here on
-                    yield {"status": "failed", "source": url, "reason": "corrupt_tar", "detail": f"{type(e).__name__}: {e}"}
+                    yield {"status": "failed", "source": url, "reason": "corrupt_tar", "detail": f"{type(e).__name__}: {e}",
+                           "stamp": 0}
                     break
-                yield prepare(tar_records(sample, self.caption_keys), self.policy, self.skip_keys)
+                yield {**prepare(tar_records(sample, self.caption_keys), self.policy, self.skip_keys), "stamp": 0}
