@@ -75,7 +75,7 @@ def main(
         preset = get_preset(model)
         enc = Encoders(preset, torch.device("cpu"))
         policy = ImagePolicy(bucket_table(preset.base_resolution))
-        entries = list_folder(data)
+        entries = list_folder(data).entries
         items = [prepare(read_folder_entry(e), policy) for e in entries]
         bare_encoders(enc, items[:batch_size], batch_size)  # warm up
         # This machine is shared and its speed drifts: the three run back to back in each round, and each
