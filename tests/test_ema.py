@@ -64,3 +64,32 @@ def test_the_average_is_diffusers_emamodel():
     for a, b in zip(ours.shadow_params, theirs.shadow_params):
         assert torch.equal(a, b)
     assert all(s.dtype == torch.float32 for s in EMA([p.bfloat16() for p in weights], 0.9, "cpu").shadow_params)
+
+
+def test_under_fsdp_cpu_offload_the_ema_lives_beside_the_sharded_weights(tmp_path):
+    """FSDP2 with CPU offload keeps parameters as CPU DTensors: the EMA goes there too (on CUDA the training
+    device would be the GPU, and a GPU EMA of CPU DTensors cannot be updated); one process, gloo."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    from train.config import TrainConfig
+    from train.loop import ema_device_for
+
+    gpu = torch.device("meta")  # stands in for the training GPU
+    assert ema_device_for(TrainConfig(ema_device="device", parallel="fsdp", fsdp_cpu_offload=True), gpu).type == "cpu"
+    assert ema_device_for(TrainConfig(ema_device="device"), gpu) == gpu
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(4, 3)
+        fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        weights = list(model.parameters())
+        ema = EMA(weights, 0.5, ema_device_for(TrainConfig(parallel="fsdp", fsdp_cpu_offload=True), gpu))
+        with torch.no_grad():
+            for p in weights:
+                p.add_(1.0)
+        ema.step(weights)  # EMAModel's first update copies (its decay warms up from 0)
+        for s, p in zip(ema.shadow_params, weights):
+            assert type(s).__name__ == "DTensor" and s.device.type == "cpu"
+            assert torch.equal(s.full_tensor(), p.full_tensor())
+    finally:
+        dist.destroy_process_group()

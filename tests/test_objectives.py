@@ -190,3 +190,27 @@ def test_learned_variance_trains_the_variance_channels_from_the_vlb_alone():
     assert (loss > eps_only).all()  # the VLB term is added
     (loss.sum() - eps_only.sum()).backward()  # the VLB's gradient alone
     assert out.grad[:, :4].abs().max() == 0 and out.grad[:, 4:].abs().max() > 0  # the mean is detached in it
+
+
+def test_the_run_defaults_per_family():
+    """SD3 preconditions its outputs and Sana does not; PixArt-Sigma's full fine-tunes learn the variance, its LoRA
+    runs do not, and --no-learned-variance or a model without variance channels turn it off."""
+    from train.config import TrainConfig
+    from train.loop import build_run_objective
+    from train.presets import get_preset
+
+    def objective(model, **kw):
+        preset = get_preset(model)
+        return build_run_objective(TrainConfig(model=model, **kw), preset, preset.transformer_config())
+
+    assert objective("sd35-large").precondition_outputs and objective("sd35-large").weighting_scheme == "logit_normal"
+    assert not objective("sd35-large", precondition_outputs=False).precondition_outputs
+    assert not objective("sana-1600m").precondition_outputs
+    assert objective("pixart-sigma-1024").learned_variance
+    assert not objective("pixart-sigma-1024", lora_rank=16).learned_variance
+    assert not objective("pixart-sigma-1024", learned_variance=False).learned_variance
+    preset = get_preset("pixart-sigma-1024")
+    no_variance = {**preset.transformer_config(), "out_channels": preset.transformer_config()["in_channels"]}
+    with pytest.raises(ValueError, match="predicts no variance channels"):
+        build_run_objective(TrainConfig(model="pixart-sigma-1024", learned_variance=True), preset, no_variance)
+    assert not build_run_objective(TrainConfig(model="pixart-sigma-1024"), preset, no_variance).learned_variance

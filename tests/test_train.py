@@ -65,7 +65,10 @@ def test_resume_equals_an_uninterrupted_run(caches, tmp_path):
 
 def test_fp16_run_restarts_in_bf16(caches, tmp_path, caplog):
     cache = caches["tiny-sana"]
-    before = {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}
+    def cached():  # the cache's files, without the registrations of the runs reading it
+        return {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file() and p.parent.name != "_readers"}
+
+    before = cached()
     train(cfg(cache, tmp_path, steps=4, precision="fp16"))
     ckpt = complete_checkpoints(tmp_path)[-1]
     assert (ckpt / "scaler.pt").exists()
@@ -81,7 +84,7 @@ def test_fp16_run_restarts_in_bf16(caches, tmp_path, caplog):
     assert not (ckpt / "scaler.pt").exists()
     rows = metrics(tmp_path)
     assert [r["precision"] for r in rows] == ["fp16"] * 4 + ["bf16"] * 4
-    assert before == {p: p.stat().st_mtime_ns for p in cache.rglob("*") if p.is_file()}  # nothing re-encoded
+    assert before == cached()  # nothing re-encoded
 
 
 def test_resuming_a_finished_run_changes_nothing(caches, tmp_path, capsys):
@@ -111,6 +114,14 @@ def test_resume_applies_a_new_schedule_and_refuses_a_new_seed(caches, tmp_path, 
         train(cfg(caches["tiny-sana"], tmp_path, steps=6, seed=1))
     with pytest.raises(ValueError, match="--optimizer adamw, this run has came"):
         train(cfg(caches["tiny-sana"], tmp_path, steps=6, optimizer="came"))
+    train(cfg(caches["tiny-sana"], tmp_path, steps=5, lr=5e-4, weight_decay=0.01, ema_decay=0.5, warmup_steps=10,
+              lr_schedule="cosine"))
+    assert "lr-schedule constant -> cosine from step 4" in capsys.readouterr().out
+    for other, flag in ((dict(batch_size=2), "--batch-size 4"), (dict(remainder="drop"), "--remainder repeat"),
+                        (dict(pretrained=str(tmp_path)), "continues its own weights.*--pretrained"),
+                        (dict(revision="v2"), "continues its own weights.*--revision v2")):
+        with pytest.raises(ValueError, match=flag):
+            train(cfg(caches["tiny-sana"], tmp_path, steps=6, **other))
 
 
 @pytest.mark.slow
@@ -161,6 +172,18 @@ def test_the_cli_refuses_unknown_choices_listing_the_valid_ones():
 
     result = CliRunner().invoke(app, ["--weighting-scheme", "logitnormal"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
     assert result.exit_code == 2 and "'logitnormal' is not one of 'logit_normal', 'mode', 'sigma_sqrt', 'cosmap', 'none'" in result.output
+    from train.__main__ import tools
+
+    wide = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
+    for args, listed in ((["plan", "tiny-sana", "--ema", "gpu"], "'off', 'device', 'cpu'"),
+                         (["plan", "tiny-sana", "--parallel", "zero3"], "'ddp', 'fsdp'"),
+                         (["plan", "tiny-sana", "--precision", "bf32"], "'fp32', 'bf16', 'fp16'"),
+                         (["plan", "tiny-sana", "--weights-dtype", "fp8"], "'fp32', 'bf16'"),
+                         (["export", "RUN", "--out", "OUT", "--dtype", "int4"], "'fp32', 'bf16', 'fp16'"),
+                         (["sample", "RUN", "--prompt-cache", "C", "--precision", "fp64"], "'fp32', 'bf16', 'fp16'"),
+                         (["sample", "RUN", "--prompt-cache", "C", "--decode-device", "tpu"], "'cpu', 'device'")):
+        result = CliRunner().invoke(tools, args, env=wide)
+        assert result.exit_code == 2 and f"is not one of {listed}" in result.output, (args, result.output)
 
 
 def test_adamw_8bit_without_bitsandbytes_says_how_to_install(monkeypatch):

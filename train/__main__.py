@@ -13,11 +13,12 @@ import logging
 import sys
 import typing
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 import typer
 
-from train.config import TrainConfig
+from shards import CorruptSample
+from train.config import Precision, TrainConfig
 from train.presets import PRESETS
 
 # torchrun's own parser would take `--run` for an abbreviation of its `--run-path`
@@ -57,10 +58,16 @@ def _signature() -> inspect.Signature:
 
 
 command.__signature__ = _signature()
+# Exit codes (README): 0 done (or already finished); 2 bad options, cache or checkpoint, refused resume; 3 the cache's
+# files are missing or a sample failed its digest (a checkpoint was written first; the message says how to repair).
+EXIT_INPUT, EXIT_DAMAGED = 2, 3
+
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 app.command(help=__doc__)(command)
 
 tools = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
+# Fixed sets of values (typer refuses anything else, listing them)
+PlanOptimizer = Literal["adamw", "adamw-bf16", "adamw-8bit", "came", "came-8bit", "adafactor"]
 
 
 @tools.command("export")
@@ -69,7 +76,7 @@ def export_command(
     out: Path = typer.Option(..., help="Output directory; the transformer goes to OUT/transformer in the diffusers layout. "
                              "A LoRA run's adapters go to OUT (pipe.load_lora_weights(OUT); PixArt: PeftModel.from_pretrained)."),
     ema: bool = typer.Option(False, help="Export the EMA weights instead of the trained ones."),
-    dtype: Optional[str] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
+    dtype: Optional[Precision] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
     merge_lora: bool = typer.Option(False, help="A LoRA run: fold the adapters into the base weights and write the whole "
                                     "transformer to OUT/transformer (for pipelines without a LoRA loader, e.g. PixArt-Sigma's)."),
 ) -> None:
@@ -90,8 +97,8 @@ def sample_command(
     guidance: float = typer.Option(4.5, help="Classifier-free guidance scale."),
     seed: int = typer.Option(0, help="Seed of the initial noise (fixed per prompt and bucket)."),
     ema: bool = typer.Option(False, help="Sample with the EMA weights."),
-    precision: str = typer.Option("bf16", help="Autocast precision of the transformer: fp32, bf16 or fp16."),
-    decode_device: str = typer.Option("cpu", help="Decode on the cpu or on the device the transformer ran on (freed first)."),
+    precision: Precision = typer.Option("bf16", help="Autocast precision of the transformer: fp32, bf16 or fp16."),
+    decode_device: Literal["cpu", "device"] = typer.Option("cpu", help="Decode on the cpu or on the device the transformer ran on (freed first)."),
     out: Optional[Path] = typer.Option(None, help="Output directory (default: CHECKPOINT/samples)."),
 ) -> None:
     """Images for cached prompts from any checkpoint: one PNG per prompt and bucket."""
@@ -110,14 +117,14 @@ def plan_command(
     batch: int = typer.Option(1, help="Samples per batch on each device."),
     resolution: Optional[int] = typer.Option(None, help="Square bucket of this many pixels a side (default 1024, 256 for tiny-*)."),
     bucket: Optional[str] = typer.Option(None, help="Bucket HxW (instead of --resolution)."),
-    precision: str = typer.Option("bf16", help="Compute precision: fp32, bf16 or fp16."),
-    weights_dtype: str = typer.Option("fp32", help="Weights (and gradients, optimizer states) dtype: fp32 or bf16."),
-    optimizer: str = typer.Option("adamw", help="adamw, adamw-bf16, adamw-8bit, came, came-8bit (planning only: no maintained "
+    precision: Precision = typer.Option("bf16", help="Compute precision: fp32, bf16 or fp16."),
+    weights_dtype: Literal["fp32", "bf16"] = typer.Option("fp32", help="Weights (and gradients, optimizer states) dtype: fp32 or bf16."),
+    optimizer: PlanOptimizer = typer.Option("adamw", help="adamw, adamw-bf16, adamw-8bit, came, came-8bit (planning only: no maintained "
                                                 "implementation to train with) or adafactor."),
     grad_ckpt: str = typer.Option("off", help="Gradient checkpointing: off, all or every-K."),
-    ema: str = typer.Option("off", help="EMA on the device, on the cpu, or off."),
+    ema: Literal["off", "device", "cpu"] = typer.Option("off", help="EMA on the device, on the cpu, or off."),
     world_size: int = typer.Option(1, help="Number of devices."),
-    parallel: str = typer.Option("ddp", help="ddp (replicated) or fsdp (sharded over --world-size)."),
+    parallel: Literal["ddp", "fsdp"] = typer.Option("ddp", help="ddp (replicated) or fsdp (sharded over --world-size)."),
     cpu_offload: bool = typer.Option(False, help="FSDP CPU offload of parameters, gradients and optimizer states."),
     text_tokens: Optional[int] = typer.Option(None, help="Caption tokens to plan for (default: the preset's limit, 300; SD3 77 + 256)."),
     gpu_memory: str = typer.Option("80GB", help="Memory of one device, e.g. 48GB."),
@@ -144,9 +151,9 @@ def _run(fn) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         fn()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError) as e:  # CorruptSample is a ValueError: exit 3, the repair is in the message
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(EXIT_DAMAGED if isinstance(e, CorruptSample) else EXIT_INPUT)
 
 
 def main() -> None:

@@ -8,13 +8,14 @@ objects: torch files hold only tensors and plain containers and load with `weigh
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
-from shards.atomic import atomic_write_json, fsync_dir
+from shards.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
 from train.distributed import barrier
 
 MARKER = "COMPLETE"
@@ -66,9 +67,12 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
         for name, obj in tensors.items():
             torch.save(obj, tmp / f"{name}.pt")
         atomic_write_json(tmp / "state.json", {"version": STATE_VERSION, **state})
+    if sharded is not None:
+        fsync_tree(tmp / SHARDED)  # each rank its own files, before the checkpoint is marked complete
     barrier()
     if rank == 0:
-        (tmp / MARKER).write_text("ok\n")
+        fsync_tree(tmp)
+        atomic_write_bytes(tmp / MARKER, b"ok\n")
         fsync_dir(tmp)
         if final.exists():  # a re-save of the same step
             shutil.rmtree(final)
@@ -78,6 +82,19 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
             shutil.rmtree(old)
     barrier()
     return final
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file and directory under `root` to stable storage (writers like `save_pretrained` and
+    `torch.save` do not), deepest first, so a marker written afterwards never names data still in flight."""
+    for directory, _, files in sorted(os.walk(root), key=lambda entry: -entry[0].count(os.sep)):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(directory))
 
 
 def load_sharded(path: Path, state: dict) -> dict:
@@ -167,6 +184,8 @@ def check_resumable(path: Path, state: dict, config: dict, world: int, parallel:
                          f"{state['cache_fingerprint_sha256'][:16]}, this cache {fingerprint[:16]}): its latents or embeddings "
                          f"mean something else. Use the cache it was trained from, or start a new run (--resume '').")
     was = state["config"]
+    if not config.get("lora_rank"):
+        check_start_weights(path, state.get("weights") or {}, config)
     for name, why in REFUSED_ON_RESUME.items():
         if name in was and _same(was[name]) != _same(config[name]):
             flag = "--" + name.replace("_", "-")
@@ -174,6 +193,25 @@ def check_resumable(path: Path, state: dict, config: dict, world: int, parallel:
                              f"{flag} {was[name]}, or start a new run (another --run-dir, or --resume '').")
     return [f"{name.replace('_', '-')} {was[name]} -> {config[name]}" for name in APPLIED_ON_RESUME
             if name in was and _same(was[name]) != _same(config[name])]
+
+
+def check_start_weights(path: Path, was: dict, config: dict) -> None:
+    """A full fine-tune resumes its own weights from the checkpoint: refuse --pretrained, --revision or
+    --from-scratch asking for other starting weights (they would be ignored otherwise)."""
+    asked = []
+    if config.get("from_scratch") and was.get("kind") not in (None, "fresh"):
+        asked.append("--from-scratch")
+    pretrained = config.get("pretrained")
+    if pretrained:
+        local = Path(pretrained).expanduser()
+        if (str(local.resolve()) if local.is_dir() else pretrained) != was.get("source"):
+            asked.append(f"--pretrained {pretrained}")
+    if config.get("revision") and config["revision"] != was.get("revision"):
+        asked.append(f"--revision {config['revision']}")
+    if asked:
+        raise ValueError(f"{path} continues its own weights (the run started from {was.get('source', 'unrecorded weights')}); "
+                         f"{' '.join(asked)} would start from others. Resume without it, or start a new run (another "
+                         f"--run-dir, or --resume '').")
 
 
 def _same(value):

@@ -83,6 +83,8 @@ class TrainConfig:
     ema_device: Literal["device", "cpu"] = opt("device", "Keep the EMA on the training device, or on the CPU (pinned; each update "
                                                          "copies the weights there first).")
     workers: int = opt(0, "DataLoader worker processes reading the memory-mapped shards; 0 reads them in the training process.")
+    check_digests: bool = opt(True, "Check every sample read against the digest stored with it; a mismatch stops the run "
+                                    "after a checkpoint, naming the shard and the repair command.")
     checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT).")
     keep_checkpoints: int = opt(3, "Keep the newest K checkpoints.")
     resume: str | None = opt("auto", "auto (newest complete checkpoint of the run, if any), a checkpoint directory, or '' to "

@@ -145,15 +145,19 @@ class TextLayout:
 class TrainingSamples(torch.utils.data.Dataset):
     """Cache samples made ready for the model, indexed by (epoch, global index).
 
-    Per sample and epoch: a fresh latent from the cached posterior (mean + std * eps) where the cache
+    Reads one cache generation (default: the newest when built) and, with `check_digests`, checks every
+    sample against its stored digest (`shards.CorruptSample` names the shard). Per sample and epoch: a fresh latent from the cached posterior (mean + std * eps) where the cache
     stores one, one of the sample's captions, and caption dropout: to the cached empty-caption embedding
     (`null="empty"`, PixArt and Sana) or to zeroed embeddings (`null="zeros"`, SD3's convention).
     """
 
-    def __init__(self, cache_dir, seed: int, caption_dropout: float, null: str = "empty"):
+    def __init__(self, cache_dir, seed: int, caption_dropout: float, null: str = "empty", *, generation: int | None = None,
+                 check_digests: bool = True):
         self.cache_dir, self.seed, self.caption_dropout = cache_dir, seed, caption_dropout
+        self.check_digests = check_digests
         self._cache: Cache | None = None
-        cache = Cache(cache_dir)
+        cache = Cache(cache_dir, generation)
+        self.generation = cache.generation  # every worker reads this one, whatever is committed meanwhile
         self.layout = TextLayout.of(cache)
         if null not in ("empty", "zeros"):
             raise ValueError(f"caption dropout embedding {null!r}: choose empty or zeros")
@@ -169,7 +173,7 @@ class TrainingSamples(torch.utils.data.Dataset):
     @property
     def cache(self) -> Cache:
         if self._cache is None:  # opened lazily, in each worker
-            self._cache = Cache(self.cache_dir)
+            self._cache = Cache(self.cache_dir, self.generation, check_digests=self.check_digests)
         return self._cache
 
     def __getitem__(self, item: tuple[int, int]) -> dict:
@@ -235,7 +239,8 @@ class Prefetcher:
         self.loader, self.device = iter(loader), device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.wait_s = 0.0
-        self._next = self._load()
+        self._next = None
+        self._started = False  # the first batch is read at the first `next`, where the loop handles read errors
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
@@ -257,6 +262,9 @@ class Prefetcher:
     def __next__(self) -> dict:
         import time
 
+        if not self._started:
+            self._started = True
+            self._next = self._load()
         batch = self._next
         if batch is None:
             raise StopIteration

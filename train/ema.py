@@ -31,7 +31,8 @@ class EMA:
     def _place(self) -> None:
         # fp32 whatever the weights' dtype: a bf16 average would drop the (1 - decay)-sized updates
         self.model.to(device=self.device, dtype=torch.float32)
-        if self.device.type == "cpu" and torch.cuda.is_available():
+        sharded = any(type(p).__name__ == "DTensor" for p in self.model.shadow_params)  # FSDP: shards beside the weights
+        if self.device.type == "cpu" and torch.cuda.is_available() and not sharded:
             self.model.pin_memory()  # the copies from the GPU then run at full bandwidth
         self._staging = None
 

@@ -19,7 +19,9 @@ import torch
 import torch.utils.checkpoint
 from tqdm import tqdm
 
-from shards import Cache
+from shards import Cache, CorruptSample, register_reader
+from shards.atomic import atomic_write_bytes
+from shards.reader import REPAIR
 from train import checkpoint, distributed
 from train.data import (BATCH_SAMPLER_VERSION, BucketBatchSampler, Prefetcher, TrainingSamples, _generator, derived_seed,
                         epoch_loader)
@@ -34,9 +36,20 @@ from train.presets import build_transformer, get_preset, model_forward, resolve_
 from train.validate import Validator
 
 log = logging.getLogger("train")
+
+
 def check_cache(preset, cache: Cache, config: dict) -> None:
     """Stop before loading weights when the cache cannot feed this model, naming the fields."""
     fp, extra = cache.fingerprint, cache.manifest.extra.get("precompute", {})
+    absent = []
+    for part, keys in (("vae", ("latent_channels", "downsample")), ("text_encoder", ())):
+        if not isinstance(fp.get(part), dict):
+            absent.append(part)
+        else:
+            absent += [f"{part}.{key}" for key in keys if key not in fp[part]]
+    if absent:
+        raise ValueError(f"the cache {cache.root} was not built by this product's stage one (its fingerprint has no "
+                         f"{', '.join(absent)}); build one with make precompute DATA=... MODEL={preset.name}")
     patch = config.get("patch_size", 1)
     problems = []
     if extra.get("family") and extra["family"] != preset.family:
@@ -226,6 +239,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         return {"step": state["step"], "epoch": state["epoch"], "elapsed_s": time.perf_counter() - t_start, "grids": [],
                 "last_loss": None, "checkpoint": str(resume_from), "finished": True}
     run_config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    if state.get("cache_generation") is not None:  # the generation its epoch was reading, whatever was committed since
+        cache = Cache(cfg.cache, generation=state["cache_generation"])
+    check_cache_files(cache)  # every listed shard exists with its size (one stat each), before any weights load
     if state:
         for change in checkpoint.check_resumable(resume_from, state, run_config, world, parallel, cache.manifest.fingerprint_sha256):
             say(f"applied on resume: {change} from step {state['step']}")
@@ -284,7 +300,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     optimizer = build_optimizer(cfg, params, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
-    ema = EMA(params, cfg.ema_decay, device if cfg.ema_device == "device" else "cpu") if cfg.ema_decay > 0 else None
+    ema = EMA(params, cfg.ema_decay, ema_device_for(cfg, device)) if cfg.ema_decay > 0 else None
 
     # 3. resume: weights came with the model; now optimizer, schedule, scaler, EMA, data cursor
     step, epoch, cursor = 0, 0, 0
@@ -331,23 +347,20 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         weights_record = weights.to_json()
 
     # 4. data: one bucket per batch, the same number of batches on every rank
-    def sampler_for(c: Cache, only: set[str] | None = None) -> BucketBatchSampler:
-        return BucketBatchSampler(c.ranges_by_bucket(only), cfg.batch_size, cfg.seed, rank, world, cfg.remainder)
+    def sampler_for(c: Cache) -> BucketBatchSampler:
+        return BucketBatchSampler(c.ranges_by_bucket(), cfg.batch_size, cfg.seed, rank, world, cfg.remainder)
 
-    # An epoch keeps the shards it started with; shards added meanwhile join at the next epoch.
-    epoch_shards = [s.path for s in cache.shards]
-    if state:
-        missing = set(state["epoch_shards"]) - set(epoch_shards)
-        if missing:
-            raise ValueError(f"{resume_from}: its epoch's shards {sorted(missing)[:3]} are gone from {cache.root}; "
-                             f"the cache was rebuilt or samples removed mid-epoch. Resume from an epoch boundary or start a new run.")
-        epoch_shards = state["epoch_shards"]
-    sampler = sampler_for(cache, set(epoch_shards))
+    # An epoch reads the cache generation it started with; samples committed or removed meanwhile count from
+    # the next epoch on.
+    if is_main:
+        register_reader(cache.root, cfg.run, cache.generation)  # `shards gc` keeps this generation's files
+    sampler = sampler_for(cache)
     say(f"cache {cache.root}: {len(cache)} samples, {sampler.batches_per_epoch()} batches of {cfg.batch_size} x {world} "
         f"rank(s) per epoch")
     for bucket, st in cache.manifest.buckets().items():
         say(f"  {bucket.name:>10}: {st.samples} samples")
-    dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset))
+    dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset), generation=cache.generation,
+                              check_digests=cfg.check_digests)
     autocast = torch.autocast(device.type, dtype=PRECISIONS[cfg.precision], enabled=cfg.precision != "fp32")
     forward = model_forward(net, preset.family)
     if is_main or cfg.dry_run:
@@ -391,10 +404,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             adapter_files = (ADAPTER_DIR, lambda d: lora.save_adapter(d, preset.family, lora.adapter_state(model), adapter))
         checkpoint.save(cfg.run, step, model=model, tensors=tensors, keep=cfg.keep_checkpoints, sharded=sharded, rank=rank,
                         adapter=adapter_files, state={
-            "step": step, "epoch": epoch, "cursor": cursor, "epoch_shards": epoch_shards, "world_size": world, "model": cfg.model,
+            "step": step, "epoch": epoch, "cursor": cursor, "world_size": world, "model": cfg.model,
             "parallel": parallel,
             "smoothed_loss": [smooth_sum, smooth_n],
-            "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "precision_history": history, "weights": weights_record,
+            "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "cache_generation": cache.generation,
+            "cache_root": str(cache.root.resolve()), "precision_history": history, "weights": weights_record,
             "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder},
             "config": run_config,
         })
@@ -427,7 +441,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                                       int(Path(message).stem.removeprefix("samples-step")), dataformats="HWC")
 
     # 5. the loop
+    if is_main:  # a resumed run's metrics restart at its step: what came after the checkpoint is redone
+        truncate_metrics(cfg.run / "metrics.jsonl", step)
     metrics = open(cfg.run / "metrics.jsonl", "a") if is_main else None
+    damaged: list[CorruptSample] = []
     bar = tqdm(total=cfg.steps, initial=step, unit="step", disable=not cfg.progress or not is_main, dynamic_ncols=True)
     bad_in_row, micro = 0, 0
     window = {"loss": 0.0, "n": 0, "samples": 0, "t0": time.perf_counter(), "wait": 0.0, "bins": [[0.0, 0] for _ in range(TIMESTEP_BINS)]}
@@ -437,7 +454,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     while step < cfg.steps and stop["signal"] is None:
         batches = sampler(epoch, start=cursor)
         prefetch = Prefetcher(epoch_loader(dataset, batches, epoch, cfg.workers, device), device)
-        for batch in prefetch:
+        for batch in until_damaged(prefetch, damaged):
             cursor += 1
             # Noise and timesteps of this micro-batch: drawn for the global batch, this rank's slice taken.
             g = _generator(cfg.seed, 1_000_003, step, micro, device=device)
@@ -534,16 +551,31 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             if step >= cfg.steps or stop["signal"] is not None:
                 break
         else:
+            if damaged:
+                break
             # the epoch is done: the next one starts at its first batch and sees shards added meanwhile
             epoch, cursor = epoch + 1, 0
             wait_before += prefetch.wait_s
             cache = Cache(cfg.cache)
-            epoch_shards = [s.path for s in cache.shards]
+            check_cache_files(cache)
+            if is_main:
+                register_reader(cache.root, cfg.run, cache.generation)
             sampler = sampler_for(cache)
-            dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset))
+            dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset),
+                                      generation=cache.generation, check_digests=cfg.check_digests)
     bar.close()
     if metrics is not None:
         metrics.close()
+    if damaged:  # checkpoint at the last whole step, then stop: resuming redoes the step whose batch was damaged
+        cursor -= micro
+        if world == 1:  # other ranks are mid-step: their next collective fails and torchrun stops them
+            save_checkpoint()
+        if validator is not None:
+            validator.close()
+        for s, h in previous_handlers.items():
+            signal.signal(s, h)
+        resumes = f"; {checkpoint.complete_checkpoints(cfg.run)[-1]} resumes the run" if checkpoint.complete_checkpoints(cfg.run) else ""
+        raise CorruptSample(f"{damaged[0]} Training stopped at step {step}{resumes} once it is repaired.")
     save_checkpoint()
     if validator is not None:
         if stop["signal"] is None and validated_at != step:
@@ -562,6 +594,40 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     say(f"run {cfg.run}: step {step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
           f"loss curve {cfg.run / 'loss.png'}")
     return summary
+
+
+def ema_device_for(cfg: TrainConfig, device: torch.device) -> torch.device:
+    """Where the EMA's shadow weights live: the training device, the CPU when asked, and beside the weights
+    under FSDP's CPU offload (sharded like them, so an update never mixes devices or DTensors with tensors)."""
+    return torch.device("cpu") if cfg.ema_device == "cpu" or cfg.fsdp_cpu_offload else device
+
+
+def until_damaged(batches, damaged: list):
+    """The batches, until one holds a sample that fails its digest: the error goes into `damaged` and the
+    iteration ends (the caller checkpoints and stops)."""
+    try:
+        yield from batches
+    except CorruptSample as e:
+        damaged.append(e)
+
+
+def check_cache_files(cache: Cache) -> None:
+    """Every shard of the generation exists with its listed size (one stat each), before any step."""
+    problems = cache.check_files()
+    if problems:
+        listed = "; ".join(f"{path}: {what}" for path, what in problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CorruptSample(f"{len(problems)} shard(s) of {cache.root} (generation {cache.generation}) are missing or damaged: "
+                         f"{listed}. {REPAIR.format(root=cache.root)}")
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics of steps up to `step` (the resumed one; 0: none), written atomically."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(lines):
+        atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
 
 
 def device_memory(device: torch.device) -> int:
