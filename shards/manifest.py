@@ -610,13 +610,11 @@ def load(root: str | os.PathLike, generation: int | None = None) -> Manifest:
         raise FileNotFoundError(missing_manifest(root)[1])
     if generation is not None and generation < 0:
         raise ValueError(f"generation {generation} is negative; the first generation is 0")
-    base = [g for g in snapshots(root) if generation is None or g <= generation]
     first = root / LOG_DIR / LOG_NAME.format(0)
-    if base:
-        manifest = Manifest.from_snapshot(root / SNAPSHOT_DIR / SNAPSHOT_NAME.format(base[-1]))
-    elif (commit := read_commit(first)) is not None:
+    manifest = _snapshot_at_or_before(root, generation)
+    if manifest is None and (commit := read_commit(first)) is not None:
         manifest = Manifest.from_init(commit, str(first))
-    else:
+    if manifest is None:
         raise FormatError(f"{root} has no generation {generation} any more (the oldest kept is "
                           f"{first_generation(root)}): `python -m shards gc` collected it, since no registered run "
                           f"needed it")
@@ -625,6 +623,20 @@ def load(root: str | os.PathLike, generation: int | None = None) -> Manifest:
         raise FormatError(f"{root} has no generation {generation} (the newest is {manifest.generation}); the run that "
                           f"recorded it belongs to another cache")
     return manifest
+
+
+def _snapshot_at_or_before(root: Path, generation: int | None) -> Manifest | None:
+    """The newest snapshot at or before `generation`, loaded; a writer may prune the one listed a moment ago
+    (`prune_snapshots`), so the listing is read again then."""
+    for _ in range(3):
+        base = [g for g in snapshots(root) if generation is None or g <= generation]
+        if not base:
+            return None
+        try:
+            return Manifest.from_snapshot(root / SNAPSHOT_DIR / SNAPSHOT_NAME.format(base[-1]))
+        except FileNotFoundError:
+            continue
+    raise FormatError(f"{root}: the snapshots under {SNAPSHOT_DIR}/ kept disappearing while loading; retry")
 
 
 def replay(root: Path, manifest: Manifest, upto: int | None = None) -> list[dict]:
@@ -720,6 +732,16 @@ def compact(root: Path, manifest: Manifest, rank: int = 0) -> None:
         fsync_dir(root)
     _create(directory / SNAPSHOT_NAME.format(manifest.generation), manifest.encode_snapshot(), rank)
     write_pointer(root, manifest)
+    prune_snapshots(root)
+
+
+def prune_snapshots(root: Path) -> None:
+    """Delete the snapshots between the oldest and the two newest. Every generation stays loadable: the log is
+    kept until `gc`, and the oldest snapshot is where it starts once `gc` collected its beginning; the
+    previous newest is kept for a reader that listed it a moment ago. Without this a million-shard cache
+    would keep a hundred snapshots of growing size."""
+    for generation in snapshots(root)[1:-2]:
+        (root / SNAPSHOT_DIR / SNAPSHOT_NAME.format(generation)).unlink(missing_ok=True)
 
 
 def write_pointer(root: Path, manifest: Manifest) -> None:

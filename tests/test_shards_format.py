@@ -577,3 +577,17 @@ def test_auxiliary_files_stay_inside_the_cache(tmp_path):
         with pytest.raises(ValueError, match="outside the cache"):
             w.add_file("decoder", "vae/../../decoder.json", b"{}")
     assert verify(tmp_path).ok and not (tmp_path.parent / "decoder.json").exists()
+
+
+def test_compaction_keeps_three_snapshots_and_every_generation_loads(tmp_path, monkeypatch):
+    import shards.manifest as m
+
+    monkeypatch.setattr(m, "COMPACT_MIN", 4)
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA, max_shard_samples=1) as w:
+        for i in range(60):
+            w.write(*make_sample(i))
+    kept = m.snapshots(tmp_path)
+    assert len(kept) == 3 and kept[0] == 3, kept  # the oldest and the two newest
+    newest = Cache(tmp_path).generation
+    for g in range(newest + 1):  # a reader of any generation still loads it (log + the oldest snapshot)
+        assert len(Cache(tmp_path, generation=g)) == g + 1
