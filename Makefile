@@ -36,6 +36,8 @@ DEMO_PROMPTS = --validation-prompt "a large red circle on a blue background" \
 	--validation-prompt "a large white triangle on a green background"
 
 PLAN_ARGS ?=
+# Cache sizes of the scale benchmark (make bench); SCALE_SIZES=10000,100000,1000000 adds the 1M-sample cache (~9 min more).
+SCALE_SIZES ?= 10000,100000
 
 .PHONY: install test bench precompute train plan demo clean
 
@@ -54,6 +56,7 @@ bench: install
 	$(PY) bench/shards_read.py
 	$(PY) bench/precompute.py
 	$(PY) bench/train_step.py --workers 0
+	$(PY) bench/scale.py --sizes $(SCALE_SIZES)
 
 precompute: install
 	@test -n "$(DATA)" || { echo "usage: make precompute DATA=<folder or tars> [MODEL=$(MODEL)] [CACHE=$(CACHE)] [NPROC=1]"; exit 2; }

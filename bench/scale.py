@@ -1,0 +1,342 @@
+"""How the cache's costs grow with its size: shard commits, manifest load, the incremental decision, open readers.
+
+For each size, a synthetic cache is built with `shards.ShardWriter`: small tiny-sana-like samples (~0.6 KB:
+bf16 latent mean and std (4, h/8, w/8) in three buckets, ragged bf16 text (1-7 tokens, 16), int32 size),
+16-hex-char keys, 30-char source paths, S samples per shard; the point is the number of samples and shards,
+not bytes. One torch thread, warm page cache (everything was just written), on this machine, side by side:
+
+- commit: wall time of `ShardWriter.commit` (the manifest's part of publishing one shard: its log file and
+  fsyncs, a snapshot when one is due), its CPU time (this thread's: the library's own work, without the
+  wait on the disk, whose fsync latency swings with what else the machine writes) and the bytes the process
+  wrote meanwhile (/proc/self/io wchar), over the first W and the last W commits of the build, fsync ON.
+  Between the two windows os.fsync is a no-op, so that 70k+ shards build in minutes (`--fsync-always`
+  keeps it on); os.sync() runs before each window so its fsyncs do not pay for the bulk's writeback.
+  publish = shard file + commit. snapshot: the writer's final manifest compacted once more (fsync on, into
+  a scratch directory) and the gap between the last two snapshots the writer took; amortized = mean
+  ordinary commit + snapshot / gap. kept: the snapshots on disk at the end (until `python -m shards gc`).
+- load: `Cache(root)` in a fresh process: seconds, and peak RSS growth (VmHWM, reset just before).
+- decide (the incremental "nothing changed" run): in a fresh process, `shards.load(root)`, a table source ->
+  (key, stamp) of every sample (`Manifest.by_source()` if the library has it, else `Manifest.samples()`),
+  then one lookup per input; no shard is opened. Past --decide-seconds the table is left unfinished and its
+  rate so far extrapolated (marked ~).
+- readers: in a fresh process, `Cache(root)` reads samples, fields copied out as a collate does: every sample
+  in random order when there are at most --reads of them, else one random sample of every shard, shards in
+  random order (so every shard is opened). Reported: the most shard readers open at once
+  (`len(cache._readers)`) and the most mappings of .safetensors files (/proc/self/maps, every 32 reads and at
+  the end), against vm.max_map_count.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import typer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import shards  # noqa: E402
+from shards import Cache, Field, ShardWriter  # noqa: E402
+from shards.manifest import compact, snapshots  # noqa: E402
+
+torch.set_num_threads(1)
+
+SCHEMA = {
+    "latent_mean": Field(torch.bfloat16),
+    "latent_std": Field(torch.bfloat16),
+    "text": Field(torch.bfloat16, ragged=True),
+    "original_size": Field(torch.int32),
+}
+FINGERPRINT = {"vae": {"id": "bench-vae", "scaling_factor": 0.13025}, "text_encoder": {"id": "bench-t5", "max_length": 300}}
+BUCKETS = [(64, 64), (48, 80), (80, 48)]
+# Samples per shard of the default sizes: as many shards as the time budget allows, and more shards than
+# vm.max_map_count at 1M. Other sizes: at most ~72k shards.
+PER_SHARD = {10_000: 1, 100_000: 4, 1_000_000: 14}
+REAL_FSYNC = os.fsync
+
+
+def key(i: int) -> str:
+    return f"{i * 0x9E3779B97F4A7C15 % 2**64:016x}"  # an odd multiplier mod 2^64: unique, hash-like
+
+
+def source(i: int) -> str:
+    return f"images/{i // 10_000:05d}/{i:09d}.jpg"
+
+
+def stamp(i: int) -> int:
+    return (i * 0x2545F4914F6CDD1D) % 2**63
+
+
+def set_fsync(on: bool) -> None:
+    os.fsync = REAL_FSYNC if on else (lambda fd: None)
+
+
+def written_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
+def memory(field: str) -> int:
+    """A line of /proc/self/status in bytes, e.g. VmRSS (resident now) or VmHWM (its peak)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def reset_peak() -> int:
+    """Start VmHWM afresh at the current RSS, and return that. (Not ru_maxrss: Linux copies the parent's into
+    a child at fork, so a child of the big builder process would report the builder's peak.)"""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return memory("VmRSS")
+
+
+def peak_growth(before: int) -> int:
+    return memory("VmHWM") - before
+
+
+def mapped_shards() -> int:
+    with open("/proc/self/maps") as f:
+        return sum(".safetensors" in line for line in f)
+
+
+def build_pool() -> dict[tuple[int, int], list[dict[str, torch.Tensor]]]:
+    """Per bucket, 7 samples (text of 1-7 tokens) reused under fresh keys."""
+    g = torch.Generator().manual_seed(0)
+    pool = {}
+    for h, w in BUCKETS:
+        pool[(h, w)] = [{"latent_mean": torch.randn(4, h // 8, w // 8, generator=g).bfloat16(),  # (4, h/8, w/8)
+                         "latent_std": torch.rand(4, h // 8, w // 8, generator=g).bfloat16(),
+                         "text": torch.randn(tokens, 16, generator=g).bfloat16(),  # (L, 16)
+                         "original_size": torch.tensor([h, w], dtype=torch.int32)} for tokens in range(1, 8)]
+    return pool
+
+
+def build(root: Path, n: int, per_shard: int, window: int, fsync_always: bool) -> dict:
+    """Write n samples, shard k holding samples [k S, (k+1) S) of bucket k % 3, so shard k is generation k;
+    time the commits of shards [1, 1 + window) and the last `window`."""
+    count = math.ceil(n / per_shard)
+    windows = {"start": range(1, 1 + window), "end": range(count - window, count)}
+    records: dict[str, list[dict]] = {"start": [], "end": []}
+    current: dict[str, tuple[float, float, int]] = {}
+    phase = None
+    pool = build_pool()
+    t_build = time.perf_counter()
+    writer = ShardWriter(root, FINGERPRINT, SCHEMA, max_shard_samples=per_shard)
+
+    def timed(fn, name):
+        def call(*args, **kwargs):
+            if phase is None:
+                return fn(*args, **kwargs)
+            b0, c0, t0 = written_bytes(), time.thread_time(), time.perf_counter()
+            out = fn(*args, **kwargs)
+            current[name] = (time.perf_counter() - t0, time.thread_time() - c0, written_bytes() - b0)
+            return out
+        return call
+
+    writer.commit, writer.flush = timed(writer.commit, "commit"), timed(writer.flush, "publish")
+    try:
+        for k in range(count):
+            phase = next((p for p, r in windows.items() if k in r), None)
+            if phase and k == windows[phase].start:
+                os.sync()  # the bulk's dirty pages are written back now, not by the window's fsyncs
+            set_fsync(phase is not None or fsync_always)
+            bucket = BUCKETS[k % len(BUCKETS)]
+            for i in range(k * per_shard, min(n, (k + 1) * per_shard)):
+                writer.write(key(i), bucket, pool[bucket][i % 7], source=source(i), stamp=stamp(i))
+            if k == count - 1 and n % per_shard:
+                writer.flush()  # the last shard, partial
+            if phase:
+                records[phase].append(dict(current))
+                current.clear()
+        phase = None
+        writer.finish()
+    finally:
+        set_fsync(True)
+        writer.close()
+    assert writer.manifest.generation == count - 1, "one commit per shard"
+    build_s = time.perf_counter() - t_build
+
+    # One more snapshot of the final state, as the writer takes them (fsync on), into a scratch directory:
+    # the cache itself keeps the log tail a reader replays.
+    os.sync()
+    scratch = root.parent / f"{root.name}-snapshot"
+    scratch.mkdir()
+    b0, t0 = written_bytes(), time.perf_counter()
+    compact(scratch, writer.manifest)
+    snap_s, snap_b = time.perf_counter() - t0, written_bytes() - b0
+    shutil.rmtree(scratch)
+    taken = snapshots(root)
+    gap = taken[-1] - taken[-2] if len(taken) > 1 else count
+
+    out = {"samples": n, "shards": count, "per_shard": per_shard, "build_s": build_s, "snapshot_s": snap_s,
+           "snapshot_bytes": snap_b, "snapshot_gap": gap, "snapshots_kept": len(taken),
+           "snapshots_kept_bytes": sum(p.stat().st_size for p in (root / shards.manifest.SNAPSHOT_DIR).glob("*.safetensors"))}
+    for name, recs in records.items():
+        commit_s, commit_cpu, commit_b = ([r["commit"][m] for r in recs] for m in range(3))
+        # commits that took a snapshot write far more than the median one; the amortized figure counts
+        # snapshots once, through snapshot / gap
+        ordinary = [(s, b) for s, b in zip(commit_s, commit_b) if b < 10 * statistics.median(commit_b)]
+        out[name] = {"commits": len(recs), "commit_s_median": statistics.median(commit_s),
+                     "commit_s_max": max(commit_s), "commit_cpu_s_median": statistics.median(commit_cpu), "commit_bytes_median": statistics.median(commit_b),
+                     "publish_s_median": statistics.median(r["publish"][0] for r in recs),
+                     "amortized_s": statistics.fmean(s for s, _ in ordinary) + snap_s / gap,
+                     "amortized_bytes": statistics.fmean(b for _, b in ordinary) + snap_b / gap}
+    return out
+
+
+# ---- measured in a fresh process each (see `in_child`) ------------------------------------------------
+
+def measure_load(root: str) -> dict:
+    before, t0 = reset_peak(), time.perf_counter()
+    cache = Cache(root)
+    seconds = time.perf_counter() - t0
+    return {"load_s": seconds, "load_peak_bytes": peak_growth(before), "samples": len(cache)}
+
+
+def measure_decide(root: str, n: int, budget_s: float) -> dict:
+    inputs = [(source(i), key(i), stamp(i)) for i in range(n)]  # the run's listing of its inputs, not timed
+    before, t0 = reset_peak(), time.perf_counter()
+    manifest = shards.load(root)
+    load_s = time.perf_counter() - t0
+    if hasattr(manifest, "by_source"):
+        table = manifest.by_source()
+        indexed, method = n, "Manifest.by_source()"
+    else:
+        table, indexed, method = {}, 0, "Manifest.samples()"
+        for k, s, st, *_ in manifest.samples():
+            table[s] = (k, st)
+            indexed += 1
+            if indexed % 256 == 0 and time.perf_counter() - t0 > budget_s:
+                break
+    index_s = time.perf_counter() - t0 - load_s
+    t1 = time.perf_counter()
+    unchanged = sum(tuple(table.get(s, ())[:2]) == (k, st) for s, k, st in inputs)
+    lookup_s = time.perf_counter() - t1
+    total = load_s + index_s * n / indexed + lookup_s  # the table's rate so far, when unfinished
+    return {"decide_s": total, "decide_complete": indexed == n, "decide_indexed": indexed, "decide_load_s": load_s,
+            "decide_lookup_s": lookup_s, "decide_peak_bytes": peak_growth(before), "unchanged": unchanged,
+            "decide_method": method}
+
+
+def measure_readers(root: str, max_reads: int, seed: int = 0) -> dict:
+    cache = Cache(root)
+    rng = random.Random(seed)
+    counts = cache.shards.column("samples").tolist()
+    if len(cache) <= max_reads:
+        order = list(range(len(cache)))
+    else:  # one sample of every shard: every shard is opened once
+        starts = list(itertools.accumulate(counts, initial=0))
+        order = [starts[j] + rng.randrange(counts[j]) for j in range(len(counts))]
+    rng.shuffle(order)
+    most_open = most_mapped = 0
+    t0 = time.perf_counter()
+    for r, i in enumerate(order):
+        for t in cache[i].fields.values():
+            t.clone()
+        most_open = max(most_open, len(cache._readers))
+        if r % 32 == 0:
+            most_mapped = max(most_mapped, mapped_shards())
+    most_mapped = max(most_mapped, mapped_shards())
+    return {"reads": len(order), "read_s": time.perf_counter() - t0, "max_open_readers": most_open,
+            "max_mapped": most_mapped, "max_map_count": int(Path("/proc/sys/vm/max_map_count").read_text())}
+
+
+def in_child(func: str, *args, timeout: float = 1800) -> dict:
+    """`func(*args)` of this file in a fresh Python process (its memory and mappings are its own)."""
+    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import scale; "
+            f"print(json.dumps(scale.{func}(*{args!r})))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
+    if done.returncode:
+        raise RuntimeError(f"{func}{args} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def print_tables(rows: list[dict], window: int, fsync_always: bool) -> None:
+    ms, kb, mb = 1e3, 1 / 1024, 1 / 2**20
+    print(f"\ncommit: per shard commit, median of the first/last {window} commits, fsync on"
+          f"{' (the whole build)' if fsync_always else ' (off between the windows)'}; cpu = the library's own work, "
+          f"wall = cpu + waiting on the disk; snapshot = one compaction of the final state")
+    print(f"{'samples':>9} {'shards':>7} {'S':>3} | {'wall ms':>13} {'cpu ms':>11} {'max ms':>6} {'bytes':>5} | "
+          f"{'snapshot s':>10} {'MB':>5} {'every':>5} | {'amortized':>15} | {'publish':>7} | {'kept':>10} | {'build':>5}")
+    print(f"{'':>9} {'':>7} {'':>3} | {'start':>6} {'end':>6} {'start':>5} {'end':>5} {'end':>6} {'end':>5} | "
+          f"{'':>10} {'':>5} {'':>5} | {'ms':>6} {'KB':>8} | {'ms end':>7} | {'n':>4} {'MB':>5} | {'s':>5}")
+    for r in rows:
+        s, e = r["start"], r["end"]
+        print(f"{r['samples']:>9,} {r['shards']:>7,} {r['per_shard']:>3} | {s['commit_s_median'] * ms:>6.2f} {e['commit_s_median'] * ms:>6.2f} "
+              f"{s['commit_cpu_s_median'] * ms:>5.2f} {e['commit_cpu_s_median'] * ms:>5.2f} {e['commit_s_max'] * ms:>6.0f} "
+              f"{e['commit_bytes_median']:>5.0f} | {r['snapshot_s']:>10.2f} {r['snapshot_bytes'] * mb:>5.1f} {r['snapshot_gap']:>5} | "
+              f"{e['amortized_s'] * ms:>6.2f} {e['amortized_bytes'] * kb:>8.1f} | {e['publish_s_median'] * ms:>7.2f} | "
+              f"{r['snapshots_kept']:>4} {r['snapshots_kept_bytes'] * mb:>5.0f} | {r['build_s']:>5.0f}")
+    print("\nload: Cache(root) in a fresh process; decide: load + source -> (key, stamp) table + one lookup per input, no shard opened")
+    print(f"{'samples':>9} {'shards':>7} | {'load s':>7} {'peak MB':>8} | {'decide s':>9} {'us/sample':>9} {'peak MB':>8} {'unchanged':>10} | method")
+    for r in rows:
+        mark = "" if r["decide_complete"] else "~"
+        note = "" if r["decide_complete"] else f"  (table stopped at {r['decide_indexed']:,} samples; rate extrapolated)"
+        print(f"{r['samples']:>9,} {r['shards']:>7,} | {r['load_s']:>7.2f} {r['load_peak_bytes'] * mb:>8.0f} | "
+              f"{mark + format(r['decide_s'], '.2f'):>9} {mark + format(r['decide_s'] / r['samples'] * 1e6, '.1f'):>9} "
+              f"{r['decide_peak_bytes'] * mb:>8.0f} {r['unchanged']:>10,} | {r['decide_method']}{note}")
+    print("\nreaders: Cache reads (fields copied out), random order; every sample, or one sample of every shard")
+    print(f"{'samples':>9} {'shards':>7} | {'reads':>7} {'read s':>7} | {'max open readers':>16} {'max .safetensors maps':>21} {'vm.max_map_count':>16} | shards > max_map_count")
+    for r in rows:
+        print(f"{r['samples']:>9,} {r['shards']:>7,} | {r['reads']:>7,} {r['read_s']:>7.1f} | {r['max_open_readers']:>16} "
+              f"{r['max_mapped']:>21} {r['max_map_count']:>16,} | {'yes, no failure' if r['shards'] > r['max_map_count'] else 'no'}")
+
+
+def main(
+    sizes: str = typer.Option("10000,100000,1000000", help="Cache sizes in samples, comma-separated; one cache each."),
+    samples_per_shard: str = typer.Option("", help="Samples per shard for each size, comma-separated (default: 1, 4, 14 "
+                                          "for 10k, 100k, 1M; ceil(n / 72000) for other sizes)."),
+    window: int = typer.Option(300, help="Commits timed at the start and at the end of each build."),
+    reads: int = typer.Option(20_000, help="Read every sample when a cache has at most this many; else one of every shard."),
+    decide_seconds: float = typer.Option(60.0, help="Stop building the incremental table after this long and extrapolate."),
+    fsync_always: bool = typer.Option(False, help="fsync during the whole build, not only the timed windows (slow)."),
+    out: Path = typer.Option(None, help="Directory to build the caches in (default: a temp dir); each cache is deleted "
+                             "once measured."),
+    json_out: bool = typer.Option(False, "--json", help="Also print all results as one JSON object (the last line)."),
+) -> None:
+    t_run = time.perf_counter()
+    ns = [int(s) for s in sizes.split(",")]
+    pers = [int(s) for s in samples_per_shard.split(",")] if samples_per_shard else [PER_SHARD.get(n, math.ceil(n / 72_000)) for n in ns]
+    if len(pers) != len(ns):
+        raise typer.BadParameter(f"--samples-per-shard has {len(pers)} values for {len(ns)} sizes")
+    workdir = Path(tempfile.mkdtemp(prefix="shards-scale-", dir=out))
+    print(f"shards.FORMAT_VERSION {shards.FORMAT_VERSION}; {os.cpu_count()} CPUs, one torch thread, warm page cache (files just written); caches under {workdir}")
+    rows = []
+    try:
+        for n, per in zip(ns, pers):
+            root = workdir / f"cache-{n}"
+            w = min(window, max(1, math.ceil(n / per) // 3))
+            t = time.perf_counter()
+            row = build(root, n, per, w, fsync_always)
+            took = {"build": row["build_s"], "sync + snapshot": time.perf_counter() - t - row["build_s"]}
+            for name, args in (("load", ()), ("decide", (n, decide_seconds)), ("readers", (reads,))):
+                t = time.perf_counter()
+                row |= in_child(f"measure_{name}", str(root), *args)
+                took[name] = time.perf_counter() - t
+            t = time.perf_counter()
+            shutil.rmtree(root)
+            took["delete"] = time.perf_counter() - t
+            rows.append(row | {"took_s": took})
+            print(f"{n:,} samples in {row['shards']:,} shards, seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in took.items()),
+                  flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_tables(rows, window, fsync_always)
+    print(f"\nwall time {time.perf_counter() - t_run:.0f} s")
+    if json_out:
+        print(json.dumps({"window": window, "fsync_always": fsync_always, "rows": rows}))
+
+
+if __name__ == "__main__":
+    typer.run(main)
