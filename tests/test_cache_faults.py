@@ -220,3 +220,34 @@ def test_a_foreign_fingerprint_is_a_message_not_a_traceback(tmp_path):
     out = cli("-m", "train", "--model", "tiny-sana", "--cache", str(tmp_path / "cache"), "--run-dir", str(tmp_path / "run"),
               "--steps", "1", "--no-validate", "--no-progress")
     assert out.returncode == 2 and "fingerprint has no vae, text_encoder" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_full_disk_names_the_path_and_what_is_kept(tmp_path, monkeypatch):
+    import errno
+
+    import shards.writer
+    from conftest import FINGERPRINT, SCHEMA, make_sample
+
+    from precompute.run import check_disk_space
+    from shards import ShardWriter
+
+    import precompute.run
+
+    monkeypatch.setattr(precompute.run.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 20, 9 << 20, 1 << 20))
+    with pytest.raises(OSError, match=r"needs about 3\.0 MiB more at .* but 1\.0 MiB are free"):  # not "0.0 GiB"
+        check_disk_space(tmp_path, 3 << 20)
+    monkeypatch.undo()
+    with ShardWriter(tmp_path / "cache", FINGERPRINT, SCHEMA) as w:
+        w.write(*make_sample(0))
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shards.writer, "atomic_write_bytes", full)
+    w = ShardWriter(tmp_path / "cache", FINGERPRINT, SCHEMA)
+    w.write(*make_sample(1))
+    with pytest.raises(OSError, match=f"no space left on the device of {tmp_path / 'cache'}/.*everything committed so far is kept"):
+        w.finish()
+    w.close()
+    monkeypatch.undo()
+    assert keys(tmp_path / "cache") == ["key00000"]
