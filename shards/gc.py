@@ -115,7 +115,7 @@ def gc(root: str | os.PathLike, dry_run: bool = False) -> GcReport:
         oldest = min(needed | {current.generation})
         base = current if oldest == current.generation else load(root, oldest)
         if not dry_run and oldest not in snapshots(root):
-            compact(root, base)  # the log before `oldest` becomes redundant
+            compact(root, base, prune=False)  # the log and snapshots before `oldest` become redundant
         keep = _files_needed(root, base, sorted(needed | {current.generation}), current.replaced)
         for path in sorted([*root.glob("*"), *root.glob("*/*")]):
             if path.is_file() and _collectable(root, path, keep, oldest, stale):

@@ -723,16 +723,18 @@ def write_commit(root: Path, commit: dict, rank: int = 0) -> bool:
     return _create(log / LOG_NAME.format(commit["generation"]), json.dumps(body, separators=(",", ":")).encode(), rank)
 
 
-def compact(root: Path, manifest: Manifest, rank: int = 0) -> None:
-    """Write `manifest` as the snapshot of its generation (unless another writer did) and point `index.json`
-    at the newest snapshot."""
+def compact(root: Path, manifest: Manifest, rank: int = 0, prune: bool = True) -> None:
+    """Write `manifest` as the snapshot of its generation (unless another writer did), point `index.json` at the
+    newest snapshot and, with `prune`, delete the snapshots no reader needs (`prune_snapshots`). `gc` compacts
+    without pruning: its snapshot becomes the oldest once it has deleted the ones before it."""
     directory = root / SNAPSHOT_DIR
     if not directory.is_dir():
         directory.mkdir(exist_ok=True)
         fsync_dir(root)
     _create(directory / SNAPSHOT_NAME.format(manifest.generation), manifest.encode_snapshot(), rank)
     write_pointer(root, manifest)
-    prune_snapshots(root)
+    if prune:
+        prune_snapshots(root)
 
 
 def prune_snapshots(root: Path) -> None:

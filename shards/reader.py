@@ -169,10 +169,12 @@ class Cache:
         try:
             reader = ShardReader(self.path(j))
         except FileNotFoundError:
-            raise FormatError(f"{self.path(j)} is listed in generation {self.generation} of {self.root} but missing: "
-                              f"{REPAIR.format(root=self.root)}") from None
+            raise CorruptSample(f"{self.path(j)} is listed in generation {self.generation} of {self.root} but missing: "
+                                f"{REPAIR.format(root=self.root)}") from None
+        except (FormatError, UnicodeDecodeError) as e:  # a damaged header, listed by this generation
+            raise CorruptSample(f"{self.path(j)} cannot be read ({e}): {REPAIR.format(root=self.root)}") from None
         if reader.num_samples != entry.samples or reader.bucket != entry.bucket:
-            raise FormatError(f"{reader.path} holds {reader.num_samples} samples of {reader.bucket}, the manifest says "
+            raise CorruptSample(f"{reader.path} holds {reader.num_samples} samples of {reader.bucket}, the manifest says "
                               f"{entry.samples} of {entry.bucket}: {REPAIR.format(root=self.root)}")
         self._readers[j] = reader
         if len(self._readers) > self.max_open:

@@ -32,7 +32,7 @@ from shards.manifest import (
     write_pointer,
 )
 from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, read_prompts
-from shards.reader import ShardReader
+from shards.reader import REPAIR, ShardReader
 from shards.schema import (
     DIGEST,
     FORMAT_NAME,
@@ -40,6 +40,7 @@ from shards.schema import (
     KEY,
     OFFSETS_SUFFIX,
     CacheBusy,
+    CorruptSample,
     Schema,
     sample_digest,
     schema_to_json,
@@ -178,6 +179,10 @@ class ShardWriter:
                 committed = self.manifest.next_seq.get(f"r{self.rank:05d}/{path.parent.name}", 0)
                 if parsed[1] >= committed:
                     path.unlink()
+
+    def listed(self, key: str) -> bool:
+        """Whether `key` is in the cache or this writer's buffers (as far as this writer has caught up with others)."""
+        return key in self._listed
 
     def write(self, key: str, bucket: Bucket | tuple[int, int], sample: Mapping[str, torch.Tensor], *,
               source: str = "", stamp: int = 0) -> None:
@@ -397,15 +402,31 @@ class ShardWriter:
                 continue
             removed += len(drop)
             retired.append(entry.path)
-            reader = ShardReader(self.root / entry.path)
-            items = [(shard_keys[i], {n: t.clone() for n, t in reader.fields(i).items()}, sources[i], stamps[i])
-                     for i in range(len(shard_keys)) if i not in drop]
+            items = [(shard_keys[i], fields, sources[i], stamps[i])
+                     for i, fields in self._intact_samples(entry.path, [i for i in range(len(shard_keys)) if i not in drop])]
             if items:
                 added.append(self._write_shard(entry.bucket, items).to_json())
         if retired:
             self.commit(remove=retired, add=added)
             self._listed -= keys
         return removed
+
+    def _intact_samples(self, path: str, rows: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """Copies of rows of shard `path`, each checked against its stored digest: a removal never turns a
+        damaged sample into one with a fresh, valid digest."""
+        try:
+            reader = ShardReader(self.root / path)
+        except FileNotFoundError:
+            raise CorruptSample(f"{self.root / path} is listed but missing, and samples it holds are kept: "
+                                f"{REPAIR.format(root=self.root)}") from None
+        out = []
+        for i in rows:
+            fields = {n: t.clone() for n, t in reader.fields(i).items()}
+            if sample_digest(reader.keys[i], fields) != reader.digest(i):
+                raise CorruptSample(f"sample {reader.keys[i]} (row {i} of {reader.path}) does not match its stored digest; "
+                                    f"nothing was removed. {REPAIR.format(root=self.root)}")
+            out.append((i, fields))
+        return out
 
     def replace(self, path: str, samples: list[tuple[str, dict[str, torch.Tensor]]]) -> str:
         """Commit a repaired copy of shard `path`: the same keys in the same order, freshly encoded. Readers

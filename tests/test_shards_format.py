@@ -591,3 +591,41 @@ def test_compaction_keeps_three_snapshots_and_every_generation_loads(tmp_path, m
     newest = Cache(tmp_path).generation
     for g in range(newest + 1):  # a reader of any generation still loads it (log + the oldest snapshot)
         assert len(Cache(tmp_path, generation=g)) == g + 1
+
+
+def test_gc_after_compactions_keeps_a_checkpointed_generation_loadable(tmp_path, monkeypatch):
+    import shards.manifest as m
+    from shards import gc, register_reader
+
+    monkeypatch.setattr(m, "COMPACT_MIN", 4)
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    with ShardWriter(cache, FINGERPRINT, SCHEMA, max_shard_samples=1) as w:
+        for i in range(21):
+            w.write(*make_sample(i))
+    assert len(m.snapshots(cache)) == 3  # the oldest and the two newest, none at the checkpointed generation
+    register_reader(cache, run, 9)
+    ckpt = run / "checkpoints" / "step-00000010"
+    ckpt.mkdir(parents=True)
+    (ckpt / "state.json").write_text(json.dumps({"step": 10, "cache_generation": 9, "cache_root": str(cache.resolve())}))
+    (ckpt / "COMPLETE").write_text("ok\n")
+    assert gc(cache).generations == [9]
+    assert [Cache(cache, generation=9)[i].key for i in range(10)] == [f"key{i:05d}" for i in range(10)]
+    assert len(Cache(cache)) == 21
+
+
+def test_a_removal_never_launders_a_damaged_sample(tmp_path):
+    from shards import CorruptSample
+
+    write_cache(tmp_path, range(12), max_shard_samples=4)
+    cache = Cache(tmp_path)
+    j, row = cache.locate(next(i for k, i in cache.keys() if k == "key00006"))
+    shard = tmp_path / cache.shards[j].path
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, end = json.loads(raw[8 : 8 + n])["latent_mean"]["data_offsets"]
+    raw[8 + n + begin + row * (end - begin) // 4 + 1] ^= 0x01  # one byte of key00006's latent, as a bad disk would
+    shard.write_bytes(bytes(raw))
+    damaged = not verify(tmp_path).ok
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w, pytest.raises(CorruptSample, match="--repair"):
+        w.remove({"key00000"})  # key00000 shares that shard (bucket 64x64)
+    assert damaged and not verify(tmp_path).ok and len(Cache(tmp_path)) == 12  # still damaged, still listed, nothing removed
