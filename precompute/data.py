@@ -573,12 +573,28 @@ def tar_records(sample: dict, caption_keys: tuple[str, ...]) -> Record:
     return Record(source, image, captions)
 
 
+def tar_ends_properly(url: str) -> bool:
+    """Whether a local tar ends with the end-of-archive marker (two zero blocks, padded to 512-byte blocks). A tar
+    cut at a member boundary reads without an error in tarfile, its last members silently missing; only the
+    marker tells. Remote tars cannot be checked without reading them again and pass."""
+    path = Path(url)
+    if url.startswith(REMOTE_PREFIXES) or not path.is_file():
+        return True
+    size = path.stat().st_size
+    if size < 1024 or size % 512:
+        return False
+    with open(path, "rb") as f:
+        f.seek(size - 1024)
+        return f.read(1024) == bytes(1024)
+
+
 class TarDataset(torch.utils.data.IterableDataset):
     """This rank's tar shards, split further over DataLoader workers; yields `prepare`'s output with
     `stamp` 0 (unknown: a tar's samples are always read).
 
     A tar that cannot be read is reported once as a `corrupt_tar` failure whose source is the tar's URL,
-    after the samples read before the error, and the run goes on.
+    after the samples read before the error, and the run goes on; a local tar that lacks its end-of-archive
+    marker (cut short) is reported without reading any of it.
     """
 
     def __init__(self, urls: list[str], policy: ImagePolicy, skip_keys: frozenset[str], caption_keys: tuple[str, ...]):
@@ -590,6 +606,10 @@ class TarDataset(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         urls = self.urls[info.id :: info.num_workers] if info else self.urls
         for url in urls:
+            if not tar_ends_properly(url):  # read nothing of it: its last sample may have lost members too
+                yield {"status": "failed", "source": url, "reason": "corrupt_tar", "stamp": 0,
+                       "detail": "ends without the end-of-archive blocks: a partial download or copy?"}
+                continue
             stream = iter(wds.WebDataset(url, shardshuffle=False, nodesplitter=None, workersplitter=None, empty_check=False))
             while True:
                 try:

@@ -270,6 +270,8 @@ def _run(data, cache, preset, device, storage, storage_dtype, batch_size, text_b
         only = {previous[k] for k in needed}
     else:
         skip, only = frozenset(previous), None
+        if manifest is not None and is_main:
+            warn_damaged(cache, manifest)
     inputs = open_inputs(data, policy, known, skip, caption_column=caption_column, caption_keys=caption_keys,
                          allow_pipe=allow_pipe, rank=rank, world=world, workers=workers, only=only)
     if inputs.listed == 0 and previous and not allow_removal and not repair:
@@ -329,7 +331,7 @@ def _run(data, cache, preset, device, storage, storage_dtype, batch_size, text_b
             fields["text_lengths"] = torch.tensor([c["text"].shape[0] if "text" in c else 0 for c in mine], dtype=torch.int32)
             fields["original_size"] = torch.tensor(it["original_size"], dtype=torch.int32)
             fields["crop"] = torch.tensor(it["crop"], dtype=torch.int32)
-            fields["source"] = torch.frombuffer(bytearray(it["source"].encode("utf-8")), dtype=torch.uint8)
+            fields["source"] = torch.frombuffer(bytearray(it["source"].encode("utf-8", "surrogateescape")), dtype=torch.uint8)
             bad_fields = [n for n, t in fields.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
             if bad_fields:
                 failures.append({"source": it["source"], "reason": "non_finite", "detail": f"fields {bad_fields}"})
@@ -337,6 +339,9 @@ def _run(data, cache, preset, device, storage, storage_dtype, batch_size, text_b
                 continue
             if repair:
                 repaired[it["key"]] = fields
+                continue
+            if writer.listed(it["key"]):  # the same image and captions, committed by another rank meanwhile
+                counts["duplicate"] += 1
                 continue
             writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0))
             counts["changed" if it["source"] in known else "new"] += 1
@@ -424,6 +429,21 @@ def _run(data, cache, preset, device, storage, storage_dtype, batch_size, text_b
     if refused is not None:
         raise refused
     return summary
+
+
+def warn_damaged(cache: Path, manifest) -> None:
+    """One stat per shard: a plain re-run reports unchanged inputs without reading their samples, so it says
+    when listed shards are missing or truncated (what --repair re-encodes)."""
+    bad = []
+    for path, size in zip(manifest.shards.paths(), manifest.shards.column("bytes")):
+        try:
+            if (cache / path).stat().st_size != int(size):
+                bad.append(path)
+        except FileNotFoundError:
+            bad.append(path)
+    if bad:
+        print(f"warning: {len(bad)} shard(s) of {cache} are missing or truncated (e.g. {bad[0]}); their samples count as "
+              f"unchanged here. Re-run with --repair to re-encode them.", file=sys.stderr)
 
 
 def damaged_shards(cache: Path, manifest) -> dict[str, list[str]]:
