@@ -102,6 +102,21 @@ def test_a_partial_tar_download_removes_nothing(tmp_path):
     assert keys(tmp_path / "cache") == before
 
 
+def test_a_tar_cut_between_members_removes_nothing(tmp_path):
+    """tarfile reads a tar cut at a member boundary as complete: its last samples would look deleted."""
+    import tarfile
+
+    tars = make_tars(tmp_path / "tars", count=24, per_tar=8)
+    run(tmp_path / "tars", tmp_path / "cache")
+    before = keys(tmp_path / "cache")
+    with tarfile.open(tars[2]) as tar:
+        cut = tar.getmembers()[8].offset  # the header of the fifth sample's first member
+    tars[2].write_bytes(tars[2].read_bytes()[:cut])
+    s = run(tmp_path / "tars", tmp_path / "cache")
+    assert s["failed_by_reason"] == {"corrupt_tar": 1} and s["removed"] == 0
+    assert keys(tmp_path / "cache") == before
+
+
 def test_a_run_keeps_reading_its_generation_and_resumes_after_a_removal(copy, tmp_path):
     data, cache = copy
     straight = tmp_path / "straight"
@@ -150,7 +165,7 @@ def test_a_flipped_byte_stops_training_after_a_checkpoint_and_repair_resumes_it(
     train(cfg(cache, tmp_path / "straight", steps=4))
     shard = cache / Cache(cache).shards[0].path
     flip_byte(shard, "latent")
-    train(cfg(cache, tmp_path / "unchecked", steps=2, check_digests=False))  # told not to check, it trains on it
+    assert train(cfg(cache, tmp_path / "unchecked", steps=2, check_digests=False))["step"] == 2  # told not to check
     with pytest.raises(CorruptSample, match=f"{shard}.*--repair"):
         train(cfg(cache, tmp_path / "run", steps=4))
     assert complete_checkpoints(tmp_path / "run")  # the run stopped where a resume picks it up
@@ -167,6 +182,8 @@ def test_repair_restores_a_missing_shard(copy):
     intact = digests(cache)
     (cache / Cache(cache).shards[-1].path).unlink()
     assert not verify(cache).ok
+    plain = cli("-m", "precompute", str(data), "--model", "tiny-sana", "--cache", str(cache), "--workers", "0", "--no-progress")
+    assert plain.returncode == 0 and "1 shard(s)" in plain.stderr and "missing or truncated" in plain.stderr and "--repair" in plain.stderr
     out = cli("-m", "precompute", str(data), "--model", "tiny-sana", "--cache", str(cache), "--workers", "0", "--no-progress",
               "--repair")
     assert out.returncode == 0 and "repaired 1 of 1 damaged shard(s)" in out.stderr, out.stderr[-2000:]
@@ -188,6 +205,8 @@ def test_resumed_metrics_restart_at_the_checkpoint(copy, tmp_path):
     run_dir = tmp_path / "run"
     train(cfg(cache, run_dir, steps=4, checkpoint_every=2))
     shutil.rmtree(complete_checkpoints(run_dir)[-1])  # killed after logging steps 3 and 4, before their checkpoint
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # and a line torn by the kill
     train(cfg(cache, run_dir, steps=5, checkpoint_every=2))
     steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
     assert steps == [1, 2, 3, 4, 5]
@@ -251,3 +270,16 @@ def test_a_full_disk_names_the_path_and_what_is_kept(tmp_path, monkeypatch):
     w.close()
     monkeypatch.undo()
     assert keys(tmp_path / "cache") == ["key00000"]
+
+
+def test_a_file_name_that_is_not_utf8_is_cached_like_any_other(copy):
+    data, cache = copy
+    raw = os.fsencode(data)
+    os.rename(os.path.join(raw, b"00004.png"), os.path.join(raw, b"caf\xe9.png"))
+    os.rename(os.path.join(raw, b"00004.txt"), os.path.join(raw, b"caf\xe9.txt"))
+    s = run(data, cache)
+    assert s["failed"] == 0 and s["unchanged"] == 8 and len(keys(cache)) == 8  # same content: the same sample
+    shutil.rmtree(cache)
+    s = run(data, cache)
+    assert s["new"] == 8 and verify(cache).ok
+    assert "caf\udce9.png" in {source for _, source, *_ in Cache(cache).manifest.samples()}

@@ -74,10 +74,13 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
         fsync_tree(tmp)
         atomic_write_bytes(tmp / MARKER, b"ok\n")
         fsync_dir(tmp)
-        if final.exists():  # a re-save of the same step
-            shutil.rmtree(final)
+        aside = final.with_name(f".old-{final.name}")
+        if final.exists():  # a re-save of the same step: swap by two renames, delete the old one after
+            shutil.rmtree(aside, ignore_errors=True)
+            final.rename(aside)
         tmp.rename(final)
         fsync_dir(final.parent)
+        shutil.rmtree(aside, ignore_errors=True)
         for old in complete_checkpoints(run)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     barrier()

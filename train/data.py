@@ -165,7 +165,7 @@ class TrainingSamples(torch.utils.data.Dataset):
         if caption_dropout > 0:
             stored = cache.prompts().get(prompt_key(""))
             if stored is None:
-                raise ValueError(f"{cache_dir} holds no empty-caption embedding; rebuild it with `make precompute`")
+                raise ValueError(f"{cache_dir} holds no empty-caption embedding; re-run `make precompute` on it (only what is missing is encoded)")
             self.null = self.layout.caption(stored.fields)
             if null == "zeros":
                 self.null = {k: torch.zeros_like(v) for k, v in self.null.items()}

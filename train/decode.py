@@ -29,7 +29,7 @@ TITLE_HEIGHT = 28
 def decoder_recipe(cache: Cache) -> dict:
     recipe = cache.manifest.extra.get("precompute", {}).get("decoder")
     if recipe is None:
-        raise ValueError(f"{cache.root} records no VAE decoder; rebuild it with this version's `make precompute`")
+        raise ValueError(f"{cache.root} records no VAE decoder; re-run this version's `make precompute` on it (only what is missing is encoded)")
     recipe = dict(recipe)
     if recipe.get("in_cache"):
         recipe["source"] = str(cache.root / recipe["source"])

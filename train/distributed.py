@@ -56,6 +56,15 @@ def any_across(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def rank0_value(value):
+    """Rank 0's `value` on every rank (picklable; a plain return in one process)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def find_blocks(model: torch.nn.Module, override: str | None = None) -> list[torch.nn.Module]:
     """The modules to shard one by one: the repeated blocks in `model.transformer_blocks` (they are
     the model's `_no_split_modules`), or every module whose class is named `override`."""

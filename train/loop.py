@@ -214,8 +214,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         raise ValueError(f"--weighting-scheme {cfg.weighting_scheme} sets flow matching timesteps; {cfg.model} trains with DDPM")
     cfg.run.mkdir(parents=True, exist_ok=True)
 
-    # 1. the cache must fit the model: checked before any weights are loaded
-    cache = Cache(cfg.cache)
+    # 1. the cache must fit the model: checked before any weights are loaded. Every rank reads the generation
+    # rank 0 opened, registered for `shards gc` at once (a commit may land between two ranks' opens).
+    cache = open_generation(cfg, is_main)
     config = preset.transformer_config()
     check_cache(preset, cache, config)
     objective = build_run_objective(cfg, preset, config)
@@ -240,7 +241,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 "last_loss": None, "checkpoint": str(resume_from), "finished": True}
     run_config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     if state.get("cache_generation") is not None:  # the generation its epoch was reading, whatever was committed since
-        cache = Cache(cfg.cache, generation=state["cache_generation"])
+        cache = open_generation(cfg, is_main, state["cache_generation"])
     check_cache_files(cache)  # every listed shard exists with its size (one stat each), before any weights load
     if state:
         for change in checkpoint.check_resumable(resume_from, state, run_config, world, parallel, cache.manifest.fingerprint_sha256):
@@ -352,8 +353,6 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
 
     # An epoch reads the cache generation it started with; samples committed or removed meanwhile count from
     # the next epoch on.
-    if is_main:
-        register_reader(cache.root, cfg.run, cache.generation)  # `shards gc` keeps this generation's files
     sampler = sampler_for(cache)
     say(f"cache {cache.root}: {len(cache)} samples, {sampler.batches_per_epoch()} batches of {cfg.batch_size} x {world} "
         f"rank(s) per epoch")
@@ -556,10 +555,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             # the epoch is done: the next one starts at its first batch and sees shards added meanwhile
             epoch, cursor = epoch + 1, 0
             wait_before += prefetch.wait_s
-            cache = Cache(cfg.cache)
+            cache = open_generation(cfg, is_main)
             check_cache_files(cache)
-            if is_main:
-                register_reader(cache.root, cfg.run, cache.generation)
             sampler = sampler_for(cache)
             dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset),
                                       generation=cache.generation, check_digests=cfg.check_digests)
@@ -596,6 +593,17 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     return summary
 
 
+def open_generation(cfg: TrainConfig, is_main: bool, generation: int | None = None) -> Cache:
+    """The cache at `generation` (default: the newest rank 0 sees), the same on every rank, registered by rank 0
+    so that `python -m shards gc` keeps its files for this run."""
+    if generation is None:
+        generation = distributed.rank0_value(Cache(cfg.cache).generation if is_main else None)
+    if is_main and not register_reader(cfg.cache, cfg.run, generation):
+        log.warning("%s is read-only for this run: `python -m shards gc` on it cannot know that %s reads generation %d",
+                    cfg.cache, cfg.run, generation)
+    return Cache(cfg.cache, generation=generation)
+
+
 def ema_device_for(cfg: TrainConfig, device: torch.device) -> torch.device:
     """Where the EMA's shadow weights live: the training device, the CPU when asked, and beside the weights
     under FSDP's CPU offload (sharded like them, so an update never mixes devices or DTensors with tensors)."""
@@ -625,9 +633,17 @@ def truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    kept = [line for line in lines if _logged_step(line) <= step]
     if len(kept) != len(lines):
         atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics line; a line torn by a crash counts as after every checkpoint (it is dropped)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf
 
 
 def device_memory(device: torch.device) -> int:

@@ -114,7 +114,7 @@ class Validator:
         self.prompts = resolve_prompts(cache, prompts, model_name)
         null = cache.prompts().get(prompt_key(""))
         if null is None:
-            raise ValueError(f"{cache.root} holds no empty-caption embedding for guidance; rebuild it with `make precompute`")
+            raise ValueError(f"{cache.root} holds no empty-caption embedding for guidance; re-run `make precompute` on it (only what is missing is encoded)")
         self.layout = TextLayout.of(cache)
         self.null = self.layout.caption(null.fields)  # the empty caption, as the family's pipeline guides
         self.buckets = [parse_bucket(b) for b in buckets] or default_buckets(cache)
