@@ -150,3 +150,27 @@ def test_a_block_override_that_matches_nothing_lists_the_blocks():
     assert len(find_blocks(model, "SanaTransformerBlock")) == 2
     with pytest.raises(ValueError, match=r"'SanaBlock' matches no module.*SanaTransformerBlock"):
         find_blocks(model, "SanaBlock")
+
+
+@pytest.mark.slow
+def test_a_damaged_sample_stops_every_rank_at_the_same_step_after_a_checkpoint(tiny_caches, tmp_path):
+    import struct
+
+    from shards import Cache
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny_caches["tiny-sana"], cache)
+    shard = cache / Cache(cache).shards[0].path
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    begin, _ = json.loads(raw[8 : 8 + n])["latent"]["data_offsets"]
+    raw[8 + n + begin + 1] ^= 0x01  # one byte of the first sample's latent
+    shard.write_bytes(bytes(raw))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",
+                          "--cache", str(cache), "--run-dir", str(tmp_path / "run"), *COMMON, "--steps", "6", "--batch-size", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0
+    assert str(shard) in out.stderr and "--repair" in out.stderr
+    assert out.stderr.count("Training stopped at step") == 2  # both ranks, at the same step, no hang
+    state = json.loads((complete_checkpoints(tmp_path / "run")[-1] / "state.json").read_text())
+    assert state["step"] < 6

@@ -454,6 +454,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         batches = sampler(epoch, start=cursor)
         prefetch = Prefetcher(epoch_loader(dataset, batches, epoch, cfg.workers, device), device)
         for batch in until_damaged(prefetch, damaged):
+            if world > 1 and distributed.any_across(False, device):  # a rank's batch is damaged: all stop here
+                damaged.append(CorruptSample("another rank read a damaged sample (its error names the shard)."))
+                break
             cursor += 1
             # Noise and timesteps of this micro-batch: drawn for the global batch, this rank's slice taken.
             g = _generator(cfg.seed, 1_000_003, step, micro, device=device)
@@ -551,22 +554,29 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 break
         else:
             if damaged:
+                if world > 1:
+                    distributed.any_across(True, device)  # answers the other ranks' check of this batch
                 break
             # the epoch is done: the next one starts at its first batch and sees shards added meanwhile
             epoch, cursor = epoch + 1, 0
             wait_before += prefetch.wait_s
             cache = open_generation(cfg, is_main)
-            check_cache_files(cache)
+            try:
+                check_cache_files(cache)
+            except CorruptSample as e:  # every rank checks the same generation: all stop, at a whole step
+                damaged.append(e)
+                break
             sampler = sampler_for(cache)
             dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset),
                                       generation=cache.generation, check_digests=cfg.check_digests)
+        if damaged:
+            break
     bar.close()
     if metrics is not None:
         metrics.close()
     if damaged:  # checkpoint at the last whole step, then stop: resuming redoes the step whose batch was damaged
         cursor -= micro
-        if world == 1:  # other ranks are mid-step: their next collective fails and torchrun stops them
-            save_checkpoint()
+        save_checkpoint()  # every rank stopped at the same batch
         if validator is not None:
             validator.close()
         for s, h in previous_handlers.items():
