@@ -70,7 +70,10 @@ class ShardReader:
         self._offsets = {name: tensors[name + OFFSETS_SUFFIX].tolist() for name in [*self.ragged_fields, KEY]}
         key_bytes = tensors[KEY].numpy().tobytes()
         offs = self._offsets[KEY]
-        self.keys = [key_bytes[offs[i] : offs[i + 1]].decode("ascii") for i in range(self.num_samples)]
+        try:
+            self.keys = [key_bytes[offs[i] : offs[i + 1]].decode("ascii") for i in range(self.num_samples)]
+        except UnicodeDecodeError as e:
+            raise FormatError(f"{self.path}: a sample key is not ASCII ({e}); the file was damaged after it was written") from None
 
     @property
     def ragged_fields(self) -> list[str]:
@@ -171,7 +174,7 @@ class Cache:
         except FileNotFoundError:
             raise CorruptSample(f"{self.path(j)} is listed in generation {self.generation} of {self.root} but missing: "
                                 f"{REPAIR.format(root=self.root)}") from None
-        except (FormatError, UnicodeDecodeError) as e:  # a damaged header, listed by this generation
+        except FormatError as e:  # a damaged header or key, listed by this generation
             raise CorruptSample(f"{self.path(j)} cannot be read ({e}): {REPAIR.format(root=self.root)}") from None
         if reader.num_samples != entry.samples or reader.bucket != entry.bucket:
             raise CorruptSample(f"{reader.path} holds {reader.num_samples} samples of {reader.bucket}, the manifest says "
@@ -221,19 +224,24 @@ class Cache:
     def check_files(self) -> list[tuple[str, str]]:
         """Every shard of this generation exists with the size the manifest lists: (path, problem) of those
         that do not. One `stat` per shard."""
-        problems = []
         sizes = self.shards.column("bytes")
-        for j in range(len(self._paths)):
-            path = self.path(j)
-            expected = int(sizes[j]) if path.relative_to(self.root).as_posix() == self._paths[j] else None  # a copy's size is its own
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                problems.append((str(path), "missing"))
-                continue
-            if expected is not None and size != expected:
-                problems.append((str(path), f"{size} bytes, the manifest lists {expected} (truncated or replaced)"))
-        return problems
+        paths = [self.path(j) for j in range(len(self._paths))]
+        return stat_problems((path, int(size) if path.relative_to(self.root).as_posix() == listed else None)  # a copy's size is its own
+                             for path, listed, size in zip(paths, self._paths, sizes))
+
+
+def stat_problems(files) -> list[tuple[str, str]]:
+    """(path, problem) of the `(path, expected size or None)` pairs whose file is missing or of another size."""
+    problems = []
+    for path, expected in files:
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            problems.append((str(path), "missing"))
+            continue
+        if expected is not None and size != expected:
+            problems.append((str(path), f"{size} bytes, the manifest lists {expected} (truncated or replaced)"))
+    return problems
 
 
 REPAIR = ("Re-encode the damaged samples with `python -m precompute DATA --model MODEL --cache {root} --repair` (the same "

@@ -99,7 +99,8 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
         report.shards += 1
         report.samples += reader.num_samples
         report.bytes += size
-        problems = _check_shard(reader, manifest, entry, deep)
+        # a file whose sha256 matched is byte for byte what the writer digested: its samples are not hashed again
+        problems = _check_shard(reader, manifest, entry, deep, sample_digests=not checksums)
         if not problems and reader.keys != manifest.shards.samples_of(int(j))[0]:
             problems.append("its keys differ from the manifest's sample index")
         report.problems += [(name, p) for p in problems]
@@ -129,7 +130,7 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
     return report
 
 
-def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool) -> list[str]:
+def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool, sample_digests: bool = True) -> list[str]:
     problems = []
     if reader.fingerprint_sha256 != manifest.fingerprint_sha256:
         problems.append("written for another fingerprint than the manifest's")
@@ -164,7 +165,7 @@ def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool) -> 
         if t.is_floating_point():
             if not bool(torch.isfinite(t).all()):
                 problems.append(f"field {name} holds NaN or Inf")
-    for i in range(n):
+    for i in range(n if sample_digests else 0):
         if sample_digest(reader.keys[i], reader.fields(i)) != reader.digest(i):
             problems.append(f"sample {reader.keys[i]} (row {i}) does not match its stored digest")
     return problems
