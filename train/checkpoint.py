@@ -71,9 +71,8 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
         fsync_tree(tmp / SHARDED)  # each rank its own files, before the checkpoint is marked complete
     barrier()
     if rank == 0:
-        fsync_tree(tmp)
-        atomic_write_bytes(tmp / MARKER, b"ok\n")
-        fsync_dir(tmp)
+        fsync_tree(tmp, skip=tmp / SHARDED)  # each rank flushed its own part of sharded/
+        atomic_write_bytes(tmp / MARKER, b"ok\n")  # fsynced, with its directory
         aside = final.with_name(f".old-{final.name}")
         if final.exists():  # a re-save of the same step: swap by two renames, delete the old one after
             shutil.rmtree(aside, ignore_errors=True)
@@ -87,16 +86,14 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
     return final
 
 
-def fsync_tree(root: Path) -> None:
-    """Flush every file and directory under `root` to stable storage (writers like `save_pretrained` and
-    `torch.save` do not), deepest first, so a marker written afterwards never names data still in flight."""
+def fsync_tree(root: Path, skip: Path | None = None) -> None:
+    """Flush every file and directory under `root` (but `skip`) to stable storage (writers like `save_pretrained`
+    and `torch.save` do not), deepest first, so a marker written afterwards never names data still in flight."""
     for directory, _, files in sorted(os.walk(root), key=lambda entry: -entry[0].count(os.sep)):
+        if skip is not None and Path(directory).is_relative_to(skip):
+            continue
         for name in files:
-            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(os.path.join(directory, name))  # an O_RDONLY fsync: files and directories alike
         fsync_dir(Path(directory))
 
 

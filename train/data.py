@@ -7,6 +7,7 @@ the batches and draws an uninterrupted one would, whichever worker produced them
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -145,19 +146,22 @@ class TextLayout:
 class TrainingSamples(torch.utils.data.Dataset):
     """Cache samples made ready for the model, indexed by (epoch, global index).
 
-    Reads one cache generation (default: the newest when built) and, with `check_digests`, checks every
-    sample against its stored digest (`shards.CorruptSample` names the shard). Per sample and epoch: a fresh latent from the cached posterior (mean + std * eps) where the cache
-    stores one, one of the sample's captions, and caption dropout: to the cached empty-caption embedding
-    (`null="empty"`, PixArt and Sana) or to zeroed embeddings (`null="zeros"`, SD3's convention).
+    Reads one cache generation: the given `Cache`'s (read in this process; DataLoader workers reopen that
+    generation), or the newest of a cache directory. With `check_digests`, every sample is checked against its
+    stored digest (`shards.CorruptSample` names the shard). Per sample and epoch: a fresh latent from the cached
+    posterior (mean + std * eps) where the cache stores one, one of the sample's captions, and caption dropout:
+    to the cached empty-caption embedding (`null="empty"`, PixArt and Sana) or to zeroed embeddings
+    (`null="zeros"`, SD3's convention).
     """
 
-    def __init__(self, cache_dir, seed: int, caption_dropout: float, null: str = "empty", *, generation: int | None = None,
+    def __init__(self, cache: Cache | str | os.PathLike, seed: int, caption_dropout: float, null: str = "empty", *,
                  check_digests: bool = True):
-        self.cache_dir, self.seed, self.caption_dropout = cache_dir, seed, caption_dropout
-        self.check_digests = check_digests
-        self._cache: Cache | None = None
-        cache = Cache(cache_dir, generation)
-        self.generation = cache.generation  # every worker reads this one, whatever is committed meanwhile
+        if not isinstance(cache, Cache):
+            cache = Cache(cache)
+        cache.check_digests = check_digests
+        self.seed, self.caption_dropout, self.check_digests = seed, caption_dropout, check_digests
+        self.cache_dir, self.generation = cache.root, cache.generation  # what every worker reads
+        self._cache: Cache | None = cache
         self.layout = TextLayout.of(cache)
         if null not in ("empty", "zeros"):
             raise ValueError(f"caption dropout embedding {null!r}: choose empty or zeros")
@@ -165,10 +169,13 @@ class TrainingSamples(torch.utils.data.Dataset):
         if caption_dropout > 0:
             stored = cache.prompts().get(prompt_key(""))
             if stored is None:
-                raise ValueError(f"{cache_dir} holds no empty-caption embedding; re-run `make precompute` on it (only what is missing is encoded)")
+                raise ValueError(f"{cache.root} holds no empty-caption embedding; re-run `make precompute` on it (only what is missing is encoded)")
             self.null = self.layout.caption(stored.fields)
             if null == "zeros":
                 self.null = {k: torch.zeros_like(v) for k, v in self.null.items()}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_cache": None}  # a worker maps the shards itself
 
     @property
     def cache(self) -> Cache:

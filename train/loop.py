@@ -214,9 +214,18 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         raise ValueError(f"--weighting-scheme {cfg.weighting_scheme} sets flow matching timesteps; {cfg.model} trains with DDPM")
     cfg.run.mkdir(parents=True, exist_ok=True)
 
+    resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)
+    state = checkpoint.load_state(resume_from) if resume_from else {}
+    if state and state["step"] >= cfg.steps and not cfg.dry_run:
+        say(f"{cfg.run} already finished: {resume_from.name} is at step {state['step']} of --steps {cfg.steps}. Nothing to do; "
+            f"pass a larger --steps to train further.")
+        return {"step": state["step"], "epoch": state["epoch"], "elapsed_s": time.perf_counter() - t_start, "grids": [],
+                "last_loss": None, "checkpoint": str(resume_from), "finished": True}
+
     # 1. the cache must fit the model: checked before any weights are loaded. Every rank reads the generation
-    # rank 0 opened, registered for `shards gc` at once (a commit may land between two ranks' opens).
-    cache = open_generation(cfg, is_main)
+    # rank 0 opened (or the one the checkpoint's epoch was reading, whatever was committed since), registered
+    # for `shards gc` at once.
+    cache = open_generation(cfg, is_main, state.get("cache_generation"))
     config = preset.transformer_config()
     check_cache(preset, cache, config)
     objective = build_run_objective(cfg, preset, config)
@@ -230,19 +239,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             say(f"no validation prompts cached in {cache.root} (add some with precompute --validation-prompt); not validating")
             validator.close()
             validator = None
-    resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)
-    state = checkpoint.load_state(resume_from) if resume_from else {}
-    if state and state["step"] >= cfg.steps and not cfg.dry_run:
-        if validator is not None:
-            validator.close()
-        say(f"{cfg.run} already finished: {resume_from.name} is at step {state['step']} of --steps {cfg.steps}. Nothing to do; "
-            f"pass a larger --steps to train further.")
-        return {"step": state["step"], "epoch": state["epoch"], "elapsed_s": time.perf_counter() - t_start, "grids": [],
-                "last_loss": None, "checkpoint": str(resume_from), "finished": True}
     run_config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
-    if state.get("cache_generation") is not None:  # the generation its epoch was reading, whatever was committed since
-        cache = open_generation(cfg, is_main, state["cache_generation"])
-    check_cache_files(cache)  # every listed shard exists with its size (one stat each), before any weights load
+    check_cache_files(cache, is_main)  # every listed shard exists with its size, before any weights load
     if state:
         for change in checkpoint.check_resumable(resume_from, state, run_config, world, parallel, cache.manifest.fingerprint_sha256):
             say(f"applied on resume: {change} from step {state['step']}")
@@ -358,8 +356,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         f"rank(s) per epoch")
     for bucket, st in cache.manifest.buckets().items():
         say(f"  {bucket.name:>10}: {st.samples} samples")
-    dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset), generation=cache.generation,
-                              check_digests=cfg.check_digests)
+    dataset = TrainingSamples(cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset), check_digests=cfg.check_digests)
     autocast = torch.autocast(device.type, dtype=PRECISIONS[cfg.precision], enabled=cfg.precision != "fp32")
     forward = model_forward(net, preset.family)
     if is_main or cfg.dry_run:
@@ -562,13 +559,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             wait_before += prefetch.wait_s
             cache = open_generation(cfg, is_main)
             try:
-                check_cache_files(cache)
+                check_cache_files(cache, is_main)
             except CorruptSample as e:  # every rank checks the same generation: all stop, at a whole step
                 damaged.append(e)
                 break
             sampler = sampler_for(cache)
-            dataset = TrainingSamples(cfg.cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset),
-                                      generation=cache.generation, check_digests=cfg.check_digests)
+            dataset = TrainingSamples(cache, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset), check_digests=cfg.check_digests)
         if damaged:
             break
     bar.close()
@@ -581,7 +577,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             validator.close()
         for s, h in previous_handlers.items():
             signal.signal(s, h)
-        resumes = f"; {checkpoint.complete_checkpoints(cfg.run)[-1]} resumes the run" if checkpoint.complete_checkpoints(cfg.run) else ""
+        saved = checkpoint.complete_checkpoints(cfg.run)
+        resumes = f"; {saved[-1]} resumes the run" if saved else ""
         raise CorruptSample(f"{damaged[0]} Training stopped at step {step}{resumes} once it is repaired.")
     save_checkpoint()
     if validator is not None:
@@ -606,12 +603,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
 def open_generation(cfg: TrainConfig, is_main: bool, generation: int | None = None) -> Cache:
     """The cache at `generation` (default: the newest rank 0 sees), the same on every rank, registered by rank 0
     so that `python -m shards gc` keeps its files for this run."""
-    if generation is None:
-        generation = distributed.rank0_value(Cache(cfg.cache).generation if is_main else None)
+    cache = Cache(cfg.cache, generation) if is_main else None
+    generation = distributed.rank0_value(cache.generation if is_main else None)
     if is_main and not register_reader(cfg.cache, cfg.run, generation):
         log.warning("%s is read-only for this run: `python -m shards gc` on it cannot know that %s reads generation %d",
                     cfg.cache, cfg.run, generation)
-    return Cache(cfg.cache, generation=generation)
+    return cache if is_main else Cache(cfg.cache, generation)
 
 
 def ema_device_for(cfg: TrainConfig, device: torch.device) -> torch.device:
@@ -629,13 +626,14 @@ def until_damaged(batches, damaged: list):
         damaged.append(e)
 
 
-def check_cache_files(cache: Cache) -> None:
-    """Every shard of the generation exists with its listed size (one stat each), before any step."""
-    problems = cache.check_files()
+def check_cache_files(cache: Cache, is_main: bool) -> None:
+    """Every shard of the generation exists with its listed size: rank 0 stats each once (ranks share the
+    filesystem, so one pass serves all) and every rank stops alike."""
+    problems = distributed.rank0_value(cache.check_files() if is_main else None)
     if problems:
         listed = "; ".join(f"{path}: {what}" for path, what in problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise CorruptSample(f"{len(problems)} shard(s) of {cache.root} (generation {cache.generation}) are missing or damaged: "
-                         f"{listed}. {REPAIR.format(root=cache.root)}")
+                            f"{listed}. {REPAIR.format(root=cache.root)}")
 
 
 def truncate_metrics(path: Path, step: int) -> None:
