@@ -40,6 +40,7 @@ from precompute.encode import DTYPES, Encoders, best_device
 from precompute.presets import get_preset, get_text_encoder
 from shards import Cache, CacheBusy, CacheLock, Prompt, ShardWriter, bucket_table, exists, load, prompt_key, verify
 from shards.atomic import atomic_write_bytes
+from shards.reader import stat_problems
 
 
 # Images per VAE batch. Large batches pay on GPUs; on CPUs a batch's activations fall out of the caches
@@ -234,7 +235,7 @@ def main(
     cache.mkdir(parents=True, exist_ok=True)
     lock = lock_cache(cache, rank, world)
     try:
-        return _run(data, cache, preset, device, storage, storage_dtype, batch_size, text_batch_size, workers, rank, world,
+        summary = _run(data, cache, preset, device, storage, storage_dtype, batch_size, text_batch_size, workers, rank, world,
                     t_start, pretrained=pretrained, vae_dtype=vae_dtype, text_dtype=text_dtype, force_fp16=force_fp16,
                     policy=ImagePolicy(bucket_table(preset.base_resolution), max_upscale=max_upscale,
                                        allow_upscale=allow_upscale, extreme_aspect=extreme_aspect, max_pixels=max_pixels),
@@ -244,6 +245,9 @@ def main(
     finally:
         if lock is not None:
             lock.release()
+    if world > 1:  # after _run's last barrier: no rank exits while a peer's gloo/NCCL connection is still open
+        dist.destroy_process_group()
+    return summary
 
 
 def _run(data, cache, preset, device, storage, storage_dtype, batch_size, text_batch_size, workers, rank, world, t_start, *,
@@ -434,16 +438,10 @@ def _run(data, cache, preset, device, storage, storage_dtype, batch_size, text_b
 def warn_damaged(cache: Path, manifest) -> None:
     """One stat per shard: a plain re-run reports unchanged inputs without reading their samples, so it says
     when listed shards are missing or truncated (what --repair re-encodes)."""
-    bad = []
-    for path, size in zip(manifest.shards.paths(), manifest.shards.column("bytes")):
-        try:
-            if (cache / path).stat().st_size != int(size):
-                bad.append(path)
-        except FileNotFoundError:
-            bad.append(path)
+    bad = stat_problems((cache / path, int(size)) for path, size in zip(manifest.shards.paths(), manifest.shards.column("bytes")))
     if bad:
-        print(f"warning: {len(bad)} shard(s) of {cache} are missing or truncated (e.g. {bad[0]}); their samples count as "
-              f"unchanged here. Re-run with --repair to re-encode them.", file=sys.stderr)
+        print(f"warning: {len(bad)} shard(s) of {cache} are missing or truncated (e.g. {bad[0][0]}: {bad[0][1]}); their "
+              f"samples count as unchanged here. Re-run with --repair to re-encode them.", file=sys.stderr)
 
 
 def damaged_shards(cache: Path, manifest) -> dict[str, list[str]]:

@@ -227,7 +227,8 @@ def test_two_processes_equal_one(folder, tmp_path, clean_cache):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     errors = [line for line in out.stderr.splitlines() if line.startswith("error")]
-    assert out.returncode == 0, "\n".join(errors) + "\n" + out.stderr[-2000:]
+    aborts = [line for line in out.stderr.splitlines() if "terminate" in line or "what()" in line or "Exception" in line]
+    assert out.returncode == 0, "\n".join(errors + aborts) + "\n" + out.stderr[-2000:]
     assert digests(tmp_path / "two") == digests(clean_cache)
     ranks = {s.path.split("/")[1][:6] for s in Cache(tmp_path / "two").shards}
     assert ranks == {"r00000", "r00001"}
