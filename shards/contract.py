@@ -1,0 +1,166 @@
+"""What a cache means to the model that trains from it: a typed view of the fingerprint and of stage one's record.
+
+Stage one builds these specs and writes them into the manifest (`LatentSpec.fingerprint()` and
+`TextSpec.fingerprint()` are parts of the fingerprint; `CacheSpec.record()` is the manifest's
+`extra["precompute"]`); stage two reads them back with `CacheSpec.of(manifest)` and never looks up a
+fingerprint key itself. The JSON these produce is exactly what caches of format version 2 hold, so a
+cache written before these classes existed reads the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from shards.schema import FormatError
+
+TextLayoutKind = Literal["masked", "sd3_joint"]
+
+
+@dataclass(frozen=True)
+class DecoderRecipe:
+    """How stage two rebuilds the VAE's decoder: its class, where its weights are, and the latent scaling.
+
+    `in_cache`: the weights exist nowhere else (tiny presets) and were stored in the cache under `source`."""
+
+    vae_class: str
+    source: str
+    scaling_factor: float
+    shift_factor: float
+    subfolder: str | None = None
+    revision: str | None = None
+    in_cache: bool = False
+
+    def to_json(self) -> dict:
+        out = {"class": self.vae_class, "scaling_factor": self.scaling_factor, "shift_factor": self.shift_factor,
+               "source": self.source, "subfolder": self.subfolder, "revision": self.revision}
+        return {**out, "in_cache": True} if self.in_cache else out
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DecoderRecipe":
+        return cls(data["class"], data["source"], data["scaling_factor"], data["shift_factor"], data.get("subfolder"),
+                   data.get("revision"), bool(data.get("in_cache")))
+
+    def located(self, root: Path) -> "DecoderRecipe":
+        """The recipe with weights stored in the cache at `root` given by their full path."""
+        if not self.in_cache:
+            return self
+        return DecoderRecipe(self.vae_class, str(Path(root) / self.source), self.scaling_factor, self.shift_factor,
+                             self.subfolder, self.revision, True)
+
+
+@dataclass(frozen=True)
+class LatentSpec:
+    """The cached latents: `channels` x (H / `downsample`) x (W / `downsample`), stored as
+    (z - shift_factor) * scaling_factor. A KL VAE's posterior is stored as `latent_mean` + `latent_std`
+    (training samples a fresh latent every draw); a deterministic one's (DC-AE) as `latent`."""
+
+    channels: int
+    downsample: int
+    scaling_factor: float
+    shift_factor: float
+    posterior: Literal["mean_std", "deterministic"]
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return ("latent_mean", "latent_std") if self.posterior == "mean_std" else ("latent",)
+
+    def shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """The latent's shape for a bucket of `height` x `width` pixels."""
+        return self.channels, height // self.downsample, width // self.downsample
+
+    def fingerprint(self) -> dict:
+        """The fingerprint's `vae` entries this spec owns (stage one adds the VAE's identity beside them)."""
+        return {"scaling_factor": self.scaling_factor, "shift_factor": self.shift_factor, "latent_channels": self.channels,
+                "downsample": self.downsample, "posterior": self.posterior, "stored": "(z - shift_factor) * scaling_factor"}
+
+    @classmethod
+    def from_fingerprint(cls, vae: dict) -> "LatentSpec":
+        return cls(vae["latent_channels"], vae["downsample"], vae.get("scaling_factor", 1.0), vae.get("shift_factor", 0.0),
+                   vae.get("posterior", "deterministic"))
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """The cached text and how it becomes the transformer's text input.
+
+    "masked" (PixArt, Sana): one `text` field of valid tokens per caption (up to `max_tokens`, `width` wide),
+    padded per batch with a mask. "sd3_joint": per caption `clip` (`clip_tokens`, `clip_width`), `pooled`
+    (`pooled_width`,) and, unless T5 was dropped, `text` (`t5_tokens`, `t5_width`); the model input is
+    cat(pad(clip, to the joint width), T5 tokens) as StableDiffusion3Pipeline builds it, with `t5_tokens`
+    zero tokens in T5's place when it was dropped."""
+
+    layout: TextLayoutKind
+    width: int | None
+    max_tokens: int
+    clip_tokens: int = 0
+    t5_tokens: int = 0
+    t5_stored: bool = True
+    clip_width: int | None = None
+    pooled_width: int | None = None
+    t5_width: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        """The most text tokens one sample feeds the transformer."""
+        return self.clip_tokens + self.t5_tokens if self.layout == "sd3_joint" else self.max_tokens
+
+    @property
+    def t5_zeros(self) -> int:
+        """Zero tokens standing in for a dropped T5 (0 when T5 is stored or the layout has none)."""
+        return self.t5_tokens if self.layout == "sd3_joint" and not self.t5_stored else 0
+
+    def fingerprint(self) -> dict:
+        """The fingerprint's `text_encoder` entries this spec owns."""
+        out: dict = {"hidden_size": self.width, "max_length": self.max_tokens}
+        if self.layout == "sd3_joint":
+            out["layout"] = {"kind": "sd3_joint", "clip_tokens": self.clip_tokens, "t5_tokens": self.t5_tokens,
+                             "t5": "stored" if self.t5_stored else "dropped", "clip_width": self.clip_width,
+                             "pooled_width": self.pooled_width, "t5_width": self.t5_width}
+        return out
+
+    @classmethod
+    def from_fingerprint(cls, text: dict) -> "TextSpec":
+        layout = text.get("layout") or {"kind": "masked"}
+        if layout["kind"] == "masked":
+            return cls("masked", text.get("hidden_size"), text["max_length"])
+        if layout["kind"] != "sd3_joint":
+            raise FormatError(f"unknown text layout {layout['kind']!r}: this cache was written by a newer version; update")
+        return cls("sd3_joint", text.get("hidden_size"), text["max_length"], layout["clip_tokens"], layout["t5_tokens"],
+                   layout.get("t5") != "dropped", layout["clip_width"], layout["pooled_width"], layout.get("t5_width"))
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Everything stage two needs to know about a cache's values, read from its manifest."""
+
+    latent: LatentSpec
+    text: TextSpec
+    family: str | None = None  # "sana", "pixart", "sd3"; None in caches written without stage one's record
+    preset: str | None = None
+    base_resolution: int | None = None
+    decoder: DecoderRecipe | None = None
+    extra: dict = field(default_factory=dict, compare=False)  # the rest of stage one's record, untyped
+
+    def record(self) -> dict:
+        """Stage one's record in the manifest's `extra["precompute"]`."""
+        return {**self.extra, "preset": self.preset, "family": self.family, "base_resolution": self.base_resolution,
+                **({"decoder": self.decoder.to_json()} if self.decoder else {})}
+
+    @classmethod
+    def of(cls, manifest, root: Path | str = "") -> "CacheSpec":
+        """The spec of a manifest (`shards.Manifest`); a cache not written by this product's stage one is refused,
+        naming the missing fields."""
+        fp = manifest.fingerprint
+        absent = [part for part in ("vae", "text_encoder") if not isinstance(fp.get(part), dict)]
+        absent += [f"vae.{key}" for key in ("latent_channels", "downsample") if "vae" not in absent and key not in fp["vae"]]
+        absent += [f"text_encoder.{key}" for key in ("max_length",) if "text_encoder" not in absent and key not in fp["text_encoder"]]
+        if absent:
+            raise FormatError(f"the cache {root} was not built by this product's stage one (its fingerprint has no "
+                              f"{', '.join(absent)}); build one with make precompute DATA=...")
+        record = dict(manifest.extra.get("precompute") or {})
+        decoder = record.pop("decoder", None)
+        return cls(LatentSpec.from_fingerprint(fp["vae"]), TextSpec.from_fingerprint(fp["text_encoder"]), record.pop("family", None),
+                   record.pop("preset", None), record.pop("base_resolution", None),
+                   DecoderRecipe.from_json(decoder) if decoder else None, record)
