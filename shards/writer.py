@@ -1,9 +1,12 @@
-"""ShardWriter: buffers samples per bucket, publishes each shard atomically, then commits it to the log."""
+"""ShardWriter: buffers samples per bucket, publishes each shard atomically, then commits it to the log.
+
+The checks a sample passes and the encoding of a shard file are in `shards.encode`; the locks a writer holds
+(`CacheLock`, re-exported here) in `shards.lock`.
+"""
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -14,6 +17,8 @@ import torch
 
 from shards.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir
 from shards.buckets import Bucket
+from shards.encode import Item, check_sample, check_stamp, encode_shard
+from shards.lock import WRITERS_LOCK, CacheLock, writers_lock
 from shards.manifest import (
     LOG_DIR,
     SNAPSHOT_DIR,
@@ -33,52 +38,9 @@ from shards.manifest import (
 )
 from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, read_prompts
 from shards.reader import REPAIR, ShardReader
-from shards.schema import (
-    DIGEST,
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    KEY,
-    OFFSETS_SUFFIX,
-    CacheBusy,
-    CorruptSample,
-    Schema,
-    sample_digest,
-    schema_to_json,
-    serialize,
-    validate_schema,
-)
+from shards.schema import CacheBusy, CorruptSample, Schema, sample_digest, schema_to_json, validate_schema
 
-
-WRITERS_LOCK = ".lock-writers"  # every writer holds it shared; gc and upgrade exclusively
-
-
-class CacheLock:
-    """Exclusive use of a cache by one run (all ranks of a multi-process run share the holder's).
-
-    Raises `CacheBusy` at once when another process holds it; released on `release()` or exit. A shared
-    lock (`shared=True`) coexists with other shared holders and excludes an exclusive one.
-    """
-
-    def __init__(self, root: str | os.PathLike, name: str = ".lock", what: str = "the cache", *, shared: bool = False):
-        self.path = Path(root) / name
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a+")
-        try:
-            fcntl.flock(self._file, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._file.seek(0)
-            holder = self._file.read().strip() or "another process"
-            self._file.close()
-            raise CacheBusy(f"{what} at {Path(root)} is being written by {holder}; wait for it to finish (two writers would "
-                            f"encode the same samples twice)") from None
-        if not shared:  # shared holders leave the name of the last exclusive one
-            self._file.truncate(0)
-            self._file.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
-            self._file.flush()
-
-    def release(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+__all__ = ["WRITERS_LOCK", "CacheLock", "ShardWriter"]  # the lock's names are imported from here too
 
 
 class ShardWriter:
@@ -130,7 +92,7 @@ class ShardWriter:
         self.max_buffer_bytes = max_buffer_bytes
         self.check_finite = check_finite
         self.root.mkdir(parents=True, exist_ok=True)
-        self._buffers: dict[Bucket, list[tuple[str, dict[str, torch.Tensor], str, int]]] = {}
+        self._buffers: dict[Bucket, list[Item]] = {}
         self._buffer_bytes: dict[Bucket, int] = {}
         self._pending: dict = {}  # files and run records for the next commit
         self._closed = False
@@ -138,7 +100,7 @@ class ShardWriter:
         # meanwhile, which would take a shard renamed but not yet committed for a leftover.
         self._lock = CacheLock(self.root, f".lock-r{rank:05d}", f"rank {rank} of the cache")
         try:
-            self._writers_lock = _writers_lock(self.root)
+            self._writers_lock = writers_lock(self.root)
         except BaseException:
             self._lock.release()
             raise
@@ -208,26 +170,9 @@ class ShardWriter:
             raise ValueError(f"sample key {key!r} must be a non-empty ASCII string")
         if key in self._listed:
             raise ValueError(f"sample {key} is already in the cache at {self.root}; a key is written once")
-        _check_stamp(key, stamp)
-        if set(sample) != set(self.schema):
-            raise ValueError(f"sample {key}: fields {sorted(sample)} do not match the schema {sorted(self.schema)}")
+        check_stamp(key, stamp)
         known = self.manifest.shapes.get(bucket, {})
-        shapes, fields = {}, {}
-        for name, spec in self.schema.items():
-            t = sample[name]
-            if not isinstance(t, torch.Tensor):
-                raise ValueError(f"sample {key}: field {name} is a {type(t).__name__}, not a tensor")
-            if t.dtype != spec.dtype:
-                raise ValueError(f"sample {key}: field {name} is {t.dtype}, the schema says {spec.dtype}")
-            if spec.ragged and t.dim() == 0:
-                raise ValueError(f"sample {key}: ragged field {name} needs at least one dim")
-            shape = [None, *t.shape[1:]] if spec.ragged else list(t.shape)
-            expected = shapes[name] = known.get(name, shape)
-            if list(expected) != shape:
-                raise ValueError(f"sample {key}: field {name} has shape {list(t.shape)}, bucket {bucket} has {expected}")
-            if self.check_finite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise ValueError(f"sample {key}: field {name} holds NaN or Inf")
-            fields[name] = t.detach().to("cpu").contiguous()
+        shapes, fields = check_sample(key, bucket, sample, self.schema, known, self.check_finite)
         self.manifest.shapes.setdefault(bucket, shapes)
         self._listed.add(key)
         self._buffers.setdefault(bucket, []).append((key, fields, source, int(stamp)))
@@ -247,38 +192,10 @@ class ShardWriter:
                 entry = self._write_shard(b, items)
                 self.commit(add=[entry.to_json()], shapes={b.name: self.manifest.shapes[b]})
 
-    def _write_shard(self, bucket: Bucket, items: list[tuple[str, dict[str, torch.Tensor], str, int]]) -> ShardEntry:
+    def _write_shard(self, bucket: Bucket, items: list[Item]) -> ShardEntry:
         """Write one shard file durably under a fresh name; it is part of the cache once committed."""
-        tensors: dict[str, torch.Tensor] = {}
-        field_bytes: dict[str, int] = {}
-        for name, spec in self.schema.items():
-            rows = [fields[name] for _, fields, _, _ in items]
-            if spec.ragged:
-                lengths = torch.tensor([0] + [r.shape[0] for r in rows], dtype=torch.int64)
-                tensors[name] = torch.cat(rows)  # (sum L_i, *trailing)
-                tensors[name + OFFSETS_SUFFIX] = lengths.cumsum(0)  # (N + 1,)
-            else:
-                tensors[name] = torch.stack(rows)  # (N, *shape)
-            field_bytes[name] = sum(
-                t.numel() * t.element_size() for k, t in tensors.items() if k in (name, name + OFFSETS_SUFFIX)
-            )
-        keys = [k.encode("ascii") for k, *_ in items]
-        tensors[KEY] = torch.frombuffer(bytearray(b"".join(keys)), dtype=torch.uint8)
-        tensors[KEY + OFFSETS_SUFFIX] = torch.tensor([0] + [len(k) for k in keys], dtype=torch.int64).cumsum(0)
-        digests = b"".join(sample_digest(key, fields) for key, fields, _, _ in items)
-        tensors[DIGEST] = torch.frombuffer(bytearray(digests), dtype=torch.uint8).view(len(items), -1)
-        shapes = self.manifest.shapes[bucket]
-        metadata = {
-            "format": FORMAT_NAME,
-            "format_version": str(FORMAT_VERSION),
-            "bucket": bucket.name,
-            "samples": str(len(items)),
-            "fields": json.dumps(schema_to_json(self.schema), sort_keys=True),
-            "shapes": json.dumps(shapes, sort_keys=True),
-            "fingerprint_sha256": self.manifest.fingerprint_sha256,
-            "rank": str(self.rank),
-        }
-        data = serialize(tensors, metadata)
+        data, field_bytes = encode_shard(bucket, items, self.schema, self.manifest.shapes[bucket],
+                                         self.manifest.fingerprint_sha256, self.rank)
         sequence = f"r{self.rank:05d}/{bucket.name}"
         seq = self.manifest.next_seq.get(sequence, 0)
         self.manifest.next_seq[sequence] = seq + 1
@@ -444,7 +361,7 @@ class ShardWriter:
     def restamp(self, stamps: dict[str, int]) -> None:
         """Record new input stamps of unchanged samples (their file was touched, its content is the same)."""
         for key, stamp in stamps.items():
-            _check_stamp(key, stamp)
+            check_stamp(key, stamp)
         if stamps:
             self.commit(restamp=sorted(stamps.items()))
 
@@ -476,15 +393,3 @@ class ShardWriter:
         else:
             self.close()
 
-
-def _writers_lock(root: Path) -> CacheLock:
-    try:
-        return CacheLock(root, WRITERS_LOCK, shared=True)
-    except CacheBusy:
-        raise CacheBusy(f"`python -m shards gc` (or `upgrade`) is working on the cache at {root}; write when it has "
-                        f"finished") from None
-
-
-def _check_stamp(key: str, stamp: int) -> None:
-    if isinstance(stamp, (bool, float, str)) or not 0 <= int(stamp) < 2**63:
-        raise ValueError(f"sample {key}: stamp {stamp!r} is not a 63-bit digest (an int in [0, 2**63))")

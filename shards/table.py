@@ -1,0 +1,288 @@
+"""The shards of one generation: `ShardEntry` (one shard as a commit lists it) and `ShardTable` (all of them,
+in columns), with the table's form in a snapshot: columns of tensors, the sample index decoded on demand.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from shards.buckets import Bucket
+from shards.layout import confined
+from shards.schema import FormatError
+
+
+@dataclass
+class ShardEntry:
+    """One shard as the manifest lists it.
+
+    Args:
+        path: POSIX path relative to the cache root, e.g. `"1024x768/r00000-000003.safetensors"`.
+        bucket: the bucket all its samples belong to.
+        samples: number of samples.
+        bytes: file size.
+        sha256: hex digest of the whole file.
+        field_bytes: per field, bytes the field occupies in this shard (offsets included).
+        keys, sources, stamps: per sample, its key, where it came from and a digest of the input's state
+            (size, mtime) when it was read; set in commits, loaded on demand from snapshots.
+    """
+
+    path: str
+    bucket: Bucket
+    samples: int
+    bytes: int
+    sha256: str
+    field_bytes: dict[str, int]
+    keys: list[str] | None = None
+    sources: list[str] | None = None
+    stamps: list[int] | None = None
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "bucket": [self.bucket.height, self.bucket.width], "samples": self.samples,
+                "bytes": self.bytes, "sha256": self.sha256, "field_bytes": self.field_bytes,
+                "keys": self.keys, "sources": self.sources, "stamps": self.stamps}
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str = "commit") -> "ShardEntry":
+        """An entry of a commit; its sample index (keys, and sources and stamps if given) must cover every sample."""
+        e = cls(path=confined(obj["path"], where), bucket=Bucket(*obj["bucket"]), samples=int(obj["samples"]),
+                bytes=int(obj["bytes"]), sha256=obj["sha256"], field_bytes={k: int(v) for k, v in obj["field_bytes"].items()},
+                keys=obj.get("keys"), sources=obj.get("sources"), stamps=obj.get("stamps"))
+        for name in ("keys", "sources", "stamps"):
+            value = getattr(e, name)
+            if (name == "keys" or value is not None) and (not isinstance(value, list) or len(value) != e.samples):
+                raise FormatError(f"{where}: {e.path} is listed without {name} for each of its {e.samples} samples; "
+                                  f"the log was edited or damaged")
+        return e
+
+
+class ShardTable:
+    """The shards of one generation, in commit order, stored in columns: a million shards cost arrays,
+    not a million objects; an entry is built when asked for."""
+
+    def __init__(self, fields: list[str]):
+        self.fields = list(fields)
+        self._paths: list[str] = []
+        self._height, self._width = array("i"), array("i")
+        self._samples, self._bytes = array("q"), array("q")
+        self._sha = bytearray()
+        self._field_bytes = array("q")
+        self._live = bytearray()
+        self._row: dict[str, int] | None = None  # path -> row, built on first removal
+        self._alive_rows: np.ndarray | None = None
+        # per row: (keys, sources, stamps) from commits; snapshot rows read theirs from `_snapshot_samples`
+        self._samples_of: dict[int, tuple[list[str], list[str], list[int]]] = {}
+        self._snapshot_samples = None
+        self._keys: dict[str, tuple[int, int]] | None = None
+
+    # -- building --------------------------------------------------------------------------------
+    def append(self, e: ShardEntry) -> None:
+        if self._row is not None:
+            if e.path in self._row and self._live[self._row[e.path]]:
+                raise FormatError(f"{e.path} is listed twice; the manifest was edited or damaged")
+            self._row[e.path] = len(self._paths)
+        self._paths.append(e.path)
+        self._height.append(e.bucket.height)
+        self._width.append(e.bucket.width)
+        self._samples.append(e.samples)
+        self._bytes.append(e.bytes)
+        self._sha += bytes.fromhex(e.sha256)
+        self._field_bytes.extend(int(e.field_bytes.get(f, 0)) for f in self.fields)
+        self._live.append(1)
+        if e.keys is not None:
+            self._samples_of[len(self._paths) - 1] = (list(e.keys), list(e.sources or [""] * e.samples),
+                                                      list(e.stamps or [0] * e.samples))
+        self._alive_rows = None
+        self._keys = None
+
+    def row_of(self, path: str) -> int:
+        if self._row is None:
+            self._row = {}
+            for j, p in enumerate(self._paths):
+                if self._live[j]:
+                    self._row[p] = j
+        try:
+            return self._row[path]
+        except KeyError:
+            raise FormatError(f"{path} is not a shard of this generation") from None
+
+    def remove(self, path: str) -> None:
+        self._live[self.row_of(path)] = 0
+        del self._row[path]
+        self._alive_rows = None
+        self._keys = None
+
+    def replace(self, old: str, e: ShardEntry) -> None:
+        """Put a shard's repaired copy in its place (same keys, same order): global indices are unchanged."""
+        j = self.row_of(old)
+        if e.samples != self._samples[j]:
+            raise FormatError(f"{e.path} replaces {old} but holds {e.samples} samples, not {self._samples[j]}")
+        if e.path in self:
+            raise FormatError(f"{e.path} replaces {old} but is listed already; the manifest was edited or damaged")
+        del self._row[old]
+        self._row[e.path] = j
+        self._paths[j] = e.path
+        self._bytes[j] = e.bytes
+        self._sha[32 * j : 32 * j + 32] = bytes.fromhex(e.sha256)
+        if e.keys is not None:
+            self._samples_of[j] = (list(e.keys), list(e.sources or [""] * e.samples), list(e.stamps or [0] * e.samples))
+
+    def key_index(self) -> dict[str, tuple[int, int]]:
+        """key -> (table row, position in the shard) of every live sample, built once per change."""
+        if self._keys is None:
+            self._keys = {}
+            for j in self.rows:
+                for r, k in enumerate(self.samples_of(int(j))[0]):
+                    self._keys[k] = (int(j), r)
+        return self._keys
+
+    def restamp(self, key: str, stamp: int) -> None:
+        if key not in self.key_index():
+            raise FormatError(f"restamp of {key}, which is not in the cache")
+        j, r = self._keys[key]
+        keys, sources, stamps = self.samples_of(j)
+        stamps = list(stamps)
+        stamps[r] = stamp
+        self._samples_of[j] = (keys, sources, stamps)
+
+    # -- reading ---------------------------------------------------------------------------------
+    @property
+    def rows(self) -> np.ndarray:
+        """Table rows of the live shards, in commit order."""
+        if self._alive_rows is None:
+            self._alive_rows = np.flatnonzero(np.frombuffer(bytes(self._live), dtype=np.uint8)) if self._live else np.zeros(0, np.int64)
+        return self._alive_rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __contains__(self, path: str) -> bool:
+        """Whether `path` is a live shard."""
+        try:
+            self.row_of(path)
+        except FormatError:
+            return False
+        return True
+
+    def entry_at_row(self, j: int) -> ShardEntry:
+        f = len(self.fields)
+        return ShardEntry(self._paths[j], Bucket(self._height[j], self._width[j]), self._samples[j], self._bytes[j],
+                          self._sha[32 * j : 32 * j + 32].hex(), dict(zip(self.fields, self._field_bytes[f * j : f * j + f])))
+
+    def __getitem__(self, i: int) -> ShardEntry:
+        return self.entry_at_row(int(self.rows[i]))
+
+    def __iter__(self) -> Iterator[ShardEntry]:
+        return (self.entry_at_row(int(j)) for j in self.rows)
+
+    def paths(self) -> list[str]:
+        return [self._paths[j] for j in self.rows]
+
+    def column(self, name: str) -> np.ndarray:
+        """A live column as an array: "samples", "bytes", "height", "width" or "field_bytes" (K, F)."""
+        if name == "field_bytes":
+            return np.frombuffer(self._field_bytes, dtype=np.int64).reshape(-1, len(self.fields))[self.rows]
+        source = {"samples": self._samples, "bytes": self._bytes, "height": self._height, "width": self._width}[name]
+        return np.frombuffer(source, dtype=np.int64 if source.typecode == "q" else np.int32)[self.rows]
+
+    def samples_of(self, j: int) -> tuple[list[str], list[str], list[int]]:
+        """(keys, sources, stamps) of table row `j`."""
+        if j in self._samples_of:
+            return self._samples_of[j]
+        if self._snapshot_samples is None:
+            raise FormatError("the sample index of this shard was not loaded")
+        return self._snapshot_samples(j)
+
+    # -- in a snapshot ---------------------------------------------------------------------------
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """The live shards and their sample index as the tensors of a snapshot."""
+        rows = self.rows
+        f = len(self.fields)
+        tensors = {}
+        tensors["shards.path"], tensors["shards.path.offsets"] = _ragged([self._paths[j] for j in rows])
+        tensors["shards.bucket"] = torch.from_numpy(
+            np.stack([self.column("height"), self.column("width")], 1).astype(np.int32).reshape(-1, 2))
+        tensors["shards.samples"] = torch.from_numpy(self.column("samples").copy())
+        tensors["shards.bytes"] = torch.from_numpy(self.column("bytes").copy())
+        sha = np.frombuffer(bytes(self._sha), dtype=np.uint8).reshape(-1, 32)
+        tensors["shards.sha256"] = torch.from_numpy(sha[rows].copy().reshape(-1, 32))
+        tensors["shards.field_bytes"] = torch.from_numpy(self.column("field_bytes").copy().reshape(-1, f))
+        keys, sources, stamps, shard = [], [], [], []
+        for i, j in enumerate(rows):
+            k, s, st = self.samples_of(int(j))
+            keys += k
+            sources += s
+            stamps += st
+            shard += [i] * len(k)
+        tensors["samples.key"], tensors["samples.key.offsets"] = _ragged(keys)
+        tensors["samples.source"], tensors["samples.source.offsets"] = _ragged(sources)
+        tensors["samples.stamp"] = torch.tensor(stamps, dtype=torch.int64)
+        tensors["samples.shard"] = torch.tensor(shard, dtype=torch.int64)
+        return tensors
+
+    @classmethod
+    def from_tensors(cls, fields: list[str], tensors: dict[str, torch.Tensor], where: str) -> "ShardTable":
+        """The table a snapshot holds (`to_tensors`), its columns copied out of the memory map, its sample
+        index left there until asked for."""
+        t = cls(fields)
+        paths = _Strings(tensors["shards.path"], tensors["shards.path.offsets"]).all()
+        t._paths = [confined(p, where) for p in paths]
+        bucket = tensors["shards.bucket"].numpy()
+        t._height, t._width = array("i", bucket[:, 0].tobytes()), array("i", bucket[:, 1].tobytes())
+        t._samples, t._bytes = array("q", tensors["shards.samples"].numpy().tobytes()), array("q", tensors["shards.bytes"].numpy().tobytes())
+        t._sha = bytearray(tensors["shards.sha256"].numpy().tobytes())
+        t._field_bytes = array("q", tensors["shards.field_bytes"].numpy().tobytes())
+        t._live = bytearray(b"\x01" * len(t._paths))
+        t._snapshot_samples = _SnapshotSamples(tensors, tensors["shards.samples"].numpy(), where)
+        return t
+
+
+def _ragged(strings: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strings as UTF-8 bytes and their (N + 1,) offsets."""
+    data = [s.encode("utf-8", "surrogateescape") for s in strings]
+    offsets = np.zeros(len(data) + 1, dtype=np.int64)
+    np.cumsum([len(d) for d in data], out=offsets[1:])
+    return torch.frombuffer(bytearray(b"".join(data)) or bytearray(1), dtype=torch.uint8)[: offsets[-1]], torch.from_numpy(offsets)
+
+
+class _Strings:
+    """Ragged UTF-8 strings (bytes + (N + 1,) offsets) of a snapshot, decoded on demand without copying the bytes."""
+
+    def __init__(self, data: torch.Tensor, offsets: torch.Tensor):
+        self.data, self.offsets = memoryview(data.numpy()), offsets.numpy()
+
+    def __getitem__(self, span: slice) -> list[str]:
+        offs = self.offsets[span.start : span.stop + 1].tolist()
+        return [str(self.data[a:b], "utf-8", "surrogateescape") for a, b in zip(offs, offs[1:])]
+
+    def all(self) -> list[str]:
+        return self[0 : len(self.offsets) - 1]
+
+
+class _SnapshotSamples:
+    """A snapshot's sample index, decoded per shard on demand (training never asks)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], samples: np.ndarray, where: str):
+        self.tensors, self.samples, self.where = tensors, samples, where
+        self._columns = None
+
+    def _load(self) -> tuple:
+        t = self.tensors
+        # the samples of shard j are rows bounds[j]:bounds[j + 1]
+        bounds = np.searchsorted(t["samples.shard"].numpy(), np.arange(len(self.samples) + 1))
+        if not np.array_equal(np.diff(bounds), self.samples) or bounds[-1] != len(t["samples.stamp"]):
+            raise FormatError(f"{self.where}: the sample index does not match the shards' sample counts; the "
+                              f"snapshot is damaged")
+        return (bounds, _Strings(t["samples.key"], t["samples.key.offsets"]),
+                _Strings(t["samples.source"], t["samples.source.offsets"]), t["samples.stamp"].numpy())
+
+    def __call__(self, j: int) -> tuple[list[str], list[str], list[int]]:
+        if self._columns is None:
+            self._columns = self._load()
+        bounds, keys, sources, stamps = self._columns
+        a, b = int(bounds[j]), int(bounds[j + 1])
+        return keys[a:b], sources[a:b], stamps[a:b].tolist()
