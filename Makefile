@@ -9,16 +9,18 @@ PYTEST_ARGS ?=
 # Test files run in parallel worker processes (pytest-xdist), each file's tests in one worker so a
 # module's fixtures (trained runs, encoded folders) are built once.
 TEST_WORKERS ?= 2
-MODEL ?= tiny-sana
-CACHE ?= cache/$(MODEL)
+# Passed to the stages only when set, so their own defaults (and --config files) decide the rest:
+# MODEL (tiny-sana), CACHE (cache/MODEL), RUN (runs/MODEL), STEPS, PRECISION, PARALLEL.
+MODEL ?=
+CACHE ?=
+RUN ?=
+STEPS ?=
+PRECISION ?=
+PARALLEL ?=
 NPROC ?= 1
 NNODES ?= 1
 RDZV_ENDPOINT ?= localhost:29400
 RDZV_ID ?= cachedit
-PARALLEL ?= auto
-RUN ?= runs/$(MODEL)
-STEPS ?= 200
-PRECISION ?= bf16
 PRECOMPUTE_ARGS ?=
 TRAIN_ARGS ?=
 # One process; torchrun with NPROC processes on this node; or, with NNODES > 1, NPROC per node on every
@@ -36,6 +38,8 @@ DEMO_PROMPTS = --validation-prompt "a large red circle on a blue background" \
 	--validation-prompt "a large white triangle on a green background"
 
 PLAN_ARGS ?=
+# `--flag value` when value is set, nothing otherwise
+option = $(if $(2),$(1) $(2))
 # Cache sizes of the scale benchmark (make bench); SCALE_SIZES=10000,100000,1000000 adds the 1M-sample cache (~9 min more).
 SCALE_SIZES ?= 10000,100000
 
@@ -59,14 +63,15 @@ bench: install
 	$(PY) bench/scale.py --sizes $(SCALE_SIZES)
 
 precompute: install
-	@test -n "$(DATA)" || { echo "usage: make precompute DATA=<folder or tars> [MODEL=$(MODEL)] [CACHE=$(CACHE)] [NPROC=1]"; exit 2; }
-	$(LAUNCH) -m precompute "$(DATA)" --model $(MODEL) --cache $(CACHE) $(PRECOMPUTE_ARGS)
+	@test -n "$(DATA)" || { echo "usage: make precompute DATA=<folder, tars or dataset> [MODEL=tiny-sana] [CACHE=cache/MODEL] [NPROC=1]"; exit 2; }
+	$(LAUNCH) -m precompute "$(DATA)" $(call option,--model,$(MODEL)) $(call option,--cache,$(CACHE)) $(PRECOMPUTE_ARGS)
 
 train: install
-	$(LAUNCH) -m train --model $(MODEL) --cache $(CACHE) --run-dir $(RUN) --steps $(STEPS) --precision $(PRECISION) \
-		--parallel $(PARALLEL) $(TRAIN_ARGS)
+	$(LAUNCH) -m train $(call option,--model,$(MODEL)) $(call option,--cache,$(CACHE)) $(call option,--run-dir,$(RUN)) \
+		$(call option,--steps,$(STEPS)) $(call option,--precision,$(PRECISION)) $(call option,--parallel,$(PARALLEL)) $(TRAIN_ARGS)
 
 plan: install
+	@test -n "$(MODEL)" || { echo "usage: make plan MODEL=<preset> [PLAN_ARGS='--batch-size 4 ...']"; exit 2; }
 	$(PY) -m train plan $(MODEL) $(PLAN_ARGS)
 
 # The whole path offline on a generated sample: data -> stage one -> stage two with validation grids.

@@ -51,3 +51,34 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write `obj` as indented JSON to `path` atomically."""
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
+
+
+def fsync_tree(root: str | os.PathLike, skip: str | os.PathLike | None = None) -> None:
+    """Flush every file and directory under `root` (but `skip`) to stable storage (writers like `save_pretrained`
+    and `torch.save` do not), deepest first, so a marker written afterwards never names data still in flight."""
+    for directory, _, files in sorted(os.walk(root), key=lambda entry: -entry[0].count(os.sep)):
+        if skip is not None and Path(directory).is_relative_to(skip):
+            continue
+        for name in files:
+            fsync_dir(os.path.join(directory, name))  # an O_RDONLY fsync: files and directories alike
+        fsync_dir(directory)
+
+
+def publish_directory(tmp: str | os.PathLike, final: str | os.PathLike, *, flushed: bool = False) -> None:
+    """Rename the finished directory `tmp` to `final`, replacing what was there: a reader (or a crash) sees the
+    old directory or the complete new one. `flushed`: the caller already fsynced `tmp`'s contents.
+
+    A directory cannot be renamed over a non-empty one, so an existing `final` is first renamed aside, then
+    deleted once the new one is in place; a crash in between leaves `.old-NAME` beside it, never neither."""
+    import shutil
+
+    tmp, final = Path(tmp), Path(final)
+    if not flushed:
+        fsync_tree(tmp)
+    aside = final.with_name(f".old-{final.name}")
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+    tmp.rename(final)
+    fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)

@@ -97,3 +97,31 @@ def typer_parameters(cls, names: typing.Iterable[str] | None = None, *, aliases:
         option = typer.Option(default_of(cls, name), *(aliases or {}).get(name, ()), help=fields[name].metadata["help"])
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=option))
     return params
+
+
+def config_file_parameter(cls) -> inspect.Parameter:
+    """A `--config FILE` option for a command built from dataclass `cls`: the JSON file's values become the
+    options' defaults (flags on the command line still win); keys that are not options are refused."""
+    import json
+    from pathlib import Path
+
+    import typer
+
+    names = {f.name for f in dataclasses.fields(cls)}
+
+    def load(ctx, param, value):  # typer passes the click context
+        if value:
+            try:
+                data = json.loads(Path(value).read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise typer.BadParameter(f"{value}: {e}") from None
+            if not isinstance(data, dict):
+                raise typer.BadParameter(f"{value}: expected a JSON object of options")
+            unknown = set(data) - names
+            if unknown:
+                raise typer.BadParameter(f"{value}: unknown options {sorted(unknown)}")
+            ctx.default_map = {**(ctx.default_map or {}), **data}
+        return value
+
+    option = typer.Option(None, callback=load, is_eager=True, help="JSON file of options (flags given beside it win).")
+    return inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=option)

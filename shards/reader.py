@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from shards.buckets import Bucket
+from shards.contract import CacheSpec
 from shards.manifest import load, newest_copy, replacements
 from shards.prompts import Prompt, read_prompts
 from shards.schema import (
@@ -146,6 +147,7 @@ class Cache:
         # repairs committed after an older generation apply to its readers too
         self._replaced = self.manifest.replaced if generation is None else replacements(self.root, self.manifest)
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+        self._spec: CacheSpec | None = None
 
     @property
     def schema(self) -> Schema:
@@ -154,6 +156,17 @@ class Cache:
     @property
     def fingerprint(self) -> dict:
         return self.manifest.fingerprint
+
+    @property
+    def spec(self) -> CacheSpec:
+        """What the cached values are (latents, text, decoder): the typed view of the fingerprint.
+
+        Raises:
+            FormatError: the cache was not written by this product's stage one.
+        """
+        if self._spec is None:
+            self._spec = CacheSpec.of(self.manifest, self.root)
+        return self._spec
 
     def __len__(self) -> int:
         return int(self._starts[-1])

@@ -73,7 +73,7 @@ def test_under_fsdp_cpu_offload_the_ema_lives_beside_the_sharded_weights(tmp_pat
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     from train.config import TrainConfig
-    from train.loop import ema_device_for
+    from train.model import ema_device_for
 
     gpu = torch.device("meta")  # stands in for the training GPU
     assert ema_device_for(TrainConfig(ema_device="device", parallel="fsdp", fsdp_cpu_offload=True), gpu).type == "cpu"

@@ -196,7 +196,7 @@ def test_the_run_defaults_per_family():
     """SD3 preconditions its outputs and Sana does not; PixArt-Sigma's full fine-tunes learn the variance, its LoRA
     runs do not, and --no-learned-variance or a model without variance channels turn it off."""
     from train.config import TrainConfig
-    from train.loop import build_run_objective
+    from train.model import build_run_objective
     from train.presets import get_preset
 
     def objective(model, **kw):

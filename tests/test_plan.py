@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from train.config import TrainConfig
-from train.loop import build_optimizer, checkpoint_blocks
+from train.model import build_model, build_optimizer, build_run_objective, build_schedule
 from train.plan import PlanConfig, measure_peak, plan
-from train.presets import PRESETS, TINY_SANA, build_transformer, get_preset, model_forward, text_width
+from train.presets import PRESETS, TINY_SANA, get_preset, text_width
+from train.step import TrainStep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +24,7 @@ PUBLISHED = {"sana-1600m": 1_604_462_752, "sana-600m": 591_747_872, "pixart-sigm
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED))
 def test_parameter_counts_of_the_real_presets(model):
-    assert plan(PlanConfig(model, batch=1, bucket=(512, 512)))["parameters"] == PUBLISHED[model]
+    assert plan(PlanConfig(model, batch_size=1, bucket=(512, 512)))["parameters"] == PUBLISHED[model]
 
 
 @pytest.fixture
@@ -38,28 +39,24 @@ def wide(monkeypatch):
 def measured(model: str, batch: int, bucket, optimizer: str, ckpt: str, tokens: int, weights_dtype: str = "fp32") -> int:
     """Peak of one training step as the trainer runs it (the step after the first, so states exist)."""
     preset = get_preset(model)
-    cfg = TrainConfig(optimizer=optimizer, grad_checkpointing=ckpt, weights_dtype=weights_dtype,
+    cfg = TrainConfig(model=model, optimizer=optimizer, grad_checkpointing=ckpt, weights_dtype=weights_dtype,
                       precision="bf16" if weights_dtype == "bf16" else "fp32")
-    net = build_transformer(preset, None, 0, torch.bfloat16 if weights_dtype == "bf16" else torch.float32)
-    if cfg.checkpoint_every_k():
-        checkpoint_blocks(net, cfg.checkpoint_every_k())
-    opt = build_optimizer(cfg, list(net.parameters()), torch.device("cpu"))
-    forward = model_forward(net, preset.family)
-    down = preset.latent_downsample
-    c = net.config.in_channels
-    x = torch.randn(batch, c, bucket[0] // down, bucket[1] // down)
-    text = {"text": torch.randn(batch, tokens, text_width(net.config)), "text_mask": torch.ones(batch, tokens, dtype=torch.bool)}
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
+    cpu = torch.device("cpu")
+    net = build_model(cfg, preset, "none", 1, cpu, resume_from=None, state={}, say=lambda *a: None)
+    optimizer = build_optimizer(cfg, net.params, cpu)
+    step = TrainStep(cfg, net, build_run_objective(cfg, preset, preset.transformer_config()), optimizer,
+                     build_schedule(cfg, optimizer), torch.amp.GradScaler("cpu", enabled=False), None, parallel="none", rank=0,
+                     world=1, device=cpu)
+    down, c = preset.latent_downsample, net.module.config.in_channels
+    batch = {"latents": torch.randn(batch, c, bucket[0] // down, bucket[1] // down), "bucket": bucket, "keys": ["k"] * batch,
+             "text": torch.randn(batch, tokens, text_width(net.module.config)), "text_mask": torch.ones(batch, tokens, dtype=torch.bool)}
 
-    def step():
-        with autocast:
-            out = forward(x, torch.full((batch,), 500.0), text)
-        out.float().square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def one_step():
+        step.accumulate(batch, 0)
+        step.update(0)
 
-    step()
-    return measure_peak(step, torch.device("cpu"))
+    one_step()
+    return measure_peak(one_step, cpu)
 
 
 @pytest.mark.slow
@@ -69,15 +66,16 @@ def measured(model: str, batch: int, bucket, optimizer: str, ckpt: str, tokens: 
 def test_predicted_peak_within_15_percent_of_measured(model, batch, bucket, optimizer, ckpt, wide):
     model = wide if model == "wide" else model
     weights = "bf16" if optimizer == "adamw-bf16" else "fp32"  # bf16 weights and moments, stochastic rounding
-    predicted = plan(PlanConfig(model, batch=batch, bucket=bucket, precision="bf16" if weights == "bf16" else "fp32",
-                                weights_dtype=weights, optimizer=optimizer, grad_ckpt=ckpt, text_tokens=20))["predicted_peak"]
+    predicted = plan(PlanConfig(model, batch_size=batch, bucket=bucket, precision="bf16" if weights == "bf16" else "fp32",
+                                weights_dtype=weights, optimizer=optimizer, grad_checkpointing=ckpt, text_tokens=20))["predicted_peak"]
     actual = measured(model, batch, bucket, optimizer, ckpt, tokens=20, weights_dtype=weights)
     assert abs(predicted / actual - 1) <= 0.15, (predicted, actual)
 
 
 def test_lora_plan_counts_adapters_alone():
-    full = plan(PlanConfig("sd35-large", weights_dtype="bf16", optimizer="adamw", grad_ckpt="all"))
-    lora = plan(PlanConfig("sd35-large", weights_dtype="bf16", optimizer="adamw", grad_ckpt="all", lora_rank=16))
+    full = plan(PlanConfig("sd35-large", batch_size=1, weights_dtype="bf16", optimizer="adamw", grad_checkpointing="all"))
+    lora = plan(PlanConfig("sd35-large", batch_size=1, weights_dtype="bf16", optimizer="adamw", grad_checkpointing="all",
+                           lora_rank=16))
     adapters = lora["trainable_parameters"]
     assert lora["parameters"] == full["parameters"] + adapters and 0 < adapters < full["parameters"] / 100
     assert lora["bytes"]["gradients"] == 4 * adapters and lora["bytes"]["optimizer states"] == 2 * 4 * adapters
@@ -85,8 +83,8 @@ def test_lora_plan_counts_adapters_alone():
 
 
 def test_plan_cli_json_and_verdict():
-    out = subprocess.run([sys.executable, "-m", "train", "plan", "sana-1600m", "--batch", "4", "--optimizer", "came",
-                          "--grad-ckpt", "all", "--gpu-memory", "48GB", "--json"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "train", "plan", "sana-1600m", "--batch-size", "4", "--optimizer", "came",
+                          "--grad-checkpointing", "all", "--gpu-memory", "48GB", "--json"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     assert result["parameters"] == PUBLISHED["sana-1600m"]

@@ -96,7 +96,7 @@ def test_weighting_scheme_is_refused_for_ddpm(tiny_caches, tmp_path):
 
 def test_zeroed_caption_dropout_is_sd3s_default(tiny_caches):
     from train.data import TrainingSamples
-    from train.loop import null_caption
+    from train.model import null_caption
 
     sd3 = TrainingSamples(tiny_caches["tiny-sd3"], 0, 1.0, null_caption(cfg("c", "r", "tiny-sd3"), get_preset("tiny-sd3")))
     cond = sd3[(0, 0)]["cond"]

@@ -175,7 +175,7 @@ def test_the_cli_refuses_unknown_choices_listing_the_valid_ones():
     from train.__main__ import tools
 
     wide = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
-    for args, listed in ((["plan", "tiny-sana", "--ema", "gpu"], "'off', 'device', 'cpu'"),
+    for args, listed in ((["plan", "tiny-sana", "--ema-device", "gpu"], "'device', 'cpu'"),
                          (["plan", "tiny-sana", "--parallel", "zero3"], "'ddp', 'fsdp'"),
                          (["plan", "tiny-sana", "--precision", "bf32"], "'fp32', 'bf16', 'fp16'"),
                          (["plan", "tiny-sana", "--weights-dtype", "fp8"], "'fp32', 'bf16'"),
@@ -189,7 +189,7 @@ def test_the_cli_refuses_unknown_choices_listing_the_valid_ones():
 def test_adamw_8bit_without_bitsandbytes_says_how_to_install(monkeypatch):
     import builtins
 
-    from train.loop import build_optimizer
+    from train.model import build_optimizer
 
     real = builtins.__import__
     monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
@@ -200,7 +200,7 @@ def test_adamw_8bit_without_bitsandbytes_says_how_to_install(monkeypatch):
 
 @pytest.mark.parametrize("every", [1, 2])
 def test_gradient_checkpointing_every_kth_block_keeps_gradients(every):
-    from train.loop import checkpoint_blocks
+    from train.model import checkpoint_blocks
     from train.presets import build_transformer, get_preset
 
     preset = get_preset("tiny-sana")
@@ -316,10 +316,10 @@ def test_sigkill_during_checkpoint_save_keeps_the_previous(caches, tmp_path):
 
 
 def test_non_finite_loss_skips_then_aborts(caches, tmp_path, caplog, monkeypatch):
-    import train.loop as loop
+    import train.model as model
 
-    real = loop.model_forward
-    monkeypatch.setattr(loop, "model_forward", lambda m, f: (lambda xt, t, b: real(m, f)(xt, t, b) * float("nan")))
+    real = model.model_forward
+    monkeypatch.setattr(model, "model_forward", lambda m, f: (lambda xt, t, b: real(m, f)(xt, t, b) * float("nan")))
     with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="5 non-finite losses in a row"):
         train(cfg(caches["tiny-sana"], tmp_path, steps=10))
     assert "non-finite loss, skipped; samples ['" in caplog.text
@@ -352,15 +352,15 @@ def test_new_shards_join_at_the_next_epoch(tmp_path, monkeypatch):
 
 
 def test_memory_report_on_demand(caches, tmp_path, monkeypatch):
-    import train.loop as loop
+    import train.model as model
 
-    real = loop.model_forward
+    real = model.model_forward
     def forward(m, f):
         fn = real(m, f)
         def call(xt, t, b):
             os.kill(os.getpid(), signal.SIGUSR1)  # as a user would with `kill -USR1 PID`
             return fn(xt, t, b)
         return call
-    monkeypatch.setattr(loop, "model_forward", forward)
+    monkeypatch.setattr(model, "model_forward", forward)
     train(cfg(caches["tiny-sana"], tmp_path, steps=2))
     assert "rss" in (tmp_path / "memory.txt").read_text()

@@ -10,9 +10,12 @@ import torch
 from PIL import Image
 
 from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline
+from shards import Bucket, Cache
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
+from train.decode import LABEL_WIDTH, TITLE_HEIGHT, grid
 from train.loop import train
+from train.validate import reference_latents
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,8 +39,26 @@ def test_an_uncached_validation_prompt_stops_before_step_one(tiny_caches, tmp_pa
 def test_validation_grid_has_a_row_per_prompt_and_the_dataset_row(tiny_caches, tmp_path, model):
     train(cfg(tiny_caches[model], tmp_path, model=model, validation_bucket=["256x256", "208x304"]))
     grid = Image.open(tmp_path / "samples-step00000004.png")
-    # title + 2 prompt rows + 1 dataset row of 256-px-high cells; label column + 4 reference cells
-    assert grid.height >= 28 + 3 * 256 and grid.width >= 240 + 4 * 256
+    # a title, a row per prompt (one cell per bucket), a row of decoded dataset latents; a label column
+    cache = Cache(tiny_caches[model])
+    down = cache.spec.latent.downsample
+    buckets = [(256, 256), (208, 304)]
+    references = [tuple(down * n for n in z.shape[-2:]) for _, z in reference_latents(cache, [Bucket(*b) for b in buckets])]
+    rows = [buckets, buckets, references]
+    cell_width = max(w for row in rows for _, w in row)
+    assert grid.size == (LABEL_WIDTH + max(map(len, rows)) * (cell_width + 4),
+                         TITLE_HEIGHT + sum(max(h for h, _ in row) + 4 for row in rows))
+
+
+def test_grid_cells_are_equal_and_images_centred_in_them():
+    red, blue, white = (255, 0, 0), (0, 0, 255), (255, 255, 255)
+    wide, tall = Image.new("RGB", (32, 16), red), Image.new("RGB", (16, 32), blue)  # (width, height)
+    canvas = grid("title", [("first", [wide, tall]), ("second", [tall])])
+    x0, y0, cell = LABEL_WIDTH, TITLE_HEIGHT, 32 + 4  # cells as wide and rows as high as the largest image, 4 px apart
+    assert canvas.size == (x0 + 2 * cell, y0 + 2 * cell)
+    assert canvas.getpixel((x0 + 16, y0 + 4)) == white and canvas.getpixel((x0 + 16, y0 + 16)) == red  # wide: 8 px down
+    assert canvas.getpixel((x0 + cell + 4, y0 + 16)) == white and canvas.getpixel((x0 + cell + 16, y0 + 16)) == blue  # tall: 8 px in
+    assert canvas.getpixel((x0 + 16, y0 + cell + 16)) == blue and canvas.getpixel((x0 + cell + 16, y0 + cell + 16)) == white
 
 
 def test_decoding_on_the_training_device(tiny_caches, tmp_path):
@@ -77,7 +98,7 @@ def test_exported_weights_generate_through_the_stock_pipeline(tiny_caches, tmp_p
 def test_sample_cli_writes_one_image_per_prompt_and_bucket(tiny_caches, tmp_path):
     train(cfg(tiny_caches["tiny-pixart"], tmp_path / "run", model="tiny-pixart", validate=False))
     out = subprocess.run([sys.executable, "-m", "train", "sample", str(tmp_path / "run"), "--prompt-cache", str(tiny_caches["tiny-pixart"]),
-                          "--bucket", "256x256", "--bucket", "304x208", "--steps", "3", "--out", str(tmp_path / "samples")],
+                          "--validation-bucket", "256x256", "--validation-bucket", "304x208", "--validation-steps", "3", "--out", str(tmp_path / "samples")],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     images = sorted((tmp_path / "samples").glob("*.png"))
@@ -88,5 +109,5 @@ def test_sample_cli_writes_one_image_per_prompt_and_bucket(tiny_caches, tmp_path
     from train.__main__ import tools
 
     missing = CliRunner().invoke(tools, ["sample", str(tmp_path / "run"), "--prompt-cache", str(tiny_caches["tiny-pixart"]),
-                                         "--prompt", "never cached"])
+                                         "--validation-prompt", "never cached"])
     assert missing.exit_code == 2 and "never cached" in missing.output

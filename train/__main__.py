@@ -6,34 +6,22 @@ Also `python -m train export RUN --out DIR` (diffusers-format weights), `python 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import logging
 import sys
-import typing
 from pathlib import Path
 from typing import List, Literal, Optional
 
 import typer
 
 from shards import CorruptSample
-from train.config import Precision, TrainConfig
+from shards.options import Dtype, config_file_parameter, default_of, help_of, typer_parameters
+from train.config import Optimizer, TrainConfig
 from train.presets import PRESETS
 
 # torchrun's own parser would take `--run` for an abbreviation of its `--run-path`
 OPTION_NAMES = {"run": ("--run-dir",)}
-
-
-def load_config(ctx: typer.Context, param, value: Optional[Path]):
-    """Options from a JSON file become defaults; flags on the command line still win."""
-    if value:
-        data = json.loads(Path(value).read_text())
-        unknown = set(data) - {f.name for f in dataclasses.fields(TrainConfig)}
-        if unknown:
-            raise typer.BadParameter(f"{value}: unknown options {sorted(unknown)}")
-        ctx.default_map = {**(ctx.default_map or {}), **data}
-    return value
 
 
 def command(**options) -> None:
@@ -43,21 +31,8 @@ def command(**options) -> None:
     _run(lambda: train(TrainConfig(**options)))
 
 
-def _signature() -> inspect.Signature:
-    hints = typing.get_type_hints(TrainConfig)
-    params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
-                                default=typer.Option(None, callback=load_config, is_eager=True, help="JSON file of options."))]
-    for f in dataclasses.fields(TrainConfig):
-        annotation = hints[f.name]
-        if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-            annotation = Optional[[a for a in typing.get_args(annotation) if a is not type(None)][0]]
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                        default=typer.Option(default, *OPTION_NAMES.get(f.name, ()), help=f.metadata["help"])))
-    return inspect.Signature(params)
-
-
-command.__signature__ = _signature()
+command.__signature__ = inspect.Signature([config_file_parameter(TrainConfig),
+                                           *typer_parameters(TrainConfig, aliases=OPTION_NAMES)])
 # Exit codes (README): 0 done (or already finished); 2 bad options, cache or checkpoint, refused resume; 3 the cache's
 # files are missing or a sample failed its digest (a checkpoint was written first; the message says how to repair).
 EXIT_INPUT, EXIT_DAMAGED = 2, 3
@@ -66,8 +41,14 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 app.command(help=__doc__)(command)
 
 tools = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
-# Fixed sets of values (typer refuses anything else, listing them)
-PlanOptimizer = Literal["adamw", "adamw-bf16", "adamw-8bit", "came", "came-8bit", "adafactor"]
+# The planner also knows an optimizer no maintained library trains with (came-8bit), for comparison.
+PlanOptimizer = Literal[Optimizer, Literal["came-8bit"]]
+
+
+def like_train(name: str, default=None, help: str | None = None):
+    """An option that means what `python -m train --NAME` means: its help, and its default unless another is
+    given (None: the run's own value, for tools that read a run)."""
+    return typer.Option(default, help=help or help_of(TrainConfig, name))
 
 
 @tools.command("export")
@@ -76,7 +57,7 @@ def export_command(
     out: Path = typer.Option(..., help="Output directory; the transformer goes to OUT/transformer in the diffusers layout. "
                              "A LoRA run's adapters go to OUT (pipe.load_lora_weights(OUT); PixArt: PeftModel.from_pretrained)."),
     ema: bool = typer.Option(False, help="Export the EMA weights instead of the trained ones."),
-    dtype: Optional[Precision] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
+    dtype: Optional[Dtype] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
     merge_lora: bool = typer.Option(False, help="A LoRA run: fold the adapters into the base weights and write the whole "
                                     "transformer to OUT/transformer (for pipelines without a LoRA loader, e.g. PixArt-Sigma's)."),
 ) -> None:
@@ -87,26 +68,32 @@ def export_command(
     _run(lambda: print(f"exported {export(run, out, ema=ema, dtype=dtype, merge_lora=merge_lora)}"))
 
 
+RUNS_OWN = " Default: the run's own setting."
+
+
 @tools.command("sample")
 def sample_command(
     run: Path = typer.Argument(..., help="Run directory (its newest complete checkpoint) or one checkpoint directory."),
     prompt_cache: Path = typer.Option(..., help="Cache whose prompts.safetensors holds the prompts' embeddings."),
-    prompt: List[str] = typer.Option([], help="Prompt to sample (repeatable; default: every prompt in the cache)."),
-    bucket: List[str] = typer.Option([], help="Bucket HxW (repeatable; default: the cache's 3 most populous)."),
-    steps: int = typer.Option(20, help="Sampler steps."),
-    guidance: float = typer.Option(4.5, help="Classifier-free guidance scale."),
-    seed: int = typer.Option(0, help="Seed of the initial noise (fixed per prompt and bucket)."),
+    validation_prompt: List[str] = typer.Option([], help="Prompt to sample (repeatable; default: every prompt in the cache)."),
+    validation_bucket: List[str] = like_train("validation_bucket", []),
+    validation_steps: Optional[int] = like_train("validation_steps", help=help_of(TrainConfig, "validation_steps") + RUNS_OWN),
+    guidance_scale: Optional[float] = like_train("guidance_scale", help=help_of(TrainConfig, "guidance_scale") + RUNS_OWN),
+    validation_seed: Optional[int] = like_train("validation_seed", help=help_of(TrainConfig, "validation_seed") + RUNS_OWN),
     ema: bool = typer.Option(False, help="Sample with the EMA weights."),
-    precision: Precision = typer.Option("bf16", help="Autocast precision of the transformer: fp32, bf16 or fp16."),
-    decode_device: Literal["cpu", "device"] = typer.Option("cpu", help="Decode on the cpu or on the device the transformer ran on (freed first)."),
+    precision: Optional[Dtype] = like_train("precision", help="Autocast precision of the transformer: fp32, bf16 or fp16." + RUNS_OWN),
+    decode_device: Optional[Literal["cpu", "device"]] = like_train(
+        "decode_device", help="Decode on the cpu or on the device the transformer ran on (freed first)." + RUNS_OWN),
     out: Optional[Path] = typer.Option(None, help="Output directory (default: CHECKPOINT/samples)."),
 ) -> None:
-    """Images for cached prompts from any checkpoint: one PNG per prompt and bucket."""
+    """Images for cached prompts from any checkpoint: one PNG per prompt and bucket. Options mean what the
+    trainer's validation options mean."""
     from train.export import sample
 
     def go():
-        for path in sample(run, prompt_cache, out, prompts=prompt, buckets=bucket, steps=steps, guidance=guidance, seed=seed,
-                           ema=ema, decode_device=decode_device, precision=precision):
+        for path in sample(run, prompt_cache, out, prompts=validation_prompt, buckets=validation_bucket, steps=validation_steps,
+                           guidance=guidance_scale, seed=validation_seed, ema=ema, decode_device=decode_device,
+                           precision=precision):
             print(path)
     _run(go)
 
@@ -114,34 +101,37 @@ def sample_command(
 @tools.command("plan")
 def plan_command(
     model: str = typer.Argument(..., help=f"Preset: {', '.join(PRESETS)}."),
-    batch: int = typer.Option(1, help="Samples per batch on each device."),
+    batch_size: int = like_train("batch_size", default_of(TrainConfig, "batch_size")),
     resolution: Optional[int] = typer.Option(None, help="Square bucket of this many pixels a side (default 1024, 256 for tiny-*)."),
     bucket: Optional[str] = typer.Option(None, help="Bucket HxW (instead of --resolution)."),
-    precision: Precision = typer.Option("bf16", help="Compute precision: fp32, bf16 or fp16."),
-    weights_dtype: Literal["fp32", "bf16"] = typer.Option("fp32", help="Weights (and gradients, optimizer states) dtype: fp32 or bf16."),
-    optimizer: PlanOptimizer = typer.Option("adamw", help="adamw, adamw-bf16, adamw-8bit, came, came-8bit (planning only: no maintained "
-                                                "implementation to train with) or adafactor."),
-    grad_ckpt: str = typer.Option("off", help="Gradient checkpointing: off, all or every-K."),
-    ema: Literal["off", "device", "cpu"] = typer.Option("off", help="EMA on the device, on the cpu, or off."),
+    precision: Dtype = like_train("precision", default_of(TrainConfig, "precision")),
+    weights_dtype: Literal["fp32", "bf16"] = like_train("weights_dtype", default_of(TrainConfig, "weights_dtype")),
+    optimizer: PlanOptimizer = like_train("optimizer", default_of(TrainConfig, "optimizer"),
+                                          help=help_of(TrainConfig, "optimizer") + " Planning only: came-8bit (no maintained "
+                                                                                    "implementation to train with)."),
+    grad_checkpointing: str = like_train("grad_checkpointing", default_of(TrainConfig, "grad_checkpointing")),
+    ema_decay: float = like_train("ema_decay", default_of(TrainConfig, "ema_decay")),
+    ema_device: Literal["device", "cpu"] = like_train("ema_device", default_of(TrainConfig, "ema_device")),
     world_size: int = typer.Option(1, help="Number of devices."),
     parallel: Literal["ddp", "fsdp"] = typer.Option("ddp", help="ddp (replicated) or fsdp (sharded over --world-size)."),
-    cpu_offload: bool = typer.Option(False, help="FSDP CPU offload of parameters, gradients and optimizer states."),
+    fsdp_cpu_offload: bool = like_train("fsdp_cpu_offload", default_of(TrainConfig, "fsdp_cpu_offload")),
     text_tokens: Optional[int] = typer.Option(None, help="Caption tokens to plan for (default: the preset's limit, 300; SD3 77 + 256)."),
     gpu_memory: str = typer.Option("80GB", help="Memory of one device, e.g. 48GB."),
-    lora_rank: int = typer.Option(0, help="Plan LoRA fine-tuning with adapters of this rank on the frozen base (0: full fine-tuning); "
-                                          "--weights-dtype is then the base's dtype."),
-    lora_targets: List[str] = typer.Option([], help="LoRA target modules (repeatable; default: the family's attention projections)."),
+    lora_rank: int = like_train("lora_rank", default_of(TrainConfig, "lora_rank")),
+    lora_targets: List[str] = like_train("lora_targets", []),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
-    """Predict memory per device before launching: bytes by component, peak, verdict, largest batch."""
+    """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
+    like the trainer's mean the same and default the same."""
+    from shards import Bucket
     from train.plan import PlanConfig, format_plan, parse_bytes, plan
-    from train.validate import parse_bucket
 
     def go():
-        size = tuple(parse_bucket(bucket)) if bucket else (resolution or (256 if model.startswith("tiny") else 1024),) * 2
-        result = plan(PlanConfig(model, batch=batch, bucket=tuple(size), precision=precision, weights_dtype=weights_dtype,
-                                 optimizer=optimizer, grad_ckpt=grad_ckpt, ema=ema, world_size=world_size, parallel=parallel,
-                                 cpu_offload=cpu_offload, text_tokens=text_tokens, gpu_memory=parse_bytes(gpu_memory),
+        size = tuple(Bucket.parse(bucket)) if bucket else (resolution or (256 if model.startswith("tiny") else 1024),) * 2
+        result = plan(PlanConfig(model, batch_size=batch_size, bucket=size, precision=precision, weights_dtype=weights_dtype,
+                                 optimizer=optimizer, grad_checkpointing=grad_checkpointing,
+                                 ema="off" if ema_decay <= 0 else ema_device, world_size=world_size, parallel=parallel,
+                                 fsdp_cpu_offload=fsdp_cpu_offload, text_tokens=text_tokens, gpu_memory=parse_bytes(gpu_memory),
                                  lora_rank=lora_rank, lora_targets=tuple(lora_targets)))
         print(json.dumps(result, indent=1) if as_json else format_plan(result))
     _run(go)

@@ -8,14 +8,13 @@ objects: torch files hold only tensors and plain containers and load with `weigh
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
-from shards.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
+from shards.atomic import atomic_write_bytes, atomic_write_json, fsync_tree, publish_directory
 from train.distributed import barrier
 
 MARKER = "COMPLETE"
@@ -73,28 +72,11 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
     if rank == 0:
         fsync_tree(tmp, skip=tmp / SHARDED)  # each rank flushed its own part of sharded/
         atomic_write_bytes(tmp / MARKER, b"ok\n")  # fsynced, with its directory
-        aside = final.with_name(f".old-{final.name}")
-        if final.exists():  # a re-save of the same step: swap by two renames, delete the old one after
-            shutil.rmtree(aside, ignore_errors=True)
-            final.rename(aside)
-        tmp.rename(final)
-        fsync_dir(final.parent)
-        shutil.rmtree(aside, ignore_errors=True)
+        publish_directory(tmp, final, flushed=True)  # a re-save of the same step replaces it
         for old in complete_checkpoints(run)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     barrier()
     return final
-
-
-def fsync_tree(root: Path, skip: Path | None = None) -> None:
-    """Flush every file and directory under `root` (but `skip`) to stable storage (writers like `save_pretrained`
-    and `torch.save` do not), deepest first, so a marker written afterwards never names data still in flight."""
-    for directory, _, files in sorted(os.walk(root), key=lambda entry: -entry[0].count(os.sep)):
-        if skip is not None and Path(directory).is_relative_to(skip):
-            continue
-        for name in files:
-            fsync_dir(os.path.join(directory, name))  # an O_RDONLY fsync: files and directories alike
-        fsync_dir(Path(directory))
 
 
 def load_sharded(path: Path, state: dict) -> dict:
@@ -129,17 +111,25 @@ def load_tensors(path: Path, name: str):
     return torch.load(file, map_location="cpu", weights_only=True) if file.exists() else None
 
 
+def find(path: Path) -> Path:
+    """A checkpoint directory as given, or the newest complete checkpoint of a run directory."""
+    path = Path(path)
+    if (path / MARKER).exists():
+        return path
+    found = complete_checkpoints(path)
+    if not found:
+        raise FileNotFoundError(f"{path} is neither a complete checkpoint (no {MARKER} marker) nor a run directory with one")
+    return found[-1]
+
+
 def resolve_resume(run: Path, resume: str | None) -> Path | None:
-    """`auto`: the newest complete checkpoint of the run (or none); a path: that checkpoint."""
+    """`auto`: the newest complete checkpoint of the run (or none); a path: that checkpoint (or that run's newest)."""
     if not resume:
         return None
     if resume == "auto":
         found = complete_checkpoints(run)
         return found[-1] if found else None
-    path = Path(resume)
-    if not (path / MARKER).exists():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
-    return path
+    return find(Path(resume))
 
 
 def is_lora(path: Path) -> bool:

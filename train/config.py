@@ -6,23 +6,15 @@
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-Precision = Literal["fp32", "bf16", "fp16"]
+from shards.options import Dtype, check_choices, opt
+
 Optimizer = Literal["adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit"]
 # diffusers' SD3 trainers' `--weighting_scheme`: it sets the timestep density and the loss weight together
 WeightingScheme = Literal["logit_normal", "mode", "sigma_sqrt", "cosmap", "none"]
-
-
-def opt(default, help: str):
-    """A field with its help text (lists and other mutable defaults are copied per instance)."""
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclass
@@ -42,7 +34,7 @@ class TrainConfig:
     optimizer: Optimizer = opt("adamw", "adamw (fused on CUDA); adamw-bf16: bf16 moments with stochastic rounding, for "
                                         "--weights-dtype bf16 (torchao); came (Sana's); adafactor; adamw-8bit (CUDA, bitsandbytes: "
                                         "pip install 'cachedit[8bit]').")
-    precision: Precision = opt("bf16", "Autocast precision: fp32, bf16 or fp16 (with a GradScaler). Changing it on resume keeps "
+    precision: Dtype = opt("bf16", "Autocast precision: fp32, bf16 or fp16 (with a GradScaler). Changing it on resume keeps "
                                        "weights and optimizer moments and drops the scaler.")
     weights_dtype: Literal["fp32", "bf16"] = opt("fp32", "fp32 master weights, or bf16 weights (half the weight, gradient and "
                                                          "moment memory; full fine-tuning needs --optimizer adamw-bf16, whose "
@@ -163,24 +155,3 @@ def parse_checkpointing(value: str) -> int:
     if value.startswith("every-") and value[6:].isdigit() and int(value[6:]) >= 1:
         return int(value[6:])
     raise ValueError(f"--grad-checkpointing {value!r}: choose off, all or every-K (e.g. every-2)")
-
-
-def check_choices(config) -> None:
-    """Refuse a value outside a `Literal` field's choices, naming the valid ones (as the CLI does)."""
-    hints = typing.get_type_hints(type(config))
-    for f in dataclasses.fields(config):
-        choices = literal_choices(hints[f.name])
-        value = getattr(config, f.name)
-        if choices and value is not None and value not in choices:
-            flag = "--" + f.name.replace("_", "-")
-            raise ValueError(f"{flag} {value!r}: choose one of {', '.join(map(str, choices))}")
-
-
-def literal_choices(annotation) -> tuple:
-    """The values of a `Literal[...]` annotation (also inside `Optional`), else ()."""
-    if typing.get_origin(annotation) is Literal:
-        return typing.get_args(annotation)
-    for arg in typing.get_args(annotation):
-        if typing.get_origin(arg) is Literal:
-            return typing.get_args(arg)
-    return ()

@@ -89,7 +89,7 @@ class BucketBatchSampler:
 
 @dataclass(frozen=True)
 class TextLayout:
-    """How a cache's text fields become the transformer's text input (stage one records it).
+    """How a cache's text fields become the transformer's text input (`shards.TextSpec` describes them).
 
     "masked" (PixArt, Sana): one `text` field of valid tokens per caption, padded per batch with a mask.
     "sd3_joint": per caption `clip` (77, D_clip) and `pooled` (D_pooled,) and, unless T5 was dropped,
@@ -102,10 +102,8 @@ class TextLayout:
 
     @classmethod
     def of(cls, cache: Cache) -> "TextLayout":
-        layout = cache.fingerprint["text_encoder"].get("layout") or {"kind": "masked"}
-        if layout["kind"] not in ("masked", "sd3_joint"):
-            raise ValueError(f"{cache.root}: unknown text layout {layout['kind']!r}; update this trainer")
-        return cls(layout["kind"], layout["t5_tokens"] if layout.get("t5") == "dropped" else 0)
+        text = cache.spec.text
+        return cls(text.layout, text.t5_zeros)
 
     @staticmethod
     def captions(fields: dict) -> int:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shards import Cache
+from shards import Cache, DecoderRecipe
 from shards.atomic import atomic_write_bytes
 
 if TYPE_CHECKING:
@@ -26,22 +26,20 @@ LABEL_WIDTH = 240
 TITLE_HEIGHT = 28
 
 
-def decoder_recipe(cache: Cache) -> dict:
-    recipe = cache.manifest.extra.get("precompute", {}).get("decoder")
+def decoder_recipe(cache: Cache) -> DecoderRecipe:
+    """The cache's decoder recipe, weights stored in the cache given by their full path."""
+    recipe = cache.spec.decoder
     if recipe is None:
         raise ValueError(f"{cache.root} records no VAE decoder; re-run this version's `make precompute` on it (only what is missing is encoded)")
-    recipe = dict(recipe)
-    if recipe.get("in_cache"):
-        recipe["source"] = str(cache.root / recipe["source"])
-    return recipe
+    return recipe.located(cache.root)
 
 
-def load_decoder(recipe: dict, device: torch.device) -> torch.nn.Module:
+def load_decoder(recipe: DecoderRecipe, device: torch.device) -> torch.nn.Module:
     """The VAE of `recipe` with its encoder dropped: only the decoder's weights stay in memory."""
     import diffusers
 
-    cls = getattr(diffusers, recipe["class"])
-    vae = cls.from_pretrained(recipe["source"], subfolder=recipe.get("subfolder"), revision=recipe.get("revision"))
+    cls = getattr(diffusers, recipe.vae_class)
+    vae = cls.from_pretrained(recipe.source, subfolder=recipe.subfolder, revision=recipe.revision)
     vae.encoder = None
     if hasattr(vae, "quant_conv"):
         vae.quant_conv = None
@@ -49,11 +47,11 @@ def load_decoder(recipe: dict, device: torch.device) -> torch.nn.Module:
 
 
 @torch.inference_mode()
-def decode(vae: torch.nn.Module, recipe: dict, latents: torch.Tensor) -> list:
+def decode(vae: torch.nn.Module, recipe: DecoderRecipe, latents: torch.Tensor) -> list:
     """(B, C, h, w) cached-scale latents -> PIL images."""
     from PIL import Image
 
-    z = latents.to(vae.device, torch.float32) / recipe["scaling_factor"] + recipe["shift_factor"]
+    z = latents.to(vae.device, torch.float32) / recipe.scaling_factor + recipe.shift_factor
     pixels = vae.decode(z).sample.float().clamp(-1, 1)
     pixels = ((pixels + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     return [Image.fromarray(p) for p in pixels]
@@ -79,7 +77,7 @@ def grid(title: str, rows: list[tuple[str, list]]) -> "Image.Image":
     return canvas
 
 
-def render(vae, recipe: dict, job: dict) -> Path:
+def render(vae, recipe: DecoderRecipe, job: dict) -> Path:
     """Decode a job's rows of latents and write its grid; returns the PNG's path."""
     rows = [(label, [im for z in latents for im in decode(vae, recipe, z[None])]) for label, latents in job["rows"]]
     buf = io.BytesIO()
@@ -88,7 +86,7 @@ def render(vae, recipe: dict, job: dict) -> Path:
     return Path(job["path"])
 
 
-def _worker(recipe: dict, jobs, results) -> None:
+def _worker(recipe: DecoderRecipe, jobs, results) -> None:
     torch.set_num_threads(1)  # the training process keeps the other cores
     vae = load_decoder(recipe, torch.device("cpu"))
     while (job := jobs.get()) is not None:
@@ -105,7 +103,7 @@ class Decoder:
     `close()` waits for the rest.
     """
 
-    def __init__(self, recipe: dict, device: torch.device | None = None):
+    def __init__(self, recipe: DecoderRecipe, device: torch.device | None = None):
         self.recipe, self.device = recipe, device
         self._done: list[tuple[str, str]] = []
         if device is None:

@@ -11,19 +11,10 @@ import torch
 from shards import Cache
 from train import checkpoint, lora
 from train.objectives import build_objective
-from train.presets import DTYPES, Weights, build_transformer, get_preset, resolve_weights
+from shards.atomic import publish_directory
+from shards.options import DTYPES
+from train.presets import Weights, build_transformer, get_preset, resolve_weights
 from train.validate import Validator
-
-
-def find_checkpoint(run_or_checkpoint: Path) -> Path:
-    """A checkpoint directory as given, or the newest complete checkpoint of a run directory."""
-    path = Path(run_or_checkpoint)
-    if (path / checkpoint.MARKER).exists():
-        return path
-    found = checkpoint.complete_checkpoints(path)
-    if not found:
-        raise FileNotFoundError(f"{path} is neither a complete checkpoint nor a run directory with one")
-    return found[-1]
 
 
 def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
@@ -112,9 +103,7 @@ def export_adapter(ckpt: Path, out: Path, ema: bool) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     written = lora.save_adapter(tmp, preset.family, weights, config)
     write_provenance(tmp, ckpt, state, ema, base=base_weights(preset, state).describe())
-    if Path(out).exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    publish_directory(tmp, out)
     return Path(out) / written.name
 
 
@@ -123,7 +112,7 @@ def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, me
     the diffusers layout, with a note of where it came from. Returns OUT/transformer. A LoRA run's
     adapters go to OUT itself (`export_adapter`), or with `merge_lora` are folded into the base weights
     and the whole transformer is written."""
-    ckpt = find_checkpoint(run)
+    ckpt = checkpoint.find(run)
     if checkpoint.is_lora(ckpt) and not merge_lora:
         return export_adapter(ckpt, out, ema)
     if merge_lora and not checkpoint.is_lora(ckpt):
@@ -139,23 +128,27 @@ def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, me
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     write_provenance(tmp, ckpt, state, ema, **({"lora": "merged"} if merge_lora else {}))
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+    publish_directory(tmp, target)
     return target
 
 
 def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: list[str] = (), buckets: list[str] = (),
-           steps: int = 20, guidance: float = 4.5, seed: int = 0, ema: bool = False, decode_device: str = "cpu",
-           precision: str = "bf16") -> list[Path]:
-    """Images for cached prompts from a checkpoint: one PNG per prompt and bucket, and a grid."""
+           steps: int | None = None, guidance: float | None = None, seed: int | None = None, ema: bool = False,
+           decode_device: str | None = None, precision: str | None = None) -> list[Path]:
+    """Images for cached prompts from a checkpoint: one PNG per prompt and bucket. Sampler steps, guidance, seed,
+    decode device and precision default to the run's own validation settings."""
     from train.decode import decode, load_decoder
 
-    ckpt = find_checkpoint(run)
+    ckpt = checkpoint.find(run)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     model, preset, state = load_model(ckpt, ema)
     model.to(device)
     cfg = state["config"]
+    steps = steps if steps is not None else cfg["validation_steps"]
+    guidance = guidance if guidance is not None else cfg["guidance_scale"]
+    seed = seed if seed is not None else cfg["validation_seed"]
+    decode_device = decode_device or cfg["decode_device"]
+    precision = precision or cfg["precision"]
     objective = build_objective(preset.objective, preset.prediction, shift=cfg.get("flow_shift") or preset.flow_shift,
                                 resolution_shift=cfg.get("resolution_shift", False), base_resolution=preset.base_resolution)
     cache = Cache(prompt_cache)
@@ -164,7 +157,7 @@ def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: l
     validator = Validator(cache, preset, objective, prompts=list(prompts), buckets=list(buckets), steps=steps, guidance=guidance,
                           seed=seed, decode_device="cpu", out=out, model_name=preset.name)
     if not validator:
-        raise ValueError(f"{cache.root} holds no prompts; pass --prompt TEXT for prompts cached there, or add some with "
+        raise ValueError(f"{cache.root} holds no prompts; pass --validation-prompt TEXT for prompts cached there, or add some with "
                          f"precompute --validation-prompt")
     dtype = DTYPES[precision]
     latents = validator.sample(model, dtype)

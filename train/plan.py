@@ -11,33 +11,42 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from shards import bucket_table
-from train.presets import DTYPES, get_preset, model_forward, text_width
+from shards import Bucket, bucket_table
+from shards.options import DTYPE_BYTES, DTYPES, default_of
+from train.config import TrainConfig, parse_checkpointing
+from train.model import checkpoint_blocks
+from train.presets import get_preset, model_forward, text_width
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GiB = 2**30
+
+
+def _train(name: str):
+    """The training run's default for option `name`: a plan describes a run, so it starts from the same values."""
+    return field(default_factory=lambda: default_of(TrainConfig, name))
 
 
 @dataclass
 class PlanConfig:
+    """A training setup to plan. Fields named like `TrainConfig`'s mean the same and default the same."""
+
     model: str
-    batch: int = 1
+    batch_size: int = _train("batch_size")
     bucket: tuple[int, int] = (1024, 1024)
-    precision: str = "bf16"
-    weights_dtype: str = "fp32"
-    optimizer: str = "adamw"
-    grad_ckpt: str = "off"  # off | all | every-K
-    ema: str = "off"  # device | cpu | off
+    precision: str = _train("precision")
+    weights_dtype: str = _train("weights_dtype")
+    optimizer: str = _train("optimizer")
+    grad_checkpointing: str = _train("grad_checkpointing")  # off | all | every-K
+    ema: str = "off"  # device | cpu | off: from --ema-decay and --ema-device
     world_size: int = 1
     parallel: str = "ddp"
-    cpu_offload: bool = False
+    fsdp_cpu_offload: bool = _train("fsdp_cpu_offload")
     text_tokens: int | None = None  # caption tokens traced (the cache's limit; default the preset's: 300, SD3 77 + 256)
     gpu_memory: float = 80 * GiB
-    lora_rank: int = 0  # 0: every weight trains; N: LoRA adapters of rank N on the frozen base
+    lora_rank: int = _train("lora_rank")  # 0: every weight trains; N: LoRA adapters of rank N on the frozen base
     lora_targets: tuple[str, ...] = ()  # default: the family's
 
 
@@ -118,8 +127,6 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
 
     Returns the total, the largest block's share (what a checkpointed block recomputes at once), and
     the total with every `every`-th block checkpointed (0: none)."""
-    from train.loop import checkpoint_blocks
-
     cfg = model.config
     down = preset.latent_downsample
     c, h, w = cfg.in_channels, bucket[0] // down, bucket[1] // down
@@ -181,12 +188,6 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     return result
 
 
-def parse_every(grad_ckpt: str) -> int:
-    from train.config import parse_checkpointing
-
-    return parse_checkpointing(grad_ckpt)
-
-
 def plan(pc: PlanConfig) -> dict:
     """Bytes per component on one rank's device, the predicted peak, the verdict and the largest batch."""
     wb = DTYPE_BYTES[pc.weights_dtype]
@@ -200,8 +201,8 @@ def plan(pc: PlanConfig) -> dict:
     n_trainable = sum(p.numel() for p in trainable)
     n_buffers = sum(b.numel() for b in model.buffers())
     shard = pc.world_size if pc.parallel == "fsdp" else 1
-    on_device = 0.0 if pc.cpu_offload else 1.0
-    every = parse_every(pc.grad_ckpt)
+    on_device = 0.0 if pc.fsdp_cpu_offload else 1.0
+    every = parse_checkpointing(pc.grad_checkpointing)
     # Full fine-tuning: every weight trains in the weights dtype. LoRA: the base is frozen in the weights
     # dtype and the adapters (the only gradients, optimizer states and EMA) are fp32.
     tb = 4 if pc.lora_rank else wb
@@ -221,9 +222,9 @@ def plan(pc: PlanConfig) -> dict:
         a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens or preset.extra.get("text_tokens", 300), compute, every)
         return a["checkpointed"] if every else a["full"]
 
-    act = activations(pc.batch)
+    act = activations(pc.batch_size)
     # activations grow linearly with the batch: the slope from two traces gives the largest batch
-    per_sample = (activations(pc.batch + 1) - act) if pc.batch else act
+    per_sample = (activations(pc.batch_size + 1) - act) if pc.batch_size else act
     # autocast keeps a compute-dtype copy of each trained fp32 weight for the step (frozen ones are cast per use)
     if pc.precision != "fp32" and tb == 4 and pc.parallel != "fsdp":
         act += n_trainable * DTYPE_BYTES[pc.precision] / shard
@@ -234,9 +235,9 @@ def plan(pc: PlanConfig) -> dict:
     peak = static + max(act, grads)
     def largest_batch(memory: float) -> int:
         room = memory - static
-        if room < max(grads, act - per_sample * (pc.batch - 1)):  # not even one sample
+        if room < max(grads, act - per_sample * (pc.batch_size - 1)):  # not even one sample
             return 0
-        return max(1, int(pc.batch + (room - act) // per_sample)) if per_sample > 0 else pc.batch
+        return max(1, int(pc.batch_size + (room - act) // per_sample)) if per_sample > 0 else pc.batch_size
 
     # Per bucket of the preset's table: activations per sample scale with the bucket's pixels (every
     # layer is linear in the tokens with fused attention), so the traced slope is rescaled, not retraced.
@@ -245,7 +246,7 @@ def plan(pc: PlanConfig) -> dict:
     for b in bucket_table(preset.base_resolution):
         scale = b.height * b.width / pixels
         room = pc.gpu_memory - static
-        fixed = act - per_sample * pc.batch  # what does not grow with the batch (autocast copies, ...)
+        fixed = act - per_sample * pc.batch_size  # what does not grow with the batch (autocast copies, ...)
         n = int((room - fixed) // (per_sample * scale)) if per_sample > 0 and room > max(grads, fixed) else 0
         by_bucket[b.name] = max(n, 0)
     # What a trainer without a cache adds: the VAE and text encoder(s) resident, frozen, in bf16.
@@ -272,10 +273,10 @@ def format_plan(result: dict) -> str:
     lines = [
         f"{cfg['model']}: {result['parameters']:,} parameters ({result['buffers']:,} buffer values)"
         + (f", LoRA rank {cfg['lora_rank']}: {result['trainable_parameters']:,} trainable" if cfg["lora_rank"] else "")
-        + f"; batch {cfg['batch']} at "
+        + f"; batch {cfg['batch_size']} at "
         f"{cfg['bucket']}, {cfg['precision']} compute, {cfg['weights_dtype']} weights, {cfg['optimizer']}, checkpointing "
-        f"{cfg['grad_ckpt']}, EMA {cfg['ema']}, {cfg['world_size']} rank(s) {cfg['parallel'] if cfg['world_size'] > 1 else ''}"
-        f"{' + CPU offload' if cfg['cpu_offload'] else ''}",
+        f"{cfg['grad_checkpointing']}, EMA {cfg['ema']}, {cfg['world_size']} rank(s) {cfg['parallel'] if cfg['world_size'] > 1 else ''}"
+        f"{' + CPU offload' if cfg['fsdp_cpu_offload'] else ''}",
     ]
     for name, value in result["bytes"].items():
         lines.append(f"  {name:<24} {value / GiB:9.2f} GiB")
@@ -284,8 +285,8 @@ def format_plan(result: dict) -> str:
     lines.append(f"  {verdict} in {cfg['gpu_memory'] / GiB:.0f} GiB; largest batch at {cfg['bucket']}: {result['largest_batch']}")
     per_bucket = result["largest_batch_per_bucket"]
     if per_bucket:
-        shown = sorted(per_bucket.items(), key=lambda kv: _aspect(kv[0]))
-        picks = [shown[0], *[kv for kv in shown if _aspect(kv[0]) == 1.0][:1], shown[-1]]
+        shown = sorted(per_bucket.items(), key=lambda kv: Bucket.parse(kv[0]).aspect)
+        picks = [shown[0], *[kv for kv in shown if Bucket.parse(kv[0]).aspect == 1.0][:1], shown[-1]]
         lines.append("  largest batch per bucket (estimated from the traced one): "
                      + ", ".join(f"{k}: {v}" for k, v in dict(picks).items()) + f" ... ({len(per_bucket)} buckets in --json)")
     if result["encoders_resident"]:
@@ -297,11 +298,6 @@ def format_plan(result: dict) -> str:
     lines.append("  (activations traced at one forward on the meta device; backward frees them as it makes gradients, "
                  "so the peak counts the larger of the two)")
     return "\n".join(lines)
-
-
-def _aspect(name: str) -> float:
-    h, w = (int(v) for v in name.split("x"))
-    return h / w
 
 
 def parse_bytes(text: str) -> float:

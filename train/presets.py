@@ -15,7 +15,6 @@ from typing import Callable, Literal
 import torch
 
 CONFIGS = Path(__file__).resolve().parent / "configs"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # option value -> torch dtype
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class ModelPreset:
         prediction: "flow" (velocity), "epsilon" or "v_prediction".
         flow_shift: timestep shift at the preset's base resolution (Sana 3.0).
         base_resolution: pixels of the square bucket the shift refers to.
-        released_dtype: the precision the released weights were trained in.
+        released_dtype: the precision the released weights were trained in (fp16, bf16).
         latent_downsample: pixels per latent pixel of the family's VAE (for planning memory per bucket).
         encoder_parameters: parameter counts of the VAE and text encoder(s) stage one uses, by name, from the
             published configs: what a trainer without a cache keeps resident (the memory planner's comparison).
@@ -93,23 +92,25 @@ PRESETS: dict[str, Callable[[], ModelPreset]] = {
                                              "pixart_sigma_xl2_1024_transformer.json", "ddpm", "epsilon",
                                              encoder_parameters=PIXART_ENCODERS),
     "sana-600m": lambda: ModelPreset("sana-600m", "sana", "Efficient-Large-Model/Sana_600M_1024px_diffusers",
-                                     "sana_600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="float16",
+                                     "sana_600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="fp16",
                                      latent_downsample=32, encoder_parameters=SANA_ENCODERS),
     "sana-1600m": lambda: ModelPreset("sana-1600m", "sana", "Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers",
-                                      "sana_1600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="bfloat16",
+                                      "sana_1600m_transformer.json", "flow", "flow", flow_shift=3.0, released_dtype="bf16",
                                       latent_downsample=32, encoder_parameters=SANA_ENCODERS),
     # SD3 / SD3.5: joint attention over CLIP-L + CLIP-G + T5 tokens, pooled CLIP projections; trained in bf16
     "sd3-medium": lambda: ModelPreset("sd3-medium", "sd3", "stabilityai/stable-diffusion-3-medium-diffusers",
                                       "sd3_medium_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
-                                      released_dtype="float16", extra={"text_tokens": 77 + 256}),
+                                      released_dtype="fp16", extra={"text_tokens": 77 + 256}),
     "sd35-medium": lambda: ModelPreset("sd35-medium", "sd3", "stabilityai/stable-diffusion-3.5-medium",
                                        "sd35_medium_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
-                                       released_dtype="bfloat16", extra={"text_tokens": 77 + 256}),
+                                       released_dtype="bf16", extra={"text_tokens": 77 + 256}),
     "sd35-large": lambda: ModelPreset("sd35-large", "sd3", "stabilityai/stable-diffusion-3.5-large",
                                       "sd35_large_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
-                                      released_dtype="bfloat16", extra={"text_tokens": 77 + 256}),
-    "tiny-pixart": lambda: ModelPreset("tiny-pixart", "pixart", None, TINY_PIXART, "ddpm", "epsilon", base_resolution=256),
-    "tiny-sana": lambda: ModelPreset("tiny-sana", "sana", None, TINY_SANA, "flow", "flow", flow_shift=3.0, base_resolution=256),
+                                      released_dtype="bf16", extra={"text_tokens": 77 + 256}),
+    "tiny-pixart": lambda: ModelPreset("tiny-pixart", "pixart", None, TINY_PIXART, "ddpm", "epsilon", base_resolution=256,
+                                       extra={"text_tokens": 64}),
+    "tiny-sana": lambda: ModelPreset("tiny-sana", "sana", None, TINY_SANA, "flow", "flow", flow_shift=3.0, base_resolution=256,
+                                     extra={"text_tokens": 64}),
     "tiny-sd3": lambda: ModelPreset("tiny-sd3", "sd3", None, TINY_SD3, "flow", "flow", flow_shift=3.0, base_resolution=256,
                                     extra={"text_tokens": 77 + 32}),
 }

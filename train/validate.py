@@ -50,14 +50,6 @@ def _quote(text: str) -> str:
     return shlex.quote(text)
 
 
-def parse_bucket(text: str) -> Bucket:
-    try:
-        h, w = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"bucket {text!r}: write HEIGHTxWIDTH, e.g. 256x256") from None
-    return Bucket(h, w)
-
-
 def default_buckets(cache: Cache, n: int = 3) -> list[Bucket]:
     """The cache's `n` most populous buckets."""
     stats = cache.manifest.buckets()
@@ -117,13 +109,12 @@ class Validator:
             raise ValueError(f"{cache.root} holds no empty-caption embedding for guidance; re-run `make precompute` on it (only what is missing is encoded)")
         self.layout = TextLayout.of(cache)
         self.null = self.layout.caption(null.fields)  # the empty caption, as the family's pipeline guides
-        self.buckets = [parse_bucket(b) for b in buckets] or default_buckets(cache)
-        down = cache.fingerprint["vae"]["downsample"]
-        bad = [b.name for b in self.buckets if b.height % down or b.width % down]
+        self.buckets = [Bucket.parse(b) for b in buckets] or default_buckets(cache)
+        latent = cache.spec.latent
+        bad = [b.name for b in self.buckets if b.height % latent.downsample or b.width % latent.downsample]
         if bad:
-            raise ValueError(f"validation buckets {bad} are not multiples of the VAE's downsampling factor {down}")
-        channels = cache.fingerprint["vae"]["latent_channels"]
-        self.shapes = [(channels, b.height // down, b.width // down) for b in self.buckets]
+            raise ValueError(f"validation buckets {bad} are not multiples of the VAE's downsampling factor {latent.downsample}")
+        self.shapes = [latent.shape(b.height, b.width) for b in self.buckets]
         self.preset, self.objective = preset, objective
         self.steps, self.guidance, self.seed = steps, guidance, seed
         self.out = out
@@ -193,7 +184,7 @@ def reference_latents(cache: Cache, buckets: list[Bucket], n: int = 4) -> list[t
     out = []
     for bucket in order[:n]:
         sample = cache[ranges[bucket][0].start]
-        latent = sample.fields["latent_mean"] if "latent_mean" in sample.fields else sample.fields["latent"]
+        latent = sample.fields[cache.spec.latent.fields[0]]  # the posterior's mean, or the deterministic latent
         source = bytes(sample.fields["source"].numpy()).decode("utf-8", "replace")
         out.append((Path(source).name, latent.float().clone()))
     return out

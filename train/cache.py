@@ -1,0 +1,78 @@
+"""The cache as the trainer opens it: the same generation on every rank, registered for `shards gc`, checked
+against the model before any weights load, its files checked before the run starts, damage stopping the run."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from shards import Bucket, Cache, CorruptSample, register_reader
+from shards.reader import REPAIR
+from train import distributed
+from train.presets import ModelPreset, text_width
+
+log = logging.getLogger("train")
+
+
+def open_generation(cache_root: Path, run: Path, is_main: bool, generation: int | None = None) -> Cache:
+    """The cache at `generation` (default: the newest rank 0 sees), the same on every rank, registered by rank 0
+    so that `python -m shards gc` keeps its files for this run."""
+    cache = Cache(cache_root, generation) if is_main else None
+    generation = distributed.rank0_value(cache.generation if is_main else None)
+    if is_main and not register_reader(cache_root, run, generation):
+        log.warning("%s is read-only for this run: `python -m shards gc` on it cannot know that %s reads generation %d",
+                    cache_root, run, generation)
+    return cache if is_main else Cache(cache_root, generation)
+
+
+def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
+    """Stop before loading weights when the cache cannot feed this model, naming the fields."""
+    spec = cache.spec  # refuses a cache stage one did not write
+    latent, text = spec.latent, spec.text
+    patch = config.get("patch_size", 1)
+    problems = []
+    if spec.family and spec.family != preset.family:
+        problems.append(f"family: cache {spec.family!r}, model {preset.family!r}")
+    if latent.channels != config["in_channels"]:
+        problems.append(f"latent channels: cache {latent.channels}, model in_channels {config['in_channels']}")
+    if text.layout == "sd3_joint":
+        if text.clip_width > config["joint_attention_dim"]:
+            problems.append(f"CLIP width: cache {text.clip_width}, over the model's joint width {config['joint_attention_dim']}")
+        if text.pooled_width != config["pooled_projection_dim"]:
+            problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config['pooled_projection_dim']}")
+        if text.t5_width not in (None, config["joint_attention_dim"]):
+            problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {config['joint_attention_dim']}")
+    elif text.width != text_width(config):
+        problems.append(f"text width: cache {text.width}, model {text_width(config)}")
+    for bucket in cache.manifest.buckets():
+        _, h, w = latent.shape(bucket.height, bucket.width)
+        if h % patch or w % patch:
+            problems.append(f"bucket {bucket}: latent {h}x{w} is not a multiple of patch size {patch}")
+    if problems:
+        raise ValueError(
+            f"the cache {cache.root} does not fit model {preset.name}:\n  " + "\n  ".join(problems)
+            + f"\nBuild a matching cache: make precompute DATA=... MODEL={preset.name} CACHE={cache.root}-{preset.name}"
+        )
+
+
+def check_cache_files(cache: Cache, is_main: bool) -> None:
+    """Every shard of the generation exists with its listed size: rank 0 stats each once (ranks share the
+    filesystem, so one pass serves all) and every rank stops alike."""
+    problems = distributed.rank0_value(cache.check_files() if is_main else None)
+    if problems:
+        listed = "; ".join(f"{path}: {what}" for path, what in problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CorruptSample(f"{len(problems)} shard(s) of {cache.root} (generation {cache.generation}) are missing or damaged: "
+                            f"{listed}. {REPAIR.format(root=cache.root)}")
+
+
+def until_damaged(batches, damaged: list):
+    """The batches, until one holds a sample that fails its digest: the error goes into `damaged` and the
+    iteration ends (the caller checkpoints and stops)."""
+    try:
+        yield from batches
+    except CorruptSample as e:
+        damaged.append(e)
+
+
+def largest_bucket(cache: Cache) -> Bucket:
+    return max(cache.manifest.buckets(), key=lambda b: (b.height * b.width, b))

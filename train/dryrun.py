@@ -1,0 +1,56 @@
+"""The run's memory plan at start-up, and `--dry-run`: the trainer's own step at the cache's largest bucket,
+measured beside the plan, nothing saved."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from shards import Cache
+from shards.options import DTYPES
+from train.cache import largest_bucket
+from train.config import TrainConfig
+from train.data import TrainingSamples
+from train.metrics import device_memory
+from train.plan import PlanConfig, measure_peak, plan
+from train.step import TrainStep
+from train.validate import Validator, generate
+
+
+def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: int, parallel: str) -> dict:
+    """The memory plan of this run at the cache's largest bucket."""
+    largest = largest_bucket(cache)
+    ema = "off" if cfg.ema_decay <= 0 else cfg.ema_device
+    return plan(PlanConfig(cfg.model, batch_size=cfg.batch_size, bucket=(largest.height, largest.width), precision=cfg.precision,
+                           weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer, grad_checkpointing=cfg.grad_checkpointing,
+                           ema=ema, world_size=world, parallel="fsdp" if parallel == "fsdp" else "ddp",
+                           fsdp_cpu_offload=cfg.fsdp_cpu_offload, text_tokens=cache.spec.text.tokens,
+                           gpu_memory=device_memory(device), lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets)))
+
+
+def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: TrainStep, validator: Validator | None, preset,
+            planned: dict, device: torch.device, say: Callable = print) -> dict:
+    """One optimizer step as the loop runs it (every micro-batch of it, clipping, the optimizer, the EMA) at the
+    largest bucket, and one validation sample; its measured peak next to the plan."""
+    largest = largest_bucket(cache)
+    indices = [i for r in cache.ranges_by_bucket()[largest] for i in r]
+    indices = (indices * cfg.batch_size)[: cfg.batch_size]
+    batch = dataset.collate([dataset[(0, i)] for i in indices])
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    def one_step() -> None:
+        while not step.ready:
+            step.accumulate(batch, 0)
+        step.update(0)
+        if validator is not None:
+            prompt = validator.prompts[0]
+            generate(step.model.module, preset, step.objective, prompt.cond, validator.null,
+                     cache.spec.latent.shape(largest.height, largest.width), largest.height * largest.width, steps=2,
+                     guidance=cfg.guidance_scale, seed=0, precision=DTYPES[cfg.precision], layout=validator.layout)
+
+    measured = measure_peak(one_step, device)
+    predicted = planned["predicted_peak"]
+    say(f"dry run at {largest.name}, batch {cfg.batch_size}: measured peak {measured / 2**30:.3f} GiB, planned "
+        f"{predicted / 2**30:.3f} GiB ({predicted / measured - 1:+.1%})")
+    return {"dry_run": True, "bucket": largest.name, "measured_peak": measured, "predicted_peak": predicted}

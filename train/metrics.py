@@ -1,0 +1,185 @@
+"""What a run reports: `metrics.jsonl` (the record; a resumed run rewrites it from its step), TensorBoard when
+installed, validation grids, `loss.png` at the end, and memory reports on request."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from shards.atomic import atomic_write_bytes
+from train import distributed
+from train.objectives import TIMESTEP_BINS
+
+log = logging.getLogger("train")
+SCALARS = ("loss", "smoothed_loss", "lr", "grad_norm", "samples_per_s", "data_wait", "peak_memory")
+
+
+class Metrics:
+    """The run's numbers, aggregated per logging window across ranks; rank 0 writes them.
+
+    Args:
+        run: the run directory.
+        step: the step the run starts at (a resumed run's metrics after it are dropped: they are redone).
+        smoothed: the debiased moving average of the loss as (sum, n), carried across resumes.
+    """
+
+    def __init__(self, run: Path, step: int, smoothed: tuple[float, int], *, is_main: bool, device: torch.device,
+                 precision: str, data_wait: float = 0.0):
+        self.run, self.is_main, self.device, self.precision = run, is_main, device, precision
+        self.smooth_sum, self.smooth_n = smoothed
+        self.losses: list[tuple[int, float]] = []
+        self.grids: list[str] = []
+        self.file = self.tensorboard = None
+        if is_main:
+            truncate_metrics(run / "metrics.jsonl", step)
+            self.file = open(run / "metrics.jsonl", "a")
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tensorboard = SummaryWriter(str(run / "tensorboard"))
+            except ImportError:  # TensorBoard is optional
+                pass
+        self._new_window(data_wait)
+
+    def _new_window(self, data_wait: float) -> None:
+        self.loss, self.n, self.samples, self.wait = 0.0, 0, 0, data_wait
+        self.bins = [[0.0, 0] for _ in range(TIMESTEP_BINS)]
+        self.t0 = time.perf_counter()
+
+    @property
+    def smoothed(self) -> list:
+        return [self.smooth_sum, self.smooth_n]
+
+    def add(self, loss: float, per_sample: torch.Tensor, t: torch.Tensor, samples: int) -> None:
+        """One micro-batch: `loss` is the global batch's mean, `per_sample` and `t` this rank's, `samples` global."""
+        self.smooth_sum, self.smooth_n = 0.95 * self.smooth_sum + 0.05 * loss, self.smooth_n + 1
+        self.loss, self.n, self.samples = self.loss + loss, self.n + 1, self.samples + samples
+        for value, tt in zip(per_sample.detach().float().tolist(), t.tolist()):
+            b = self.bins[min(TIMESTEP_BINS - 1, int(tt * TIMESTEP_BINS))]
+            b[0] += value
+            b[1] += 1
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (validation) out of the window's throughput."""
+        self.t0 += seconds
+
+    def log(self, step: int, lr: float, grad_norm: float, data_wait: float) -> dict:
+        """Close the window at `step` (every rank calls this: the timestep bins are summed across ranks).
+        `data_wait`: seconds the run has waited for data so far."""
+        elapsed = time.perf_counter() - self.t0
+        mean = self.loss / max(self.n, 1)
+        flat = distributed.sum_across([v for b in self.bins for v in b], self.device)
+        record = {
+            "step": step, "loss": mean, "smoothed_loss": self.smooth_sum / (1 - 0.95**self.smooth_n),  # over ~20 micro-batches
+            "lr": lr, "grad_norm": grad_norm, "samples_per_s": self.samples / elapsed,
+            "data_wait": (data_wait - self.wait) / elapsed, "peak_memory": peak_memory(self.device),
+            "loss_by_timestep": [flat[i] / flat[i + 1] if flat[i + 1] else None for i in range(0, len(flat), 2)],
+            "precision": self.precision,
+        }
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if self.tensorboard is not None:
+            for name in SCALARS:
+                self.tensorboard.add_scalar(f"train/{name}", record[name], step)
+        self.losses.append((step, mean))
+        self._new_window(data_wait)
+        return record
+
+    def report_grids(self, done: list[tuple[str, str]]) -> None:
+        """Validation grids the background decoder finished: ("ok", path) or (status, message)."""
+        for status, message in done:
+            if status != "ok":
+                log.warning("validation grid failed: %s", message)
+                continue
+            self.grids.append(message)
+            tqdm.write(f"validation samples: {message}")
+            if self.tensorboard is not None:
+                import numpy as np
+                from PIL import Image
+
+                self.tensorboard.add_image("validation", np.asarray(Image.open(message).convert("RGB")),
+                                           int(Path(message).stem.removeprefix("samples-step")), dataformats="HWC")
+
+    def close(self, plot: bool = True) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+        if plot and self.is_main:
+            plot_losses(self.run)
+
+    @property
+    def last_loss(self) -> float | None:
+        return self.losses[-1][1] if self.losses else None
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the metrics of steps up to `step` (the resumed one; 0: none), written atomically."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if _logged_step(line) <= step]
+    if len(kept) != len(lines):
+        atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
+
+
+def _logged_step(line: str) -> float:
+    """The step of a metrics line; a line torn by a crash counts as after every checkpoint (it is dropped)."""
+    try:
+        return json.loads(line).get("step", 0)
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return psutil.Process().memory_info().rss
+
+
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().total
+
+
+def write_memory_report(path: Path, device: torch.device, step: int) -> None:
+    """The allocator's `memory_summary()` on CUDA; the process's memory figures on the CPU."""
+    if device.type == "cuda":
+        text = torch.cuda.memory_summary(device)
+    else:
+        info = psutil.Process().memory_full_info()
+        text = "\n".join(f"{k}: {v / 2**20:.1f} MiB" for k, v in info._asdict().items())
+    path.write_text(f"step {step}\n{text}\n")
+    print(f"memory report written to {path}")
+
+
+def plot_losses(run: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], alpha=0.4, label="loss")
+    ax.plot([r["step"] for r in rows], [r["smoothed_loss"] for r in rows], label="smoothed")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(str(run))
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(run / "loss.png", dpi=100)
+    plt.close(fig)

@@ -1,0 +1,220 @@
+"""What trains, and how: the transformer (released weights, LoRA, checkpointing, DDP/FSDP), the optimizer,
+the learning-rate schedule, the EMA and the objective, built from the run's config."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.utils.checkpoint
+
+from shards.options import DTYPES
+from train import checkpoint, distributed, lora
+from train.config import TrainConfig
+from train.ema import EMA
+from train.objectives import build_objective
+from train.presets import ModelPreset, build_transformer, model_forward, resolve_weights
+
+log = logging.getLogger("train")
+
+
+@dataclass
+class Model:
+    """The transformer and what trains of it.
+
+    `module` holds the weights; `net` is what a step calls (the module or its DDP wrapper); `forward` calls
+    `net` with the family's inputs; `params` are the trained parameters (all, or the LoRA adapters); `adapter`
+    is the LoRA config (None: full fine-tuning); `weights` records the weights the run started from."""
+
+    module: torch.nn.Module
+    net: torch.nn.Module
+    forward: Callable
+    params: list[torch.nn.Parameter]
+    adapter: object | None
+    weights: dict | None
+
+
+def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int, device: torch.device, *, resume_from: Path | None,
+                state: dict, say: Callable = print) -> Model:
+    """The transformer, and only it: released weights unless told otherwise (a full fine-tune resumes its own
+    from the checkpoint; a LoRA run rebuilds its base and resumes the adapters), checkpointed, on the device,
+    wrapped for DDP or sharded for FSDP. Optimizer states and the rest of the state come in `restore`."""
+    weights_dtype = DTYPES[cfg.weights_dtype]
+    weights = None
+    if not resume_from or cfg.lora_rank:
+        weights = resolve_weights(preset, cfg.pretrained, cfg.revision, cfg.from_scratch, cfg.seed)
+        if state.get("weights") and (state["weights"]["source"], state["weights"].get("revision")) != (weights.source, weights.revision):
+            raise ValueError(f"{resume_from}: its adapters were trained on {state['weights']['source']}; this run loads "
+                             f"{weights.describe()}. LoRA adapters resume onto the base they were trained on.")
+        say(f"transformer weights: {weights.describe()}")
+    adapter = None
+    if cfg.lora_rank:
+        if weights.kind == "fresh" and preset.repo is not None:
+            raise ValueError("LoRA on random weights adapts nothing: start from the preset's released weights or --pretrained")
+        model = build_transformer(preset, weights, cfg.seed, weights_dtype)
+        adapter = lora.lora_config(preset.family, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
+        layers = lora.add_lora(model, adapter, seed=cfg.seed)
+        if resume_from:
+            adapters = resume_from / checkpoint.ADAPTER_DIR
+            lora.load_adapter_state(model, lora.read_adapter(adapters), adapters)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        say(f"LoRA rank {cfg.lora_rank}, alpha {adapter.lora_alpha:g} on {layers} layers ({', '.join(sorted(adapter.target_modules))}): "
+            f"{trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters; base frozen in {cfg.weights_dtype}")
+    elif resume_from and not checkpoint.is_sharded(resume_from):
+        model = preset.transformer_class.from_pretrained(resume_from / "transformer", torch_dtype=weights_dtype)
+    elif resume_from:  # FSDP: the architecture now, the weights after sharding
+        model = build_transformer(preset, None, cfg.seed, weights_dtype)
+    else:
+        model = build_transformer(preset, weights, cfg.seed, weights_dtype)
+    if weights is not None and weights.kind != "fresh" and preset.released_dtype not in (None, cfg.precision):
+        log.warning("%s weights were released for %s training; this run uses %s", preset.name, preset.released_dtype, cfg.precision)
+    if cfg.checkpoint_every_k():
+        n = checkpoint_blocks(model, cfg.checkpoint_every_k())
+        say(f"gradient checkpointing: {n} of {len(model.transformer_blocks)} transformer blocks recomputed in backward")
+    model.train()
+    net = distribute(cfg, model, parallel, world, device, say)
+    return Model(model, net, model_forward(net, preset.family), [p for p in model.parameters() if p.requires_grad], adapter,
+                 weights.to_json() if weights is not None else state.get("weights"))
+
+
+def distribute(cfg: TrainConfig, model: torch.nn.Module, parallel: str, world: int, device: torch.device,
+               say: Callable) -> torch.nn.Module:
+    """Place the model: shard it per block (FSDP2), or on the device and wrapped in DDP, or just on the device.
+    Returns what a step calls."""
+    if parallel == "fsdp":
+        blocks = distributed.find_blocks(model, cfg.fsdp_block)
+        distributed.shard(model, blocks, reshard_after_forward=cfg.fsdp_reshard, cpu_offload=cfg.fsdp_cpu_offload,
+                          param_dtype=None if cfg.precision == "fp32" else DTYPES[cfg.precision])
+        if not cfg.fsdp_cpu_offload:
+            model.to(device)
+        say(f"FSDP over {world} ranks: {len(blocks)} {type(blocks[0]).__name__.removeprefix('FSDP')} blocks sharded, "
+            f"reshard after forward {cfg.fsdp_reshard}, CPU offload {cfg.fsdp_cpu_offload}")
+        return model
+    model.to(device)
+    if parallel != "ddp":
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    say(f"DDP over {world} ranks")
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def checkpoint_blocks(model: torch.nn.Module, every: int) -> int:
+    """Recompute every `every`-th transformer block in the backward pass; returns how many blocks.
+
+    diffusers' `enable_gradient_checkpointing()` covers all blocks; this trades memory for compute
+    in finer steps by wrapping chosen blocks' forward in `torch.utils.checkpoint`.
+    """
+    if every == 1:
+        model.enable_gradient_checkpointing()
+        return len(model.transformer_blocks)
+    chosen = list(model.transformer_blocks)[every - 1 :: every]
+    for block in chosen:
+        block.forward = _checkpointed(block.forward)
+    return len(chosen)
+
+
+def _checkpointed(forward):
+    def wrapped(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return wrapped
+
+
+def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    if cfg.optimizer == "came":  # Sana's default
+        from came_pytorch import CAME
+
+        return CAME(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999, 0.9999), eps=(1e-30, 1e-16))
+    if cfg.optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=cfg.lr, weight_decay=cfg.weight_decay, scale_parameter=False, relative_step=False)
+    if cfg.optimizer == "adamw-bf16":
+        # bf16 moments and bf16 weights; stochastic rounding keeps updates smaller than bf16's resolution
+        # in expectation, which plain rounding would drop. torchao compiles the step on first use.
+        try:
+            from torchao.optim import _AdamW
+        except ImportError:
+            raise ValueError("--optimizer adamw-bf16 needs torchao: pip install 'cachedit[bf16]'") from None
+        logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional CUDA kernels are absent on CPU
+        return _AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, bf16_stochastic_round=True)
+    if device.type != "cuda":
+        raise ValueError("adamw-8bit needs CUDA (bitsandbytes); choose adamw, came or adafactor on this machine")
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        raise ValueError("--optimizer adamw-8bit needs bitsandbytes: pip install 'cachedit[8bit]'") from None
+
+    return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def lr_lambda(cfg: TrainConfig):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.lr_schedule == "cosine":
+            progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+    return f
+
+
+def build_schedule(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+
+
+def apply_schedule(cfg: TrainConfig, optimizer: torch.optim.Optimizer, scheduler) -> None:
+    """Make a resumed schedule this run's: its peak lr, warm-up, schedule and weight decay at the saved step.
+
+    A loaded optimizer and scheduler carry the checkpoint's lr and weight decay; LambdaLR's lambda is this
+    run's already, so only the base values and the current lr need setting."""
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    factor = lr_lambda(cfg)(scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group["initial_lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
+        if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers keep lr in a tensor
+            group["lr"].fill_(cfg.lr * factor)
+        else:
+            group["lr"] = cfg.lr * factor
+    scheduler._last_lr = [cfg.lr * factor for _ in optimizer.param_groups]
+
+
+def ema_device_for(cfg: TrainConfig, device: torch.device) -> torch.device:
+    """Where the EMA's shadow weights live: the training device, the CPU when asked, and beside the weights
+    under FSDP's CPU offload (sharded like them, so an update never mixes devices or DTensors with tensors)."""
+    return torch.device("cpu") if cfg.ema_device == "cpu" or cfg.fsdp_cpu_offload else device
+
+
+def build_ema(cfg: TrainConfig, params, device: torch.device) -> EMA | None:
+    return EMA(params, cfg.ema_decay, ema_device_for(cfg, device)) if cfg.ema_decay > 0 else None
+
+
+def build_run_objective(cfg: TrainConfig, preset: ModelPreset, config: dict):
+    """The objective with this run's options and the preset's defaults (SD3 preconditions its outputs as
+    diffusers' SD3 trainers do; PixArt-Sigma's full fine-tunes train the variance channels)."""
+    if preset.objective == "flow":
+        precondition = cfg.precondition_outputs if cfg.precondition_outputs is not None else preset.family == "sd3"
+        return build_objective("flow", preset.prediction, weighting_scheme=cfg.weighting_scheme, logit_mean=cfg.logit_mean,
+                               logit_std=cfg.logit_std, mode_scale=cfg.mode_scale, precondition_outputs=precondition,
+                               shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
+                               base_resolution=preset.base_resolution)
+    variance_channels = config.get("out_channels", config["in_channels"]) == 2 * config["in_channels"]
+    learned = cfg.learned_variance if cfg.learned_variance is not None else (variance_channels and not cfg.lora_rank)
+    if learned and not variance_channels:
+        raise ValueError(f"--learned-variance: {preset.name} predicts no variance channels")
+    return build_objective("ddpm", preset.prediction, learned_variance=learned)
+
+
+def null_caption(cfg: TrainConfig, preset: ModelPreset) -> str:
+    """What caption dropout feeds: SD3 was trained with zeroed embeddings, PixArt and Sana with the empty caption."""
+    if cfg.caption_dropout_embedding != "auto":
+        return cfg.caption_dropout_embedding
+    return "zeros" if preset.family == "sd3" else "empty"

@@ -1,0 +1,117 @@
+"""What a run continues from: its progress, and the checkpoints that save and restore it with the weights
+(or adapters), optimizer, schedule, loss scaler and EMA (`train.checkpoint` holds the files' format)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from shards import Cache
+from train import checkpoint, lora
+from train.config import TrainConfig
+from train.data import BATCH_SAMPLER_VERSION
+from train.ema import EMA
+from train.model import Model, apply_schedule
+
+log = logging.getLogger("train")
+
+
+@dataclass
+class Progress:
+    """Where a run is: optimizer steps, epoch and batches of it read (`cursor`), the smoothed loss as
+    (sum, n), and the precisions it has trained in (`history`, from which step)."""
+
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    smoothed: tuple[float, int] = (0.0, 0)
+    history: list = field(default_factory=list)
+
+
+class TrainState:
+    """Saves and restores everything a run continues from. Every rank calls `save` and `restore` together
+    (FSDP ranks write and read their own shards; rank 0 writes the rest)."""
+
+    def __init__(self, cfg: TrainConfig, model: Model, optimizer: torch.optim.Optimizer, scheduler,
+                 scaler: torch.amp.GradScaler, ema: EMA | None, *, family: str, parallel: str, rank: int, world: int):
+        self.cfg, self.model, self.optimizer, self.scheduler, self.scaler, self.ema = cfg, model, optimizer, scheduler, scaler, ema
+        self.family, self.parallel, self.rank, self.world = family, parallel, rank, world
+
+    def fresh(self) -> Progress:
+        return Progress(history=[{"step": 0, "precision": self.cfg.precision, "weights_dtype": self.cfg.weights_dtype}])
+
+    def restore(self, path: Path, state: dict, say: Callable = print) -> Progress:
+        """Optimizer, schedule (made this run's: lr, warm-up, decay from the saved step), scaler and EMA from
+        checkpoint `path` (the weights came with the model); returns the progress to continue from."""
+        cfg, ema = self.cfg, self.ema
+        if self.parallel == "fsdp":  # every rank reads its shards
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_sd, optim_sd = get_state_dict(self.model.module, self.optimizer)
+            has_ema = ema is not None and state["config"].get("ema_decay", 0) > 0
+            loaded = checkpoint.load_sharded(path, {"model": model_sd, "optimizer": optim_sd,
+                                                    **({"ema": ema.state_dict()} if has_ema else {})})
+            set_state_dict(self.model.module, self.optimizer, model_state_dict=loaded["model"],
+                           optim_state_dict=loaded["optimizer"])
+            ema_state = loaded.get("ema")
+        else:
+            self.optimizer.load_state_dict(checkpoint.load_tensors(path, "optimizer"))
+            ema_state = checkpoint.load_tensors(path, "ema") if ema is not None else None
+        if ema_state:
+            ema.load_state_dict(ema_state)  # back onto the EMA's device, with this run's decay
+        elif ema is not None:
+            say(f"{path.name} holds no EMA: it starts from the current weights")
+        self.scheduler.load_state_dict(checkpoint.load_tensors(path, "scheduler"))
+        apply_schedule(cfg, self.optimizer, self.scheduler)
+        scaler_state = checkpoint.load_tensors(path, "scaler")
+        if scaler_state and cfg.precision == "fp16":
+            self.scaler.load_state_dict(scaler_state)
+        elif scaler_state:
+            log.warning("resuming an fp16 run in %s: the GradScaler state is dropped (loss scaling is not needed)", cfg.precision)
+        was_dtype = state["config"].get("weights_dtype", "fp32")
+        if was_dtype != cfg.weights_dtype:
+            log.warning("weights were %s in %s and continue in %s", was_dtype, path.name, cfg.weights_dtype)
+        if state["sampler"]["version"] != BATCH_SAMPLER_VERSION:
+            raise ValueError(f"{path}: its data order was drawn by batch sampler version {state['sampler']['version']}, "
+                             f"this trainer draws version {BATCH_SAMPLER_VERSION}; resume it with the version that wrote it")
+        history = state["precision_history"]
+        if (history[-1]["precision"], history[-1].get("weights_dtype", "fp32")) != (cfg.precision, cfg.weights_dtype):
+            history.append({"step": state["step"], "precision": cfg.precision, "weights_dtype": cfg.weights_dtype})
+        progress = Progress(state["step"], state["epoch"], state["cursor"], tuple(state.get("smoothed_loss", (0.0, 0))), history)
+        say(f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.cursor})")
+        return progress
+
+    def save(self, progress: Progress, cache: Cache, run_config: dict) -> Path:
+        """Checkpoint `progress.step`: atomically, keeping the newest `--keep-checkpoints`."""
+        cfg, ema = self.cfg, self.ema
+        tensors = {"scheduler": self.scheduler.state_dict()}
+        if self.scaler.is_enabled():
+            tensors["scaler"] = self.scaler.state_dict()
+        sharded = None
+        if self.parallel == "fsdp":  # every rank writes its shards; nothing is gathered
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_sd, optim_sd = get_state_dict(self.model.module, self.optimizer)
+            sharded = {"model": model_sd, "optimizer": optim_sd, **({"ema": ema.state_dict()} if ema is not None else {})}
+        else:
+            tensors["optimizer"] = self.optimizer.state_dict()
+            if ema is not None:
+                tensors["ema"] = ema.state_dict()
+        adapter_files = None
+        if self.model.adapter is not None:  # the adapters alone, as the family's pipeline loads them
+            module, adapter, family = self.model.module, self.model.adapter, self.family
+            adapter_files = (checkpoint.ADAPTER_DIR, lambda d: lora.save_adapter(d, family, lora.adapter_state(module), adapter))
+        state = {
+            "step": progress.step, "epoch": progress.epoch, "cursor": progress.cursor, "world_size": self.world,
+            "model": cfg.model, "parallel": self.parallel, "smoothed_loss": list(progress.smoothed),
+            "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "cache_generation": cache.generation,
+            "cache_root": str(cache.root.resolve()), "precision_history": progress.history, "weights": self.model.weights,
+            "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder},
+            "config": run_config,
+        }
+        return checkpoint.save(cfg.run, progress.step, model=self.model.module, tensors=tensors, keep=cfg.keep_checkpoints,
+                               sharded=sharded, rank=self.rank, adapter=adapter_files, state=state)

@@ -1,0 +1,115 @@
+"""One training step, the same for the loop, the dry run and the benchmark.
+
+A step is `grad_accum` micro-batches, each forward and backward under autocast, with gradients reduced
+across ranks only on the last (DDP `no_sync`, FSDP `set_requires_gradient_sync`); a non-finite loss skips
+the step on every rank alike; then unscaling (fp16), clipping, the optimizer step with its stochastic
+rounding seeded by the step number, the schedule and the EMA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shards.options import DTYPES
+from train import distributed
+from train.config import TrainConfig
+from train.data import _generator, derived_seed
+from train.ema import EMA
+from train.model import Model
+
+log = logging.getLogger("train")
+
+
+@dataclass
+class MicroBatch:
+    loss: float  # the global batch's mean loss
+    per_sample: torch.Tensor  # this rank's samples' losses
+    t: torch.Tensor  # and their timesteps in [0, 1)
+
+
+class TrainStep:
+    """Forward and backward micro-batches with `accumulate`; once `ready`, `update` steps the optimizer.
+
+    Non-finite losses or gradients skip the step on every rank (logged with the batch's sample keys);
+    `max_bad_steps` of them in a row stop the run."""
+
+    def __init__(self, cfg: TrainConfig, model: Model, objective, optimizer: torch.optim.Optimizer, scheduler,
+                 scaler: torch.amp.GradScaler, ema: EMA | None, *, parallel: str, rank: int, world: int, device: torch.device):
+        self.cfg, self.model, self.objective = cfg, model, objective
+        self.optimizer, self.scheduler, self.scaler, self.ema = optimizer, scheduler, scaler, ema
+        self.parallel, self.rank, self.world, self.device = parallel, rank, world, device
+        self.autocast = torch.autocast(device.type, dtype=DTYPES[cfg.precision], enabled=cfg.precision != "fp32")
+        self.micro = 0  # micro-batches accumulated towards the next step
+        self.bad_in_row = 0
+        optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def ready(self) -> bool:
+        return self.micro >= self.cfg.grad_accum
+
+    def accumulate(self, batch: dict, step: int) -> MicroBatch | None:
+        """Forward and backward one micro-batch of step `step`; None when its loss was non-finite on any rank
+        (the step's gradients are dropped)."""
+        # Noise and timesteps of this micro-batch: drawn for the global batch, this rank's slice taken.
+        g = _generator(self.cfg.seed, 1_000_003, step, self.micro, device=self.device)
+        last = self.micro + 1 >= self.cfg.grad_accum  # gradients are reduced across ranks only on the last micro-batch
+        if self.parallel == "fsdp":
+            self.model.module.set_requires_gradient_sync(last)
+        no_sync = self.model.net.no_sync() if self.parallel == "ddp" and not last else contextlib.nullcontext()
+        with no_sync:
+            with self.autocast:
+                per_sample, t = self.objective(self.model.forward, batch, g, part=(self.rank, self.world))
+                loss = per_sample.mean()
+            local = float(loss.detach())  # one sync per micro-batch, for the bar and metrics
+            finite = math.isfinite(local)
+            # one collective: every rank skips together, and the logged loss is the global batch's
+            total, bad = distributed.sum_across([local if finite else 0.0, 0.0 if finite else 1.0], self.device)
+            if not bad:
+                self.scaler.scale(loss / self.cfg.grad_accum).backward()
+        self.micro += 1
+        if bad:
+            self._skip("losses", f"step {step}: non-finite loss, skipped; samples {batch['keys']}")
+            return None
+        return MicroBatch(total / self.world, per_sample, t)
+
+    def update(self, step: int) -> float | None:
+        """Clip and step the optimizer, the schedule and the EMA; returns the gradient norm, or None when the
+        gradients were non-finite (skipped; with fp16 the scaler skips overflowing steps itself)."""
+        self.micro = 0
+        self.scaler.unscale_(self.optimizer)
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(self.model.params, clip))
+        if not torch.isfinite(grad_norm) and not self.scaler.is_enabled():
+            self._skip("gradients", f"step {step}: non-finite gradients, skipped")
+            return None
+        # Whatever draws from the global RNG in the step (stochastic rounding) is fixed by the step
+        # number, so a resumed run rounds exactly as an uninterrupted one.
+        # The same seed on every rank: DDP replicas must round alike; FSDP ranks round different shards.
+        torch.manual_seed(derived_seed(self.cfg.seed, 2_000_003, step))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.bad_in_row = 0
+        if self.ema is not None and (step + 1) % self.cfg.ema_every == 0:
+            self.ema.step(self.model.params)  # on the EMA's device
+        return float(grad_norm)
+
+    def rewind(self) -> int:
+        """Drop the micro-batches of an unfinished step (a stop between them); returns how many."""
+        dropped, self.micro = self.micro, 0
+        self.optimizer.zero_grad(set_to_none=True)
+        return dropped
+
+    def _skip(self, what: str, message: str) -> None:
+        self.bad_in_row += 1
+        log.warning(message)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro = 0
+        if self.bad_in_row >= self.cfg.max_bad_steps:
+            raise RuntimeError(f"{self.bad_in_row} non-finite {what} in a row; stopping (last: {message})")
