@@ -25,9 +25,11 @@ from precompute.presets import get_preset as encoder_preset  # noqa: E402
 from precompute.run import main as precompute  # noqa: E402
 from precompute.sample_data import make_folder  # noqa: E402
 from shards import Cache, bucket_table  # noqa: E402
-from train.data import BucketBatchSampler, Prefetcher, TrainingSamples, _generator, epoch_loader  # noqa: E402
-from train.objectives import build_objective  # noqa: E402
-from train.presets import build_transformer, get_preset, model_forward  # noqa: E402
+from train.config import TrainConfig  # noqa: E402
+from train.data import BucketBatchSampler, Prefetcher, TrainingSamples, epoch_loader  # noqa: E402
+from train.model import build_model, build_optimizer, build_run_objective, build_schedule  # noqa: E402
+from train.presets import get_preset  # noqa: E402
+from train.step import TrainStep  # noqa: E402
 
 
 def main(
@@ -43,16 +45,18 @@ def main(
         data = make_folder(work / "data", 64)
         precompute(str(data), model, work / "cache", workers=0, progress=False)
         preset = get_preset(model)
-        net = build_transformer(preset, None, 0).train()
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
-        objective = build_objective(preset.objective, preset.prediction, shift=preset.flow_shift)
-        forward = model_forward(net, preset.family)
+        # the trainer's own step (fp32 here: the same dtype on every side of the comparison)
+        cfg = TrainConfig(model=model, batch_size=batch_size, precision="fp32", caption_dropout=0.1)
+        cpu = torch.device("cpu")
+        net = build_model(cfg, preset, "none", 1, cpu, resume_from=None, state={}, say=lambda *a: None)
+        optimizer = build_optimizer(cfg, net.params, cpu)
+        trainer = TrainStep(cfg, net, build_run_objective(cfg, preset, preset.transformer_config()), optimizer,
+                            build_schedule(cfg, optimizer), torch.amp.GradScaler("cpu", enabled=False), None, parallel="none",
+                            rank=0, world=1, device=cpu)
 
         def step(batch: dict, k: int) -> None:
-            loss, _ = objective(forward, batch, _generator(0, k))
-            loss.mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            trainer.accumulate(batch, k)
+            trainer.update(k)
 
         cache = Cache(work / "cache")
         sampler = BucketBatchSampler(cache.ranges_by_bucket(), batch_size)
