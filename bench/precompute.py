@@ -22,12 +22,13 @@ import torch
 import typer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from precompute.data import ImagePolicy, list_folder, prepare, read_folder_entry  # noqa: E402
+from precompute.config import DEFAULT_BATCH, PrecomputeConfig  # noqa: E402
 from precompute.encode import Encoders  # noqa: E402
+from precompute.folders import list_folder, read_folder_entry  # noqa: E402
+from precompute.images import ImagePolicy, prepare  # noqa: E402
 from precompute.presets import get_preset  # noqa: E402
-from precompute.run import DEFAULT_BATCH, main as precompute  # noqa: E402
+from precompute.run import main as precompute  # noqa: E402
 from precompute.sample_data import make_folder  # noqa: E402
-from shards import bucket_table  # noqa: E402
 
 
 def bare_encoders(enc: Encoders, items: list[dict], batch_size: int) -> float:
@@ -74,7 +75,7 @@ def main(
         data = make_folder(work / "data", count)
         preset = get_preset(model)
         enc = Encoders(preset, torch.device("cpu"))
-        policy = ImagePolicy(bucket_table(preset.base_resolution))
+        policy = PrecomputeConfig(str(data), model).policy()
         entries = list_folder(data).entries
         items = [prepare(read_folder_entry(e), policy) for e in entries]
         bare_encoders(enc, items[:batch_size], batch_size)  # warm up

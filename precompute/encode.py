@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,28 +18,18 @@ from precompute.presets import (
     tiny_vae,
     weights_digest,
 )
-from shards import Field, Schema
-
-log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from shards import DecoderRecipe, Field, LatentSpec, Schema, TextSpec
+from shards.options import torch_dtype
 
 
 def best_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def resolve_dtype(requested: str | None, default_cuda: str, device: torch.device, fp16_safe: bool, what: str, force: bool) -> torch.dtype:
-    """The compute dtype of an encoder: float32 on CPU, the preset's choice on CUDA, never an unsafe fp16."""
-    name = requested or (default_cuda if device.type == "cuda" else "float32")
-    if name not in DTYPES:
-        raise ValueError(f"{what} dtype {name!r}: choose one of {sorted(DTYPES)}")
-    if name == "float16" and not fp16_safe and not force:
-        raise ValueError(
-            f"the {what} overflows to NaN/Inf in float16; use bfloat16 or float32 "
-            f"(or pass --force-fp16 with an fp16-safe checkpoint such as the fp16-fix SDXL VAE)"
-        )
-    return DTYPES[name]
+def compute_dtype(requested: str | None, cuda_default: str, device: torch.device) -> torch.dtype:
+    """An encoder's compute dtype: the one requested, else fp32 on CPU and the preset's choice on CUDA
+    (`PrecomputeConfig` refuses fp16 for encoders that overflow in it)."""
+    return torch_dtype(requested or (cuda_default if device.type == "cuda" else "fp32"))
 
 
 CLIP_TOKENS = 77  # SD3's CLIP tokenizers pad every caption to this length
@@ -65,17 +54,16 @@ class Encoders:
     Args:
         preset: the family's preset.
         device: where to run.
-        vae_dtype / text_dtype: compute dtypes (None: the preset's defaults for the device).
+        vae_dtype / text_dtype: compute dtypes, fp32, bf16 or fp16 (None: the preset's defaults for the device).
         pretrained: a local directory in the diffusers layout that replaces the preset's repos
             (for both encoders), e.g. a downloaded snapshot or a saved tiny preset.
-        force_fp16: allow fp16 for encoders known to overflow in it.
     """
 
     def __init__(self, preset: Preset, device: torch.device, *, vae_dtype: str | None = None, text_dtype: str | None = None,
-                 pretrained: str | None = None, force_fp16: bool = False):
+                 pretrained: str | None = None):
         self.preset, self.device = preset, device
-        self.vae_dtype = resolve_dtype(vae_dtype, preset.vae.cuda_dtype, device, preset.vae.fp16_safe, "VAE", force_fp16)
-        self.text_dtype = resolve_dtype(text_dtype, preset.text.cuda_dtype, device, preset.text.fp16_safe, "text encoder", force_fp16)
+        self.vae_dtype = compute_dtype(vae_dtype, preset.vae.cuda_dtype, device)
+        self.text_dtype = compute_dtype(text_dtype, preset.text.cuda_dtype, device)
         vae_repo = pretrained or preset.vae.repo
         text_repo = pretrained or preset.text.repo
         self.vae_repo = vae_repo
@@ -143,16 +131,27 @@ class Encoders:
 
     # -- what the cache records ---------------------------------------------------------------
 
+    def latent_spec(self) -> LatentSpec:
+        # KL: the posterior's mean and std, so training samples a fresh latent each step
+        return LatentSpec(self.latent_channels, self.downsample, self.scaling_factor, self.shift_factor,
+                          "mean_std" if self.preset.vae.gaussian else "deterministic")
+
+    def text_spec(self) -> TextSpec:
+        """The cached text; for SD3, how stage two joins it into the transformer's input."""
+        text = self.preset.text
+        width = None if text.drop_t5 else self.text_dim
+        if text.kind != "sd3":
+            return TextSpec("masked", width, text.max_length)  # padded to the batch's longest caption, with a mask
+        # encoder_hidden_states = cat(pad(clip, to the joint width), T5 tokens, dim=tokens); a dropped T5 is as many
+        # zero tokens, as StableDiffusion3Pipeline with text_encoder_3=None uses
+        return TextSpec("sd3_joint", width, text.max_length, clip_tokens=CLIP_TOKENS, t5_tokens=text.max_length,
+                        t5_stored=not text.drop_t5, clip_width=self.clip_dim, pooled_width=self.pooled_dim, t5_width=width)
+
     def schema(self, storage_dtype: torch.dtype) -> Schema:
         """Fields of every sample. `text` holds all of a sample's captions back to back and
         `text_lengths` their token counts, so one image can carry several captions."""
-        latent = (
-            {"latent_mean": Field(storage_dtype), "latent_std": Field(storage_dtype)}
-            if self.preset.vae.gaussian
-            else {"latent": Field(storage_dtype)}
-        )
         return {
-            **latent,
+            **{name: Field(storage_dtype) for name in self.latent_spec().fields},
             **self.prompt_schema(storage_dtype),
             "text_lengths": Field(torch.int32, ragged=True),
             "original_size": Field(torch.int32),
@@ -167,23 +166,8 @@ class Encoders:
             names = ["clip", "pooled"] + ([] if self.preset.text.drop_t5 else ["text"])
         return {name: Field(storage_dtype, ragged=True) for name in names}
 
-    def text_layout(self) -> dict:
-        """How stage two turns the cached text fields into the transformer's input."""
-        if self.preset.text.kind != "sd3":
-            return {"kind": "masked"}  # text padded to the batch's longest caption, with a mask
-        return {
-            # encoder_hidden_states = cat(pad(clip, to the joint width), T5 tokens, dim=tokens)
-            "kind": "sd3_joint",
-            "clip_tokens": CLIP_TOKENS,
-            "t5_tokens": self.preset.text.max_length,
-            # dropped: StableDiffusion3Pipeline with text_encoder_3=None uses this many zero tokens
-            "t5": "dropped" if self.preset.text.drop_t5 else "stored",
-            "clip_width": self.clip_dim,
-            "pooled_width": self.pooled_dim,
-            "t5_width": None if self.preset.text.drop_t5 else self.text_dim,
-        }
-
     def fingerprint(self) -> dict:
+        """The `vae` and `text_encoder` parts of the cache's fingerprint: the encoders' identity beside the specs."""
         return {
             "vae": {
                 "class": type(self.vae).__name__,
@@ -191,13 +175,7 @@ class Encoders:
                 "revision": self.preset.vae.revision,
                 "weights": weights_digest(self.vae),
                 "compute_dtype": str(self.vae_dtype).removeprefix("torch."),
-                "scaling_factor": self.scaling_factor,
-                "shift_factor": self.shift_factor,
-                "latent_channels": self.latent_channels,
-                "downsample": self.downsample,
-                # KL: the posterior's mean and std, so training samples a fresh latent each step.
-                "posterior": "mean_std" if self.preset.vae.gaussian else "deterministic",
-                "stored": "(z - shift_factor) * scaling_factor",
+                **self.latent_spec().fingerprint(),
             },
             "text_encoder": {
                 "name": self.preset.text.name,
@@ -205,8 +183,7 @@ class Encoders:
                 "revision": self.preset.text.revision,
                 **self._text_modules_fingerprint(),
                 "compute_dtype": str(self.text_dtype).removeprefix("torch."),
-                "hidden_size": None if self.preset.text.drop_t5 else self.text_dim,
-                "max_length": self.preset.text.max_length,
+                **self.text_spec().fingerprint(),
                 "encode_prompt": f"{type(self.pipeline).__name__}.encode_prompt",
                 "complex_human_instruction_sha256": (
                     hashlib.sha256("\n".join(self.instruction).encode()).hexdigest() if self.instruction else None
@@ -215,7 +192,6 @@ class Encoders:
                 # PixArt and Sana mask padding in cross-attention, so trimming it is lossless. SD3 attends
                 # to every token without a mask: only CLIP's zero padding to the joint width is trimmed.
                 "padding": "trimmed" if self.preset.text.kind != "sd3" else "clip width trimmed; all tokens kept",
-                **({"layout": self.text_layout()} if self.preset.text.kind == "sd3" else {}),
             },
         }
 
@@ -230,20 +206,21 @@ class Encoders:
             return one(self.text_encoder, self.tokenizer)
         return {"modules": {name: one(module, tokenizer) for (name, module), tokenizer in pairs}}
 
-    def decoder_recipe(self) -> tuple[dict, dict[str, bytes]]:
-        """How stage two rebuilds this VAE to decode samples: its class, where its weights are, and the
-        latent scaling; plus the files to store in the cache when the weights exist nowhere else (tiny
-        presets). Stage two loads it with `from_pretrained` and keeps only the decoder."""
-        recipe = {"class": type(self.vae).__name__, "scaling_factor": self.scaling_factor, "shift_factor": self.shift_factor}
+    def decoder_recipe(self) -> tuple[DecoderRecipe, dict[str, bytes]]:
+        """How stage two rebuilds this VAE to decode samples, plus the files to store in the cache when the
+        weights exist nowhere else (tiny presets). Stage two loads it with `from_pretrained` and keeps only
+        the decoder."""
+        vae_class = type(self.vae).__name__
         if self.vae_repo:
             local = Path(self.vae_repo)
             source = str(local.resolve()) if local.is_dir() else self.vae_repo
-            return {**recipe, "source": source, "subfolder": self.preset.vae.subfolder, "revision": self.preset.vae.revision}, {}
+            return DecoderRecipe(vae_class, source, self.scaling_factor, self.shift_factor, self.preset.vae.subfolder,
+                                 self.preset.vae.revision), {}
         from safetensors.torch import save
 
         weights = save({k: v.detach().float().contiguous().cpu() for k, v in self.vae.state_dict().items()})
         files = {"vae/config.json": self.vae.to_json_string().encode(), "vae/diffusion_pytorch_model.safetensors": weights}
-        return {**recipe, "source": "vae", "subfolder": None, "revision": None, "in_cache": True}, files
+        return DecoderRecipe(vae_class, "vae", self.scaling_factor, self.shift_factor, in_cache=True), files
 
     # -- encoding -------------------------------------------------------------------------------
 

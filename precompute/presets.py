@@ -16,6 +16,8 @@ from typing import Callable, Literal
 
 import torch
 
+from shards.options import Dtype
+
 # Published repositories (diffusers layout: vae/, text_encoder/, tokenizer/, transformer/).
 PIXART_SIGMA_ENCODERS = "PixArt-alpha/pixart_sigma_sdxlvae_T5_diffusers"
 SANA_600M = "Efficient-Large-Model/Sana_600M_1024px_diffusers"
@@ -35,7 +37,7 @@ class VaeSpec:
             "dc" for AutoencoderDC (deterministic latent).
         repo: Hub id or local directory; None builds the tiny model of this kind.
         fp16_safe: False for VAEs that overflow to NaN in fp16 (the SDXL VAE).
-        cuda_dtype: compute dtype on CUDA by default (on CPU it is always float32).
+        cuda_dtype: compute dtype on CUDA by default: fp32, bf16 or fp16 (on CPU it is fp32).
     """
 
     kind: Literal["kl", "dc", "sd3"]
@@ -43,7 +45,7 @@ class VaeSpec:
     subfolder: str = "vae"
     revision: str | None = None
     fp16_safe: bool = False
-    cuda_dtype: str = "float32"
+    cuda_dtype: Dtype = "fp32"
 
     @property
     def gaussian(self) -> bool:
@@ -80,7 +82,7 @@ class TextEncoderSpec:
     complex_human_instruction: bool = False
     drop_t5: bool = False
     fp16_safe: bool = False
-    cuda_dtype: str = "bfloat16"
+    cuda_dtype: Dtype = "bf16"
 
 
 @dataclass(frozen=True)
@@ -111,12 +113,12 @@ def _pixart(name: str, base: int, transformer: str) -> Preset:
 
 
 def _sana(name: str, repo: str) -> Preset:
-    vae = VaeSpec("dc", repo, fp16_safe=True, cuda_dtype="bfloat16")
+    vae = VaeSpec("dc", repo, fp16_safe=True, cuda_dtype="bf16")
     return Preset(name, "sana", 1024, vae, replace(TEXT_ENCODERS["gemma2-2b"](), repo=repo), repo)
 
 
 def _sd3(name: str, repo: str) -> Preset:
-    # The SD3 VAE has no fp16 guarantee (its config asks for upcasting): float32 by default.
+    # The SD3 VAE has no fp16 guarantee (its config asks for upcasting): fp32 by default.
     return Preset(name, "sd3", 1024, VaeSpec("sd3", repo), replace(TEXT_ENCODERS["clip-l-g-t5"](), repo=repo), repo)
 
 
@@ -130,7 +132,7 @@ PRESETS: dict[str, Callable[[], Preset]] = {
     "sd35-large": lambda: _sd3("sd35-large", SD35_LARGE),
     "tiny-pixart": lambda: Preset("tiny-pixart", "pixart", 256, VaeSpec("kl", None), TEXT_ENCODERS["tiny-t5"](), None),
     "tiny-sana": lambda: Preset(
-        "tiny-sana", "sana", 256, VaeSpec("dc", None, fp16_safe=True, cuda_dtype="bfloat16"), TEXT_ENCODERS["tiny-gemma2"](), None
+        "tiny-sana", "sana", 256, VaeSpec("dc", None, fp16_safe=True, cuda_dtype="bf16"), TEXT_ENCODERS["tiny-gemma2"](), None
     ),
     "tiny-sd3": lambda: Preset("tiny-sd3", "sd3", 256, VaeSpec("sd3", None), TEXT_ENCODERS["tiny-clip-l-g-t5"](), None),
 }
@@ -181,7 +183,11 @@ def tiny_tokenizer(kind: str):
         bpe.normalizer = normalizers.Lowercase()
         bpe.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.ByteLevel(add_prefix_space=False)])
         corpus = [" ".join(TINY_WORDS)] * 4 + [" ".join(".,;:!?'\"-()0123456789")]
-        bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=1000, special_tokens=specials, end_of_word_suffix="</w>",
+        # The trainer numbers a word's last character with its suffix ("e</w>") in hash order, which differs from
+        # process to process, and breaks ties between merges by those numbers: listed up front, in sorted order,
+        # they get the same numbers in every process, and so does the vocabulary a cache's fingerprint records.
+        ends = sorted({word[-1] + "</w>" for line in corpus for word in line.split()})
+        bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=1000, special_tokens=specials + ends, end_of_word_suffix="</w>",
                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
         state = json.loads(bpe.to_str())["model"]
         merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["merges"]]

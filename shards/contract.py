@@ -144,8 +144,8 @@ class CacheSpec:
     extra: dict = field(default_factory=dict, compare=False)  # the rest of stage one's record, untyped
 
     def record(self) -> dict:
-        """Stage one's record in the manifest's `extra["precompute"]`."""
-        return {**self.extra, "preset": self.preset, "family": self.family, "base_resolution": self.base_resolution,
+        """Stage one's record in the manifest's `extra["precompute"]` (keys in the order caches have held them)."""
+        return {"preset": self.preset, "family": self.family, **self.extra, "base_resolution": self.base_resolution,
                 **({"decoder": self.decoder.to_json()} if self.decoder else {})}
 
     @classmethod

@@ -57,7 +57,7 @@ def tiny_caches(tmp_path_factory):
     data = make_folder(root / "data", count=8)
     out = {}
     for model in ("tiny-sana", "tiny-pixart", "tiny-sd3"):
-        precompute(str(data), model, root / model, workers=0, progress=False, validation_prompts=VALIDATION_PROMPTS)
+        precompute(str(data), model, root / model, workers=0, progress=False, validation_prompt=VALIDATION_PROMPTS)
         out[model] = root / model
     return out
 

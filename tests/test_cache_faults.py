@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from precompute.run import RemovalRefused
+from precompute.removal import RemovalRefused
 from precompute.run import main as precompute
 from precompute.sample_data import make_folder, make_tars
 from shards import Cache, CacheLock, CorruptSample, gc, verify
@@ -247,12 +247,12 @@ def test_a_full_disk_names_the_path_and_what_is_kept(tmp_path, monkeypatch):
     import shards.writer
     from conftest import FINGERPRINT, SCHEMA, make_sample
 
-    from precompute.run import check_disk_space
+    from precompute.report import check_disk_space
     from shards import ShardWriter
 
-    import precompute.run
+    import precompute.report
 
-    monkeypatch.setattr(precompute.run.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 20, 9 << 20, 1 << 20))
+    monkeypatch.setattr(precompute.report.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 20, 9 << 20, 1 << 20))
     with pytest.raises(OSError, match=r"needs about 3\.0 MiB more at .* but 1\.0 MiB are free"):  # not "0.0 GiB"
         check_disk_space(tmp_path, 3 << 20)
     monkeypatch.undo()

@@ -47,7 +47,7 @@ def clean_cache(folder, tmp_path_factory):
 
 @pytest.mark.parametrize("model", ["tiny-sana", "tiny-pixart"])
 def test_folder_end_to_end(folder, tmp_path, model):
-    summary = run(folder, tmp_path / "cache", model, workers=2, batch_size=4, validation_prompts=("a red circle on a blue background",))
+    summary = run(folder, tmp_path / "cache", model, workers=2, batch_size=4, validation_prompt=["a red circle on a blue background"])
     assert summary["new"] == 24 and summary["failed"] == 0
     cache = Cache(tmp_path / "cache")
     assert len(cache) == 24 and len(cache.manifest.buckets()) >= 3
@@ -132,7 +132,7 @@ def test_add_edit_remove(folder, tmp_path):
 def test_fingerprint_refusal_names_the_fields(folder, tmp_path):
     run(folder, tmp_path)
     with pytest.raises(FingerprintMismatch, match="storage_dtype: cache='bfloat16' run='float32'"):
-        run(folder, tmp_path, storage_dtype="float32")
+        run(folder, tmp_path, storage_dtype="fp32")  # the fingerprint names dtypes as torch does, whatever the option's spelling
     with pytest.raises(FingerprintMismatch, match="text_encoder.name: cache='tiny-gemma2' run='tiny-t5'"):
         run(folder, tmp_path, text_encoder="tiny-t5")
     out = subprocess.run([sys.executable, "-m", "precompute", str(folder), "--model", "tiny-sana", "--cache", str(tmp_path),
@@ -155,22 +155,25 @@ def test_from_pretrained_equals_the_in_memory_tiny_preset(folder, tmp_path):
 
 
 def test_default_numerics_never_put_sdxl_vae_or_t5_in_fp16():
-    from precompute.encode import resolve_dtype
+    from precompute.config import PrecomputeConfig
+    from precompute.encode import compute_dtype
     from precompute.presets import get_preset
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for name in ("pixart-sigma-512", "pixart-sigma-1024"):
         p = get_preset(name)
         assert not p.vae.fp16_safe and not p.text.fp16_safe
-        assert resolve_dtype(None, p.vae.cuda_dtype, cuda, p.vae.fp16_safe, "VAE", False) == torch.float32
-        assert resolve_dtype(None, p.text.cuda_dtype, cuda, p.text.fp16_safe, "text encoder", False) == torch.bfloat16
-        assert resolve_dtype(None, p.text.cuda_dtype, cpu, p.text.fp16_safe, "text encoder", False) == torch.float32
-        with pytest.raises(ValueError, match="overflows"):
-            resolve_dtype("float16", p.vae.cuda_dtype, cuda, p.vae.fp16_safe, "VAE", False)
-        with pytest.raises(ValueError, match="overflows"):
-            resolve_dtype("float16", p.text.cuda_dtype, cuda, p.text.fp16_safe, "text encoder", False)
+        assert compute_dtype(None, p.vae.cuda_dtype, cuda) == torch.float32
+        assert compute_dtype(None, p.text.cuda_dtype, cuda) == torch.bfloat16
+        assert compute_dtype(None, p.text.cuda_dtype, cpu) == torch.float32
+        with pytest.raises(ValueError, match="--vae-dtype fp16: the VAE overflows"):
+            PrecomputeConfig("data", name, vae_dtype="fp16")
+        with pytest.raises(ValueError, match="--text-dtype fp16: the text encoder overflows"):
+            PrecomputeConfig("data", name, text_dtype="float16")
+        assert PrecomputeConfig("data", name, vae_dtype="fp16", force_fp16=True).vae_dtype == "fp16"
     sana = get_preset("sana-1600m")
-    assert resolve_dtype(None, sana.vae.cuda_dtype, cuda, sana.vae.fp16_safe, "VAE", False) == torch.bfloat16
+    assert compute_dtype(None, sana.vae.cuda_dtype, cuda) == torch.bfloat16
+    assert PrecomputeConfig("data", "sana-1600m", vae_dtype="fp16").vae_dtype == "fp16"  # the DC-AE is fp16-safe
 
 
 KILLER = """

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from precompute.data import ImagePolicy, Record, prepare
+from precompute.config import PrecomputeConfig
+from precompute.images import Record, prepare
 from precompute.run import main as precompute
-from shards import Cache, bucket_table
+from shards import Cache
 
 CAPTION = "a small red circle on a blue background"
 
@@ -109,7 +110,7 @@ def test_failure_threshold_sets_the_exit_code(bad_folder, tmp_path):
 
 
 def policy(**kw):
-    return ImagePolicy(bucket_table(256), **kw)
+    return PrecomputeConfig("unused", **kw).policy()  # tiny-sana's 256 table
 
 
 def test_conversions_are_correct():

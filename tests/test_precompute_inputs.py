@@ -10,25 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from precompute.data import (
-    REASONS,
-    FolderDataset,
-    FolderEntry,
-    ImagePolicy,
-    Record,
-    TarDataset,
-    decode_captions,
-    entry_stamp,
-    expand_tar_urls,
-    is_tar_source,
-    list_folder,
-    prepare,
-    read_folder_entry,
-)
+from precompute.config import PrecomputeConfig
+from precompute.folders import FolderDataset, FolderEntry, entry_stamp, list_folder, read_folder_entry
+from precompute.images import Record, decode_captions, prepare
+from precompute.inputs import REASONS
 from precompute.sample_data import make_folder, make_tars
-from shards import bucket_table
+from precompute.tars import TarDataset, expand_tar_urls, is_tar_source
 
-POLICY = ImagePolicy(bucket_table(256))
+POLICY = PrecomputeConfig("unused").policy()
 as_root = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
 
 

@@ -47,7 +47,7 @@ def test_sd3_cache_holds_what_the_stock_pipeline_computes(tmp_path, drop_t5):
         pipe.text_encoder_3 = pipe.tokenizer_3 = None
     data = make_folder(tmp_path / "data", 4)
     precompute(str(data), "tiny-sd3", tmp_path / "cache", pretrained=str(tmp_path / "parts"), workers=0, progress=False,
-               drop_t5=drop_t5, validation_prompts=VALIDATION_PROMPTS[:1])
+               drop_t5=drop_t5, validation_prompt=VALIDATION_PROMPTS[:1])
     cache = Cache(tmp_path / "cache")
     fp = cache.fingerprint
     assert (fp["vae"]["shift_factor"], fp["vae"]["scaling_factor"]) == (0.0609, 1.5305)

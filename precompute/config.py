@@ -1,0 +1,140 @@
+"""Every option of a stage-one run, in one typed dataclass: its default, its choices and its help.
+
+`python -m precompute --help` is built from these fields (a `Literal` type is the list of valid values) and
+`__post_init__` is where every value is checked, so a run built in code refuses what the command line refuses.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from precompute.folders import CAPTION_COLUMN
+from precompute.images import ImagePolicy
+from precompute.presets import PRESETS, TEXT_ENCODERS, Preset, get_preset, get_text_encoder
+from shards import bucket_table
+from shards.options import Dtype, check_choices, flag, opt
+
+# Images per VAE batch. Large batches pay on GPUs; on CPUs a batch's activations fall out of the caches
+# and every image costs more (make bench: tiny-pixart 42 img/s at batch 1, 31 at 4, 21 at 8).
+DEFAULT_BATCH = {"cuda": 16, "cpu": 1}
+# Scripts written before the product had one dtype vocabulary say `--storage-dtype bfloat16`; still accepted.
+LONG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DtypeOption = Literal[Dtype, Literal["float32", "bfloat16", "float16"]]
+DTYPE_HELP = "fp32, bf16 or fp16 (float32, bfloat16 and float16 mean the same)"
+
+
+@dataclass
+class PrecomputeConfig:
+    """Every option of a stage-one run; the CLI is built from it (see `python -m precompute --help`)."""
+
+    data: str = field(metadata={"help": "A folder of images with sidecar captions (x.jpg + x.txt/.caption) or a "
+                                        "metadata.jsonl/.csv (file_name, text); or webdataset tars: a .tar, a folder of tars, "
+                                        "a brace pattern data-{0000..0099}.tar, or http(s) URLs."})
+    model: str = opt("tiny-sana", f"Preset: {', '.join(PRESETS)}.")
+    cache: Path | None = opt(None, "Cache directory to create or extend (default: cache/MODEL, where `make train` looks).")
+    text_encoder: str | None = opt(None, f"Override the preset's text encoder: {', '.join(TEXT_ENCODERS)}.")
+    pretrained: str | None = opt(None, "Local directory (diffusers layout: vae/, text_encoder/, tokenizer/; SD3 adds "
+                                       "text_encoder_2/3, tokenizer_2/3) or Hub id to load the encoders from instead of the "
+                                       "preset's.")
+    drop_t5: bool = opt(False, "SD3 presets: leave T5 out (CLIP-L + CLIP-G only), as StableDiffusion3Pipeline does with "
+                               "text_encoder_3=None; its tokens are zeros in training and inference.")
+    max_length: int | None = opt(None, "Token limit of a caption (default: the preset's; SD3's T5 part: 256).")
+    batch_size: int | None = opt(None, f"Images per VAE batch, one bucket per batch (default: {DEFAULT_BATCH['cuda']} on CUDA, "
+                                       f"{DEFAULT_BATCH['cpu']} on CPU).")
+    text_batch_size: int = opt(64, "Captions per text-encoder batch.")
+    workers: int = opt(2, "DataLoader worker processes that read, decode and resize images.")
+    storage_dtype: DtypeOption = opt("bf16", f"Dtype of cached latents and embeddings: {DTYPE_HELP}.")
+    vae_dtype: DtypeOption | None = opt(None, f"VAE compute dtype: {DTYPE_HELP} (default: fp32 on CPU; the preset's on CUDA).")
+    text_dtype: DtypeOption | None = opt(None, f"Text-encoder compute dtype: {DTYPE_HELP} (default: fp32 on CPU; bf16 on CUDA).")
+    force_fp16: bool = opt(False, "Allow fp16 for encoders that overflow in it (SDXL VAE, T5); only for fp16-fixed weights.")
+    max_upscale: float = opt(2.0, "Skip images needing more upscaling than this to cover their bucket (reason too_small).")
+    allow_upscale: bool = opt(False, "Never skip small images; upscale them.")
+    extreme_aspect: Literal["skip", "clamp"] = opt("skip", "Images whose aspect ratio lies beyond the bucket table: skip or "
+                                                           "clamp (crop into the extreme bucket).")
+    max_pixels: int = opt(178_956_970, "Refuse images with more pixels than this (decompression bombs; twice Pillow's "
+                                       "warning limit).")
+    caption_column: str = opt(CAPTION_COLUMN, "Caption column of metadata.jsonl/.csv (a string or a list of captions).")
+    caption_key: list[str] = opt(["caption", "text", "prompt"], "Keys of a tar sample's .json whose values are captions "
+                                                                "(repeatable); all found are encoded.")
+    validation_prompt: list[str] = opt([], "A prompt to encode for validation images (repeatable).")
+    validation_file: Path | None = opt(None, "A file of validation prompts, one per line (added to --validation-prompt).")
+    allow_pipe: bool = opt(False, "Allow pipe: URLs, which run a shell command (checked on every URL a brace pattern expands to).")
+    allow_removal: bool = opt(False, "Remove cached samples whose inputs are gone even when DATA lists no input or more than "
+                                     "--max-removal-fraction of the cache would go. Samples whose input failed to read, or "
+                                     "whose tar or folder could not be listed completely, are never removed.")
+    max_removal_fraction: float = opt(0.5, "Refuse (exit 4) to remove more than this share of the cache's samples in one run "
+                                           "without --allow-removal; what was encoded is kept.")
+    max_failure_fraction: float = opt(0.1, "Exit non-zero (1) when more than this fraction of inputs was skipped; what was "
+                                           "encoded is kept.")
+    max_shard_mb: int = opt(128, "Target shard size in MiB.")
+    check_disk: bool = opt(True, "Estimate the cache size first and refuse if the disk is short.")
+    repair: bool = opt(False, "Re-encode exactly the samples of shards that are missing or fail their checks (python -m "
+                              "shards verify lists them), from the same DATA and options that built the cache; each "
+                              "repaired shard keeps its samples' order, so training runs resume on it.")
+    progress: bool = opt(True, "Show the progress bar and the summary.")
+
+    def __post_init__(self) -> None:
+        for name in ("storage_dtype", "vae_dtype", "text_dtype"):
+            value = getattr(self, name)
+            setattr(self, name, LONG_DTYPES.get(value, value))
+        check_choices(self)
+        self.cache = Path(self.cache) if self.cache is not None else Path("cache") / self.model
+        self.caption_key = list(self.caption_key)
+        if self.validation_file is not None:
+            # read once: the file is consumed into the list, so a copy of this config does not add its prompts again
+            try:
+                lines = Path(self.validation_file).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"--validation-file {self.validation_file}: {e}") from None
+            self.validation_prompt = [*self.validation_prompt, *(line.strip() for line in lines if line.strip())]
+            self.validation_file = None
+        self.validation_prompt = list(self.validation_prompt)
+
+        if not self.data:
+            raise ValueError("DATA is empty: name a folder of images, a metadata file's folder or webdataset tars")
+        if self.model not in PRESETS:
+            raise ValueError(f"--model {self.model!r}: choose one of {', '.join(PRESETS)}")
+        if self.text_encoder is not None and self.text_encoder not in TEXT_ENCODERS:
+            raise ValueError(f"--text-encoder {self.text_encoder!r}: choose one of {', '.join(TEXT_ENCODERS)}")
+        preset = self.preset()
+        if (preset.family == "sd3") != (preset.text.kind == "sd3"):
+            raise ValueError(f"--text-encoder {preset.text.name}: the {preset.family} family needs "
+                             + ("CLIP-L + CLIP-G + T5 (clip-l-g-t5)" if preset.family == "sd3" else "a single text encoder"))
+        if self.drop_t5 and preset.text.kind != "sd3":
+            raise ValueError(f"--drop-t5 applies to SD3 presets (CLIP-L + CLIP-G + T5); {preset.name} encodes captions with "
+                             f"{preset.text.name} alone")
+        for name, safe, what in (("vae_dtype", preset.vae.fp16_safe, "VAE"), ("text_dtype", preset.text.fp16_safe, "text encoder")):
+            if getattr(self, name) == "fp16" and not safe and not self.force_fp16:
+                raise ValueError(f"{flag(name)} fp16: the {what} overflows to NaN/Inf in fp16; use bf16 or fp32 (or pass "
+                                 f"--force-fp16 with an fp16-safe checkpoint such as the fp16-fix SDXL VAE)")
+        for name in ("max_length", "batch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{flag(name)} {getattr(self, name)}: must be at least 1 (or left out for the default)")
+        for name, least in (("text_batch_size", 1), ("workers", 0), ("max_pixels", 1), ("max_shard_mb", 0)):
+            if getattr(self, name) < least:
+                raise ValueError(f"{flag(name)} {getattr(self, name)}: must be at least {least}")
+        if not self.max_upscale > 0:
+            raise ValueError(f"--max-upscale {self.max_upscale}: must be above 0 (--allow-upscale: no limit)")
+        for name in ("max_removal_fraction", "max_failure_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{flag(name)} {getattr(self, name)}: a fraction, from 0 to 1")
+        if self.repair and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ValueError("--repair runs in one process (it re-encodes only the damaged shards' samples); run it without torchrun")
+
+    def preset(self) -> Preset:
+        """The model's preset with this run's text-encoder options applied."""
+        preset = get_preset(self.model)
+        text = get_text_encoder(self.text_encoder) if self.text_encoder else preset.text
+        if self.drop_t5:
+            text = replace(text, drop_t5=True)
+        if self.max_length:
+            text = replace(text, max_length=self.max_length)
+        return replace(preset, text=text)
+
+    def policy(self) -> ImagePolicy:
+        """How this run turns images into bucket-sized pixels, on the preset's bucket table."""
+        return ImagePolicy(bucket_table(self.preset().base_resolution), max_upscale=self.max_upscale,
+                           allow_upscale=self.allow_upscale, extreme_aspect=self.extreme_aspect, max_pixels=self.max_pixels)

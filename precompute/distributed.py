@@ -1,0 +1,42 @@
+"""Ranks under torchrun: each encodes a disjoint part of DATA into its own shards; rank 0 holds the cache's lock."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shards import CacheBusy, CacheLock
+
+
+def setup_distributed() -> tuple[int, int, int]:
+    """(rank, world size, local rank) under torchrun; (0, 1, 0) otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def gather(obj, world: int) -> list:
+    if world == 1:
+        return [obj]
+    out = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def lock_cache(cache: Path, rank: int, world: int) -> CacheLock | None:
+    """Rank 0 takes the cache's lock for the whole run (every rank learns whether it could): two runs on one
+    cache would encode the same samples twice. Raises `CacheBusy` on every rank when another run holds it."""
+    lock, busy = None, None
+    if rank == 0:
+        try:
+            lock = CacheLock(cache)
+        except CacheBusy as e:
+            busy = str(e)
+    busy = gather(busy, world)[0]
+    if busy:
+        raise CacheBusy(busy)
+    return lock

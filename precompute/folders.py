@@ -1,0 +1,318 @@
+"""A folder of images as inputs: find image-caption pairs, read them, and stamp them.
+
+Captions are sidecar files (`x.jpg` + `x.txt`) or a `metadata.jsonl` / `metadata.csv` in the Hugging Face
+imagefolder convention. Only regular files are opened, and metadata cannot name a path outside DATA. An
+entry's stamp (size and mtime of its files) lets an incremental run skip an unchanged input without reading it.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Iterator
+
+import torch
+
+from precompute.images import ImagePolicy, Record, prepare
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+CAPTION_EXTENSIONS = (".txt", ".caption")
+METADATA_FILES = ("metadata.jsonl", "metadata.csv")  # the first one present is the dataset
+CAPTION_COLUMN = "text"  # the imagefolder convention's caption column
+
+
+@dataclass(frozen=True)
+class FolderEntry:
+    """A folder sample before reading: paths only, so listing a million files stays cheap."""
+
+    source: str  # relative to the dataset root
+    image: str
+    caption_files: tuple[str, ...] = ()
+    captions: tuple[str, ...] | None = None  # from a metadata file
+
+
+@dataclass
+class Listing:
+    """What `list_folder` found.
+
+    Args:
+        entries: the samples, sorted by source.
+        failures: files and metadata rows that are not samples: dicts with `source`, `reason` and `detail`.
+        complete: False when a directory or a metadata row could not be read, so a sample may exist that
+            is in neither `entries` nor `failures`; such a listing must not be used to remove cached samples.
+    """
+
+    entries: list[FolderEntry]
+    failures: list[dict]
+    complete: bool
+
+
+class SpecialFileError(OSError):
+    """A path that is not a regular file (FIFO, socket, device, directory). It is never opened: opening a
+    FIFO blocks until a writer appears, and opening a device can have side effects."""
+
+
+class _BadRow(ValueError):
+    """A metadata row that is not a sample; `source` is its file_name when it names one."""
+
+    def __init__(self, reason: str, detail: str, source: str | None = None):
+        super().__init__(detail)
+        self.reason, self.source = reason, source
+
+
+def _failure(source: str, reason: str, detail: str) -> dict:
+    return {"source": source, "reason": reason, "detail": detail}
+
+
+def _os_reason(e: OSError) -> str:
+    """The failure reason of a per-file OSError."""
+    if isinstance(e, SpecialFileError):
+        return "special_file"
+    if isinstance(e, PermissionError):
+        return "permission_denied"
+    if isinstance(e, FileNotFoundError):  # deleted since listing, or a dangling symlink
+        return "missing_file"
+    return "unreadable"  # ELOOP, EIO, ...
+
+
+def _stat_regular(path: str | os.PathLike, st: os.stat_result | None = None) -> os.stat_result:
+    """`os.stat` of a regular file, following symlinks (or check `st`); anything else raises SpecialFileError."""
+    st = st or os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                 (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"))
+        kind = next((name for is_kind, name in kinds if is_kind(st.st_mode)), "special file")
+        raise SpecialFileError(f"{path} is a {kind}, not a regular file")
+    return st
+
+
+def _read_regular(path: str | os.PathLike) -> bytes:
+    """A regular file's bytes; anything else raises SpecialFileError without being opened."""
+    _stat_regular(path)
+    # O_NONBLOCK: should the path become a FIFO after the check, the open still returns at once
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        _stat_regular(path, os.fstat(fd))
+        return f.read()
+
+
+def _read_utf8(path: Path) -> str:
+    """A metadata file's text without a leading byte order mark.
+
+    Raises:
+        ValueError: the file is not UTF-8; the message names the file and line.
+    """
+    data = _read_regular(path)
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 ({e.reason}); save the file as UTF-8") from e
+
+
+def _jsonl_rows(text: str) -> Iterator[tuple[int, dict | _BadRow]]:
+    """(line number, row) of a metadata.jsonl; a line that is not a JSON object yields a _BadRow instead."""
+    # split on "\n" only: str.splitlines also splits at U+2028, which a JSON string may hold unescaped
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            yield n, _BadRow("bad_metadata_row", f"not valid JSON ({e.msg} at column {e.colno})")
+            continue
+        yield n, row if isinstance(row, dict) else _BadRow("bad_metadata_row", f"a JSON {type(row).__name__}, not an object")
+
+
+def _csv_rows(text: str, path: Path) -> Iterator[tuple[int, dict | _BadRow]]:
+    """(line number, row) of a metadata.csv; after a CSV syntax error, one _BadRow and no more rows."""
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    try:
+        if reader.fieldnames and "file_name" not in reader.fieldnames:
+            raise ValueError(f"{path}: no 'file_name' column (columns: {reader.fieldnames}); "
+                             "name the column of image paths file_name")
+        for row in reader:
+            yield reader.line_num, row
+    except csv.Error as e:
+        yield reader.line_num, _BadRow("bad_metadata_row", f"not valid CSV ({e}); the rest of the file was not read")
+
+
+def metadata_captions(value: object, from_csv: bool) -> tuple[str, ...] | None:
+    """A metadata caption cell as captions: a string or a list of strings (None items and cells are no
+    caption); in a CSV, a cell holding a JSON list is that list. Any other type is None: not stringified."""
+    if value is None:
+        return ()
+    if from_csv and isinstance(value, str) and value.startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, str) or v is None for v in value):
+        return tuple(v for v in value if v is not None)
+    return None
+
+
+def _metadata_path(root: Path, name: str, inside: dict[str, bool]) -> str:
+    """The path a metadata `file_name` names under root.
+
+    The name must be relative, without `..`, and its directory must resolve inside root. The file itself
+    may be a symlink, followed as in a folder listing (the Hugging Face hub cache stores a snapshot's files
+    as symlinks into ../../blobs): the text of a row reaches nothing a folder listing would not.
+    `inside` caches the answer per directory.
+    """
+    if os.path.isabs(name) or ".." in PurePosixPath(name).parts:
+        raise _BadRow("outside_root", f"file_name {name!r} is not a relative path inside DATA", name)
+    path = root / name
+    parent = str(path.parent)
+    if parent not in inside:
+        real_root, real_parent = os.path.realpath(root), os.path.realpath(parent)
+        inside[parent] = os.path.commonpath([real_root, real_parent]) == real_root
+    if not inside[parent]:
+        raise _BadRow("outside_root", f"file_name {name!r} leads outside DATA through a symlinked directory", name)
+    return str(path)
+
+
+def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, inside: dict[str, bool]) -> FolderEntry:
+    """A metadata row as an entry; a row that is not a sample raises _BadRow."""
+    name = row.get("file_name")
+    if not isinstance(name, str) or not name.strip() or "\x00" in name:
+        raise _BadRow("bad_metadata_row", f"file_name {name!r} is not a non-empty string")
+    path = _metadata_path(root, name, inside)
+    captions = metadata_captions(row.get(caption_column), from_csv)
+    if captions is None:
+        raise _BadRow("caption_not_string", f"{caption_column} is {row.get(caption_column)!r}, "
+                      "not a string or a list of strings", name)
+    return FolderEntry(name, path, captions=captions)
+
+
+def _list_metadata(root: Path, path: Path, caption_column: str) -> Listing:
+    text, from_csv = _read_utf8(path), path.suffix == ".csv"
+    entries, failures, complete, inside = [], [], True, {}
+    for n, row in _csv_rows(text, path) if from_csv else _jsonl_rows(text):
+        try:
+            if isinstance(row, _BadRow):
+                raise row
+            entries.append(_metadata_entry(root, row, caption_column, from_csv, inside))
+        except _BadRow as e:
+            # a row naming no file may be a cached sample's: the listing cannot say it is gone
+            complete = complete and e.source is not None
+            failures.append(_failure(e.source or f"{path.name}:{n}", e.reason, f"{path.name} line {n}: {e}"))
+    return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
+
+
+def _walk_folder(root: Path) -> Listing:
+    entries, failures = [], []
+
+    def unlisted(e: OSError) -> None:
+        source = Path(os.path.relpath(e.filename, root)).as_posix() if e.filename else "."
+        failures.append(_failure(source, "unlisted_directory", f"{type(e).__name__}: {e}"))
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlisted):
+        dirnames.sort()
+        names = set(filenames)
+        for name in sorted(filenames):
+            stem, ext = os.path.splitext(name)
+            if ext.lower() not in IMAGE_EXTENSIONS:
+                continue
+            path = Path(dirpath) / name
+            source = path.relative_to(root).as_posix()
+            try:
+                _stat_regular(path)  # follows symlinks: a loop or a dangling one fails here
+            except OSError as e:
+                failures.append(_failure(source, _os_reason(e), f"{type(e).__name__}: {e}"))
+                continue
+            sidecars = tuple(str(Path(dirpath) / (stem + c)) for c in CAPTION_EXTENSIONS if stem + c in names)
+            entries.append(FolderEntry(source, str(path), sidecars))
+    complete = not any(f["reason"] == "unlisted_directory" for f in failures)
+    return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
+
+
+def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN) -> Listing:
+    """Every image under `root` with its captions, and what could not be listed.
+
+    With `metadata.jsonl` or `metadata.csv` at the root (columns `file_name` and `caption_column`),
+    those rows are the dataset; otherwise each image's captions are the sidecar files beside it
+    with the same stem (`x.jpg` + `x.txt` and/or `x.caption`). Symlinks to files are followed, symlinks
+    to directories are not; nothing is opened but the metadata file.
+
+    Returns:
+        A Listing. Bad rows and unreadable or special files are failures; the listing goes on.
+
+    Raises:
+        ValueError: the metadata file is not UTF-8, or a CSV has no `file_name` column.
+        OSError: the metadata file cannot be read.
+    """
+    root = Path(root)
+    for name in METADATA_FILES:
+        if os.path.lexists(root / name):
+            return _list_metadata(root, root / name, caption_column)
+    return _walk_folder(root)
+
+
+def entry_stamp(entry: FolderEntry) -> int:
+    """What an incremental run compares instead of reading an entry's files.
+
+    A 63-bit blake2b digest of (size, mtime_ns) of the image and of each sidecar caption file, and of the
+    metadata captions; `os.stat` only, nothing is opened. Never 0, which stands for "unknown".
+
+    Raises:
+        OSError: a file cannot be stat'ed, or is not a regular file (SpecialFileError).
+    """
+    h = hashlib.blake2b(digest_size=8)
+    for path in (entry.image, *entry.caption_files):
+        st = _stat_regular(path)
+        h.update(f"{os.path.splitext(path)[1]}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    for c in entry.captions or ():
+        text = c.encode("utf-8", "surrogatepass")
+        h.update(len(text).to_bytes(8, "big") + text)
+    return int.from_bytes(h.digest(), "big") >> 1 or 1
+
+
+def read_folder_entry(entry: FolderEntry) -> Record:
+    """An entry's image bytes and raw captions; a file that cannot be read makes a Record with its reason."""
+    try:
+        image = _read_regular(entry.image)
+        if entry.captions is not None:
+            return Record(entry.source, image, list(entry.captions))
+        return Record(entry.source, image, [_read_regular(p) for p in entry.caption_files])
+    except OSError as e:
+        return Record(entry.source, None, missing=_os_reason(e), detail=f"{type(e).__name__}: {e}")
+
+
+class FolderDataset(torch.utils.data.Dataset):
+    """Map-style dataset over folder entries; each item is `prepare`'s output with the entry's `stamp`.
+
+    Args:
+        entries: the entries to read.
+        policy: how images become pixels.
+        skip_keys: keys already cached: a sample with one of them is "unchanged" after reading.
+        known: source -> (key, stamp) of the cached samples. An entry whose stamp is its known stamp is
+            "unchanged" without being read: `{"status": "unchanged", "source", "key": known key, "stamp"}`.
+    """
+
+    def __init__(self, entries: list[FolderEntry], policy: ImagePolicy, skip_keys: frozenset[str],
+                 known: dict[str, tuple[str, int]] | None = None):
+        self.entries, self.policy, self.skip_keys, self.known = entries, policy, skip_keys, known or {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __getitem__(self, i: int) -> dict:
+        entry = self.entries[i]
+        try:
+            stamp = entry_stamp(entry)
+        except OSError as e:
+            return {"status": "failed", "source": entry.source, "reason": _os_reason(e),
+                    "detail": f"{type(e).__name__}: {e}", "stamp": 0}
+        known = self.known.get(entry.source)
+        if known is not None and known[1] == stamp:  # a known stamp of 0 never matches
+            return {"status": "unchanged", "source": entry.source, "key": known[0], "stamp": stamp}
+        return {**prepare(read_folder_entry(entry), self.policy, self.skip_keys), "stamp": stamp}

@@ -1,0 +1,178 @@
+"""How an input becomes a sample: captions decoded, the image decoded, bucketed, resized and cropped
+deterministically, and the sample's content key.
+
+`prepare` turns a `Record` (an input's bytes, from a folder or a tar) into a prepared sample or a failure
+with a named reason (`precompute.inputs.REASONS`); nothing raises for bad data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from shards import Bucket, aspect_error, nearest_bucket
+
+PREPROCESSING_VERSION = 1  # bump when anything below changes the pixels or captions produced
+
+
+@dataclass(frozen=True)
+class ImagePolicy:
+    """How images become bucket-sized pixels (`PrecomputeConfig.policy()` builds it from the run's options, which
+    say what each means). Everything here is part of the cache fingerprint.
+
+    Args:
+        buckets: the bucket table.
+        max_upscale: skip images that would need more than this upscaling to cover their bucket.
+        allow_upscale: never skip for size (tiny images are upscaled).
+        extreme_aspect: "skip" or "clamp" images whose aspect ratio is beyond the table's range
+            by more than `aspect_tolerance`.
+        max_pixels: refuse images with more pixels (decompression bombs).
+        aspect_tolerance: factor by which an aspect ratio may exceed the table's extremes.
+    """
+
+    buckets: tuple[Bucket, ...]
+    max_upscale: float
+    allow_upscale: bool
+    extreme_aspect: str
+    max_pixels: int
+    aspect_tolerance: float = 1.25
+
+    def fingerprint(self) -> dict:
+        return {
+            "table": [b.name for b in self.buckets],
+            "resize": "cover, bicubic, antialiased",
+            "crop": "center",
+            "max_upscale": None if self.allow_upscale else self.max_upscale,
+            "extreme_aspect": self.extreme_aspect,
+            "aspect_tolerance": self.aspect_tolerance,
+            "alpha": "composited on white",
+            "exif_orientation": "applied",
+            "preprocessing_version": PREPROCESSING_VERSION,
+        }
+
+
+@dataclass
+class Record:
+    """One source's input: where it came from, its image bytes and raw caption candidates."""
+
+    source: str
+    image: bytes | None
+    captions: list[bytes | str] = field(default_factory=list)
+    missing: str | None = None  # a failure reason known before decoding
+    detail: str = ""  # what went wrong, with `missing`
+
+
+def content_key(image: bytes, captions: list[str]) -> str:
+    """A sample's key: sha256 of the image bytes and every caption."""
+    h = hashlib.sha256(image)
+    for c in captions:
+        h.update(b"\x00" + c.encode("utf-8"))
+    return h.hexdigest()
+
+
+def decode_captions(raw: list[bytes | str]) -> tuple[list[str] | None, str | None]:
+    """Caption candidates as stripped text, empty ones dropped.
+
+    Returns:
+        (captions, None), or (None, reason) when there is no usable caption or one is malformed.
+    """
+    if not raw:
+        return None, "missing_caption"
+    out = []
+    for c in raw:
+        try:
+            c = c.decode("utf-8") if isinstance(c, bytes) else c
+            c.encode("utf-8")  # a str from JSON may hold lone surrogates, which content_key could not encode
+        except UnicodeError:
+            return None, "caption_not_utf8"
+        if "\x00" in c:  # content_key separates captions with NUL: ["a\0b"] and ["a", "b"] would share a key
+            return None, "caption_nul"
+        c = c.removeprefix("\ufeff").strip()  # a byte order mark from a Windows editor is not text
+        if c:
+            out.append(c)
+    return (out, None) if out else (None, "empty_caption")
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any Pillow mode to 8-bit RGB: EXIF rotation applied, alpha composited on white, 16-bit scaled."""
+    img = ImageOps.exif_transpose(img)
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        a = np.asarray(img, dtype=np.float64)
+        top = 65535.0 if img.mode.startswith("I;16") or a.max() > 255 else 255.0
+        return Image.fromarray(np.clip(a / top * 255.0 + 0.5, 0, 255).astype(np.uint8), "L").convert("RGB")
+    if img.mode == "P":
+        img = img.convert("RGBA")
+    if img.mode in ("RGBA", "LA", "PA", "La", "RGBa"):
+        rgba = img.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
+def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set[str] = frozenset()) -> dict:
+    """Turn a record into a prepared sample, an `unchanged` marker, or a failure.
+
+    Returns:
+        A dict with `status` ("ok", "unchanged" or "failed") and `source`; "ok" adds `key`, `bucket`,
+        `pixels` (3, H, W) uint8, `captions`, `original_size` (h, w) and `crop` (top, left, h, w);
+        "unchanged" adds `key`; "failed" adds `reason` and `detail`.
+    """
+    def failed(reason: str, detail: str = "") -> dict:
+        return {"status": "failed", "source": record.source, "reason": reason, "detail": detail}
+
+    if record.missing:
+        return failed(record.missing, record.detail)
+    if not record.image:
+        return failed("empty_file")
+    captions, reason = decode_captions(record.captions)
+    if reason:
+        return failed(reason)
+    key = content_key(record.image, captions)
+    if key in skip_keys:
+        return {"status": "unchanged", "source": record.source, "key": key}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(record.image))
+            w, h = img.size
+            if w * h > policy.max_pixels:
+                return failed("too_many_pixels", f"{w}x{h}")
+            img.load()
+            img = to_rgb(img)
+    except UnidentifiedImageError as e:
+        return failed("not_an_image", str(e))
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        return failed("too_many_pixels", str(e))
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        return failed("corrupt_image", f"{type(e).__name__}: {e}")
+
+    h, w = img.height, img.width
+    bucket = nearest_bucket(h, w, policy.buckets)
+    extremes = (policy.buckets[0], policy.buckets[-1]) if len(policy.buckets) > 1 else (bucket,)
+    if bucket in extremes and aspect_error(h, w, bucket) > policy.aspect_tolerance and policy.extreme_aspect == "skip":
+        return failed("extreme_aspect", f"{w}x{h} (width x height)")
+    scale = max(bucket.height / h, bucket.width / w)
+    if scale > policy.max_upscale and not policy.allow_upscale:
+        return failed("too_small", f"{w}x{h} needs {scale:.2f}x upscaling for bucket {bucket}")
+    # cover the bucket, then center-crop
+    rw, rh = max(bucket.width, round(w * scale)), max(bucket.height, round(h * scale))
+    img = img.resize((rw, rh), Image.BICUBIC)
+    top, left = (rh - bucket.height) // 2, (rw - bucket.width) // 2
+    img = img.crop((left, top, left + bucket.width, top + bucket.height))
+    pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)  # (3, H, W)
+    return {
+        "status": "ok",
+        "source": record.source,
+        "key": key,
+        "bucket": bucket,
+        "pixels": pixels,
+        "captions": captions,
+        "original_size": (h, w),
+        "crop": (top, left, bucket.height, bucket.width),
+    }

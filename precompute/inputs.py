@@ -1,0 +1,97 @@
+"""Reading DATA: a folder (`precompute.folders`) or webdataset tars (`precompute.tars`) as this rank's
+dataset of prepared samples, read by DataLoader workers while the encoders run.
+
+Every input either becomes a prepared sample or a failure with a named reason (`REASONS`); nothing raises
+out of a worker for bad data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from precompute.config import PrecomputeConfig
+from precompute.folders import FolderDataset, list_folder
+from precompute.images import ImagePolicy
+from precompute.tars import TarDataset, expand_tar_urls, is_tar_source
+
+# Reasons a sample is skipped; each is counted and written to failures.jsonl.
+REASONS = {
+    "missing_file": "file listed but not found",
+    "empty_file": "zero-byte file",
+    "not_an_image": "not a decodable image",
+    "corrupt_image": "corrupt or truncated image data",
+    "too_many_pixels": "over the pixel limit (decompression bomb guard)",
+    "too_small": "smaller than its bucket by more than the upscale limit",
+    "extreme_aspect": "aspect ratio beyond the bucket table",
+    "missing_caption": "no caption found",
+    "empty_caption": "caption is empty",
+    "caption_not_utf8": "caption is not valid UTF-8",
+    "caption_not_string": "metadata caption is not a string or a list of strings",
+    "caption_nul": "caption contains a NUL character",
+    "non_finite": "an encoder produced NaN or Inf",
+    "corrupt_tar": "unreadable tar shard",
+    "special_file": "not a regular file (FIFO, socket, device or directory); never opened",
+    "permission_denied": "no permission to read the file",
+    "unreadable": "file could not be read (symlink loop, I/O error, ...)",
+    "unlisted_directory": "directory could not be listed; the files in it were not seen",
+    "bad_metadata_row": "metadata row that is not valid JSON/CSV or has no usable file_name",
+    "outside_root": "metadata file_name is absolute or points outside DATA",
+}
+
+
+@dataclass
+class Inputs:
+    """This rank's part of DATA and what the listing found."""
+
+    dataset: torch.utils.data.Dataset
+    total: int | None  # inputs of this rank, when known before reading (folders)
+    listed: int | None  # inputs of every rank (folders)
+    complete: bool  # the listing saw every input without error: removal may use it
+    failures: list[dict] = field(default_factory=list)  # listing errors of this rank's part
+    workers: int = 0
+
+
+def open_inputs(config: PrecomputeConfig, policy: ImagePolicy, known: dict[str, tuple[str, int]], keys: frozenset[str], *,
+                rank: int, world: int, only: set[str] | None = None) -> Inputs:
+    """DATA as a dataset of prepared samples, split disjointly by rank; with `only`, a folder's inputs of
+    those sources alone.
+
+    Args:
+        known: source -> (key, stamp) of the cached samples: a folder input whose stamp is unchanged is not read.
+        keys: keys already cached: an input of one of them is reported unchanged after reading.
+    """
+    data = config.data
+    if is_tar_source(data):
+        urls = expand_tar_urls(data, config.allow_pipe)
+        mine = urls[rank::world]
+        return Inputs(TarDataset(mine, policy, keys, tuple(config.caption_key)), None, None, True,
+                      workers=min(config.workers, len(mine)))
+    if not Path(data).is_dir():
+        raise FileNotFoundError(f"DATA={data} is neither a folder of images nor webdataset tars")
+    listing = list_folder(data, config.caption_column)
+    entries = listing.entries if only is None else [e for e in listing.entries if e.source in only]
+    mine = entries[rank::world]
+    return Inputs(FolderDataset(mine, policy, keys, known), len(mine), len(entries), listing.complete,
+                  failures=listing.failures[rank::world], workers=config.workers)
+
+
+def pixels_as_array(item: dict) -> dict:
+    """A worker's item with its pixels as a numpy array: sent through the pipe in one copy. A tensor goes
+    through shared memory instead (a file, a descriptor passed over a socket and a mapping per image),
+    which costs the receiving process more than the copy for the image sizes a CPU encodes."""
+    if "pixels" in item:
+        item = {**item, "pixels": item["pixels"].numpy()}
+    return item
+
+
+def build_loader(inputs: Inputs, device: torch.device) -> torch.utils.data.DataLoader:
+    """The loader of prepared samples, one at a time; its workers fork when it is first iterated."""
+    workers = inputs.workers
+    return torch.utils.data.DataLoader(
+        inputs.dataset, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
+        prefetch_factor=4 if workers else None, multiprocessing_context="fork" if workers else None,
+        collate_fn=None if device.type == "cuda" or not workers else pixels_as_array,
+    )

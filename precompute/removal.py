@@ -1,0 +1,85 @@
+"""What leaves the cache, and when: samples whose inputs are gone (on evidence only), and damaged shards
+re-encoded in place (`--repair`).
+
+A sample leaves the cache only on evidence: its input was listed completely, without error, and is gone
+(or changed, and its new content was encoded). Inputs that fail to read never remove anything.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from precompute.config import PrecomputeConfig
+from precompute.tars import tar_name
+from shards import ShardWriter, verify
+from shards.reader import stat_problems
+
+
+class RemovalRefused(ValueError):
+    """A run would remove more of the cache than allowed; nothing was removed."""
+
+
+def removals(previous: dict[str, str], seen: set[str], failed_sources: set[str], complete: bool) -> tuple[set[str], int]:
+    """The cached keys to remove on evidence, and how many unseen ones are kept because their input failed to
+    read (or the listing was incomplete).
+
+    Args:
+        previous: key -> source of every cached sample.
+        seen: keys of every input read in this run (encoded or unchanged).
+        failed_sources: sources whose read failed; a damaged tar protects every sample it held.
+        complete: whether the listing itself succeeded everywhere.
+    """
+    unseen = {k: s for k, s in previous.items() if k not in seen}
+    if not complete:
+        return set(), len(unseen)
+    tars = tuple(tar_name(s) + "/" for s in failed_sources)
+    kept = {k for k, s in unseen.items() if s in failed_sources or (tars and s.startswith(tars))}
+    return set(unseen) - kept, len(kept)
+
+
+def removal_refused(config: PrecomputeConfig, gone: set[str], previous: dict[str, str]) -> RemovalRefused | None:
+    """The refusal to remove `gone` (cached keys whose inputs are no longer listed) when they are more of the
+    cache than `config.max_removal_fraction` without `config.allow_removal`; None when they may go."""
+    if not gone or config.allow_removal or len(gone) <= config.max_removal_fraction * len(previous):
+        return None
+    return RemovalRefused(
+        f"{len(gone)} of the cache's {len(previous)} samples are no longer in DATA={config.data} (e.g. "
+        f"{', '.join(sorted(previous[k] for k in gone)[:3])}), over --max-removal-fraction {config.max_removal_fraction:g}; "
+        f"nothing was removed and everything encoded is kept. If they really are gone, re-run with --allow-removal.")
+
+
+def warn_damaged(cache: Path, manifest) -> None:
+    """One stat per shard: a plain re-run reports unchanged inputs without reading their samples, so it says
+    when listed shards are missing or truncated (what --repair re-encodes)."""
+    bad = stat_problems((cache / path, int(size)) for path, size in zip(manifest.shards.paths(), manifest.shards.column("bytes")))
+    if bad:
+        print(f"warning: {len(bad)} shard(s) of {cache} are missing or truncated (e.g. {bad[0][0]}: {bad[0][1]}); their "
+              f"samples count as unchanged here. Re-run with --repair to re-encode them.", file=sys.stderr)
+
+
+def damaged_shards(cache: Path, manifest) -> dict[str, list[str]]:
+    """Shards of the newest generation that are missing or fail `verify` (size, sha256, digests): path -> keys."""
+    report = verify(cache)
+    bad = {Path(p).resolve() for p in report.bad_files}
+    return {entry.path: manifest.shards.samples_of(int(j))[0]
+            for j, entry in zip(manifest.shards.rows, manifest.shards) if (cache / entry.path).resolve() in bad}
+
+
+def replace_damaged(writer: ShardWriter, damaged: dict[str, list[str]], encoded: dict, previous: dict[str, str], cache: Path) -> dict:
+    """Commit a re-encoded copy of every damaged shard whose samples were all encoded again, in their order:
+    a training run of any generation reads the copy at the same global indices."""
+    repaired, unrepairable = [], []
+    for path, keys in damaged.items():
+        missing = [previous[k] for k in keys if k not in encoded]
+        if missing:
+            unrepairable.append({"shard": path, "inputs_missing_or_changed": missing})
+        else:
+            writer.replace(path, [(k, encoded[k]) for k in keys])
+            repaired.append(path)
+    samples = sum(len(damaged[p]) for p in repaired)
+    print(f"\n{cache}: repaired {len(repaired)} of {len(damaged)} damaged shard(s), {samples} samples re-encoded", file=sys.stderr)
+    for u in unrepairable:
+        print(f"  not repaired: {u['shard']}: inputs missing or changed since they were cached: "
+              f"{', '.join(u['inputs_missing_or_changed'][:3])}; restore them and run --repair again", file=sys.stderr)
+    return {"repaired_shards": len(repaired), "repaired_samples": samples, "unrepairable": unrepairable}

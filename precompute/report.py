@@ -1,0 +1,88 @@
+"""What a run tells its user: before encoding, whether the disk has room for the cache; after, the summary."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from precompute.encode import Encoders
+from precompute.images import ImagePolicy
+from precompute.inputs import REASONS
+from shards import Cache
+
+
+def estimate_bytes_per_sample(enc: Encoders, policy: ImagePolicy, storage: torch.dtype, captions: int = 1) -> int:
+    """Latents at the largest bucket area plus, per caption, half the token limit: an estimate for the disk check."""
+    latent, text = enc.latent_spec(), enc.text_spec()
+    area = max(b.height * b.width for b in policy.buckets) // latent.downsample**2
+    latents = len(latent.fields) * latent.channels * area
+    if text.layout == "sd3_joint":  # every token is kept: CLIP's 77 and T5's whole length
+        per_caption = text.clip_tokens * text.clip_width + text.pooled_width + (text.t5_tokens * text.t5_width if text.t5_stored else 0)
+    else:
+        per_caption = text.max_tokens // 2 * text.width
+    return (latents + captions * per_caption) * storage.itemsize + 256
+
+
+def check_disk_space(cache: Path, need: int) -> None:
+    free = shutil.disk_usage(cache).free
+    if need > free:
+        raise OSError(f"the cache needs about {_size(need)} more at {cache} but {_size(free)} are free; free space, "
+                      f"choose another --cache, or pass --no-check-disk")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, loop_s: float) -> dict:
+    manifest = Cache(cache).manifest
+    encoded = counts["new"] + counts["changed"]
+    considered = encoded + counts["unchanged"] + counts["failed"]
+    by_reason = Counter(f["reason"] for f in failures)
+    field_bytes = dict(zip(manifest.shards.fields, (int(v) for v in manifest.shards.column("field_bytes").sum(0))))
+    n = max(manifest.num_samples, 1)
+    summary = {
+        "encoded": encoded,
+        "new": counts["new"],
+        "changed": counts["changed"],
+        "unchanged": counts["unchanged"],
+        "removed": counts["removed"],
+        "kept_unreadable": counts["kept_unreadable"],
+        "duplicates": counts["duplicate"],
+        "failed": counts["failed"],
+        "failed_by_reason": dict(sorted(by_reason.items())),
+        "captions_truncated": counts["captions_truncated"],
+        "failure_fraction": counts["failed"] / max(considered, 1),
+        "cache_samples": manifest.num_samples,
+        "cache_bytes": manifest.num_bytes,
+        "generation": manifest.generation,
+        "buckets": {b.name: st.samples for b, st in manifest.buckets().items()},
+        "bytes_per_sample": {k: v / n for k, v in sorted(field_bytes.items())},
+        "elapsed_s": elapsed,
+        "encode_s": loop_s,  # reading, encoding and writing, without loading the encoders
+        "images_per_s": encoded / loop_s if loop_s else 0.0,
+    }
+    out = sys.stderr
+    print(f"\n{cache}: {summary['cache_samples']} samples, {manifest.num_bytes / 2**20:.1f} MiB, generation {manifest.generation}", file=out)
+    print(f"  new {summary['new']} / changed {summary['changed']} / unchanged {summary['unchanged']} / "
+          f"removed {summary['removed']}; duplicates {summary['duplicates']}", file=out)
+    if summary["kept_unreadable"]:
+        print(f"  kept {summary['kept_unreadable']} cached samples whose input could not be read or listed this time", file=out)
+    print(f"  encoded {encoded} in {loop_s:.1f}s ({summary['images_per_s']:.1f} images/s; {elapsed:.1f}s with setup); "
+          f"{summary['captions_truncated']} captions truncated to the token limit", file=out)
+    if failures:
+        print(f"  skipped {len(failures)} ({summary['failure_fraction']:.1%}), listed in {cache / 'failures.jsonl'}:", file=out)
+        for reason, k in sorted(by_reason.items()):
+            print(f"    {reason:<18} {k:>7}  {REASONS.get(reason, '')}", file=out)
+    print("  buckets (height x width: samples):", file=out)
+    for name, k in summary["buckets"].items():
+        print(f"    {name:>10}: {k}", file=out)
+    print("  bytes per sample: " + ", ".join(f"{k} {v:,.0f}" for k, v in summary["bytes_per_sample"].items()), file=out)
+    return summary
