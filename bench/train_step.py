@@ -19,12 +19,14 @@ import torch
 import typer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from precompute.data import ImagePolicy, list_folder, prepare, read_folder_entry  # noqa: E402
+from precompute.config import PrecomputeConfig  # noqa: E402
 from precompute.encode import Encoders  # noqa: E402
+from precompute.folders import list_folder, read_folder_entry  # noqa: E402
+from precompute.images import prepare  # noqa: E402
 from precompute.presets import get_preset as encoder_preset  # noqa: E402
 from precompute.run import main as precompute  # noqa: E402
 from precompute.sample_data import make_folder  # noqa: E402
-from shards import Cache, bucket_table  # noqa: E402
+from shards import Cache  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data import BucketBatchSampler, Prefetcher, TrainingSamples, epoch_loader  # noqa: E402
 from train.model import build_model, build_optimizer, build_run_objective, build_schedule  # noqa: E402
@@ -67,7 +69,7 @@ def main(
 
         # (b): pixels and captions of the same samples, encoded inside the step
         enc = Encoders(encoder_preset(model), torch.device("cpu"))
-        policy = ImagePolicy(bucket_table(enc.preset.base_resolution))
+        policy = PrecomputeConfig(str(data), model).policy()
         by_key = {}
         for entry in list_folder(data).entries:
             it = prepare(read_folder_entry(entry), policy)

@@ -18,7 +18,7 @@ import torch
 from shards import Bucket, bucket_table
 from shards.options import DTYPE_BYTES, DTYPES, default_of
 from train.config import TrainConfig, parse_checkpointing
-from train.model import checkpoint_blocks
+from train.model import build_run_objective, checkpoint_blocks
 from train.presets import get_preset, model_forward, text_width
 
 GiB = 2**30
@@ -121,12 +121,48 @@ def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     return _FusedAttention.apply(query, key, value)
 
 
+def objective_bytes(objective, in_channels: int, out_channels: int) -> tuple[float, float]:
+    """What the objective holds per latent element, the model's output and the clean latents included: (kept for
+    backward at the end of the forward pass, peak during its forward and backward). Measured through the real
+    objective on a CPU batch with a stand-in model: flow matching holds a few latent-sized tensors, DDPM with a
+    learned variance dozens (its VLB terms)."""
+    latents = torch.zeros(4, in_channels, 32, 32)
+    w = torch.zeros(1, out_channels, 1, 1, requires_grad=True)
+    batch = {"latents": latents, "bucket": (256, 256), "keys": ["k"] * 4}
+    inside_model, kept = [False], {}
+
+    def model_fn(xt, t, batch):
+        inside_model[0] = True
+        out = w.expand(xt.shape[0], out_channels, *xt.shape[2:]).clone()
+        inside_model[0] = False
+        return out
+
+    def pack(tensor):
+        if not inside_model[0]:
+            kept[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        objective(model_fn, batch, torch.Generator().manual_seed(0))
+    kept.pop(w.untyped_storage()._cdata, None)
+
+    def step() -> None:
+        loss, _ = objective(model_fn, batch, torch.Generator().manual_seed(0))
+        loss.mean().backward()
+
+    step()  # the scheduler's tables exist before the measured step
+    peak = measure_peak(step, torch.device("cpu")) + latents.nbytes
+    return (sum(kept.values()) + latents.nbytes) / latents.numel(), peak / latents.numel()
+
+
 def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype,
-                      every: int = 0) -> dict:
+                      every: int = 0, objective_per_element: tuple[float, float] | None = None) -> dict:
     """Bytes autograd saves for backward in one forward pass (meta tensors, no memory used).
 
     Returns the total, the largest block's share (what a checkpointed block recomputes at once), and
-    the total with every `every`-th block checkpointed (0: none)."""
+    the total with every `every`-th block checkpointed (0: none). `objective_per_element`: what the loss holds per
+    latent element, at the end of the forward pass and at its peak (`objective_bytes`; default: the output in fp32
+    and the clean latents)."""
     cfg = model.config
     down = preset.latent_downsample
     c, h, w = cfg.in_channels, bucket[0] // down, bucket[1] // down
@@ -167,9 +203,11 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
             out = forward(x, t, text)
     finally:
         F.scaled_dot_product_attention = sdpa
-    # alive when backward starts: the output the loss keeps in fp32 and the batch's clean latents
-    objective = out.numel() * 4 + x.numel() * 4
-    full = sum(saved.values()) + objective
+    # What the loss holds while every activation is still saved: at the end of the forward pass, and at its peak
+    # (its own backward runs before the model's); with the batch's clean latents.
+    kept, peak = ((n * x.numel() for n in objective_per_element) if objective_per_element is not None
+                  else (out.numel() * 4 + x.numel() * 4,) * 2)
+    full = sum(saved.values()) + max(kept, peak)
     blocks = [v for k, v in by_block.items() if k >= 0]
     result = {"full": full, "block": max(blocks, default=0), "checkpointed": full}
     if every:
@@ -182,7 +220,8 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
                 out = forward(x, t, text)
         finally:
             F.scaled_dot_product_attention = sdpa
-        result["checkpointed"] = sum(saved.values()) + objective + result["block"]
+        # backward frees what the loss held before it recomputes the last block (the output's gradient stays)
+        result["checkpointed"] = sum(saved.values()) + max(kept, peak, x.numel() * 4 + result["block"] + out.numel() * 4)
     for hook in hooks:
         hook.remove()
     return result
@@ -217,9 +256,14 @@ def plan(pc: PlanConfig) -> dict:
         block_params = max(sum(p.numel() for p in b.parameters()) for b in model.transformer_blocks)
         components["fsdp all-gather buffers"] = 2 * block_params * DTYPE_BYTES[pc.precision]
 
+    config = preset.transformer_config()
+    run_objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank), preset, config)
+    per_element = objective_bytes(run_objective, config["in_channels"], config.get("out_channels") or config["in_channels"])
+
     def activations(batch: int) -> float:
         _, m = meta_model(pc.model, compute, pc.lora_rank, pc.lora_targets, adapter_dtype=compute)
-        a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens or preset.extra.get("text_tokens", 300), compute, every)
+        a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens or preset.extra.get("text_tokens", 300), compute, every,
+                              per_element)
         return a["checkpointed"] if every else a["full"]
 
     act = activations(pc.batch_size)
