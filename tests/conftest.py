@@ -39,6 +39,16 @@ def make_sample(i: int, bucket=None, *, dim: int = 16, channels: int = 4) -> tup
     return f"key{i:05d}", bucket, fields
 
 
+def write_cache(root, indices, **kwargs):
+    """A cache of `make_sample(i)` for each of `indices`, written in one writer session; its manifest."""
+    from shards import ShardWriter
+
+    with ShardWriter(root, FINGERPRINT, SCHEMA, **kwargs) as w:
+        for i in indices:
+            w.write(*make_sample(i))
+    return w.manifest
+
+
 @pytest.fixture
 def sample():
     return make_sample
