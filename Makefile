@@ -63,7 +63,7 @@ bench: install
 	$(PY) bench/scale.py --sizes $(SCALE_SIZES)
 
 precompute: install
-	@test -n "$(DATA)" || { echo "usage: make precompute DATA=<folder, tars or dataset> [MODEL=tiny-sana] [CACHE=cache/MODEL] [NPROC=1]"; exit 2; }
+	@test -n "$(DATA)" || { echo "usage: make precompute DATA=<folder, metadata file or tars> [MODEL=tiny-sana] [CACHE=cache/MODEL] [NPROC=1]"; exit 2; }
 	$(LAUNCH) -m precompute "$(DATA)" $(call option,--model,$(MODEL)) $(call option,--cache,$(CACHE)) $(PRECOMPUTE_ARGS)
 
 train: install

@@ -29,7 +29,7 @@ class Bucket(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> "Bucket":
         """Parse `"HxW"` (e.g. `"1024x768"`)."""
-        m = re.fullmatch(r"\s*(\d+)\s*[x×]\s*(\d+)\s*", text)
+        m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
         if not m:
             raise ValueError(f"bucket {text!r} is not of the form HEIGHTxWIDTH, e.g. 1024x768")
         return cls(int(m.group(1)), int(m.group(2)))

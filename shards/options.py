@@ -30,11 +30,6 @@ def torch_dtype(name: str, what: str = "dtype") -> torch.dtype:
         raise ValueError(f"{what} {name!r}: choose one of {', '.join(DTYPES)}") from None
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> 'bf16'."""
-    return {v: k for k, v in DTYPES.items()}[dtype]
-
-
 def opt(default, help: str):
     """A config field with its help text (lists and other mutable defaults are copied per instance)."""
     if isinstance(default, list):

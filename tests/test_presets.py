@@ -22,7 +22,7 @@ def test_a_preset_means_the_same_model_in_both_stages(name):
     assert one.base_resolution == two.base_resolution
     assert one.transformer == two.repo  # the released transformer stage two loads
     clip = 77 if one.family == "sd3" else 0  # SD3's CLIP tokens come before T5's
-    assert two.extra.get("text_tokens", 300) == clip + one.text.max_length  # what the planner traces
+    assert two.text_tokens == clip + one.text.max_length  # what the planner traces
     assert two.latent_downsample == {"dc": 32, "kl": 8, "sd3": 8}[one.vae.kind] or name.startswith("tiny")
 
 
@@ -31,5 +31,5 @@ def test_a_tiny_transformer_takes_what_its_tiny_encoders_cached(name):
     spec, preset = Cache(LEGACY / name).spec, transformers.get_preset(name)
     config = preset.transformer_config()
     assert spec.latent.channels == config["in_channels"] and spec.latent.downsample == preset.latent_downsample
-    assert spec.text.tokens == preset.extra["text_tokens"]
+    assert spec.text.tokens == preset.text_tokens
     assert (spec.text.width if spec.text.layout == "masked" else spec.text.t5_width) == transformers.text_width(config)

@@ -325,6 +325,32 @@ def test_non_finite_loss_skips_then_aborts(caches, tmp_path, caplog, monkeypatch
     assert "non-finite loss, skipped; samples ['" in caplog.text
 
 
+def test_non_finite_gradients_skip_naming_the_samples(caches, tmp_path, caplog, monkeypatch):
+    import train.step as step
+
+    monkeypatch.setattr(step.torch.nn.utils, "clip_grad_norm_", lambda params, clip: torch.tensor(float("nan")))
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="5 non-finite gradients in a row"):
+        train(cfg(caches["tiny-sana"], tmp_path, steps=10, grad_accum=2))
+    assert "non-finite gradients, skipped; samples ['" in caplog.text
+    assert caplog.text.count("', '") >= 7  # both micro-batches' four samples each
+
+
+def test_a_signal_during_the_last_checkpoint_is_only_recorded(caches, tmp_path, monkeypatch):
+    from train.state import TrainState
+
+    handlers, save = [], TrainState.save
+
+    def saving(self, *args):  # what SIGTERM or a second Ctrl-C would meet while the last checkpoint is written
+        handlers.append((signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGUSR1)))
+        return save(self, *args)
+
+    before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGUSR1))
+    monkeypatch.setattr(TrainState, "save", saving)
+    train(cfg(caches["tiny-sana"], tmp_path, steps=2))
+    assert handlers and all(h != b for h, b in zip(handlers[-1], before))  # the run's own handlers
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGUSR1)) == before
+
+
 def test_new_shards_join_at_the_next_epoch(tmp_path, monkeypatch):
     data = make_folder(tmp_path / "data", count=8)
     for p in sorted(data.glob("0000[4-7].*")):

@@ -102,35 +102,42 @@ def sample_command(
 def plan_command(
     model: str = typer.Argument(..., help=f"Preset: {', '.join(PRESETS)}."),
     batch_size: int = like_train("batch_size", default_of(TrainConfig, "batch_size")),
-    resolution: Optional[int] = typer.Option(None, help="Square bucket of this many pixels a side (default 1024, 256 for tiny-*)."),
+    resolution: Optional[int] = typer.Option(None, help="Square bucket of this many pixels a side (default: the preset's base "
+                                             "resolution, 1024; 512 or 256 for some)."),
     bucket: Optional[str] = typer.Option(None, help="Bucket HxW (instead of --resolution)."),
-    precision: Dtype = like_train("precision", default_of(TrainConfig, "precision")),
+    precision: Dtype = like_train("precision", default_of(TrainConfig, "precision"), help="Autocast precision: fp32, bf16 or fp16."),
     weights_dtype: Literal["fp32", "bf16"] = like_train("weights_dtype", default_of(TrainConfig, "weights_dtype")),
     optimizer: PlanOptimizer = like_train("optimizer", default_of(TrainConfig, "optimizer"),
                                           help=help_of(TrainConfig, "optimizer") + " Planning only: came-8bit (no maintained "
                                                                                     "implementation to train with)."),
     grad_checkpointing: str = like_train("grad_checkpointing", default_of(TrainConfig, "grad_checkpointing")),
-    ema_decay: float = like_train("ema_decay", default_of(TrainConfig, "ema_decay")),
+    ema_decay: float = like_train("ema_decay", default_of(TrainConfig, "ema_decay"), help="EMA decay (0: no EMA; above 0: plan "
+                                  "its shadow weights on --ema-device)."),
     ema_device: Literal["device", "cpu"] = like_train("ema_device", default_of(TrainConfig, "ema_device")),
     world_size: int = typer.Option(1, help="Number of devices."),
-    parallel: Literal["ddp", "fsdp"] = typer.Option("ddp", help="ddp (replicated) or fsdp (sharded over --world-size)."),
+    parallel: Literal["auto", "ddp", "fsdp"] = like_train("parallel", default_of(TrainConfig, "parallel"),
+                                                   help="auto or ddp (replicated weights) or fsdp (sharded over --world-size)."),
     fsdp_cpu_offload: bool = like_train("fsdp_cpu_offload", default_of(TrainConfig, "fsdp_cpu_offload")),
-    text_tokens: Optional[int] = typer.Option(None, help="Caption tokens to plan for (default: the preset's limit, 300; SD3 77 + 256)."),
+    text_tokens: Optional[int] = typer.Option(None, help="Caption tokens to plan for (default: the preset's limit, e.g. 300 for "
+                                              "Sana and PixArt, 77 + 256 for SD3)."),
     gpu_memory: str = typer.Option("80GB", help="Memory of one device, e.g. 48GB."),
-    lora_rank: int = like_train("lora_rank", default_of(TrainConfig, "lora_rank")),
+    lora_rank: int = like_train("lora_rank", default_of(TrainConfig, "lora_rank"), help="Plan LoRA adapters of this rank on the "
+                                "frozen transformer (0: full fine-tuning); --weights-dtype is then the base's dtype."),
     lora_targets: List[str] = like_train("lora_targets", []),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
     like the trainer's mean the same and default the same."""
     from shards import Bucket
-    from train.plan import PlanConfig, format_plan, parse_bytes, plan
+    from train.plan import PlanConfig, ema_placement, format_plan, parse_bytes, plan
+    from train.presets import get_preset
 
     def go():
-        size = tuple(Bucket.parse(bucket)) if bucket else (resolution or (256 if model.startswith("tiny") else 1024),) * 2
+        size = tuple(Bucket.parse(bucket)) if bucket else (resolution or get_preset(model).base_resolution,) * 2
         result = plan(PlanConfig(model, batch_size=batch_size, bucket=size, precision=precision, weights_dtype=weights_dtype,
                                  optimizer=optimizer, grad_checkpointing=grad_checkpointing,
-                                 ema="off" if ema_decay <= 0 else ema_device, world_size=world_size, parallel=parallel,
+                                 ema=ema_placement(ema_decay, ema_device), world_size=world_size,
+                                 parallel="fsdp" if parallel == "fsdp" else "ddp",
                                  fsdp_cpu_offload=fsdp_cpu_offload, text_tokens=text_tokens, gpu_memory=parse_bytes(gpu_memory),
                                  lora_rank=lora_rank, lora_targets=tuple(lora_targets)))
         print(json.dumps(result, indent=1) if as_json else format_plan(result))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from shards import Bucket, Cache, CorruptSample, register_reader
+from shards import Bucket, Cache, CorruptSample, FormatError, register_reader
 from shards.reader import REPAIR
 from train import distributed
 from train.presets import ModelPreset, text_width
@@ -27,7 +27,10 @@ def open_generation(cache_root: Path, run: Path, is_main: bool, generation: int 
 
 def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
     """Stop before loading weights when the cache cannot feed this model, naming the fields."""
-    spec = cache.spec  # refuses a cache stage one did not write
+    try:
+        spec = cache.spec
+    except FormatError as e:  # not written by stage one: say which model to build it for
+        raise FormatError(f"{e} MODEL={preset.name}") from None
     latent, text = spec.latent, spec.text
     patch = config.get("patch_size", 1)
     problems = []

@@ -79,8 +79,8 @@ class TrainConfig:
                                     "after a checkpoint, naming the shard and the repair command.")
     checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT).")
     keep_checkpoints: int = opt(3, "Keep the newest K checkpoints.")
-    resume: str | None = opt("auto", "auto (newest complete checkpoint of the run, if any), a checkpoint directory, or '' to "
-                                     "start over.")
+    resume: str | None = opt("auto", "auto (newest complete checkpoint of the run, if any), a checkpoint directory (or "
+                                     "another run's directory: its newest), or '' to start over.")
     log_every: int = opt(10, "Write metrics every N steps.")
     max_bad_steps: int = opt(5, "Abort after this many non-finite steps in a row.")
     progress: bool = opt(True, "Show the progress bar.")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shards import Bucket, Cache, prompt_key
+from shards import Bucket, Cache, TextSpec, prompt_key
 
 BATCH_SAMPLER_VERSION = 2
 
@@ -89,21 +89,18 @@ class BucketBatchSampler:
 
 @dataclass(frozen=True)
 class TextLayout:
-    """How a cache's text fields become the transformer's text input (`shards.TextSpec` describes them).
+    """How a cache's text fields (`shards.TextSpec`: "masked" or "sd3_joint") become the transformer's text input:
+    one caption of a sample, and a batch of captions collated."""
 
-    "masked" (PixArt, Sana): one `text` field of valid tokens per caption, padded per batch with a mask.
-    "sd3_joint": per caption `clip` (77, D_clip) and `pooled` (D_pooled,) and, unless T5 was dropped,
-    `text` (T5 tokens, D); the model input is cat(pad(clip, to the joint width), T5 tokens) as
-    StableDiffusion3Pipeline builds it, with `t5_zeros` zero tokens in T5's place when it was dropped.
-    """
-
-    kind: str = "masked"
-    t5_zeros: int = 0
+    spec: TextSpec = TextSpec("masked", None, 0)
 
     @classmethod
     def of(cls, cache: Cache) -> "TextLayout":
-        text = cache.spec.text
-        return cls(text.layout, text.t5_zeros)
+        return cls(cache.spec.text)
+
+    @property
+    def kind(self) -> str:
+        return self.spec.layout
 
     @staticmethod
     def captions(fields: dict) -> int:
@@ -137,7 +134,7 @@ class TextLayout:
             out.update(text=text, text_mask=mask)
         if self.kind == "sd3_joint":
             out.update(clip=torch.stack([c["clip"] for c in conds]), pooled=torch.stack([c["pooled"] for c in conds]),
-                       t5_zeros=self.t5_zeros)
+                       t5_zeros=self.spec.t5_zeros)
         return out
 
 
@@ -161,6 +158,7 @@ class TrainingSamples(torch.utils.data.Dataset):
         self.cache_dir, self.generation = cache.root, cache.generation  # what every worker reads
         self._cache: Cache | None = cache
         self.layout = TextLayout.of(cache)
+        self.posterior = cache.spec.latent.posterior == "mean_std"  # a KL VAE's: sample a latent per draw
         if null not in ("empty", "zeros"):
             raise ValueError(f"caption dropout embedding {null!r}: choose empty or zeros")
         self.null = None
@@ -185,7 +183,7 @@ class TrainingSamples(torch.utils.data.Dataset):
         epoch, i = item
         s = self.cache[i]
         g = _generator(self.seed, epoch, i)
-        if "latent_mean" in s.fields:
+        if self.posterior:
             mean, std = s["latent_mean"].float(), s["latent_std"].float()
             latent = mean + std * torch.randn(mean.shape, generator=g)
         else:

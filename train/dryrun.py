@@ -13,20 +13,21 @@ from train.cache import largest_bucket
 from train.config import TrainConfig
 from train.data import TrainingSamples
 from train.metrics import device_memory
-from train.plan import PlanConfig, measure_peak, plan
+from train.plan import PlanConfig, ema_placement, measure_peak, plan
 from train.step import TrainStep
 from train.validate import Validator, generate
 
 
-def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: int, parallel: str) -> dict:
-    """The memory plan of this run at the cache's largest bucket."""
+def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: int, parallel: str, objective) -> dict:
+    """The memory plan of this run (its objective, at the cache's largest bucket)."""
     largest = largest_bucket(cache)
-    ema = "off" if cfg.ema_decay <= 0 else cfg.ema_device
+    ema = ema_placement(cfg.ema_decay, cfg.ema_device)
     return plan(PlanConfig(cfg.model, batch_size=cfg.batch_size, bucket=(largest.height, largest.width), precision=cfg.precision,
                            weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer, grad_checkpointing=cfg.grad_checkpointing,
                            ema=ema, world_size=world, parallel="fsdp" if parallel == "fsdp" else "ddp",
                            fsdp_cpu_offload=cfg.fsdp_cpu_offload, text_tokens=cache.spec.text.tokens,
-                           gpu_memory=device_memory(device), lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets)))
+                           gpu_memory=device_memory(device), lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets)),
+                objective)
 
 
 def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: TrainStep, validator: Validator | None, preset,

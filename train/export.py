@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 from shards import Cache
-from train import checkpoint, lora
-from train.objectives import build_objective
 from shards.atomic import publish_directory
 from shards.options import DTYPES
+from train import checkpoint, lora
+from train.objectives import build_objective
 from train.presets import Weights, build_transformer, get_preset, resolve_weights
 from train.validate import Validator
 

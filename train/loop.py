@@ -6,7 +6,6 @@ weights load), the model, optimizer and state, the data, then the loop, and the 
 
 from __future__ import annotations
 
-import logging
 import signal
 import time
 from dataclasses import asdict
@@ -29,8 +28,6 @@ from train.presets import get_preset
 from train.state import TrainState
 from train.step import TrainStep
 from train.validate import Validator
-
-log = logging.getLogger("train")
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -94,7 +91,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     for bucket, stats in cache.manifest.buckets().items():
         say(f"  {bucket.name:>10}: {stats.samples} samples")
     if is_main or cfg.dry_run:
-        planned = startup_plan(cfg, cache, device, world, parallel)
+        planned = startup_plan(cfg, cache, device, world, parallel, objective)
         say(format_plan(planned))
     if cfg.dry_run:
         return dry_run(cfg, cache, dataset, step, validator, preset, planned, device, say)
@@ -177,14 +174,13 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         if damaged:
             break
     bar.close()
-    for s, h in handlers.items():
-        signal.signal(s, h)
     if damaged:  # checkpoint at the last whole step, then stop: resuming redoes the step whose batch was damaged
         progress.cursor -= step.rewind()
         save()  # every rank stopped at the same batch
         metrics.close(plot=False)
         if validator is not None:
             validator.close()
+        restore_handlers(handlers)
         kept = checkpoint.complete_checkpoints(cfg.run)
         resumes = f"; {kept[-1]} resumes the run" if kept else ""
         raise CorruptSample(f"{damaged[0]} Training stopped at step {progress.step}{resumes} once it is repaired.")
@@ -194,6 +190,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             validate()
         metrics.report_grids(validator.finished(wait=True))
     metrics.close()
+    restore_handlers(handlers)  # a signal during the last checkpoint or validation was only recorded
     if stop["signal"] is not None:
         say(f"stopped by signal {stop['signal']} at step {progress.step}; resume with the same command")
     summary = {"step": progress.step, "epoch": progress.epoch, "elapsed_s": time.perf_counter() - t_start, "grids": metrics.grids,
@@ -201,6 +198,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     say(f"run {cfg.run}: step {progress.step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
         f"loss curve {cfg.run / 'loss.png'}")
     return summary
+
+
+def restore_handlers(handlers: dict) -> None:
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 def parallelism(cfg: TrainConfig, world: int, device: torch.device) -> str:

@@ -30,7 +30,7 @@ class Metrics:
         smoothed: the debiased moving average of the loss as (sum, n), carried across resumes.
     """
 
-    def __init__(self, run: Path, step: int, smoothed: tuple[float, int], *, is_main: bool, device: torch.device,
+    def __init__(self, run: Path, step: int, smoothed: list, *, is_main: bool, device: torch.device,
                  precision: str, data_wait: float = 0.0):
         self.run, self.is_main, self.device, self.precision = run, is_main, device, precision
         self.smooth_sum, self.smooth_n = smoothed

@@ -77,8 +77,10 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
         say(f"gradient checkpointing: {n} of {len(model.transformer_blocks)} transformer blocks recomputed in backward")
     model.train()
     net = distribute(cfg, model, parallel, world, device, say)
+    # a resumed run keeps the record of the weights it started from (a LoRA base re-resolved now may name a newer commit)
+    record = state.get("weights") if resume_from else weights.to_json()
     return Model(model, net, model_forward(net, preset.family), [p for p in model.parameters() if p.requires_grad], adapter,
-                 weights.to_json() if weights is not None else state.get("weights"))
+                 record)
 
 
 def distribute(cfg: TrainConfig, model: torch.nn.Module, parallel: str, world: int, device: torch.device,

@@ -9,7 +9,10 @@ the parameter shapes) and the EMA are accounted per rank, with FSDP sharding and
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import sys
 import warnings
 from dataclasses import asdict, dataclass, field
 
@@ -44,7 +47,7 @@ class PlanConfig:
     world_size: int = 1
     parallel: str = "ddp"
     fsdp_cpu_offload: bool = _train("fsdp_cpu_offload")
-    text_tokens: int | None = None  # caption tokens traced (the cache's limit; default the preset's: 300, SD3 77 + 256)
+    text_tokens: int | None = None  # caption tokens traced (the cache's limit; default the preset's)
     gpu_memory: float = 80 * GiB
     lora_rank: int = _train("lora_rank")  # 0: every weight trains; N: LoRA adapters of rank N on the frozen base
     lora_targets: tuple[str, ...] = ()  # default: the family's
@@ -227,8 +230,15 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     return result
 
 
-def plan(pc: PlanConfig) -> dict:
-    """Bytes per component on one rank's device, the predicted peak, the verdict and the largest batch."""
+def ema_placement(decay: float, device: str) -> str:
+    """The plan's EMA ("off", "device" or "cpu") from the trainer's --ema-decay and --ema-device."""
+    return "off" if decay <= 0 else device
+
+
+def plan(pc: PlanConfig, objective=None) -> dict:
+    """Bytes per component on one rank's device, the predicted peak, the verdict and the largest batch.
+
+    `objective`: the run's (its memory is traced); default: the preset's with the trainer's default options."""
     wb = DTYPE_BYTES[pc.weights_dtype]
     compute = DTYPES[pc.precision]
     if pc.lora_rank and pc.parallel == "fsdp" and pc.world_size > 1:
@@ -257,12 +267,13 @@ def plan(pc: PlanConfig) -> dict:
         components["fsdp all-gather buffers"] = 2 * block_params * DTYPE_BYTES[pc.precision]
 
     config = preset.transformer_config()
-    run_objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank), preset, config)
-    per_element = objective_bytes(run_objective, config["in_channels"], config.get("out_channels") or config["in_channels"])
+    if objective is None:
+        objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank), preset, config)
+    per_element = objective_bytes(objective, config["in_channels"], config.get("out_channels") or config["in_channels"])
 
     def activations(batch: int) -> float:
         _, m = meta_model(pc.model, compute, pc.lora_rank, pc.lora_targets, adapter_dtype=compute)
-        a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens or preset.extra.get("text_tokens", 300), compute, every,
+        a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens or preset.text_tokens, compute, every,
                               per_element)
         return a["checkpointed"] if every else a["full"]
 
@@ -367,7 +378,8 @@ def measure_peak(step, device: torch.device) -> int:
 
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                                  with_stack=True) as prof:
         step()
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # its CUDA successor has no CPU counterpart
@@ -376,3 +388,18 @@ def measure_peak(step, device: torch.device) -> int:
         with open(path) as f:
             _, sizes = json.load(f)
     return int(max(sum(row) for row in sizes))
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The CPU profiler's native layer prints a line to the process's stderr at each start and stop; those lines
+    say nothing to a user, so file descriptor 2 points at /dev/null meanwhile (Python's own errors still raise)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

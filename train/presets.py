@@ -47,7 +47,7 @@ class ModelPreset:
     released_dtype: str | None = None
     latent_downsample: int = 8
     encoder_parameters: dict = field(default_factory=dict)
-    extra: dict = field(default_factory=dict)
+    text_tokens: int = 300  # the most caption tokens it sees: stage one's limit (SD3: CLIP's 77 + T5's); the planner's default
     revision: str | None = None  # Hub revision of `repo` (None: its default branch)
 
     @property
@@ -100,19 +100,19 @@ PRESETS: dict[str, Callable[[], ModelPreset]] = {
     # SD3 / SD3.5: joint attention over CLIP-L + CLIP-G + T5 tokens, pooled CLIP projections; trained in bf16
     "sd3-medium": lambda: ModelPreset("sd3-medium", "sd3", "stabilityai/stable-diffusion-3-medium-diffusers",
                                       "sd3_medium_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
-                                      released_dtype="fp16", extra={"text_tokens": 77 + 256}),
+                                      released_dtype="fp16", text_tokens=77 + 256),
     "sd35-medium": lambda: ModelPreset("sd35-medium", "sd3", "stabilityai/stable-diffusion-3.5-medium",
                                        "sd35_medium_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
-                                       released_dtype="bf16", extra={"text_tokens": 77 + 256}),
+                                       released_dtype="bf16", text_tokens=77 + 256),
     "sd35-large": lambda: ModelPreset("sd35-large", "sd3", "stabilityai/stable-diffusion-3.5-large",
                                       "sd35_large_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
-                                      released_dtype="bf16", extra={"text_tokens": 77 + 256}),
+                                      released_dtype="bf16", text_tokens=77 + 256),
     "tiny-pixart": lambda: ModelPreset("tiny-pixart", "pixart", None, TINY_PIXART, "ddpm", "epsilon", base_resolution=256,
-                                       extra={"text_tokens": 64}),
+                                       text_tokens=64),
     "tiny-sana": lambda: ModelPreset("tiny-sana", "sana", None, TINY_SANA, "flow", "flow", flow_shift=3.0, base_resolution=256,
-                                     extra={"text_tokens": 64}),
+                                     text_tokens=64),
     "tiny-sd3": lambda: ModelPreset("tiny-sd3", "sd3", None, TINY_SD3, "flow", "flow", flow_shift=3.0, base_resolution=256,
-                                    extra={"text_tokens": 77 + 32}),
+                                    text_tokens=77 + 32),
 }
 
 

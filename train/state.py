@@ -28,7 +28,7 @@ class Progress:
     step: int = 0
     epoch: int = 0
     cursor: int = 0
-    smoothed: tuple[float, int] = (0.0, 0)
+    smoothed: list = field(default_factory=lambda: [0.0, 0])  # (sum, n)
     history: list = field(default_factory=list)
 
 
@@ -81,7 +81,7 @@ class TrainState:
         history = state["precision_history"]
         if (history[-1]["precision"], history[-1].get("weights_dtype", "fp32")) != (cfg.precision, cfg.weights_dtype):
             history.append({"step": state["step"], "precision": cfg.precision, "weights_dtype": cfg.weights_dtype})
-        progress = Progress(state["step"], state["epoch"], state["cursor"], tuple(state.get("smoothed_loss", (0.0, 0))), history)
+        progress = Progress(state["step"], state["epoch"], state["cursor"], list(state.get("smoothed_loss", [0.0, 0])), history)
         say(f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.cursor})")
         return progress
 

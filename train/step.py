@@ -45,6 +45,7 @@ class TrainStep:
         self.parallel, self.rank, self.world, self.device = parallel, rank, world, device
         self.autocast = torch.autocast(device.type, dtype=DTYPES[cfg.precision], enabled=cfg.precision != "fp32")
         self.micro = 0  # micro-batches accumulated towards the next step
+        self.keys: list[str] = []  # their samples, named when the step is skipped
         self.bad_in_row = 0
         optimizer.zero_grad(set_to_none=True)
 
@@ -72,6 +73,7 @@ class TrainStep:
             if not bad:
                 self.scaler.scale(loss / self.cfg.grad_accum).backward()
         self.micro += 1
+        self.keys += batch["keys"]
         if bad:
             self._skip("losses", f"step {step}: non-finite loss, skipped; samples {batch['keys']}")
             return None
@@ -80,12 +82,12 @@ class TrainStep:
     def update(self, step: int) -> float | None:
         """Clip and step the optimizer, the schedule and the EMA; returns the gradient norm, or None when the
         gradients were non-finite (skipped; with fp16 the scaler skips overflowing steps itself)."""
-        self.micro = 0
+        self.micro, keys, self.keys = 0, self.keys, []
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(self.model.params, clip))
         if not torch.isfinite(grad_norm) and not self.scaler.is_enabled():
-            self._skip("gradients", f"step {step}: non-finite gradients, skipped")
+            self._skip("gradients", f"step {step}: non-finite gradients, skipped; samples {keys}")
             return None
         # Whatever draws from the global RNG in the step (stochastic rounding) is fixed by the step
         # number, so a resumed run rounds exactly as an uninterrupted one.
@@ -102,7 +104,7 @@ class TrainStep:
 
     def rewind(self) -> int:
         """Drop the micro-batches of an unfinished step (a stop between them); returns how many."""
-        dropped, self.micro = self.micro, 0
+        dropped, self.micro, self.keys = self.micro, 0, []
         self.optimizer.zero_grad(set_to_none=True)
         return dropped
 
@@ -110,6 +112,6 @@ class TrainStep:
         self.bad_in_row += 1
         log.warning(message)
         self.optimizer.zero_grad(set_to_none=True)
-        self.micro = 0
+        self.micro, self.keys = 0, []
         if self.bad_in_row >= self.cfg.max_bad_steps:
             raise RuntimeError(f"{self.bad_in_row} non-finite {what} in a row; stopping (last: {message})")
