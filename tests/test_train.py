@@ -176,7 +176,7 @@ def test_the_cli_refuses_unknown_choices_listing_the_valid_ones():
 
     wide = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
     for args, listed in ((["plan", "tiny-sana", "--ema-device", "gpu"], "'device', 'cpu'"),
-                         (["plan", "tiny-sana", "--parallel", "zero3"], "'ddp', 'fsdp'"),
+                         (["plan", "tiny-sana", "--parallel", "zero3"], "'auto', 'ddp', 'fsdp'"),
                          (["plan", "tiny-sana", "--precision", "bf32"], "'fp32', 'bf16', 'fp16'"),
                          (["plan", "tiny-sana", "--weights-dtype", "fp8"], "'fp32', 'bf16'"),
                          (["export", "RUN", "--out", "OUT", "--dtype", "int4"], "'fp32', 'bf16', 'fp16'"),
