@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from precompute.removal import RemovalRefused
 from precompute.run import main as precompute
