@@ -175,6 +175,11 @@ class Cache:
         """The file of shard `j` (its repaired copy, if any)."""
         return self.root / newest_copy(self._paths[j], self._replaced)[-1]
 
+    def fetch(self, j: int) -> Path:
+        """The local file of shard `j`, ready to read. A directory's files are local already; a cache in object
+        storage (`shards.remote`) downloads the shard here."""
+        return self.path(j)
+
     def shard(self, j: int) -> ShardReader:
         """The reader of shard `j`, opened on first use and kept among the `max_open` most recent."""
         reader = self._readers.get(j)
@@ -183,7 +188,7 @@ class Cache:
             return reader
         entry = self.shards[j]
         try:
-            reader = ShardReader(self.path(j))
+            reader = ShardReader(self.fetch(j))
         except FileNotFoundError:
             raise CorruptSample(f"{self.path(j)} is listed in generation {self.generation} of {self.root} but missing: "
                                 f"{REPAIR.format(root=self.root)}") from None

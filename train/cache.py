@@ -14,7 +14,8 @@ from train.presets import ModelPreset, text_width
 log = logging.getLogger("train")
 
 
-def open_generation(cache_root: Path, run: Path, is_main: bool, generation: int | None = None) -> Cache:
+def open_generation(cache_root: Path | str, run: Path, is_main: bool, generation: int | None = None, *,
+                    local_cache: Path | None = None, local_cache_gb: float = 100.0) -> Cache:
     """The cache at `generation` (default: the newest rank 0 sees), the same on every rank, registered by rank 0
     so that `python -m shards gc` keeps its files for this run."""
     cache = Cache(cache_root, generation) if is_main else None

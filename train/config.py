@@ -22,7 +22,9 @@ class TrainConfig:
     """Every option of a training run; the CLI is built from it (see `python -m train --help`)."""
 
     model: str = opt("tiny-sana", "Preset (see the README's table; python -m train plan --help lists them).")
-    cache: Path | None = opt(None, "Cache directory built by `make precompute` for this model (default: cache/MODEL).")
+    cache: str | None = opt(None, "Cache built by `make precompute` for this model: a directory (default: cache/MODEL) or a URL "
+                                  "of object storage (s3://, gs://, hf://... through fsspec; its shards are downloaded to "
+                                  "--local-cache ahead of need).")
     run: Path | None = opt(None, "Run directory: checkpoints, metrics.jsonl, loss.png (default: runs/MODEL).")
     steps: int = opt(200, "Total optimizer steps of the run; a resumed run continues until it.")
     batch_size: int = opt(8, "Samples per batch on each process (all from one bucket).")
@@ -74,7 +76,19 @@ class TrainConfig:
     ema_every: int = opt(1, "Update the EMA every N steps.")
     ema_device: Literal["device", "cpu"] = opt("device", "Keep the EMA on the training device, or on the CPU (pinned; each update "
                                                          "copies the weights there first).")
-    workers: int = opt(0, "DataLoader worker processes reading the memory-mapped shards; 0 reads them in the training process.")
+    workers: int = opt(1, "Background threads that read, collate and pin batches ahead of the step, for the whole run; 0 "
+                          "builds each batch in the training thread (the same batches, synchronously).")
+    prefetch: int = opt(4, "Batches kept ready ahead of the step (a bound on the data path's memory).")
+    readahead: int = opt(64, "Batches of the data order looked ahead by an I/O thread, which reads the shard ranges they need "
+                             "(downloads their shards, for a remote cache) before the batch is built; 0: off.")
+    read_block: int = opt(32, "Consecutive samples of a shard read as one block: the data order shuffles the blocks of each "
+                              "bucket, so a batch reads a few contiguous ranges instead of scattered samples.")
+    shuffle_blocks: int = opt(8, "Blocks whose samples are shuffled together: a batch draws its samples from a window of "
+                                 "--shuffle-blocks x --read-block samples of its bucket (1 block: samples stored side by side "
+                                 "share batches; more: closer to a full shuffle, more read ahead per bucket).")
+    local_cache: Path | None = opt(None, "Where the shards of a remote --cache are kept (default: ~/.cache/cachedit/<bucket and "
+                                         "path of the URL>).")
+    local_cache_gb: float = opt(100.0, "Disk space the shards in --local-cache may take; least recently used are removed first.")
     check_digests: bool = opt(True, "Check every sample read against the digest stored with it; a mismatch stops the run "
                                     "after a checkpoint, naming the shard and the repair command.")
     checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT).")
@@ -113,7 +127,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        self.cache = Path(self.cache) if self.cache is not None else Path("cache") / self.model
+        if self.cache is None:
+            self.cache = Path("cache") / self.model
+        elif "://" not in str(self.cache):  # a URL stays a string (Path would fold its "//")
+            self.cache = Path(self.cache)
         self.run = Path(self.run) if self.run is not None else Path("runs") / self.model
         if self.weights_dtype == "bf16" and self.precision != "bf16":
             raise ValueError(f"--weights-dtype bf16 trains in bf16; --precision {self.precision} needs --weights-dtype fp32")
@@ -137,6 +154,8 @@ class TrainConfig:
             raise ValueError("--from-scratch and --pretrained contradict each other: choose one")
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("steps, batch size and gradient accumulation must be at least 1")
+        if self.workers < 0 or self.prefetch < 1 or self.readahead < 0 or self.read_block < 1 or self.shuffle_blocks < 1:
+            raise ValueError("--workers and --readahead must be at least 0; --prefetch, --read-block and --shuffle-blocks at least 1")
         if self.ema_every < 1 or not 0 <= self.ema_decay < 1:
             raise ValueError(f"--ema-decay {self.ema_decay} must be in [0, 1) and --ema-every {self.ema_every} at least 1")
 

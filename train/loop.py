@@ -57,7 +57,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
 
     # 1. the cache must fit the model, checked before any weights load. Every rank reads the generation rank 0
     # opened (or the one the checkpoint's epoch was reading), registered for `shards gc` at once.
-    cache = open_generation(cfg.cache, cfg.run, is_main, saved.get("cache_generation"))
+    cache = open_generation(cfg.cache, cfg.run, is_main, saved.get("cache_generation"), local_cache=cfg.local_cache,
+                            local_cache_gb=cfg.local_cache_gb)
     config = preset.transformer_config()
     check_cache(preset, cache, config)
     objective = build_run_objective(cfg, preset, config)
@@ -164,7 +165,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             # the epoch is done: the next one starts at its first batch and sees shards added meanwhile
             progress.epoch, progress.cursor = progress.epoch + 1, 0
             waited += prefetch.wait_s
-            cache = open_generation(cfg.cache, cfg.run, is_main)
+            cache = open_generation(cfg.cache, cfg.run, is_main, local_cache=cfg.local_cache, local_cache_gb=cfg.local_cache_gb)
             try:
                 check_cache_files(cache, is_main)
             except CorruptSample as e:  # every rank checks the same generation: all stop, at a whole step
