@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +148,7 @@ class Cache:
         # repairs committed after an older generation apply to its readers too
         self._replaced = self.manifest.replaced if generation is None else replacements(self.root, self.manifest)
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+        self._lock = threading.Lock()  # background readers share the open shards
         self._spec: CacheSpec | None = None
 
     @property
@@ -171,6 +173,11 @@ class Cache:
     def __len__(self) -> int:
         return int(self._starts[-1])
 
+    @property
+    def shard_starts(self) -> np.ndarray:
+        """Global index of each shard's first sample, and the total: shard j holds [starts[j], starts[j + 1])."""
+        return self._starts
+
     def path(self, j: int) -> Path:
         """The file of shard `j` (its repaired copy, if any)."""
         return self.root / newest_copy(self._paths[j], self._replaced)[-1]
@@ -182,10 +189,11 @@ class Cache:
 
     def shard(self, j: int) -> ShardReader:
         """The reader of shard `j`, opened on first use and kept among the `max_open` most recent."""
-        reader = self._readers.get(j)
-        if reader is not None:
-            self._readers.move_to_end(j)
-            return reader
+        with self._lock:
+            reader = self._readers.get(j)
+            if reader is not None:
+                self._readers.move_to_end(j)
+                return reader
         entry = self.shards[j]
         try:
             reader = ShardReader(self.fetch(j))
@@ -197,9 +205,10 @@ class Cache:
         if reader.num_samples != entry.samples or reader.bucket != entry.bucket:
             raise CorruptSample(f"{reader.path} holds {reader.num_samples} samples of {reader.bucket}, the manifest says "
                               f"{entry.samples} of {entry.bucket}: {REPAIR.format(root=self.root)}")
-        self._readers[j] = reader
-        if len(self._readers) > self.max_open:
-            self._readers.popitem(last=False)
+        with self._lock:
+            self._readers[j] = reader
+            if len(self._readers) > self.max_open:
+                self._readers.popitem(last=False)
         return reader
 
     def locate(self, i: int) -> tuple[int, int]:

@@ -16,7 +16,7 @@ from precompute.run import main as precompute
 from precompute.sample_data import make_folder
 from shards import Bucket
 from train.checkpoint import complete_checkpoints
-from train.data import BucketBatchSampler
+from train.data import BatchPlan
 from train.config import TrainConfig
 from train.loop import train
 
@@ -29,7 +29,7 @@ def caches(tiny_caches):
 
 
 def cfg(cache, run, **kw):
-    base = dict(model="tiny-sana", cache=cache, run=run, steps=20, batch_size=4, workers=0, progress=False,
+    base = dict(model="tiny-sana", cache=cache, run=run, steps=20, batch_size=4, progress=False,
                 log_every=1, checkpoint_every=1000, caption_dropout=0.0, lr=1e-3, validate=False)
     return TrainConfig(**{**base, **kw})
 
@@ -224,7 +224,7 @@ def test_gradient_checkpointing_every_kth_block_keeps_gradients(every):
 
 def test_sampler_properties_three_ranks_skewed_buckets():
     ranges = {Bucket(64, 64): [range(0, 50)], Bucket(48, 80): [range(50, 53)], Bucket(80, 48): [range(53, 54), range(54, 61)]}
-    samplers = [BucketBatchSampler(ranges, 4, seed=1, rank=r, world_size=3) for r in range(3)]
+    samplers = [BatchPlan(ranges, 4, seed=1, rank=r, world_size=3) for r in range(3)]
     per_rank = [s(epoch=0) for s in samplers]
     assert len({len(b) for b in per_rank}) == 1  # same number of batches: no rank waits forever
     bucket_of = {i: b for b, rs in ranges.items() for r in rs for i in r}
@@ -237,7 +237,7 @@ def test_sampler_properties_three_ranks_skewed_buckets():
     assert per_rank == [s(epoch=0) for s in samplers]  # deterministic
     assert per_rank[0] != samplers[0](epoch=1)
     assert samplers[1](epoch=0, start=2) == per_rank[1][2:]  # resume jumps without replaying
-    dropped = [BucketBatchSampler(ranges, 4, seed=1, rank=r, world_size=3, remainder="drop")(0) for r in range(3)]
+    dropped = [BatchPlan(ranges, 4, seed=1, rank=r, world_size=3, remainder="drop")(0) for r in range(3)]
     assert len({len(b) for b in dropped}) == 1 and all(len(b) == 4 for bs in dropped for b in bs)
 
 
@@ -270,7 +270,7 @@ def run(self, *args, **kwargs):
     kinds.append(Counter(type(o).__name__ for o in gc.get_objects() if isinstance(o, torch.nn.Module)))
     return path
 validate.Validator.run = run
-train(TrainConfig(model="tiny-sana", cache={str(caches["tiny-sana"])!r}, run={str(tmp_path)!r}, steps=2, batch_size=4, workers=0,
+train(TrainConfig(model="tiny-sana", cache={str(caches["tiny-sana"])!r}, run={str(tmp_path)!r}, steps=2, batch_size=4,
                   progress=False, validate_every=1, validation_steps=2))
 bad = set().union(*kinds) & {{"AutoencoderDC", "AutoencoderKL", "Gemma2Model", "T5EncoderModel", "Decoder"}}
 print("VALIDATIONS", len(kinds), "MODULES", sorted(bad), "TRANSFORMERS", max(k["SanaTransformer2DModel"] for k in kinds))
@@ -302,7 +302,7 @@ def dying(path, obj):
 ck.atomic_write_json = dying
 from train.config import TrainConfig
 from train.loop import train
-train(TrainConfig(model="tiny-sana", cache={cache!r}, run={run!r}, steps=6, batch_size=4, workers=0, progress=False, checkpoint_every=2, validate=False))
+train(TrainConfig(model="tiny-sana", cache={cache!r}, run={run!r}, steps=6, batch_size=4, progress=False, checkpoint_every=2, validate=False))
 """
 
 
@@ -320,7 +320,7 @@ def test_non_finite_loss_skips_then_aborts(caches, tmp_path, caplog, monkeypatch
 
     real = model.model_forward
     monkeypatch.setattr(model, "model_forward", lambda m, f: (lambda xt, t, b: real(m, f)(xt, t, b) * float("nan")))
-    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="5 non-finite losses in a row"):
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="5 non-finite steps in a row.*non-finite loss"):
         train(cfg(caches["tiny-sana"], tmp_path, steps=10))
     assert "non-finite loss, skipped; samples ['" in caplog.text
 
@@ -329,7 +329,7 @@ def test_non_finite_gradients_skip_naming_the_samples(caches, tmp_path, caplog, 
     import train.step as step
 
     monkeypatch.setattr(step.torch.nn.utils, "clip_grad_norm_", lambda params, clip: torch.tensor(float("nan")))
-    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="5 non-finite gradients in a row"):
+    with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="5 non-finite steps in a row.*non-finite gradients"):
         train(cfg(caches["tiny-sana"], tmp_path, steps=10, grad_accum=2))
     assert "non-finite gradients, skipped; samples ['" in caplog.text
     assert caplog.text.count("', '") >= 7  # both micro-batches' four samples each
@@ -359,7 +359,7 @@ def test_new_shards_join_at_the_next_epoch(tmp_path, monkeypatch):
     precompute(str(data), "tiny-sana", cache, workers=0, progress=False)
     from shards import Cache
 
-    epoch0 = BucketBatchSampler(Cache(cache).ranges_by_bucket(), 2).batches_per_epoch()
+    epoch0 = BatchPlan.of(Cache(cache), 2).batches_per_epoch()
     train(cfg(cache, tmp_path / "run", steps=epoch0, batch_size=2))  # all of epoch 0 (4 samples)
     for p in sorted(tmp_path.glob("0000[4-7].*")):
         p.rename(data / p.name)
@@ -372,8 +372,8 @@ def test_new_shards_join_at_the_next_epoch(tmp_path, monkeypatch):
         seen.append([s["key"] for s in samples])
         return real(self, samples)
     monkeypatch.setattr(train_data.TrainingSamples, "collate", spy)
-    epoch1 = BucketBatchSampler(Cache(cache).ranges_by_bucket(), 2).batches_per_epoch()
-    train(cfg(cache, tmp_path / "run", steps=epoch0 + epoch1, batch_size=2))
+    epoch1 = BatchPlan.of(Cache(cache), 2).batches_per_epoch()
+    train(cfg(cache, tmp_path / "run", steps=epoch0 + epoch1, batch_size=2, workers=0))  # batches built when taken
     assert len(seen) == epoch1 and len({k for batch in seen for k in batch}) == 8  # epoch 1 covers all eight
 
 

@@ -81,11 +81,10 @@ class TrainConfig:
     prefetch: int = opt(4, "Batches kept ready ahead of the step (a bound on the data path's memory).")
     readahead: int = opt(64, "Batches of the data order looked ahead by an I/O thread, which reads the shard ranges they need "
                              "(downloads their shards, for a remote cache) before the batch is built; 0: off.")
-    read_block: int = opt(32, "Consecutive samples of a shard read as one block: the data order shuffles the blocks of each "
-                              "bucket, so a batch reads a few contiguous ranges instead of scattered samples.")
-    shuffle_blocks: int = opt(8, "Blocks whose samples are shuffled together: a batch draws its samples from a window of "
-                                 "--shuffle-blocks x --read-block samples of its bucket (1 block: samples stored side by side "
-                                 "share batches; more: closer to a full shuffle, more read ahead per bucket).")
+    shuffle_shards: int = opt(4, "Shards whose samples are shuffled together: each epoch shuffles a bucket's shards and groups "
+                                 "them by this many, so a batch reads from a few shards and every shard is read whole, once "
+                                 "per epoch, ahead of need (cold or remote storage). Larger: closer to a full shuffle, more "
+                                 "read ahead per bucket.")
     local_cache: Path | None = opt(None, "Where the shards of a remote --cache are kept (default: ~/.cache/cachedit/<bucket and "
                                          "path of the URL>).")
     local_cache_gb: float = opt(100.0, "Disk space the shards in --local-cache may take; least recently used are removed first.")
@@ -154,8 +153,8 @@ class TrainConfig:
             raise ValueError("--from-scratch and --pretrained contradict each other: choose one")
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("steps, batch size and gradient accumulation must be at least 1")
-        if self.workers < 0 or self.prefetch < 1 or self.readahead < 0 or self.read_block < 1 or self.shuffle_blocks < 1:
-            raise ValueError("--workers and --readahead must be at least 0; --prefetch, --read-block and --shuffle-blocks at least 1")
+        if self.workers < 0 or self.prefetch < 1 or self.readahead < 0 or self.shuffle_shards < 1:
+            raise ValueError("--workers and --readahead must be at least 0; --prefetch and --shuffle-shards at least 1")
         if self.ema_every < 1 or not 0 <= self.ema_decay < 1:
             raise ValueError(f"--ema-decay {self.ema_decay} must be in [0, 1) and --ema-every {self.ema_every} at least 1")
 

@@ -1,91 +1,28 @@
-"""Streaming the cache: a bucket batch sampler, per-sample conditioning draws, collate and prefetch.
+"""Streaming the cache: per-sample conditioning draws, collate, and the background threads that keep
+batches ready ahead of the training step for the whole run.
 
-All randomness here is a pure function of (seed, epoch, sample index), so a resumed run sees exactly
-the batches and draws an uninterrupted one would, whichever worker produced them.
+The data order is `train.order.BatchPlan`'s. All randomness here is a pure function of (seed, epoch,
+sample index), so a resumed run sees exactly the batches and draws an uninterrupted one would, whichever
+thread built them.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
 import os
+import queue
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
-from shards import Bucket, Cache, TextSpec, prompt_key
+from shards import Cache, CorruptSample, TextSpec, prompt_key
+from train.order import BATCH_SAMPLER_VERSION, BatchPlan, PlannedBatch, _generator, derived_seed  # noqa: F401
 
-BATCH_SAMPLER_VERSION = 2
-
-
-def derived_seed(*parts: int) -> int:
-    """A 63-bit seed determined by `parts` alone (no hidden RNG state to save and restore)."""
-    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def _generator(*parts: int, device: torch.device | str | None = None) -> torch.Generator:
-    """A generator seeded by `parts`, on `device` when that is an accelerator (so draws happen there)."""
-    device = torch.device(device or "cpu")
-    where = device if device.type not in ("cpu", "meta") else "cpu"
-    return torch.Generator(where).manual_seed(derived_seed(*parts))
-
-
-@dataclass
-class BucketBatchSampler:
-    """Batches of global sample indices, every batch from one bucket (one shape, no padded images).
-
-    The epoch's list of global batches (`batch_size * world_size` samples of one bucket each) is the same
-    on every rank, a function of seed and epoch alone; rank r takes slice r of each. So every rank gets
-    the same number of batches of the same shape at every step (no collective waits on a rank that ran
-    out or on a larger bucket), and N ranks see exactly the samples one process with the global batch
-    would. With `remainder="repeat"` (default) each bucket's last global batch is completed with other
-    samples of that bucket, so every sample is used every epoch; `"drop"` drops it instead.
-
-    Args:
-        ranges: global index ranges per bucket (`Cache.ranges_by_bucket()`).
-        batch_size: samples per batch on each rank.
-        seed, rank, world_size: the run's.
-        remainder: "repeat" or "drop".
-    """
-
-    ranges: dict[Bucket, list[range]]
-    batch_size: int
-    seed: int = 0
-    rank: int = 0
-    world_size: int = 1
-    remainder: str = "repeat"
-
-    def __post_init__(self) -> None:
-        if self.remainder not in ("repeat", "drop"):
-            raise ValueError(f"remainder {self.remainder!r}: choose repeat or drop")
-        if self.batch_size < 1:
-            raise ValueError("batch size must be at least 1")
-
-    def global_batches(self, epoch: int) -> list[tuple[Bucket, list[int]]]:
-        g = _generator(self.seed, epoch)
-        size = self.batch_size * self.world_size
-        batches = []
-        for bucket, ranges in sorted(self.ranges.items()):
-            idx = torch.tensor([i for r in ranges for i in r], dtype=torch.int64)
-            idx = idx[torch.randperm(len(idx), generator=g)].tolist()
-            full = len(idx) // size * size
-            rest = idx[full:]
-            for k in range(0, full, size):
-                batches.append((bucket, idx[k : k + size]))
-            if rest and self.remainder == "repeat":
-                fill = (idx * (size // len(idx) + 1))[: size - len(rest)]
-                batches.append((bucket, rest + fill))
-        order = torch.randperm(len(batches), generator=g).tolist()
-        return [batches[i] for i in order]
-
-    def __call__(self, epoch: int, start: int = 0) -> list[list[int]]:
-        """This rank's batches of `epoch`, from its `start`-th on (a resume jumps there in O(1) reads)."""
-        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
-        return [b[mine] for _, b in self.global_batches(epoch)[start:]]
-
-    def batches_per_epoch(self) -> int:
-        return len(self.global_batches(0))
-
+log = logging.getLogger("train")
 
 @dataclass(frozen=True)
 class TextLayout:
@@ -141,8 +78,7 @@ class TextLayout:
 class TrainingSamples(torch.utils.data.Dataset):
     """Cache samples made ready for the model, indexed by (epoch, global index).
 
-    Reads one cache generation: the given `Cache`'s (read in this process; DataLoader workers reopen that
-    generation), or the newest of a cache directory. With `check_digests`, every sample is checked against its
+    Reads one cache generation: the given `Cache`'s, or the newest of a cache directory. With `check_digests`, every sample is checked against its
     stored digest (`shards.CorruptSample` names the shard). Per sample and epoch: a fresh latent from the cached
     posterior (mean + std * eps) where the cache stores one, one of the sample's captions, and caption dropout:
     to the cached empty-caption embedding (`null="empty"`, PixArt and Sana) or to zeroed embeddings
@@ -154,9 +90,7 @@ class TrainingSamples(torch.utils.data.Dataset):
         if not isinstance(cache, Cache):
             cache = Cache(cache)
         cache.check_digests = check_digests
-        self.seed, self.caption_dropout, self.check_digests = seed, caption_dropout, check_digests
-        self.cache_dir, self.generation = cache.root, cache.generation  # what every worker reads
-        self._cache: Cache | None = cache
+        self.cache, self.seed, self.caption_dropout = cache, seed, caption_dropout
         self.layout = TextLayout.of(cache)
         self.posterior = cache.spec.latent.posterior == "mean_std"  # a KL VAE's: sample a latent per draw
         if null not in ("empty", "zeros"):
@@ -169,15 +103,6 @@ class TrainingSamples(torch.utils.data.Dataset):
             self.null = self.layout.caption(stored.fields)
             if null == "zeros":
                 self.null = {k: torch.zeros_like(v) for k, v in self.null.items()}
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_cache": None}  # a worker maps the shards itself
-
-    @property
-    def cache(self) -> Cache:
-        if self._cache is None:  # opened lazily, in each worker
-            self._cache = Cache(self.cache_dir, self.generation, check_digests=self.check_digests)
-        return self._cache
 
     def __getitem__(self, item: tuple[int, int]) -> dict:
         epoch, i = item
@@ -205,57 +130,249 @@ class TrainingSamples(torch.utils.data.Dataset):
         }
 
 
-class EpochBatches(torch.utils.data.Sampler):
-    """Feeds (epoch, index) batches to the DataLoader."""
 
-    def __init__(self, batches: list[list[int]], epoch: int):
-        self.batches, self.epoch = batches, epoch
+    def batch(self, epoch: int, indices: list[int]) -> dict:
+        """The collated batch of these samples in `epoch`."""
+        return self.collate([self[(epoch, i)] for i in indices])
+
+
+@dataclass
+class Epoch:
+    """What the stream reads in one epoch: its order and its samples (one cache generation), from batch
+    `start` on (a resumed epoch starts past 0); or the `error` that opening its generation raised."""
+
+    number: int
+    plan: BatchPlan | None
+    samples: TrainingSamples | None
+    start: int = 0
+    error: BaseException | None = None
+
+
+class _Failed:
+    """A batch that could not be built: its error is raised where the training loop takes it."""
+
+    def __init__(self, error: BaseException, epoch: int, cursor: int):
+        self.error, self.epoch, self.cursor = error, epoch, cursor
+
+
+class BatchStream:
+    """The run's batches in step order, built ahead of the training step by background threads.
+
+    `workers` threads build batches (read the samples out of the memory-mapped shards, draw latents and
+    captions, collate, pin for a CUDA copy) into queues of `prefetch` batches in all, batch k by thread
+    k mod workers, taken back in order. One more thread reads ahead: it walks the data order up to
+    `readahead` batches past the step and reads every shard those batches touch, whole and sequentially
+    (a remote cache downloads it first), so the builders find their samples in memory. The threads live
+    for the whole run: `add_epoch` hands them the next epoch before the current one ends (`needs_epoch`
+    says when: at the same batch on every rank). With `workers=0` each batch is built in the training
+    thread when it is taken: the same batches, synchronously, nothing read ahead.
+
+    A batch is `TrainingSamples.collate`'s dict plus `epoch` and `cursor` (batches of that epoch done once
+    it is taken). A damaged sample raises `CorruptSample` where its batch is taken; any other failure of
+    a builder raises a RuntimeError there naming the batch, with the cause chained.
+
+    Threads rather than DataLoader worker processes: building a batch is copies out of memory-mapped
+    files and tensor ops, which release the GIL; handing a batch over from another process costs shared
+    memory, pickling and page faults in the receiver on top (bench/data_path.py measures both).
+    """
+
+    def __init__(self, first: Epoch, *, workers: int = 1, prefetch: int = 4, readahead: int = 64, pin: bool = False):
+        self.workers, self.readahead, self.pin = workers, readahead, pin
+        self.lead = prefetch + 1  # batches before an epoch's end at which the next one is handed over
+        self._epochs = [first]
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self.taken = 0  # batches taken since the stream started
+        self.position = (first.number, first.start)  # (epoch, cursor) of the last batch taken
+        self.wait_s = 0.0  # time the training thread waited for batches
+        self.read_ahead = {"shards": 0, "bytes": 0, "failed": 0}
+        self._threads: list[threading.Thread] = []
+        self._sync = self._items(wait=False) if workers == 0 else None
+        self._queues = [queue.Queue(maxsize=max(1, -(-prefetch // workers))) for _ in range(workers)]
+        for w in range(workers):
+            self._threads.append(threading.Thread(target=self._build_loop, args=(w,), name=f"batches-{w}", daemon=True))
+        if workers and readahead:
+            self._threads.append(threading.Thread(target=self._read_ahead, name="readahead", daemon=True))
+        for t in self._threads:
+            t.start()
+
+    # --- the training thread's side ---
+
+    def needs_epoch(self) -> bool:
+        """Whether the next epoch should be handed over now (`add_epoch`)."""
+        last = self._epochs[-1]
+        epoch, cursor = self.position
+        return last.error is None and epoch == last.number and cursor >= last.plan.batches_per_epoch() - self.lead
+
+    def add_epoch(self, epoch: Epoch) -> None:
+        with self._changed:
+            self._epochs.append(epoch)
+            self._changed.notify_all()
 
     def __iter__(self):
-        return iter([[(self.epoch, i) for i in b] for b in self.batches])
+        return self
 
-    def __len__(self) -> int:
-        return len(self.batches)
+    def __next__(self) -> dict:
+        t0 = time.perf_counter()
+        try:
+            if self._sync is not None:
+                item = next(self._sync)
+                item = item if isinstance(item, _Failed) else self._build(*item)
+            else:
+                item = self._take()
+        finally:
+            self.wait_s += time.perf_counter() - t0
+        if isinstance(item, _Failed):
+            self.close()
+            if isinstance(item.error, CorruptSample):
+                raise item.error
+            raise RuntimeError(f"the data reader failed on batch {item.cursor} of epoch {item.epoch}: "
+                               f"{type(item.error).__name__}: {item.error}") from item.error
+        self.taken += 1
+        self.position = (item["epoch"], item["cursor"])
+        if self.readahead:
+            with self._changed:
+                self._changed.notify_all()  # the read-ahead may go one batch further
+        return item
+
+    def _take(self):
+        q = self._queues[self.taken % self.workers]
+        while True:
+            try:
+                return q.get(timeout=1.0)
+            except queue.Empty:
+                if not self._threads[self.taken % self.workers].is_alive():
+                    raise RuntimeError("a data reader thread stopped without a batch or an error") from None
+
+    def close(self) -> None:
+        """Stop the threads (each finishes the batch it is building)."""
+        self._stop.set()
+        with self._changed:
+            self._changed.notify_all()
+        for q in self._queues:
+            while not q.empty():  # unblock a builder waiting to put
+                q.get_nowait()
+        for t in self._threads:
+            t.join(timeout=60)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- the background threads ---
+
+    def _items(self, wait: bool = True) -> Iterator:
+        """Every batch of the run in order, as (epoch, planned batch), or a `_Failed` epoch; each caller walks
+        its own copy of the order."""
+        index = 0
+        while not self._stop.is_set():
+            with self._changed:
+                while index >= len(self._epochs) and not self._stop.is_set():
+                    if not wait:
+                        raise RuntimeError("the next epoch was not handed over before the last one ended")
+                    self._changed.wait()
+                if self._stop.is_set():
+                    return
+                epoch = self._epochs[index]
+            if epoch.error is not None:
+                yield _Failed(epoch.error, epoch.number, 0)
+                return
+            for planned in epoch.plan.fork().batches(epoch.number, epoch.start):
+                yield epoch, planned
+            index += 1
+
+    def _build(self, epoch: Epoch, planned: PlannedBatch):
+        try:
+            batch = epoch.samples.batch(epoch.number, planned.indices)
+        except Exception as e:  # noqa: BLE001 (raised in the training thread, where the batch is taken)
+            return _Failed(e, epoch.number, planned.cursor)
+        if self.pin:
+            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch.update(epoch=epoch.number, cursor=planned.cursor + 1)
+        return batch
+
+    def _put(self, q: queue.Queue, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=1.0)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _build_loop(self, w: int) -> None:
+        for k, item in enumerate(self._items()):
+            if k % self.workers != w:
+                continue
+            out = item if isinstance(item, _Failed) else self._build(*item)
+            if not self._put(self._queues[w], out) or isinstance(out, _Failed):
+                return
+
+    def _read_ahead(self) -> None:
+        """Read the shards of the batches ahead, whole, in the order they will be needed."""
+        recent: OrderedDict = OrderedDict()  # shards read lately: not read again while their window lasts
+        buffer = bytearray(8 << 20)
+        for k, item in enumerate(self._items()):
+            if isinstance(item, _Failed):
+                return
+            with self._changed:
+                while k >= self.taken + self.readahead and not self._stop.is_set():
+                    self._changed.wait()
+            if self._stop.is_set():
+                return
+            epoch, planned = item
+            cache = epoch.samples.cache
+            for j in sorted({cache.locate(i)[0] for i in planned.indices}):
+                key = (cache.root, cache.generation, j)
+                if key in recent:
+                    recent.move_to_end(key)
+                    continue
+                recent[key] = True
+                if len(recent) > 4096:
+                    recent.popitem(last=False)
+                try:
+                    self.read_ahead["bytes"] += read_whole(cache.fetch(j), buffer)
+                    self.read_ahead["shards"] += 1
+                except Exception as e:  # noqa: BLE001 (the builder reads the shard itself and reports what fails)
+                    self.read_ahead["failed"] += 1
+                    log.debug("read-ahead of shard %d of %s failed: %s", j, cache.root, e)
 
 
-def epoch_loader(dataset: TrainingSamples, batches: list[list[int]], epoch: int, workers: int, device: torch.device):
-    """The batches of one epoch, collated, from `workers` DataLoader processes or (0) the training process.
-
-    With memory-mapped shards a batch is a few small copies: reading it in the training process costs
-    less than handing it over from a worker (shared memory, pickling, page faults in the receiver), and
-    on CUDA it overlaps the device's queued work anyway. A read-ahead thread measured slower on CPU: it
-    competes for the GIL with the step's Python.
-    """
-    return torch.utils.data.DataLoader(
-        dataset, batch_sampler=EpochBatches(batches, epoch), collate_fn=dataset.collate, num_workers=workers,
-        pin_memory=device.type == "cuda", prefetch_factor=4 if workers else None,
-    )
+def read_whole(path: os.PathLike, buffer: bytearray) -> int:
+    """Read a file sequentially in large chunks (into the page cache; the bytes are dropped); returns its size."""
+    view, total = memoryview(buffer), 0
+    with open(path, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while n := f.readinto(view):
+            total += n
+    return total
 
 
 class Prefetcher:
     """Copies batch k+1 to the device on a side CUDA stream while step k runs; a plain iterator on CPU.
 
-    Also measures the time the training loop waits for data.
-    """
+    Also measures the time the training loop waits for data (the stream's wait included)."""
 
-    def __init__(self, loader, device: torch.device):
-        self.loader, self.device = iter(loader), device
+    def __init__(self, batches, device: torch.device):
+        self.batches, self.device = batches, device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.wait_s = 0.0
-        self._next = None
-        self._started = False  # the first batch is read at the first `next`, where the loop handles read errors
+        self._next = None  # batch k+1 on its way to the device, or the error taking it raised
 
     def _to_device(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def _load(self):
-        import time
-
         t0 = time.perf_counter()
-        batch = next(self.loader, None)
-        self.wait_s += time.perf_counter() - t0
-        if batch is None or self.stream is None:
-            return batch
+        try:
+            batch = next(self.batches)
+        except Exception as e:  # noqa: BLE001 (raised when this batch is due, not a step early)
+            return e
+        finally:
+            self.wait_s += time.perf_counter() - t0
         with torch.cuda.stream(self.stream):
             return self._to_device(batch)
 
@@ -263,20 +380,20 @@ class Prefetcher:
         return self
 
     def __next__(self) -> dict:
-        import time
-
-        if not self._started:
-            self._started = True
-            self._next = self._load()
-        batch = self._next
-        if batch is None:
-            raise StopIteration
-        if self.stream is not None:
+        if self.stream is None:
             t0 = time.perf_counter()
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            for v in batch.values():
-                if isinstance(v, torch.Tensor):
-                    v.record_stream(torch.cuda.current_stream(self.device))
-            self.wait_s += time.perf_counter() - t0
+            try:
+                return self._to_device(next(self.batches))
+            finally:
+                self.wait_s += time.perf_counter() - t0
+        batch = self._next if self._next is not None else self._load()
+        if isinstance(batch, BaseException):
+            raise batch
+        t0 = time.perf_counter()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        for v in batch.values():
+            if isinstance(v, torch.Tensor):
+                v.record_stream(torch.cuda.current_stream(self.device))
+        self.wait_s += time.perf_counter() - t0
         self._next = self._load()
-        return batch if self.stream is not None else self._to_device(batch)
+        return batch

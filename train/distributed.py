@@ -38,6 +38,10 @@ def barrier() -> None:
         dist.barrier()
 
 
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def sum_across(values: list[float], device: torch.device) -> list[float]:
     """Element-wise sum over ranks (identity in one process)."""
     if not dist.is_initialized():

@@ -3,6 +3,8 @@ measured beside the plan, nothing saved."""
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Callable
 
 import torch
@@ -35,8 +37,8 @@ def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: Trai
     """One optimizer step as the loop runs it (every micro-batch of it, clipping, the optimizer, the EMA) at the
     largest bucket, and one validation sample; its measured peak next to the plan."""
     largest = largest_bucket(cache)
-    indices = [i for r in cache.ranges_by_bucket()[largest] for i in r]
-    indices = (indices * cfg.batch_size)[: cfg.batch_size]
+    first = list(itertools.islice(itertools.chain.from_iterable(cache.ranges_by_bucket()[largest]), cfg.batch_size))
+    indices = (first * cfg.batch_size)[: cfg.batch_size]
     batch = dataset.collate([dataset[(0, i)] for i in indices])
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 

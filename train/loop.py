@@ -19,7 +19,7 @@ from shards.options import DTYPES
 from train import checkpoint, distributed
 from train.cache import check_cache, check_cache_files, open_generation, until_damaged
 from train.config import TrainConfig
-from train.data import BucketBatchSampler, Prefetcher, TrainingSamples, epoch_loader
+from train.data import BatchPlan, BatchStream, Epoch, Prefetcher, TrainingSamples
 from train.dryrun import dry_run, startup_plan
 from train.metrics import Metrics, write_memory_report
 from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption
@@ -82,12 +82,18 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
 
     # 3. data: one bucket per batch, the same number of batches on every rank. An epoch reads the cache generation
     # it started with; samples committed or removed meanwhile count from the next epoch on.
-    def data_for(c):
-        sampler = BucketBatchSampler(c.ranges_by_bucket(), cfg.batch_size, cfg.seed, rank, world, cfg.remainder)
-        return sampler, TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset), check_digests=cfg.check_digests)
+    def epoch_of(number: int, c, start: int = 0) -> Epoch:
+        plan = BatchPlan.of(c, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world, remainder=cfg.remainder,
+                            shuffle_shards=cfg.shuffle_shards)
+        if not plan.batches_per_epoch():
+            raise ValueError(f"{c.root} holds no full batch of {cfg.batch_size} x {world} sample(s) in any bucket with "
+                             f"--remainder drop; use a smaller --batch-size or --remainder repeat")
+        samples = TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset), check_digests=cfg.check_digests)
+        return Epoch(number, plan, samples, start)
 
-    sampler, dataset = data_for(cache)
-    say(f"cache {cache.root}: {len(cache)} samples, {sampler.batches_per_epoch()} batches of {cfg.batch_size} x {world} "
+    first = epoch_of(progress.epoch, cache, progress.cursor)
+    dataset = first.samples
+    say(f"cache {cache.root}: {len(cache)} samples, {first.plan.batches_per_epoch()} batches of {cfg.batch_size} x {world} "
         f"rank(s) per epoch")
     for bucket, stats in cache.manifest.buckets().items():
         say(f"  {bucket.name:>10}: {stats.samples} samples")
@@ -120,30 +126,49 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
 
     damaged: list[CorruptSample] = []
     bar = tqdm(total=cfg.steps, initial=progress.step, unit="step", disable=not cfg.progress or not is_main, dynamic_ncols=True)
-    waited = 0.0  # data wait of finished epochs' prefetchers
-    while progress.step < cfg.steps and stop["signal"] is None:
-        prefetch = Prefetcher(epoch_loader(dataset, sampler(progress.epoch, start=progress.cursor), progress.epoch, cfg.workers,
-                                           device), device)
+    caches = {progress.epoch: cache}  # the generation each epoch in flight reads
+    stream = BatchStream(first, workers=cfg.workers, prefetch=cfg.prefetch, readahead=cfg.readahead, pin=device.type == "cuda")
+    prefetch = Prefetcher(stream, device)
+
+    def hand_over() -> None:
+        """Open the next epoch's generation (the same on every rank) before this epoch's last batches are taken."""
+        number = stream.position[0] + 1
+        nxt = open_generation(cfg.cache, cfg.run, is_main, local_cache=cfg.local_cache, local_cache_gb=cfg.local_cache_gb)
+        try:
+            check_cache_files(nxt, is_main)
+        except CorruptSample as e:  # every rank checks the same generation: all stop where the epoch begins
+            stream.add_epoch(Epoch(number, None, None, error=e))
+            return
+        caches[number] = nxt
+        stream.add_epoch(epoch_of(number, nxt))
+
+    try:
+        if stream.needs_epoch():
+            hand_over()
         for batch in until_damaged(prefetch, damaged):
             if world > 1 and distributed.any_across(False, device):  # a rank's batch is damaged: all stop here
                 damaged.append(CorruptSample("another rank read a damaged sample (its error names the shard)."))
                 break
-            progress.cursor += 1
-            micro = step.accumulate(batch, progress.step)
-            if micro is None:  # non-finite: skipped on every rank
+            if batch["epoch"] != progress.epoch:  # the epoch before is done
+                caches.pop(progress.epoch, None)
+                cache = caches[batch["epoch"]]
+            progress.epoch, progress.cursor = batch["epoch"], batch["cursor"]
+            if stream.needs_epoch():
+                hand_over()
+            if not step.accumulate(batch, progress.step):
                 continue
-            metrics.add(micro.loss, micro.per_sample, micro.t, len(batch["keys"]) * world)
-            if not step.ready:
+            done = step.update(progress.step)
+            if done is None:  # non-finite: skipped on every rank
                 continue
-            grad_norm = step.update(progress.step)
-            if grad_norm is None:
-                continue
+            grad_norm, micros = done
+            for micro in micros:
+                metrics.add(micro.loss, micro.per_sample, micro.t, micro.samples * world)
             progress.step += 1
             bar.update(1)
             if world > 1 and distributed.any_across(stop["signal"] is not None, device):
                 stop["signal"] = stop["signal"] or signal.SIGTERM  # a signal to any rank stops all at this step
             if progress.step % cfg.log_every == 0 or progress.step == cfg.steps:
-                record = metrics.log(progress.step, float(scheduler.get_last_lr()[0]), grad_norm, waited + prefetch.wait_s)
+                record = metrics.log(progress.step, float(scheduler.get_last_lr()[0]), grad_norm, prefetch.wait_s)
                 if validator is not None:
                     metrics.report_grids(validator.finished())
                 bar.set_postfix(loss=f"{record['loss']:.4f}", smooth=f"{record['smoothed_loss']:.4f}", lr=f"{record['lr']:.2e}",
@@ -158,22 +183,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             if progress.step >= cfg.steps or stop["signal"] is not None:
                 break
         else:
-            if damaged:
-                if world > 1:
-                    distributed.any_across(True, device)  # answers the other ranks' check of this batch
-                break
-            # the epoch is done: the next one starts at its first batch and sees shards added meanwhile
-            progress.epoch, progress.cursor = progress.epoch + 1, 0
-            waited += prefetch.wait_s
-            cache = open_generation(cfg.cache, cfg.run, is_main, local_cache=cfg.local_cache, local_cache_gb=cfg.local_cache_gb)
-            try:
-                check_cache_files(cache, is_main)
-            except CorruptSample as e:  # every rank checks the same generation: all stop, at a whole step
-                damaged.append(e)
-                break
-            sampler, dataset = data_for(cache)
-        if damaged:
-            break
+            if damaged and world > 1:
+                distributed.any_across(True, device)  # answers the other ranks' check of this batch
+    finally:
+        stream.close()
     bar.close()
     if damaged:  # checkpoint at the last whole step, then stop: resuming redoes the step whose batch was damaged
         progress.cursor -= step.rewind()

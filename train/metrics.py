@@ -49,38 +49,44 @@ class Metrics:
         self._new_window(data_wait)
 
     def _new_window(self, data_wait: float) -> None:
-        self.loss, self.n, self.samples, self.wait = 0.0, 0, 0, data_wait
-        self.bins = [[0.0, 0] for _ in range(TIMESTEP_BINS)]
+        # sums kept on the device, read once per window: no step waits for the device to report a loss
+        self.loss, self.n, self.samples, self.wait = torch.zeros((), device=self.device), 0, 0, data_wait
+        self.bins = torch.zeros(2, TIMESTEP_BINS, device=self.device)  # loss sum and count per timestep bin
         self.t0 = time.perf_counter()
 
     @property
     def smoothed(self) -> list:
-        return [self.smooth_sum, self.smooth_n]
+        """The smoothed loss as (sum, n): the mean over ranks of each rank's moving average (equal to the moving
+        average of the global batch's loss, the average being linear). Every rank calls this together."""
+        total = distributed.sum_across([float(self.smooth_sum)], self.device)[0] / distributed.world_size()
+        return [total, self.smooth_n]
 
-    def add(self, loss: float, per_sample: torch.Tensor, t: torch.Tensor, samples: int) -> None:
-        """One micro-batch: `loss` is the global batch's mean, `per_sample` and `t` this rank's, `samples` global."""
-        self.smooth_sum, self.smooth_n = 0.95 * self.smooth_sum + 0.05 * loss, self.smooth_n + 1
-        self.loss, self.n, self.samples = self.loss + loss, self.n + 1, self.samples + samples
-        for value, tt in zip(per_sample.detach().float().tolist(), t.tolist()):
-            b = self.bins[min(TIMESTEP_BINS - 1, int(tt * TIMESTEP_BINS))]
-            b[0] += value
-            b[1] += 1
+    def add(self, loss: torch.Tensor, per_sample: torch.Tensor, t: torch.Tensor, samples: int) -> None:
+        """One micro-batch: `loss` is this rank's mean, `per_sample` and `t` its samples', `samples` the global count."""
+        self.smooth_sum, self.smooth_n = 0.95 * self.smooth_sum + 0.05 * loss.float(), self.smooth_n + 1
+        self.loss, self.n, self.samples = self.loss + loss.float(), self.n + 1, self.samples + samples
+        which = (t.detach().float() * TIMESTEP_BINS).long().clamp(0, TIMESTEP_BINS - 1)
+        self.bins[0].index_add_(0, which, per_sample.detach().float())
+        self.bins[1].index_add_(0, which, torch.ones_like(which, dtype=torch.float32))
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` (validation) out of the window's throughput."""
         self.t0 += seconds
 
     def log(self, step: int, lr: float, grad_norm: float, data_wait: float) -> dict:
-        """Close the window at `step` (every rank calls this: the timestep bins are summed across ranks).
+        """Close the window at `step` (every rank calls this: losses and timestep bins are summed across ranks).
         `data_wait`: seconds the run has waited for data so far."""
         elapsed = time.perf_counter() - self.t0
-        mean = self.loss / max(self.n, 1)
-        flat = distributed.sum_across([v for b in self.bins for v in b], self.device)
+        world = distributed.world_size()
+        local = [float(self.loss), float(self.smooth_sum), *self.bins.flatten().tolist()]  # the window's one read
+        flat = distributed.sum_across(local, self.device)
+        sums, counts = flat[2 : 2 + TIMESTEP_BINS], flat[2 + TIMESTEP_BINS :]
+        mean = flat[0] / world / max(self.n, 1)
         record = {
-            "step": step, "loss": mean, "smoothed_loss": self.smooth_sum / (1 - 0.95**self.smooth_n),  # over ~20 micro-batches
+            "step": step, "loss": mean, "smoothed_loss": flat[1] / world / (1 - 0.95**self.smooth_n),  # over ~20 micro-batches
             "lr": lr, "grad_norm": grad_norm, "samples_per_s": self.samples / elapsed,
             "data_wait": (data_wait - self.wait) / elapsed, "peak_memory": peak_memory(self.device),
-            "loss_by_timestep": [flat[i] / flat[i + 1] if flat[i + 1] else None for i in range(0, len(flat), 2)],
+            "loss_by_timestep": [s / c if c else None for s, c in zip(sums, counts)],
             "precision": self.precision,
         }
         if self.file is not None:

@@ -18,7 +18,7 @@ import torch
 from shards.options import DTYPES
 from train import distributed
 from train.config import TrainConfig
-from train.data import _generator, derived_seed
+from train.order import _generator, derived_seed
 from train.ema import EMA
 from train.model import Model
 
@@ -27,15 +27,18 @@ log = logging.getLogger("train")
 
 @dataclass
 class MicroBatch:
-    loss: float  # the global batch's mean loss
+    loss: torch.Tensor  # this rank's mean loss, on the device (read when metrics are logged)
     per_sample: torch.Tensor  # this rank's samples' losses
     t: torch.Tensor  # and their timesteps in [0, 1)
+    samples: int  # this rank's sample count
 
 
 class TrainStep:
     """Forward and backward micro-batches with `accumulate`; once `ready`, `update` steps the optimizer.
 
-    Non-finite losses or gradients skip the step on every rank (logged with the batch's sample keys);
+    Nothing here waits for the device but the one decision that needs a value: whether the step's gradient
+    norm is finite. A non-finite loss makes the gradients non-finite (DDP and FSDP reduce them, so every
+    rank sees it alike): the step is skipped on every rank, logged with its sample keys, and
     `max_bad_steps` of them in a row stop the run."""
 
     def __init__(self, cfg: TrainConfig, model: Model, objective, optimizer: torch.optim.Optimizer, scheduler,
@@ -44,18 +47,21 @@ class TrainStep:
         self.optimizer, self.scheduler, self.scaler, self.ema = optimizer, scheduler, scaler, ema
         self.parallel, self.rank, self.world, self.device = parallel, rank, world, device
         self.autocast = torch.autocast(device.type, dtype=DTYPES[cfg.precision], enabled=cfg.precision != "fp32")
-        self.micro = 0  # micro-batches accumulated towards the next step
+        self.micros: list[MicroBatch] = []  # accumulated towards the next step
         self.keys: list[str] = []  # their samples, named when the step is skipped
         self.bad_in_row = 0
         optimizer.zero_grad(set_to_none=True)
 
     @property
+    def micro(self) -> int:
+        return len(self.micros)
+
+    @property
     def ready(self) -> bool:
         return self.micro >= self.cfg.grad_accum
 
-    def accumulate(self, batch: dict, step: int) -> MicroBatch | None:
-        """Forward and backward one micro-batch of step `step`; None when its loss was non-finite on any rank
-        (the step's gradients are dropped)."""
+    def accumulate(self, batch: dict, step: int) -> bool:
+        """Forward and backward one micro-batch of step `step`; returns whether the step is ready to `update`."""
         # Noise and timesteps of this micro-batch: drawn for the global batch, this rank's slice taken.
         g = _generator(self.cfg.seed, 1_000_003, step, self.micro, device=self.device)
         last = self.micro + 1 >= self.cfg.grad_accum  # gradients are reduced across ranks only on the last micro-batch
@@ -66,28 +72,22 @@ class TrainStep:
             with self.autocast:
                 per_sample, t = self.objective(self.model.forward, batch, g, part=(self.rank, self.world))
                 loss = per_sample.mean()
-            local = float(loss.detach())  # one sync per micro-batch, for the bar and metrics
-            finite = math.isfinite(local)
-            # one collective: every rank skips together, and the logged loss is the global batch's
-            total, bad = distributed.sum_across([local if finite else 0.0, 0.0 if finite else 1.0], self.device)
-            if not bad:
-                self.scaler.scale(loss / self.cfg.grad_accum).backward()
-        self.micro += 1
+            self.scaler.scale(loss / self.cfg.grad_accum).backward()
+        self.micros.append(MicroBatch(loss.detach(), per_sample.detach(), t, len(batch["keys"])))
         self.keys += batch["keys"]
-        if bad:
-            self._skip("losses", f"step {step}: non-finite loss, skipped; samples {batch['keys']}")
-            return None
-        return MicroBatch(total / self.world, per_sample, t)
+        return self.ready
 
-    def update(self, step: int) -> float | None:
-        """Clip and step the optimizer, the schedule and the EMA; returns the gradient norm, or None when the
-        gradients were non-finite (skipped; with fp16 the scaler skips overflowing steps itself)."""
-        self.micro, keys, self.keys = 0, self.keys, []
+    def update(self, step: int) -> tuple[float, list[MicroBatch]] | None:
+        """Clip and step the optimizer, the schedule and the EMA; returns the gradient norm and the step's
+        micro-batches, or None when the gradients were non-finite (skipped; with fp16 the scaler skips
+        overflowing steps itself)."""
+        micros, keys, self.micros, self.keys = self.micros, self.keys, [], []
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(self.model.params, clip))
-        if not torch.isfinite(grad_norm) and not self.scaler.is_enabled():
-            self._skip("gradients", f"step {step}: non-finite gradients, skipped; samples {keys}")
+        grad_norm = float(distributed.full_value(torch.nn.utils.clip_grad_norm_(self.model.params, clip)))  # the one read
+        if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
+            what = "loss" if any(not math.isfinite(float(m.loss)) for m in micros) else "gradients"  # read only here
+            self._skip(f"step {step}: non-finite {what}, skipped; samples {keys}")
             return None
         # Whatever draws from the global RNG in the step (stochastic rounding) is fixed by the step
         # number, so a resumed run rounds exactly as an uninterrupted one.
@@ -100,18 +100,17 @@ class TrainStep:
         self.bad_in_row = 0
         if self.ema is not None and (step + 1) % self.cfg.ema_every == 0:
             self.ema.step(self.model.params)  # on the EMA's device
-        return float(grad_norm)
+        return grad_norm, micros
 
     def rewind(self) -> int:
         """Drop the micro-batches of an unfinished step (a stop between them); returns how many."""
-        dropped, self.micro, self.keys = self.micro, 0, []
+        dropped, self.micros, self.keys = self.micro, [], []
         self.optimizer.zero_grad(set_to_none=True)
         return dropped
 
-    def _skip(self, what: str, message: str) -> None:
+    def _skip(self, message: str) -> None:
         self.bad_in_row += 1
         log.warning(message)
         self.optimizer.zero_grad(set_to_none=True)
-        self.micro, self.keys = 0, []
         if self.bad_in_row >= self.cfg.max_bad_steps:
-            raise RuntimeError(f"{self.bad_in_row} non-finite {what} in a row; stopping (last: {message})")
+            raise RuntimeError(f"{self.bad_in_row} non-finite steps in a row; stopping (last: {message})")

@@ -1,0 +1,245 @@
+"""The data order: which samples form each batch of each epoch, computed rather than stored.
+
+Every draw here is a pure function of (seed, epoch, ...), so a resumed run sees exactly the batches an
+uninterrupted one would, whichever thread or rank builds them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import heapq
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from shards import Bucket
+
+BATCH_SAMPLER_VERSION = 3
+
+
+def derived_seed(*parts: int) -> int:
+    """A 63-bit seed determined by `parts` alone (no hidden RNG state to save and restore)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _generator(*parts: int, device: torch.device | str | None = None) -> torch.Generator:
+    """A generator seeded by `parts`, on `device` when that is an accelerator (so draws happen there)."""
+    device = torch.device(device or "cpu")
+    where = device if device.type not in ("cpu", "meta") else "cpu"
+    return torch.Generator(where).manual_seed(derived_seed(*parts))
+
+
+@dataclass
+class _BucketEpoch:
+    """One bucket's order in one epoch: its shards shuffled, grouped into windows of `shuffle_shards`
+    consecutive shards whose samples are shuffled together."""
+
+    shard_order: np.ndarray  # positions in the bucket's shard list
+    window_starts: np.ndarray  # stream position where each window starts, and the end
+    perms: OrderedDict = field(default_factory=OrderedDict)  # window -> permutation of its samples (a few recent)
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    """Batch `cursor` (0-based) of an epoch: its bucket and the global batch's sample indices."""
+
+    cursor: int
+    bucket: Bucket
+    indices: list[int]
+
+
+class BatchPlan:
+    """Batches of global sample indices, every batch from one bucket (one shape, no padded images).
+
+    The order is built for cold storage and for caches of any size:
+    - Within a bucket, each epoch shuffles the bucket's shards, groups them into windows of `shuffle_shards`
+      consecutive shards, and shuffles the samples of each window; the bucket's global batches are
+      consecutive runs of that stream. So a batch reads from at most 2 x `shuffle_shards` shards, and
+      whole shards can be read (or downloaded) once per epoch, sequentially, ahead of need. The cost in
+      randomness: a batch's samples come from `shuffle_shards` shards of its bucket (which change every
+      epoch) rather than from the whole bucket, so samples stage one stored in one shard share batches
+      more often than under a full shuffle; samples of a bucket held in at most `shuffle_shards` shards are
+      fully shuffled.
+    - Buckets interleave: bucket b's k-th batch is due at (k + u) / n_b through the epoch, u uniform in
+      [0, 1) per batch, and batches come in order of that time. Every bucket is spread evenly over the
+      epoch with a random local order.
+    - Nothing per sample is stored: memory and start-up are O(shards); batch `s` of an epoch is found in
+      O(buckets x log samples) (`batches(epoch, start=s)`), so a resume does not replay the epoch.
+
+    Global batches hold `batch_size * world_size` samples and are the same on every rank (a function of
+    seed and epoch alone); rank r takes slice r of each. So every rank gets the same number of batches of
+    the same shape at every step, and N ranks see exactly the samples one process with the global batch
+    would. With `remainder="repeat"` (default) a bucket's last global batch is completed with samples from
+    the start of that bucket's order, so every sample is used every epoch; `"drop"` drops it instead.
+
+    Args:
+        ranges: global index ranges of each bucket's shards (`Cache.ranges_by_bucket()`), or use `of(cache)`.
+        batch_size: samples per batch on each rank.
+        seed, rank, world_size: the run's.
+        remainder: "repeat" or "drop".
+        shuffle_shards: shards whose samples are shuffled together.
+    """
+
+    def __init__(self, ranges: dict[Bucket, list[range]] | dict[Bucket, tuple[np.ndarray, np.ndarray]], batch_size: int,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, remainder: str = "repeat", shuffle_shards: int = 4):
+        if remainder not in ("repeat", "drop"):
+            raise ValueError(f"remainder {remainder!r}: choose repeat or drop")
+        if batch_size < 1 or shuffle_shards < 1:
+            raise ValueError("batch size and shuffle shards must be at least 1")
+        self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
+        self.remainder, self.shuffle_shards = remainder, shuffle_shards
+        self.global_size = batch_size * world_size
+        self.buckets: list[Bucket] = []
+        self._starts: list[np.ndarray] = []  # per bucket: its shards' first global index
+        self._sizes: list[np.ndarray] = []  # and their sample counts
+        for bucket, spans in sorted(ranges.items()):
+            if isinstance(spans, tuple):
+                starts, stops = (np.asarray(a, dtype=np.int64) for a in spans)
+            else:
+                starts = np.fromiter((r.start for r in spans), dtype=np.int64, count=len(spans))
+                stops = np.fromiter((r.stop for r in spans), dtype=np.int64, count=len(spans))
+            keep = stops > starts
+            if keep.any():
+                self.buckets.append(bucket)
+                self._starts.append(starts[keep])
+                self._sizes.append(stops[keep] - starts[keep])
+        self.samples = [int(s.sum()) for s in self._sizes]
+        g = self.global_size
+        self.counts = [(n + g - 1) // g if remainder == "repeat" else n // g for n in self.samples]
+        self._epochs: OrderedDict[int, list[_BucketEpoch]] = OrderedDict()  # the two most recent
+
+    @classmethod
+    def of(cls, cache, batch_size: int, **kwargs) -> "BatchPlan":
+        """The plan of a `shards.Cache`'s generation, from its shard table (no shard is opened)."""
+        starts = cache.shard_starts
+        heights, widths = cache.shards.column("height"), cache.shards.column("width")
+        ranges = {}
+        for h, w in sorted(set(zip(heights.tolist(), widths.tolist()))):
+            mine = np.flatnonzero((heights == h) & (widths == w))
+            ranges[Bucket(int(h), int(w))] = (starts[mine], starts[mine + 1])
+        return cls(ranges, batch_size, **kwargs)
+
+    def batches_per_epoch(self) -> int:
+        return sum(self.counts)
+
+    def fork(self) -> "BatchPlan":
+        """The same plan with its own memo of shuffles, for another thread (the shard tables are shared)."""
+        twin = copy.copy(self)
+        twin._epochs = OrderedDict()
+        return twin
+
+    # --- within a bucket ---
+
+    def _bucket_epochs(self, epoch: int) -> list[_BucketEpoch]:
+        out = self._epochs.get(epoch)
+        if out is None:
+            out = []
+            for bucket, sizes in zip(self.buckets, self._sizes):
+                order = torch.randperm(len(sizes), generator=_generator(self.seed, epoch, bucket.height, bucket.width)).numpy()
+                k = self.shuffle_shards
+                per_window = np.add.reduceat(sizes[order], np.arange(0, len(order), k))
+                out.append(_BucketEpoch(order, np.concatenate([[0], np.cumsum(per_window)])))
+            self._epochs[epoch] = out
+            if len(self._epochs) > 2:
+                self._epochs.popitem(last=False)
+        return out
+
+    def _window_perm(self, epoch: int, b: int, w: int, be: _BucketEpoch) -> np.ndarray:
+        perm = be.perms.get(w)
+        if perm is None:
+            size = int(be.window_starts[w + 1] - be.window_starts[w])
+            bucket = self.buckets[b]
+            perm = torch.randperm(size, generator=_generator(self.seed, epoch, bucket.height, bucket.width, w)).numpy()
+            be.perms[w] = perm
+            if len(be.perms) > 4:
+                be.perms.popitem(last=False)
+        else:
+            be.perms.move_to_end(w)
+        return perm
+
+    def _sample(self, epoch: int, b: int, q: int) -> int:
+        """Global index of position `q` of bucket `b`'s stream in `epoch` (positions past its end wrap)."""
+        be = self._bucket_epochs(epoch)[b]
+        q %= self.samples[b]
+        w = int(np.searchsorted(be.window_starts, q, side="right")) - 1
+        o = int(self._window_perm(epoch, b, w, be)[q - be.window_starts[w]])
+        shards = be.shard_order[w * self.shuffle_shards : (w + 1) * self.shuffle_shards]
+        sizes = self._sizes[b][shards]
+        s = int(np.searchsorted(np.cumsum(sizes), o, side="right"))
+        return int(self._starts[b][shards[s]]) + o - int(sizes[:s].sum())
+
+    def global_batch(self, epoch: int, b: int, k: int) -> list[int]:
+        """The samples of bucket `b`'s `k`-th global batch in `epoch`."""
+        g = self.global_size
+        return [self._sample(epoch, b, q) for q in range(k * g, (k + 1) * g)]
+
+    # --- across buckets ---
+
+    def _due(self, epoch: int, b: int, k: int) -> float:
+        """When bucket `b`'s batch `k` comes in the epoch, in [0, 1)."""
+        bucket = self.buckets[b]
+        u = derived_seed(self.seed, epoch, bucket.height, bucket.width, k, 7) / float(1 << 63)
+        return (k + u) / self.counts[b]
+
+    def _due_before(self, epoch: int, b: int, tau: float) -> int:
+        """How many of bucket `b`'s batches are due before `tau` (their times increase with k)."""
+        lo, hi = 0, self.counts[b]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._due(epoch, b, mid) < tau:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _seek(self, epoch: int, start: int) -> list[int]:
+        """Batches of each bucket among the epoch's first `start` (a bisection over time, not a replay)."""
+        total = self.batches_per_epoch()
+        if start <= 0:
+            return [0] * len(self.buckets)
+        if start >= total:
+            return list(self.counts)
+        lo, hi = 0.0, 1.0
+        while True:
+            mid = (lo + hi) / 2
+            if not lo < mid < hi:
+                break
+            if sum(self._due_before(epoch, b, mid) for b in range(len(self.buckets))) <= start:
+                lo = mid
+            else:
+                hi = mid
+        done = [self._due_before(epoch, b, lo) for b in range(len(self.buckets))]
+        for b in range(len(self.buckets)):  # batches due exactly at `lo` (a tie), in bucket order as the merge takes them
+            while sum(done) < start and done[b] < self.counts[b] and self._due(epoch, b, done[b]) == lo:
+                done[b] += 1
+        return done
+
+    def global_batches(self, epoch: int, start: int = 0) -> Iterator[PlannedBatch]:
+        """The epoch's global batches from its `start`-th on."""
+        done = self._seek(epoch, start)
+        heap = [(self._due(epoch, b, k), b) for b, k in enumerate(done) if k < self.counts[b]]
+        heapq.heapify(heap)
+        cursor = start
+        while heap:
+            _, b = heapq.heappop(heap)
+            k = done[b]
+            done[b] += 1
+            if done[b] < self.counts[b]:
+                heapq.heappush(heap, (self._due(epoch, b, done[b]), b))
+            yield PlannedBatch(cursor, self.buckets[b], self.global_batch(epoch, b, k))
+            cursor += 1
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[PlannedBatch]:
+        """This rank's batches of `epoch` from its `start`-th on: slice `rank` of each global batch."""
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        for planned in self.global_batches(epoch, start):
+            yield PlannedBatch(planned.cursor, planned.bucket, planned.indices[mine])
+
+    def __call__(self, epoch: int, start: int = 0) -> list[list[int]]:
+        """This rank's batches of `epoch` as lists of indices (for tests and small caches)."""
+        return [p.indices for p in self.batches(epoch, start)]
