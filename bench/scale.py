@@ -251,6 +251,51 @@ def measure_readers(root: str, max_reads: int, seed: int = 0) -> dict:
             "max_mapped": most_mapped, "max_map_count": int(Path("/proc/sys/vm/max_map_count").read_text())}
 
 
+class RawSamples:
+    """What the trainer's stream asks of its samples, without a model's text layout: the fields copied out."""
+
+    def __init__(self, cache: Cache):
+        self.cache = cache
+
+    def batch(self, epoch: int, indices: list[int]) -> dict:
+        return {"fields": [{k: t.clone() for k, t in self.cache[i].fields.items()} for i in indices], "keys": indices}
+
+
+def measure_trainer_start(root: str, batch: int = 64) -> dict:
+    """A trainer's start on this cache, resumed in the middle of an epoch: open the generation, build the data
+    order, jump to the batch, build it through the stream. Seconds and peak RSS growth (the model aside)."""
+    from train.data import BatchPlan, BatchStream, Epoch
+
+    before, t0 = reset_peak(), time.perf_counter()
+    cache = Cache(root)
+    plan = BatchPlan.of(cache, batch, seed=0)
+    middle = plan.batches_per_epoch() // 2
+    stream = BatchStream(Epoch(3, plan, RawSamples(cache), middle), workers=1, prefetch=4, readahead=64)
+    first = next(stream)
+    seconds = time.perf_counter() - t0
+    stream.close()
+    return {"start_s": seconds, "start_peak_bytes": peak_growth(before), "start_batch": first["cursor"] - 1}
+
+
+def measure_epoch(root: str, batch: int = 64) -> dict:
+    """One whole epoch through the trainer's stream (every shard opened, read ahead, mapped and unmapped)."""
+    from train.data import BatchPlan, BatchStream, Epoch
+
+    before, t0 = reset_peak(), time.perf_counter()
+    cache = Cache(root)
+    plan = BatchPlan.of(cache, batch, seed=0)
+    seen, most_mapped = 0, 0
+    with BatchStream(Epoch(0, plan, RawSamples(cache)), workers=1, prefetch=4, readahead=64) as stream:
+        for k in range(plan.batches_per_epoch()):
+            seen += len(next(stream)["keys"])
+            if k % 64 == 0:
+                most_mapped = max(most_mapped, mapped_shards())
+        read_ahead = dict(stream.read_ahead)
+    return {"epoch_s": time.perf_counter() - t0, "epoch_samples": seen, "epoch_peak_bytes": peak_growth(before),
+            "epoch_max_mapped": most_mapped, "epoch_read_ahead_shards": read_ahead["shards"],
+            "epoch_read_ahead_failed": read_ahead["failed"]}
+
+
 def in_child(func: str, *args, timeout: float = 1800) -> dict:
     """`func(*args)` of this file in a fresh Python process (its memory and mappings are its own)."""
     code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import scale; "
@@ -320,7 +365,10 @@ def main(
             t = time.perf_counter()
             row = build(root, n, per, w, fsync_always)
             took = {"build": row["build_s"], "sync + snapshot": time.perf_counter() - t - row["build_s"]}
-            for name, args in (("load", ()), ("decide", (n, decide_seconds)), ("readers", (reads,))):
+            measures = [("load", ()), ("decide", (n, decide_seconds)), ("readers", (reads,)), ("trainer_start", ())]
+            if n == max(ns):
+                measures.append(("epoch", ()))
+            for name, args in measures:
                 t = time.perf_counter()
                 row |= in_child(f"measure_{name}", str(root), *args)
                 took[name] = time.perf_counter() - t
@@ -333,6 +381,17 @@ def main(
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_tables(rows, window, fsync_always)
+    print("\ntrainer: start = open the cache, build the data order (train.data.BatchPlan), jump to the middle of an "
+          "epoch and build that batch of 64 through the stream, in a fresh process; peak = its RSS growth. epoch = "
+          "one whole epoch through the stream (largest size only).")
+    for r in rows:
+        line = (f"{r['samples']:>11,} samples {r['shards']:>9,} shards: start {r['start_s']:.2f} s, "
+                f"{r['start_peak_bytes'] / 2**20:.0f} MB")
+        if "epoch_s" in r:
+            line += (f"; epoch of {r['epoch_samples']:,} samples in {r['epoch_s']:.0f} s, peak {r['epoch_peak_bytes'] / 2**20:.0f} MB, "
+                     f"at most {r['epoch_max_mapped']:,} shard mappings, {r['epoch_read_ahead_shards']:,} shards read ahead "
+                     f"({r['epoch_read_ahead_failed']} failed)")
+        print(line)
     print(f"\nwall time {time.perf_counter() - t_run:.0f} s")
     if json_out:
         print(json.dumps({"window": window, "fsync_always": fsync_always, "rows": rows}))

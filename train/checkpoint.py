@@ -147,6 +147,7 @@ REFUSED_ON_RESUME = {
     "batch_size": "the data cursor counts batches of the checkpoint's size",
     "seed": "the data order, the draws and the noise are functions of the seed",
     "remainder": "the epoch's batches depend on it",
+    "shuffle_shards": "the epoch's batches depend on it",
     "lora_rank": "LoRA adapters resume with the rank, alpha and targets they were trained with",
     "lora_alpha": "LoRA adapters resume with the rank, alpha and targets they were trained with",
     "lora_targets": "LoRA adapters resume with the rank, alpha and targets they were trained with",

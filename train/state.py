@@ -13,7 +13,7 @@ import torch
 from shards import Cache
 from train import checkpoint, lora
 from train.config import TrainConfig
-from train.data import BATCH_SAMPLER_VERSION
+from train.order import BATCH_SAMPLER_VERSION
 from train.ema import EMA
 from train.model import Model, apply_schedule
 
@@ -110,7 +110,8 @@ class TrainState:
             "model": cfg.model, "parallel": self.parallel, "smoothed_loss": list(progress.smoothed),
             "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "cache_generation": cache.generation,
             "cache_root": str(cache.root.resolve()), "precision_history": progress.history, "weights": self.model.weights,
-            "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder},
+            "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder,
+                        "shuffle_shards": cfg.shuffle_shards},
             "config": run_config,
         }
         return checkpoint.save(cfg.run, progress.step, model=self.model.module, tensors=tensors, keep=cfg.keep_checkpoints,
