@@ -349,6 +349,8 @@ def main(
     out: Path = typer.Option(None, help="Directory to build the caches in (default: a temp dir); each cache is deleted "
                              "once measured."),
     json_out: bool = typer.Option(False, "--json", help="Also print all results as one JSON object (the last line)."),
+    epoch_max: int = typer.Option(1_000_000, help="Read one whole epoch through the trainer's stream for the largest size up "
+                                  "to this many samples (the mmap-limit case: 71k shards at 1M)."),
 ) -> None:
     t_run = time.perf_counter()
     ns = [int(s) for s in sizes.split(",")]
@@ -366,7 +368,7 @@ def main(
             row = build(root, n, per, w, fsync_always)
             took = {"build": row["build_s"], "sync + snapshot": time.perf_counter() - t - row["build_s"]}
             measures = [("load", ()), ("decide", (n, decide_seconds)), ("readers", (reads,)), ("trainer_start", ())]
-            if n == max(ns):
+            if n == max(m for m in ns if m <= epoch_max):
                 measures.append(("epoch", ()))
             for name, args in measures:
                 t = time.perf_counter()
@@ -383,7 +385,7 @@ def main(
     print_tables(rows, window, fsync_always)
     print("\ntrainer: start = open the cache, build the data order (train.data.BatchPlan), jump to the middle of an "
           "epoch and build that batch of 64 through the stream, in a fresh process; peak = its RSS growth. epoch = "
-          "one whole epoch through the stream (largest size only).")
+          "one whole epoch through the stream (the largest size up to --epoch-max).")
     for r in rows:
         line = (f"{r['samples']:>11,} samples {r['shards']:>9,} shards: start {r['start_s']:.2f} s, "
                 f"{r['start_peak_bytes'] / 2**20:.0f} MB")
