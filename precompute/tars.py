@@ -1,8 +1,14 @@
-"""Webdataset tars as inputs (img2dataset's layout): which DATA names tars, the tars it names, their samples."""
+"""Webdataset tars as inputs (img2dataset's layout): which DATA names tars, the tars it names, their samples.
+
+Tars in object storage (`s3://`, `gs://`, `hf://`, any fsspec URL) are listed and read through fsspec; `pipe:`
+commands and http(s) URLs through webdataset's `gopen`; both are unpacked by webdataset's tar iterators.
+"""
 
 from __future__ import annotations
 
 import json
+import posixpath
+from glob import has_magic
 from pathlib import Path
 from typing import Iterator
 
@@ -11,7 +17,12 @@ import torch
 from precompute.folders import IMAGE_EXTENSIONS, METADATA_FILES, metadata_captions
 from precompute.images import ImagePolicy, Record, prepare
 
-REMOTE_PREFIXES = ("http://", "https://", "pipe:", "gs://", "s3://")
+STREAMED = ("http://", "https://", "pipe:")  # opened by webdataset's gopen, read once as a stream
+
+
+def is_stored(url: str) -> bool:
+    """Whether a tar URL names an object in storage fsspec reads (s3://, gs://, hf://, file://, memory://...)."""
+    return "://" in url and not url.startswith(STREAMED)
 
 
 def is_tar_source(data: str) -> bool:
@@ -22,15 +33,16 @@ def is_tar_source(data: str) -> bool:
         return any(path.glob("*.tar")) and not any(
             p.suffix.lower() in IMAGE_EXTENSIONS for p in path.iterdir()
         ) and not any((path / name).exists() for name in METADATA_FILES)
-    return data.startswith(REMOTE_PREFIXES) or "{" in data or data.endswith(".tar")
+    return data.startswith(STREAMED) or is_stored(data) or "{" in data or data.endswith(".tar")
 
 
 def expand_tar_urls(data: str, allow_pipe: bool = False) -> list[str]:
-    """The list of tar shards DATA names, in order.
+    """The list of tar shards DATA names, in order. In object storage a URL may also be a glob pattern or a
+    directory of tars; they are listed once per directory.
 
     Raises:
         ValueError: DATA names no shard, or a shard is a `pipe:` command and `allow_pipe` is False.
-        FileNotFoundError: a local shard does not exist.
+        FileNotFoundError: a shard does not exist, or a glob pattern matches none.
     """
     import braceexpand
 
@@ -45,9 +57,52 @@ def expand_tar_urls(data: str, allow_pipe: bool = False) -> list[str]:
     if piped and not allow_pipe:  # checked per shard: a brace pattern can expand to commands
         raise ValueError(f"DATA={data} runs shell commands ({piped[0]!r}, ...); pass --allow-pipe if you trust them")
     for u in urls:
-        if not u.startswith(REMOTE_PREFIXES) and not Path(u).exists():
+        if not u.startswith(STREAMED) and not is_stored(u) and not Path(u).exists():
             raise FileNotFoundError(f"tar shard {u} does not exist (from DATA={data})")
-    return urls
+    return stored_tars(urls, data)
+
+
+def stored_tars(urls: list[str], data: str) -> list[str]:
+    """`urls` with those in object storage checked to exist, glob patterns and directories replaced by the tars
+    they hold (sorted). One listing per directory, not one request per tar."""
+    from fsspec.core import url_to_fs
+
+    out, listings = [], {}
+    for url in urls:
+        if not is_stored(url):
+            out.append(url)
+            continue
+        fs, path = url_to_fs(url)
+        path = path.rstrip("/")
+        if has_magic(path):
+            found = sorted(fs.glob(path))
+            if not found:
+                raise FileNotFoundError(f"{url} matches no file (from DATA={data})")
+            out += [fs.unstrip_protocol(p) for p in found]
+            continue
+        parent = posixpath.dirname(path)
+        key = fs.unstrip_protocol(parent)  # the directory with its store's protocol
+        if key not in listings:
+            listings[key] = entry_types(fs, parent)
+        kind = listings[key].get(path)
+        if kind is None:
+            raise FileNotFoundError(f"tar shard {url} does not exist (from DATA={data})")
+        if kind == "directory":
+            found = sorted(fs.glob(f"{path}/*.tar"))
+            if not found:
+                raise FileNotFoundError(f"{url} holds no .tar files (from DATA={data})")
+            out += [fs.unstrip_protocol(p) for p in found]
+        else:
+            out.append(url)
+    return out
+
+
+def entry_types(fs, directory: str) -> dict[str, str]:
+    """path -> "file" or "directory" of what a directory in storage holds (nothing if it does not exist)."""
+    try:
+        return {info["name"].rstrip("/"): info["type"] for info in fs.ls(directory, detail=True)}
+    except FileNotFoundError:
+        return {}
 
 
 def tar_name(url: str) -> str:
@@ -78,18 +133,34 @@ def tar_records(sample: dict, caption_keys: tuple[str, ...]) -> Record:
 
 
 def tar_ends_properly(url: str) -> bool:
-    """Whether a local tar ends with the end-of-archive marker (two zero blocks, padded to 512-byte blocks). A tar
+    """Whether a tar ends with the end-of-archive marker (two zero blocks, padded to 512-byte blocks). A tar
     cut at a member boundary reads without an error in tarfile, its last members silently missing; only the
-    marker tells. Remote tars cannot be checked without reading them again and pass."""
-    path = Path(url)
-    if url.startswith(REMOTE_PREFIXES) or not path.is_file():
+    marker tells. Local tars and tars in object storage are checked (their last 1024 bytes are read); `pipe:` and
+    http(s) streams cannot be without reading them twice, and pass, as does what is not a readable file (reading
+    it reports why)."""
+    if url.startswith(STREAMED):
         return True
-    size = path.stat().st_size
-    if size < 1024 or size % 512:
-        return False
-    with open(path, "rb") as f:
-        f.seek(size - 1024)
-        return f.read(1024) == bytes(1024)
+    from fsspec.core import url_to_fs
+
+    fs, path = url_to_fs(url)
+    try:
+        info = fs.info(path)
+        if info["type"] != "file":
+            return True
+        size = info["size"]
+        return size >= 1024 and not size % 512 and fs.cat_file(path, start=size - 1024, end=size) == bytes(1024)
+    except OSError:
+        return True
+
+
+def tar_samples(url: str) -> Iterator[dict]:
+    """webdataset's sample dicts (`__key__`, `__url__`, raw bytes per extension) of one tar, read as a stream."""
+    import fsspec
+    from webdataset.gopen import gopen
+    from webdataset.tariterators import group_by_keys, tar_file_expander
+
+    with gopen(url) if url.startswith(STREAMED) else fsspec.open(url, "rb") as stream:
+        yield from group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
 
 
 class TarDataset(torch.utils.data.IterableDataset):
@@ -97,16 +168,14 @@ class TarDataset(torch.utils.data.IterableDataset):
     `stamp` 0 (unknown: a tar's samples are always read).
 
     A tar that cannot be read is reported once as a `corrupt_tar` failure whose source is the tar's URL,
-    after the samples read before the error, and the run goes on; a local tar that lacks its end-of-archive
-    marker (cut short) is reported without reading any of it.
+    after the samples read before the error, and the run goes on; a tar that lacks its end-of-archive marker
+    (cut short) is reported without reading any of it.
     """
 
     def __init__(self, urls: list[str], policy: ImagePolicy, skip_keys: frozenset[str], caption_keys: tuple[str, ...]):
         self.urls, self.policy, self.skip_keys, self.caption_keys = urls, policy, skip_keys, caption_keys
 
     def __iter__(self) -> Iterator[dict]:
-        import webdataset as wds
-
         info = torch.utils.data.get_worker_info()
         urls = self.urls[info.id :: info.num_workers] if info else self.urls
         for url in urls:
@@ -114,13 +183,13 @@ class TarDataset(torch.utils.data.IterableDataset):
                 yield {"status": "failed", "source": url, "reason": "corrupt_tar", "stamp": 0,
                        "detail": "ends without the end-of-archive blocks: a partial download or copy?"}
                 continue
-            stream = iter(wds.WebDataset(url, shardshuffle=False, nodesplitter=None, workersplitter=None, empty_check=False))
+            stream = tar_samples(url)
             while True:
                 try:
                     sample = next(stream)
                 except StopIteration:
                     break
-                except Exception as e:  # tarfile / gopen errors: the shard is unreadable from here on
+                except Exception as e:  # tarfile, gopen or fsspec errors: the shard is unreadable from here on
                     yield {"status": "failed", "source": url, "reason": "corrupt_tar", "detail": f"{type(e).__name__}: {e}",
                            "stamp": 0}
                     break

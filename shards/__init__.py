@@ -13,6 +13,7 @@ from shards.gc import gc, register_reader
 from shards.manifest import MANIFEST, Manifest, ShardEntry, exists, load
 from shards.prompts import Prompt, prompt_key
 from shards.reader import Cache, Sample, ShardReader
+from shards.remote import RemoteCache, open_cache
 from shards.schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -45,6 +46,7 @@ __all__ = [
     "MANIFEST",
     "Prompt",
     "Manifest",
+    "RemoteCache",
     "Report",
     "Sample",
     "Schema",
@@ -61,6 +63,7 @@ __all__ = [
     "load",
     "register_reader",
     "nearest_bucket",
+    "open_cache",
     "prompt_key",
     "verify",
 ]

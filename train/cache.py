@@ -1,13 +1,15 @@
 """The cache as the trainer opens it: the same generation on every rank, registered for `shards gc`, checked
-against the model before any weights load, its files checked before the run starts, damage stopping the run."""
+against the model before any weights load, its files checked before the run starts, damage stopping the run.
+A cache in object storage (`--cache s3://...`) is read through a local directory of downloaded shards."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 
-from shards import Bucket, Cache, CorruptSample, FormatError, register_reader
+from shards import Bucket, Cache, CorruptSample, FormatError, RemoteCache, open_cache, register_reader
 from shards.reader import REPAIR
+from shards.remote import repair_hint
 from train import distributed
 from train.presets import ModelPreset, text_width
 
@@ -17,13 +19,25 @@ log = logging.getLogger("train")
 def open_generation(cache_root: Path | str, run: Path, is_main: bool, generation: int | None = None, *,
                     local_cache: Path | None = None, local_cache_gb: float = 100.0) -> Cache:
     """The cache at `generation` (default: the newest rank 0 sees), the same on every rank, registered by rank 0
-    so that `python -m shards gc` keeps its files for this run."""
-    cache = Cache(cache_root, generation) if is_main else None
+    so that `python -m shards gc` keeps its files for this run. A URL is opened as a `shards.RemoteCache` whose
+    shards are kept in `local_cache`, at most `local_cache_gb` GiB of them."""
+    def open_at(gen: int | None) -> Cache:
+        return open_cache(cache_root, gen, local_dir=local_cache, limit_bytes=int(local_cache_gb * 2**30))
+
+    cache = open_at(generation) if is_main else None
     generation = distributed.rank0_value(cache.generation if is_main else None)
-    if is_main and not register_reader(cache_root, run, generation):
+    if is_main and isinstance(cache, RemoteCache):  # nothing is written to a bucket
+        log.info("%s is in object storage: `python -m shards gc` on it cannot see that %s reads generation %d",
+                 cache_root, run, generation)
+    elif is_main and not register_reader(cache_root, run, generation):
         log.warning("%s is read-only for this run: `python -m shards gc` on it cannot know that %s reads generation %d",
                     cache_root, run, generation)
-    return cache if is_main else Cache(cache_root, generation)
+    return cache if is_main else open_at(generation)
+
+
+def repair_command(cache: Cache) -> str:
+    """How to repair the cache's damaged shards (for a bucket: on the directory it was copied from)."""
+    return repair_hint(cache.location) if isinstance(cache, RemoteCache) else REPAIR.format(root=cache.root)
 
 
 def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
@@ -54,19 +68,20 @@ def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
             problems.append(f"bucket {bucket}: latent {h}x{w} is not a multiple of patch size {patch}")
     if problems:
         raise ValueError(
-            f"the cache {cache.root} does not fit model {preset.name}:\n  " + "\n  ".join(problems)
+            f"the cache {cache.location} does not fit model {preset.name}:\n  " + "\n  ".join(problems)
             + f"\nBuild a matching cache: make precompute DATA=... MODEL={preset.name} CACHE={cache.root}-{preset.name}"
         )
 
 
 def check_cache_files(cache: Cache, is_main: bool) -> None:
-    """Every shard of the generation exists with its listed size: rank 0 stats each once (ranks share the
-    filesystem, so one pass serves all) and every rank stops alike."""
+    """Every shard of the generation exists with its listed size: rank 0 stats each once, or lists the bucket's
+    directories for a cache in object storage (ranks share the storage, so one pass serves all), and every rank
+    stops alike."""
     problems = distributed.rank0_value(cache.check_files() if is_main else None)
     if problems:
         listed = "; ".join(f"{path}: {what}" for path, what in problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise CorruptSample(f"{len(problems)} shard(s) of {cache.root} (generation {cache.generation}) are missing or damaged: "
-                            f"{listed}. {REPAIR.format(root=cache.root)}")
+        raise CorruptSample(f"{len(problems)} shard(s) of {cache.location} (generation "
+                            f"{cache.generation}) are missing or damaged: {listed}. {repair_command(cache)}")
 
 
 def until_damaged(batches, damaged: list):
