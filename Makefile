@@ -58,8 +58,9 @@ test: install
 
 bench: install
 	$(PY) bench/shards_read.py
+	$(PY) bench/data_path.py
 	$(PY) bench/precompute.py
-	$(PY) bench/train_step.py --workers 0
+	$(PY) bench/train_step.py
 	$(PY) bench/scale.py --sizes $(SCALE_SIZES)
 
 precompute: install

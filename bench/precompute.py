@@ -3,9 +3,18 @@
 (a) the pipeline (workers decode while the encoders run, shards written) vs. the bare encoders on
     pre-decoded tensors, the limit: goal >= 0.9, i.e. decoding fully hidden;
 (b) the pipeline vs. a naive per-image loop that encodes one image at a time and writes one padded
-    file per sample (fp32 VAE moments, the caption embedding padded to the token limit with its mask),
-    as PixArt-Sigma's `tools/extract_features.py` does;
-(c) bytes per sample in our cache vs. that padded layout, for the same captions.
+    .npz per sample (the VAE output, the caption embedding padded to the token limit, its attention mask as
+    the tokenizer returns it), as PixArt-Sigma's `tools/extract_features.py` does, but in the cache's
+    storage dtype (`--dtype`, bf16 by default; bf16 arrays are stored as their 2-byte bit patterns) so both
+    sides hold the same values at the same width;
+(c) bytes per sample on disk: our cache's shard files (the manifest and stored prompts, per cache, left out)
+    vs. those padded files, for the same images and captions. With the same dtype on both sides, what differs
+    is the padding of captions to the token limit (our cache keeps only a caption's valid tokens) and the
+    per-file overhead.
+
+Threads are pinned (`bench.common.pin_threads`, 1 by default; the pipeline's loader workers get 1 each too).
+Default run: tiny-pixart, 192 images, 3 rounds, under 2 minutes; larger: `--count 1000 --repeats 5`. The tiny
+presets' encoders are toys (text width 32): (c) at real sizes depends on the real widths and caption lengths.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 import typer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import pin_threads  # noqa: E402
 from precompute.config import DEFAULT_BATCH, PrecomputeConfig  # noqa: E402
 from precompute.encode import Encoders  # noqa: E402
 from precompute.folders import list_folder, read_folder_entry  # noqa: E402
@@ -46,8 +56,14 @@ def bare_encoders(enc: Encoders, items: list[dict], batch_size: int) -> float:
     return time.perf_counter() - t0
 
 
-def naive_loop(enc: Encoders, entries, policy: ImagePolicy, out: Path) -> float:
-    """One image at a time, one padded .npz per sample."""
+def as_numpy(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """`t` in `dtype` as numpy; bf16, which numpy lacks, as its 2-byte bit patterns (same bytes on disk)."""
+    t = t.detach().to(dtype)
+    return t.view(torch.int16).numpy() if dtype == torch.bfloat16 else t.numpy()
+
+
+def naive_loop(enc: Encoders, entries, policy: ImagePolicy, out: Path, dtype: torch.dtype) -> float:
+    """One image at a time, one padded .npz per sample, floating arrays in `dtype`."""
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     for n, entry in enumerate(entries):
@@ -57,8 +73,8 @@ def naive_loop(enc: Encoders, entries, policy: ImagePolicy, out: Path) -> float:
             emb, mask, _, _ = enc.pipeline.encode_prompt(
                 it["captions"][0], do_classifier_free_guidance=False, device=enc.device,
                 max_sequence_length=enc.preset.text.max_length, **({"complex_human_instruction": enc.instruction} if enc.instruction else {}))
-        arrays = {k: v.float().numpy() for k, v in moments.items()}
-        np.savez(out / f"{n:06d}.npz", caption_feature=emb.float().numpy(), attention_mask=mask.numpy(), **arrays)
+        arrays = {k: as_numpy(v, dtype) for k, v in moments.items()}
+        np.savez(out / f"{n:06d}.npz", caption_feature=as_numpy(emb, dtype), attention_mask=mask.numpy(), **arrays)
     return time.perf_counter() - t0
 
 
@@ -68,8 +84,15 @@ def main(
     batch_size: int = typer.Option(DEFAULT_BATCH["cpu"], help="Images per VAE batch (default: precompute's on CPU)."),
     workers: int = typer.Option(1, help="DataLoader workers of the pipeline."),
     repeats: int = typer.Option(3, help="Rounds; each runs the three measurements back to back."),
+    dtype: str = typer.Option("bf16", help="Storage dtype of the cache and of the padded baseline: bf16, fp16 "
+                                           "or fp32."),
+    threads: int = typer.Option(1, help="torch threads of the encoders (one core encodes, the other decodes on "
+                                        "2 cores)."),
 ) -> None:
-    torch.set_num_threads(1)  # one core encodes, the other decodes: what overlap can buy on 2 cores
+    threads_line = pin_threads(threads)
+    storage = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}.get(dtype)
+    if storage is None:
+        raise typer.BadParameter(f"--dtype {dtype!r}: choose bf16, fp16 or fp32")
     work = Path(tempfile.mkdtemp(prefix="precompute-bench-"))
     try:
         data = make_folder(work / "data", count)
@@ -85,9 +108,10 @@ def main(
         for r in range(repeats):
             bare = count / bare_encoders(enc, items, batch_size)
             shutil.rmtree(work / "cache", ignore_errors=True)
-            run = precompute(str(data), model, work / "cache", workers=workers, batch_size=batch_size, progress=False)
+            run = precompute(str(data), model, work / "cache", workers=workers, batch_size=batch_size,
+                             storage_dtype=dtype, progress=False)
             shutil.rmtree(work / "naive", ignore_errors=True)
-            naive = count / naive_loop(enc, entries, policy, work / "naive")
+            naive = count / naive_loop(enc, entries, policy, work / "naive", storage)
             rounds.append((bare, run["images_per_s"], naive, run))
         bare, pipeline, naive = (max(r[k] for r in rounds) for k in range(3))
         summary = max(rounds, key=lambda r: r[1])[3]
@@ -99,13 +123,18 @@ def main(
         b = median([r[1] / r[2] for r in rounds])
         ours_bytes = summary["cache_bytes"] / summary["cache_samples"]
         naive_bytes = sum(p.stat().st_size for p in (work / "naive").iterdir()) / count
-        print(f"{model}, {count} images, batch {batch_size}, {workers} worker(s), 1 encoder thread")
-        print(f"(a) pipeline {pipeline:7.1f} img/s vs bare encoders on pre-decoded tensors {bare:7.1f} img/s: ratio {pipeline / bare:.2f} "
-              f"best vs. best, {a:.2f} median of paired rounds (goal >= 0.90)")
-        print(f"    the pipeline waited on the image loader {summary['data_wait_fraction']:.1%} of its time")
-        print(f"(b) pipeline {pipeline:7.1f} img/s vs naive per-image loop, padded files {naive:7.1f} img/s: ratio {pipeline / naive:.2f} "
-              f"best vs. best, {b:.2f} median of paired rounds")
-        print(f"(c) bytes per sample: ours {ours_bytes:,.0f} vs padded per-sample files {naive_bytes:,.0f}: ratio {ours_bytes / naive_bytes:.2f}")
+        print(f"{model} encoders, {count} generated images (buckets up to {preset.base_resolution} px), "
+              f"batch {batch_size}, {workers} loader worker(s); {threads_line}; warm (images just generated); storage dtype {dtype} in the "
+              f"cache and the padded files; {repeats} rounds")
+        print(f"{'row':44s} {'ours':>12s} {'baseline':>12s} {'ratio':>6s} {'best/best':>9s}")
+        print(f"{'(a) pipeline / bare encoders (goal >= 0.90)':44s} {pipeline:7.1f} img/s {bare:7.1f} img/s {a:6.2f} "
+              f"{pipeline / bare:9.2f}")
+        print(f"{'(b) pipeline / naive loop, padded files':44s} {pipeline:7.1f} img/s {naive:7.1f} img/s {b:6.2f} "
+              f"{pipeline / naive:9.2f}")
+        print(f"{'(c) bytes per sample / padded ' + dtype + ' files':44s} {ours_bytes:12,.0f} {naive_bytes:12,.0f} "
+              f"{ours_bytes / naive_bytes:6.2f}")
+        print(f"ratios: median of the rounds' paired ratios; img/s: best round. The pipeline waited on its image "
+              f"loader {summary['data_wait_fraction']:.1%} of its time.")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
