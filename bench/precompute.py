@@ -13,7 +13,7 @@
     per-file overhead.
 
 Threads are pinned (`bench.common.pin_threads`, 1 by default; the pipeline's loader workers get 1 each too).
-Default run: tiny-pixart, 192 images, 3 rounds, under 2 minutes; larger: `--count 1000 --repeats 5`. The tiny
+Default run: tiny-pixart, 192 images, 3 rounds, ~2-2.5 minutes; larger: `--count 1000 --repeats 5`. The tiny
 presets' encoders are toys (text width 32): (c) at real sizes depends on the real widths and caption lengths.
 """
 

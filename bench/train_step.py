@@ -33,7 +33,7 @@ forward (backward ~ 2 x forward) at 1024 px for one sample; encoders = forward o
 encoders), i.e. the same FLOP rate for both, and the cached data path costing nothing beside the step (what (a)
 vs (c) measures).
 
-Default run: 'small' transformer (~0.3 s/step), 1 GiB cache, 4 rounds of 8 steps per row, ~2.5 minutes. Full size:
+Default run: 'small' transformer (~0.3 s/step), 1 GiB cache, 4 rounds of 8 steps per row, ~2.5-3 minutes. Full size:
 `--transformer medium --gib 4 --steps 60 --rounds 5` (~25 minutes); `--steps` up to the batches per epoch (printed)
 makes a cold run read each shard once.
 """
