@@ -24,6 +24,7 @@ from train.order import BATCH_SAMPLER_VERSION, BatchPlan, PlannedBatch, _generat
 
 log = logging.getLogger("train")
 
+
 @dataclass(frozen=True)
 class TextLayout:
     """How a cache's text fields (`shards.TextSpec`: "masked" or "sd3_joint") become the transformer's text input:
@@ -78,8 +79,8 @@ class TextLayout:
 class TrainingSamples(torch.utils.data.Dataset):
     """Cache samples made ready for the model, indexed by (epoch, global index).
 
-    Reads one cache generation: the given `Cache`'s, or the newest of a cache directory. With `check_digests`, every sample is checked against its
-    stored digest (`shards.CorruptSample` names the shard). Per sample and epoch: a fresh latent from the cached
+    Reads one cache generation: the given `Cache`'s, or the newest of a cache directory. With `check_digests`,
+    every sample is checked against its stored digest (`shards.CorruptSample` names the shard). Per sample and epoch: a fresh latent from the cached
     posterior (mean + std * eps) where the cache stores one, one of the sample's captions, and caption dropout:
     to the cached empty-caption embedding (`null="empty"`, PixArt and Sana) or to zeroed embeddings
     (`null="zeros"`, SD3's convention).

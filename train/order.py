@@ -41,7 +41,7 @@ class _BucketEpoch:
 
     shard_order: np.ndarray  # positions in the bucket's shard list
     window_starts: np.ndarray  # stream position where each window starts, and the end
-    perms: OrderedDict = field(default_factory=OrderedDict)  # window -> permutation of its samples (a few recent)
+    perms: OrderedDict = field(default_factory=OrderedDict)  # window -> its permutation and shards (a few recent)
 
 
 @dataclass(frozen=True)
@@ -149,29 +149,32 @@ class BatchPlan:
                 self._epochs.popitem(last=False)
         return out
 
-    def _window_perm(self, epoch: int, b: int, w: int, be: _BucketEpoch) -> np.ndarray:
-        perm = be.perms.get(w)
-        if perm is None:
+    def _window(self, epoch: int, b: int, w: int, be: _BucketEpoch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Window `w` of bucket `b`: the permutation of its samples, its shards' first global indices and their
+        cumulative sample counts (kept for the few most recent windows: a batch reads one or two)."""
+        window = be.perms.get(w)
+        if window is None:
             size = int(be.window_starts[w + 1] - be.window_starts[w])
             bucket = self.buckets[b]
             perm = torch.randperm(size, generator=_generator(self.seed, epoch, bucket.height, bucket.width, w)).numpy()
-            be.perms[w] = perm
+            shards = be.shard_order[w * self.shuffle_shards : (w + 1) * self.shuffle_shards]
+            window = (perm, self._starts[b][shards], np.cumsum(self._sizes[b][shards]))
+            be.perms[w] = window
             if len(be.perms) > 4:
                 be.perms.popitem(last=False)
         else:
             be.perms.move_to_end(w)
-        return perm
+        return window
 
     def _sample(self, epoch: int, b: int, q: int) -> int:
         """Global index of position `q` of bucket `b`'s stream in `epoch` (positions past its end wrap)."""
         be = self._bucket_epochs(epoch)[b]
         q %= self.samples[b]
         w = int(np.searchsorted(be.window_starts, q, side="right")) - 1
-        o = int(self._window_perm(epoch, b, w, be)[q - be.window_starts[w]])
-        shards = be.shard_order[w * self.shuffle_shards : (w + 1) * self.shuffle_shards]
-        sizes = self._sizes[b][shards]
-        s = int(np.searchsorted(np.cumsum(sizes), o, side="right"))
-        return int(self._starts[b][shards[s]]) + o - int(sizes[:s].sum())
+        perm, starts, ends = self._window(epoch, b, w, be)
+        o = int(perm[q - be.window_starts[w]])
+        s = int(np.searchsorted(ends, o, side="right"))
+        return int(starts[s]) + o - (int(ends[s - 1]) if s else 0)
 
     def global_batch(self, epoch: int, b: int, k: int) -> list[int]:
         """The samples of bucket `b`'s `k`-th global batch in `epoch`."""
