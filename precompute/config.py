@@ -32,7 +32,8 @@ class PrecomputeConfig:
 
     data: str = field(metadata={"help": "A folder of images with sidecar captions (x.jpg + x.txt/.caption) or a "
                                         "metadata.jsonl/.csv (file_name, text); or webdataset tars: a .tar, a folder of tars, "
-                                        "a brace pattern data-{0000..0099}.tar, or http(s) URLs."})
+                                        "a brace pattern data-{0000..0099}.tar, http(s) URLs, or any fsspec URL (s3://bucket/data-{0000..0099}.tar, "
+                                        "gs://, hf://; the `remote` extra installs s3fs and gcsfs)."})
     model: str = opt("tiny-sana", f"Preset: {', '.join(PRESETS)}.")
     cache: Path | None = opt(None, "Cache directory to create or extend (default: cache/MODEL, where `make train` looks).")
     text_encoder: str | None = opt(None, f"Override the preset's text encoder: {', '.join(TEXT_ENCODERS)}.")

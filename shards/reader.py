@@ -137,6 +137,7 @@ class Cache:
     def __init__(self, root: str | os.PathLike, generation: int | None = None, *, check_digests: bool = False,
                  max_open: int = 128):
         self.root = Path(root)
+        self.location = str(self.root)  # what messages name: the directory, or a remote cache's URL
         self.manifest = load(self.root, generation)
         self.generation = self.manifest.generation
         self.check_digests = check_digests

@@ -13,11 +13,13 @@ nothing here writes to object storage.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import os
 import posixpath
 import tempfile
 import threading
+import zlib
 from collections import Counter
 from concurrent.futures import Future
 from pathlib import Path, PurePosixPath
@@ -57,9 +59,7 @@ def open_cache(location: str | os.PathLike, generation: int | None = None, *,
     if is_url(location):
         return RemoteCache(str(location), generation, local_dir=local_dir, limit_bytes=limit_bytes,
                            check_digests=check_digests, max_open=max_open)
-    cache = Cache(location, generation, check_digests=check_digests, max_open=max_open)
-    cache.location = str(cache.root)
-    return cache
+    return Cache(location, generation, check_digests=check_digests, max_open=max_open)
 
 
 def default_local_dir(location: str) -> Path:
@@ -141,7 +141,10 @@ class RemoteCache(Cache):
         if not mine:  # another thread is downloading it
             return download.result()
         try:
-            self._download(rel, path, self._expected_bytes(j))
+            # ranks of a node ask for the same shards at the same moment: one downloads, the others find it there
+            with download_lock(self.root, rel):
+                if not self._present(path, self._expected_bytes(j)):
+                    self._download(rel, path, self._expected_bytes(j))
         except BaseException as e:
             with self._fetch_lock:
                 del self._inflight[rel]
@@ -259,7 +262,7 @@ class RemoteCache(Cache):
         """((mtime, access order), path, bytes) of every shard file in the local directory, of any generation."""
         out = []
         with os.scandir(self.root) as top:
-            directories = [d.name for d in top if d.is_dir() and d.name not in (LOG_DIR, SNAPSHOT_DIR, READERS_DIR)]
+            directories = [d.name for d in top if d.is_dir() and d.name not in (LOG_DIR, SNAPSHOT_DIR, READERS_DIR, DOWNLOAD_LOCKS)]
         for directory in directories:
             with os.scandir(self.root / directory) as entries:
                 for entry in entries:
@@ -272,6 +275,22 @@ class RemoteCache(Cache):
                     rel = f"{directory}/{entry.name}"
                     out.append(((st.st_mtime_ns, self._used.get(rel, -1)), rel, st.st_size))
         return out
+
+
+DOWNLOAD_LOCKS = ".downloads"  # lock files of the local directory, one per stripe of shard paths
+LOCK_STRIPES = 256
+
+
+@contextlib.contextmanager
+def download_lock(root: Path, rel: str):
+    """Exclusive, across the processes sharing `root`, while shard `rel` is downloaded. An `flock` on one of
+    `LOCK_STRIPES` fixed files (shards hashing alike share one; no lock file is ever deleted, which would race
+    with its holders); released when its holder exits, however it exits."""
+    directory = root / DOWNLOAD_LOCKS
+    directory.mkdir(exist_ok=True)
+    with open(directory / f"{zlib.crc32(rel.encode()) % LOCK_STRIPES:03d}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock
 
 
 def mirror_manifest(fs, base: str, root: Path, generation: int | None, location: str) -> None:

@@ -153,6 +153,41 @@ def test_concurrent_fetches_of_a_shard_download_it_once(bucket, tmp_path):
     assert [p.name for p in paths[0].parent.iterdir() if p.name.startswith(".")] == []  # no temp file left
 
 
+def waiting_on_flock(path: Path) -> bool:
+    """Whether a process waits for an flock on `path`: /proc/locks lists waiters as "-> FLOCK ..." lines."""
+    inode = f":{path.stat().st_ino} "
+    return any(line.split(":", 1)[1].lstrip().startswith("->") and inode in line
+               for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_caches_sharing_a_local_directory_download_a_shard_once(bucket, tmp_path):
+    """Ranks of a node (here: two caches, each with its own open lock file, as two processes have) ask for the
+    same shard together: one downloads it, the other waits for it and finds it there."""
+    first, second = (open_cache(f"file://{bucket}", local_dir=tmp_path / "local") for _ in range(2))
+    release = threading.Event()
+    first.fs, second.fs = CountingFS(first.fs, release), CountingFS(second.fs, release)
+    results, errors = {}, []
+
+    def fetch(name, cache):
+        try:
+            results[name] = cache.fetch(7)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    a = threading.Thread(target=fetch, args=("first", first))
+    a.start()
+    assert first.fs.started.wait(timeout=30)  # the first holds the shard's lock, its download held
+    b = threading.Thread(target=fetch, args=("second", second))
+    b.start()
+    locks = list((tmp_path / "local" / ".downloads").glob("*.lock"))
+    while not (second.fs.started.is_set() or any(waiting_on_flock(p) for p in locks)):
+        b.join(timeout=0.01)  # until the second downloads too (wrong) or waits for the lock (right)
+    release.set()
+    a.join(timeout=30), b.join(timeout=30)
+    assert errors == [] and results["first"] == results["second"]
+    assert sum(first.fs.gets.values()) == 1 and sum(second.fs.gets.values()) == 0
+
+
 @pytest.fixture
 def memory_tars(tmp_path):
     """Webdataset tars on disk and the same tars in a `memory://` bucket."""

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from shards import Cache
+from shards import Cache, RemoteCache
 from train import checkpoint, lora
 from train.config import TrainConfig
 from train.order import BATCH_SAMPLER_VERSION
@@ -109,7 +109,9 @@ class TrainState:
             "step": progress.step, "epoch": progress.epoch, "cursor": progress.cursor, "world_size": self.world,
             "model": cfg.model, "parallel": self.parallel, "smoothed_loss": list(progress.smoothed),
             "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "cache_generation": cache.generation,
-            "cache_root": str(cache.root.resolve()), "precision_history": progress.history, "weights": self.model.weights,
+            # a remote cache's generations live in its bucket: `shards gc` of a directory must not count them
+            **({"cache_url": cache.location} if isinstance(cache, RemoteCache) else {"cache_root": str(cache.root.resolve())}),
+            "precision_history": progress.history, "weights": self.model.weights,
             "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder,
                         "shuffle_shards": cfg.shuffle_shards},
             "config": run_config,
