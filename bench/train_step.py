@@ -69,7 +69,7 @@ from train.step import TrainStep  # noqa: E402
 # SanaTransformer2DModel sizes: (width, layers, head dim). A step at batch 4 on one thread of this machine's CPU:
 # tiny ~0.1 s, small ~0.35 s, medium ~0.9 s, large ~1.7 s. Sana 1600M is (2240, 20, 32).
 TRANSFORMERS = {"tiny": (32, 2, 16), "small": (128, 2, 32), "medium": (256, 2, 32), "large": (256, 4, 32)}
-ENCODER_CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "model_configs"
+ENCODER_CONFIGS = Path(__file__).resolve().parents[1] / "precompute" / "configs"
 
 
 def bench_preset(size: str) -> ModelPreset:
