@@ -56,6 +56,9 @@ def summary(cache: Cache) -> dict:
             name: {**spec.to_json(), "bytes_per_sample": field_bytes[name] / n} for name, spec in m.schema.items()
         },
         "buckets": {b.name: {"samples": st.samples, "shards": st.shards, "bytes": st.bytes} for b, st in m.buckets().items()},
+        # the named sources of stage one's dataset file ("": samples cached without a name), with what stage one
+        # recorded of each (its path, repeats or weight, caption options)
+        "sources": {name: {**totals, **m.extra.get("sources", {}).get(name, {})} for name, totals in m.datasets().items()},
         "generation": m.generation,
         "fingerprint_sha256": m.fingerprint_sha256,
         "fingerprint": m.fingerprint,
@@ -79,6 +82,11 @@ def inspect(
     for name, b in info["buckets"].items():
         bar = "#" * max(1, round(40 * b["samples"] / most)) if b["samples"] else ""
         typer.echo(f"  {name:>10} {b['samples']:>9} {bar}")
+    typer.echo("\nsources:")
+    for name, src in info["sources"].items():
+        share = f"weight {src['weight']:g}" if src.get("weight") is not None else f"repeats {src.get('repeats', 1)}"
+        typer.echo(f"  {name or '(unnamed)':<24} {src['samples']:>9} samples {src['shards']:>7} shards {_human(src['bytes']):>10}"
+                   f"  {share}  {src.get('path', '')}")
     typer.echo("\nfields (bytes per sample):")
     for name, f in info["fields"].items():
         typer.echo(f"  {name:<24} {f['kind']:<7} {f['dtype']:<9} {_human(f['bytes_per_sample']):>10}")
@@ -90,13 +98,14 @@ def inspect(
 
 @app.command()
 def ls(root: Path = CacheDir) -> None:
-    """One line per sample: key, bucket, shard, content digest, source."""
+    """One line per sample, tab-separated: key, bucket, shard, content digest, input (the file or tar member it was
+    read from) and source (the dataset file's name for it; empty for samples cached without one)."""
     cache = _open(root)
     for j, entry in enumerate(cache.shards):
         reader = cache.shard(j)
         keys, sources, _ = cache.shards.samples_of(int(cache.shards.rows[j]))
         for i, (key, source) in enumerate(zip(keys, sources)):
-            typer.echo(f"{key}\t{entry.bucket.name}\t{entry.path}\t{reader.digest(i).hex()}\t{source}")
+            typer.echo(f"{key}\t{entry.bucket.name}\t{entry.path}\t{reader.digest(i).hex()}\t{source}\t{entry.dataset}")
 
 
 @app.command()

@@ -139,19 +139,30 @@ class Manifest:
         if schema != self.schema:
             raise FormatError(f"{root}: field schema differs: cache has {schema_to_json(self.schema)}, run has {schema_to_json(schema)}")
 
+    def datasets(self) -> dict[str, dict[str, int]]:
+        """Totals per dataset (the named sources of stage one's dataset file; "" for samples written without
+        one): `{name: {"samples", "shards", "bytes"}}`, in name order. From the shard table alone."""
+        names = np.array(self.shards.datasets(), dtype=object)
+        n, b = self.shards.column("samples"), self.shards.column("bytes")
+        return {str(name): {"samples": int(n[names == name].sum()), "shards": int((names == name).sum()),
+                            "bytes": int(b[names == name].sum())} for name in sorted(set(names.tolist()))}
+
     # -- the sample index --------------------------------------------------------------------------
-    def samples(self) -> Iterator[tuple[str, str, int, int, int]]:
-        """(key, source, stamp, shard index, row in shard) of every sample, in global index order."""
+    def samples(self, dataset: str | None = None) -> Iterator[tuple[str, str, int, int, int]]:
+        """(key, source, stamp, shard index, row in shard) of every sample (of one dataset), in global index order."""
+        names = self.shards.datasets() if dataset is not None else None
         for i, j in enumerate(self.shards.rows):
+            if names is not None and names[i] != dataset:
+                continue
             keys, sources, stamps = self.shards.samples_of(int(j))
             for r, (k, s, t) in enumerate(zip(keys, sources, stamps)):
                 yield k, s, t, i, r
 
-    def by_source(self) -> dict[str, tuple[str, int]]:
-        """source -> (key, stamp) of every sample that recorded its source, from the sample index (no shard is
-        opened): an incremental run skips an input whose stamp is unchanged without reading it. A source listed
-        twice maps to its last sample in index order."""
-        return {source: (key, stamp) for key, source, stamp, _, _ in self.samples() if source}
+    def by_source(self, dataset: str | None = None) -> dict[str, tuple[str, int]]:
+        """source -> (key, stamp) of every sample (of one dataset) that recorded its source, from the sample index
+        (no shard is opened): an incremental run skips an input whose stamp is unchanged without reading it. A
+        source listed twice maps to its last sample in index order."""
+        return {source: (key, stamp) for key, source, stamp, _, _ in self.samples(dataset) if source}
 
     def conflict(self, commit: dict) -> str | None:
         """Why `commit` cannot follow this generation, or None: a shard it removes or replaces is no longer
@@ -189,6 +200,8 @@ class Manifest:
             e = ShardEntry.from_json(obj, where)
             self.shards.append(e)
             self._count(e.path)
+        for old, new in commit.get("rename_dataset", []):
+            self.shards.rename_dataset(str(old), str(new))
         for key, stamp in commit.get("restamp", []):
             self.shards.restamp(key, int(stamp))
         for role, entry in commit.get("files", {}).items():

@@ -29,6 +29,8 @@ class ShardEntry:
         field_bytes: per field, bytes the field occupies in this shard (offsets included).
         keys, sources, stamps: per sample, its key, where it came from and a digest of the input's state
             (size, mtime) when it was read; set in commits, loaded on demand from snapshots.
+        dataset: the named dataset (a `[[source]]` of stage one's dataset file) every sample of the shard
+            belongs to; "" for shards written without one.
     """
 
     path: str
@@ -40,18 +42,22 @@ class ShardEntry:
     keys: list[str] | None = None
     sources: list[str] | None = None
     stamps: list[int] | None = None
+    dataset: str = ""
 
     def to_json(self) -> dict:
-        return {"path": self.path, "bucket": [self.bucket.height, self.bucket.width], "samples": self.samples,
-                "bytes": self.bytes, "sha256": self.sha256, "field_bytes": self.field_bytes,
-                "keys": self.keys, "sources": self.sources, "stamps": self.stamps}
+        obj = {"path": self.path, "bucket": [self.bucket.height, self.bucket.width], "samples": self.samples,
+               "bytes": self.bytes, "sha256": self.sha256, "field_bytes": self.field_bytes,
+               "keys": self.keys, "sources": self.sources, "stamps": self.stamps}
+        return obj | {"dataset": self.dataset} if self.dataset else obj
 
     @classmethod
     def from_json(cls, obj: dict, where: str = "commit") -> "ShardEntry":
         """An entry of a commit; its sample index (keys, and sources and stamps if given) must cover every sample."""
         e = cls(path=confined(obj["path"], where), bucket=Bucket(*obj["bucket"]), samples=int(obj["samples"]),
                 bytes=int(obj["bytes"]), sha256=obj["sha256"], field_bytes={k: int(v) for k, v in obj["field_bytes"].items()},
-                keys=obj.get("keys"), sources=obj.get("sources"), stamps=obj.get("stamps"))
+                keys=obj.get("keys"), sources=obj.get("sources"), stamps=obj.get("stamps"), dataset=obj.get("dataset", ""))
+        if not isinstance(e.dataset, str):
+            raise FormatError(f"{where}: {e.path} is listed with dataset {e.dataset!r}, not a string; the log was edited or damaged")
         for name in ("keys", "sources", "stamps"):
             value = getattr(e, name)
             if (name == "keys" or value is not None) and (not isinstance(value, list) or len(value) != e.samples):
@@ -72,6 +78,8 @@ class ShardTable:
         self._sha = bytearray()
         self._field_bytes = array("q")
         self._live = bytearray()
+        self._dataset = array("i")  # per row: an index into _dataset_names
+        self._dataset_names: list[str] = [""]
         self._row: dict[str, int] | None = None  # path -> row, built on first removal
         self._alive_rows: np.ndarray | None = None
         # per row: (keys, sources, stamps) from commits; snapshot rows read theirs from `_snapshot_samples`
@@ -93,6 +101,7 @@ class ShardTable:
         self._sha += bytes.fromhex(e.sha256)
         self._field_bytes.extend(int(e.field_bytes.get(f, 0)) for f in self.fields)
         self._live.append(1)
+        self._dataset.append(self._dataset_id(e.dataset))
         if e.keys is not None:
             self._samples_of[len(self._paths) - 1] = (list(e.keys), list(e.sources or [""] * e.samples),
                                                       list(e.stamps or [0] * e.samples))
@@ -128,8 +137,29 @@ class ShardTable:
         self._paths[j] = e.path
         self._bytes[j] = e.bytes
         self._sha[32 * j : 32 * j + 32] = bytes.fromhex(e.sha256)
+        if e.dataset != self._dataset_names[self._dataset[j]]:
+            raise FormatError(f"{e.path} replaces {old} but belongs to dataset {e.dataset!r}, not "
+                              f"{self._dataset_names[self._dataset[j]]!r}")
         if e.keys is not None:
             self._samples_of[j] = (list(e.keys), list(e.sources or [""] * e.samples), list(e.stamps or [0] * e.samples))
+
+    def _dataset_id(self, name: str) -> int:
+        try:
+            return self._dataset_names.index(name)  # a cache holds a handful of datasets
+        except ValueError:
+            self._dataset_names.append(name)
+            return len(self._dataset_names) - 1
+
+    def rename_dataset(self, old: str, new: str) -> int:
+        """Every live shard of dataset `old` now belongs to `new`; returns how many."""
+        if old not in self._dataset_names:
+            return 0
+        before, after = self._dataset_names.index(old), self._dataset_id(new)
+        ids = np.frombuffer(self._dataset, dtype=np.int32)
+        moved = self.rows[ids[self.rows] == before]
+        for j in moved:
+            self._dataset[int(j)] = after
+        return len(moved)
 
     def key_index(self) -> dict[str, tuple[int, int]]:
         """key -> (table row, position in the shard) of every live sample, built once per change."""
@@ -171,7 +201,8 @@ class ShardTable:
     def entry_at_row(self, j: int) -> ShardEntry:
         f = len(self.fields)
         return ShardEntry(self._paths[j], Bucket(self._height[j], self._width[j]), self._samples[j], self._bytes[j],
-                          self._sha[32 * j : 32 * j + 32].hex(), dict(zip(self.fields, self._field_bytes[f * j : f * j + f])))
+                          self._sha[32 * j : 32 * j + 32].hex(), dict(zip(self.fields, self._field_bytes[f * j : f * j + f])),
+                          dataset=self._dataset_names[self._dataset[j]])
 
     def __getitem__(self, i: int) -> ShardEntry:
         return self.entry_at_row(int(self.rows[i]))
@@ -188,6 +219,11 @@ class ShardTable:
             return np.frombuffer(self._field_bytes, dtype=np.int64).reshape(-1, len(self.fields))[self.rows]
         source = {"samples": self._samples, "bytes": self._bytes, "height": self._height, "width": self._width}[name]
         return np.frombuffer(source, dtype=np.int64 if source.typecode == "q" else np.int32)[self.rows]
+
+    def datasets(self) -> list[str]:
+        """The dataset of every live shard, in table order (a list of K references to a few strings)."""
+        names = self._dataset_names
+        return [names[self._dataset[j]] for j in self.rows]
 
     def samples_of(self, j: int) -> tuple[list[str], list[str], list[int]]:
         """(keys, sources, stamps) of table row `j`."""
@@ -211,6 +247,8 @@ class ShardTable:
         sha = np.frombuffer(bytes(self._sha), dtype=np.uint8).reshape(-1, 32)
         tensors["shards.sha256"] = torch.from_numpy(sha[rows].copy().reshape(-1, 32))
         tensors["shards.field_bytes"] = torch.from_numpy(self.column("field_bytes").copy().reshape(-1, f))
+        if any(self._dataset_names[1:]):
+            tensors["shards.dataset"], tensors["shards.dataset.offsets"] = _ragged(self.datasets())
         keys, sources, stamps, shard = [], [], [], []
         for i, j in enumerate(rows):
             k, s, st = self.samples_of(int(j))
@@ -237,6 +275,11 @@ class ShardTable:
         t._sha = bytearray(tensors["shards.sha256"].numpy().tobytes())
         t._field_bytes = array("q", tensors["shards.field_bytes"].numpy().tobytes())
         t._live = bytearray(b"\x01" * len(t._paths))
+        if "shards.dataset" in tensors:
+            names = _Strings(tensors["shards.dataset"], tensors["shards.dataset.offsets"]).all()
+            t._dataset = array("i", (t._dataset_id(n) for n in names))
+        else:  # written before datasets existed, or by a cache of one unnamed dataset
+            t._dataset = array("i", bytes(4 * len(t._paths)))
         t._snapshot_samples = _SnapshotSamples(tensors, tensors["shards.samples"].numpy(), where)
         return t
 

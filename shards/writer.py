@@ -44,9 +44,9 @@ __all__ = ["WRITERS_LOCK", "CacheLock", "ShardWriter"]  # the lock's names are i
 
 
 class ShardWriter:
-    """Writes samples into a cache directory, one bucket per shard, each shard one commit.
+    """Writes samples into a cache directory, one bucket (and dataset) per shard, each shard one commit.
 
-    Samples are buffered per bucket; a shard is published when its buffer reaches `max_shard_bytes` or
+    Samples are buffered per bucket and dataset; a shard is published when its buffer reaches `max_shard_bytes` or
     `max_shard_samples` (and at `finish`): written under a temp name, fsynced, renamed, then committed as a
     new generation of the log. A crash at any instant leaves every committed shard intact and listed;
     buffered samples are absent. Shard files are never modified or deleted: removing samples commits
@@ -92,8 +92,8 @@ class ShardWriter:
         self.max_buffer_bytes = max_buffer_bytes
         self.check_finite = check_finite
         self.root.mkdir(parents=True, exist_ok=True)
-        self._buffers: dict[Bucket, list[Item]] = {}
-        self._buffer_bytes: dict[Bucket, int] = {}
+        self._buffers: dict[tuple[Bucket, str], list[Item]] = {}  # by (bucket, dataset)
+        self._buffer_bytes: dict[tuple[Bucket, str], int] = {}
         self._pending: dict = {}  # files and run records for the next commit
         self._closed = False
         # One writer per rank and cache: a second one would delete this one's files as leftovers; and no gc
@@ -147,7 +147,7 @@ class ShardWriter:
         return key in self._listed
 
     def write(self, key: str, bucket: Bucket | tuple[int, int], sample: Mapping[str, torch.Tensor], *,
-              source: str = "", stamp: int = 0) -> None:
+              source: str = "", stamp: int = 0, dataset: str = "") -> None:
         """Add one sample; it becomes durable when its shard is committed.
 
         Args:
@@ -158,6 +158,8 @@ class ShardWriter:
             source: where the sample came from (a path, a tar key), recorded in the sample index.
             stamp: a 63-bit digest of the input's state when it was read (size, mtime), so a later run can
                 tell an unchanged input without reading it; 0 when unknown.
+            dataset: the named dataset the sample belongs to (a `[[source]]` of stage one's dataset file);
+                shards hold samples of one dataset, so training can weigh datasets from the shard table.
 
         Raises:
             ValueError: the key is already in the cache, or the sample does not fit the schema or holds
@@ -175,24 +177,30 @@ class ShardWriter:
         shapes, fields = check_sample(key, bucket, sample, self.schema, known, self.check_finite)
         self.manifest.shapes.setdefault(bucket, shapes)
         self._listed.add(key)
-        self._buffers.setdefault(bucket, []).append((key, fields, source, int(stamp)))
+        slot = (bucket, str(dataset))
+        self._buffers.setdefault(slot, []).append((key, fields, source, int(stamp)))
         size = sum(t.numel() * t.element_size() for t in fields.values())
-        self._buffer_bytes[bucket] = self._buffer_bytes.get(bucket, 0) + size
-        if self._buffer_bytes[bucket] >= self.max_shard_bytes or len(self._buffers[bucket]) >= self.max_shard_samples:
-            self.flush(bucket)
+        self._buffer_bytes[slot] = self._buffer_bytes.get(slot, 0) + size
+        if self._buffer_bytes[slot] >= self.max_shard_bytes or len(self._buffers[slot]) >= self.max_shard_samples:
+            self._flush_slot(slot)
         elif sum(self._buffer_bytes.values()) > self.max_buffer_bytes:
-            self.flush(max(self._buffer_bytes, key=self._buffer_bytes.get))
+            self._flush_slot(max(self._buffer_bytes, key=self._buffer_bytes.get))
 
     def flush(self, bucket: Bucket | None = None) -> None:
         """Publish and commit the buffered samples of one bucket (or of all) now."""
-        for b in [Bucket(*bucket)] if bucket is not None else list(self._buffers):
-            items = self._buffers.pop(b, [])
-            self._buffer_bytes.pop(b, None)
-            if items:
-                entry = self._write_shard(b, items)
-                self.commit(add=[entry.to_json()], shapes={b.name: self.manifest.shapes[b]})
+        wanted = Bucket(*bucket) if bucket is not None else None
+        for slot in [s for s in self._buffers if wanted is None or s[0] == wanted]:
+            self._flush_slot(slot)
 
-    def _write_shard(self, bucket: Bucket, items: list[Item]) -> ShardEntry:
+    def _flush_slot(self, slot: tuple[Bucket, str]) -> None:
+        bucket, dataset = slot
+        items = self._buffers.pop(slot, [])
+        self._buffer_bytes.pop(slot, None)
+        if items:
+            entry = self._write_shard(bucket, items, dataset)
+            self.commit(add=[entry.to_json()], shapes={bucket.name: self.manifest.shapes[bucket]})
+
+    def _write_shard(self, bucket: Bucket, items: list[Item], dataset: str = "") -> ShardEntry:
         """Write one shard file durably under a fresh name; it is part of the cache once committed."""
         data, field_bytes = encode_shard(bucket, items, self.schema, self.manifest.shapes[bucket],
                                          self.manifest.fingerprint_sha256, self.rank)
@@ -212,10 +220,11 @@ class ShardWriter:
                                        f"free space and re-run: everything committed so far is kept") from None
             raise
         return ShardEntry(path.relative_to(self.root).as_posix(), bucket, len(items), len(data), hashlib.sha256(data).hexdigest(),
-                          field_bytes, keys=[k for k, *_ in items], sources=[s for _, _, s, _ in items], stamps=[t for *_, t in items])
+                          field_bytes, keys=[k for k, *_ in items], sources=[s for _, _, s, _ in items], stamps=[t for *_, t in items],
+                          dataset=dataset)
 
     def commit(self, **actions) -> int:
-        """Append one commit of `actions` (add, remove, replace, restamp, shapes), with the files and run
+        """Append one commit of `actions` (add, remove, replace, restamp, rename_dataset, shapes), with the files and run
         records set since the last commit; returns its generation.
 
         Generation numbers are claimed with create-if-absent: when another writer took the number, this one
@@ -322,11 +331,34 @@ class ShardWriter:
             items = [(shard_keys[i], fields, sources[i], stamps[i])
                      for i, fields in self._intact_samples(entry.path, [i for i in range(len(shard_keys)) if i not in drop])]
             if items:
-                added.append(self._write_shard(entry.bucket, items).to_json())
+                added.append(self._write_shard(entry.bucket, items, entry.dataset).to_json())
         if retired:
             self.commit(remove=retired, add=added)
             self._listed -= keys
         return removed
+
+    def remove_dataset(self, name: str) -> int:
+        """Drop every sample of dataset `name`: its shards are retired whole (nothing is copied) in one commit.
+        Returns the number of samples removed."""
+        self.flush()
+        self._catch_up()
+        table = self.manifest.shards
+        rows = [int(j) for j, dataset in zip(table.rows, table.datasets()) if dataset == name]
+        if not rows:
+            return 0
+        keys = {k for j in rows for k in table.samples_of(j)[0]}
+        self.commit(remove=[table.entry_at_row(j).path for j in rows])
+        self._listed -= keys
+        return len(keys)
+
+    def rename_dataset(self, old: str, new: str) -> int:
+        """Every shard of dataset `old` now belongs to `new` (one commit, no file touched); returns their samples."""
+        self.flush()
+        self._catch_up()
+        samples = self.manifest.datasets().get(old, {}).get("samples", 0)
+        if samples and old != new:
+            self.commit(rename_dataset=[[old, new]])
+        return samples
 
     def _intact_samples(self, path: str, rows: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
         """Copies of rows of shard `path`, each checked against its stored digest: a removal never turns a
@@ -354,7 +386,7 @@ class ShardWriter:
         if [k for k, _ in samples] != list(keys):
             raise ValueError(f"a repair of {path} must hold its keys in order ({len(keys)} samples)")
         entry = self.manifest.shards.entry_at_row(j)
-        new = self._write_shard(entry.bucket, [(k, f, s, t) for (k, f), s, t in zip(samples, sources, stamps)])
+        new = self._write_shard(entry.bucket, [(k, f, s, t) for (k, f), s, t in zip(samples, sources, stamps)], entry.dataset)
         self.commit(replace=[[path, new.to_json()]])
         return new.path
 

@@ -79,9 +79,9 @@ def test_cli_inspect_ls_verify(tmp_path):
     out = runner.invoke(app, ["ls", str(tmp_path)])
     lines = out.output.splitlines()
     assert len(lines) == 24
-    key, bucket, shard, digest, source = lines[0].split("\t")
+    key, bucket, shard, digest, source, name = lines[0].split("\t")
     assert key == "key00000" and bucket == "64x64" and shard.endswith(".safetensors") and len(digest) == 32
-    assert source == "images/000.png"  # from the manifest's sample index
+    assert source == "images/000.png" and name == ""  # from the manifest's sample index; no named source
 
     assert runner.invoke(app, ["verify", str(tmp_path)]).exit_code == 0
     victim = tmp_path / manifest.shards[1].path
