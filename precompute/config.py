@@ -14,6 +14,7 @@ from typing import Literal
 from precompute.folders import CAPTION_COLUMN
 from precompute.images import ImagePolicy
 from precompute.presets import PRESETS, TEXT_ENCODERS, Preset, get_preset, get_text_encoder
+from precompute.sources import Source, sources_of
 from shards import bucket_table
 from shards.options import Dtype, check_choices, flag, opt
 
@@ -30,7 +31,8 @@ DTYPE_HELP = "fp32, bf16 or fp16 (float32, bfloat16 and float16 mean the same)"
 class PrecomputeConfig:
     """Every option of a stage-one run; the CLI is built from it (see `python -m precompute --help`)."""
 
-    data: str = field(metadata={"help": "A folder of images with sidecar captions (x.jpg + x.txt/.caption) or a "
+    data: str = field(metadata={"help": "A dataset file (.toml) listing several sources, or one source: a folder of images "
+                                        "with sidecar captions (x.jpg + x.txt/.caption) or a "
                                         "metadata.jsonl/.csv (file_name, text); or webdataset tars: a .tar, a folder of tars, "
                                         "a brace pattern data-{0000..0099}.tar, http(s) URLs, or any fsspec URL (s3://bucket/data-{0000..0099}.tar, "
                                         "gs://, hf://; the `remote` extra installs s3fs and gcsfs)."})
@@ -70,6 +72,8 @@ class PrecomputeConfig:
                                            "without --allow-removal; what was encoded is kept.")
     max_failure_fraction: float = opt(0.1, "Exit non-zero (1) when more than this fraction of inputs was skipped; what was "
                                            "encoded is kept.")
+    remove_source: list[str] = opt([], "Remove every sample of this source (a name `python -m shards inspect CACHE` lists) from "
+                                       "the cache before encoding DATA (repeatable); DATA must not list it.")
     max_shard_mb: int = opt(128, "Target shard size in MiB.")
     check_disk: bool = opt(True, "Estimate the cache size first and refuse if the disk is short.")
     repair: bool = opt(False, "Re-encode exactly the samples of shards that are missing or fail their checks (python -m "
@@ -95,7 +99,11 @@ class PrecomputeConfig:
         self.validation_prompt = list(self.validation_prompt)
 
         if not self.data:
-            raise ValueError("DATA is empty: name a folder of images, a metadata file's folder or webdataset tars")
+            raise ValueError("DATA is empty: name a folder of images, a metadata file's folder, webdataset tars or a dataset file")
+        self.remove_source = list(self.remove_source)
+        listed = {s.name for s in self.sources()}
+        if both := sorted(listed & set(self.remove_source)):
+            raise ValueError(f"--remove-source {both[0]}: DATA lists that source too; remove it from the dataset file first")
         if self.model not in PRESETS:
             raise ValueError(f"--model {self.model!r}: choose one of {', '.join(PRESETS)}")
         if self.text_encoder is not None and self.text_encoder not in TEXT_ENCODERS:
@@ -124,6 +132,12 @@ class PrecomputeConfig:
                 raise ValueError(f"{flag(name)} {getattr(self, name)}: a fraction, from 0 to 1")
         if self.repair and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--repair runs in one process (it re-encodes only the damaged shards' samples); run it without torchrun")
+
+    def sources(self) -> list[Source]:
+        """DATA as its sources: a dataset file's, or one source named after the path (checked once, then kept)."""
+        if not hasattr(self, "_sources"):
+            self._sources = sources_of(self.data)
+        return self._sources
 
     def preset(self) -> Preset:
         """The model's preset with this run's text-encoder options applied."""

@@ -1,5 +1,5 @@
-"""Reading DATA: a folder (`precompute.folders`) or webdataset tars (`precompute.tars`) as this rank's
-dataset of prepared samples, read by DataLoader workers while the encoders run.
+"""Reading the sources of DATA: folders (`precompute.folders`) or webdataset tars (`precompute.tars`) as this
+rank's stream of prepared samples, read by DataLoader workers while the encoders run.
 
 Every input either becomes a prepared sample or a failure with a named reason (`REASONS`); nothing raises
 out of a worker for bad data.
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from precompute.config import PrecomputeConfig
+from precompute.sources import Source
 from precompute.folders import FolderDataset, list_folder
 from precompute.images import ImagePolicy
 from precompute.tars import TarDataset, expand_tar_urls, is_tar_source
@@ -44,7 +45,7 @@ REASONS = {
 
 @dataclass
 class Inputs:
-    """This rank's part of DATA and what the listing found."""
+    """This rank's part of one source and what the listing found."""
 
     dataset: torch.utils.data.Dataset
     total: int | None  # inputs of this rank, when known before reading (folders)
@@ -54,28 +55,64 @@ class Inputs:
     workers: int = 0
 
 
-def open_inputs(config: PrecomputeConfig, policy: ImagePolicy, known: dict[str, tuple[str, int]], keys: frozenset[str], *,
-                rank: int, world: int, only: set[str] | None = None) -> Inputs:
-    """DATA as a dataset of prepared samples, split disjointly by rank; with `only`, a folder's inputs of
+def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, known: dict[str, tuple[str, int]],
+                keys: frozenset[str], *, rank: int, world: int, only: set[str] | None = None) -> Inputs:
+    """One source as a dataset of prepared samples, split disjointly by rank; with `only`, a folder's inputs of
     those sources alone.
 
     Args:
         known: source -> (key, stamp) of the cached samples: a folder input whose stamp is unchanged is not read.
         keys: keys already cached: an input of one of them is reported unchanged after reading.
     """
-    data = config.data
+    data = source.path
     if is_tar_source(data):
         urls = expand_tar_urls(data, config.allow_pipe)
         mine = urls[rank::world]
         return Inputs(TarDataset(mine, policy, keys, tuple(config.caption_key)), None, None, True,
                       workers=min(config.workers, len(mine)))
     if not Path(data).is_dir():
-        raise FileNotFoundError(f"DATA={data} is neither a folder of images nor webdataset tars")
-    listing = list_folder(data, config.caption_column)
+        raise FileNotFoundError(f"{where(source)}={data} is neither a folder of images nor webdataset tars")
+    listing = list_folder(data, source.caption_column or config.caption_column)
     entries = listing.entries if only is None else [e for e in listing.entries if e.source in only]
     mine = entries[rank::world]
     return Inputs(FolderDataset(mine, policy, keys, known), len(mine), len(entries), listing.complete,
                   failures=listing.failures[rank::world], workers=config.workers)
+
+
+def where(source: Source) -> str:
+    """How messages name a source: DATA itself, or the dataset file's source."""
+    return f"source {source.name!r}: path" if source.from_file else "DATA"
+
+
+class SourcesDataset(torch.utils.data.IterableDataset):
+    """The sources of a run, one after the other, as one stream for one DataLoader (its workers fork once,
+    before any encoder exists). Every item is tagged with its source's name (`"dataset"`) and its stamp salted
+    with the source's caption options (`Source.salt`); `known` stamps given to the parts are unsalted to match.
+    A map-style part is split over the loader's workers by index, an iterable one splits itself."""
+
+    def __init__(self, parts: list[tuple[Source, torch.utils.data.Dataset]]):
+        self.parts = parts
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for source, part in self.parts:
+            salt = source.salt()
+            if isinstance(part, torch.utils.data.IterableDataset):
+                items = iter(part)
+            else:
+                items = (part[i] for i in range(worker, len(part), workers))
+            for item in items:
+                if salt and item.get("stamp"):
+                    item["stamp"] = (item["stamp"] ^ salt) or 1
+                item["dataset"] = source.name
+                yield item
+
+
+def unsalted(known: dict[str, tuple[str, int]], source: Source) -> dict[str, tuple[str, int]]:
+    """A source's cached (key, stamp) with its salt taken out, as its dataset compares them to fresh stamps."""
+    salt = source.salt()
+    return {k: (key, stamp ^ salt) for k, (key, stamp) in known.items()} if salt else known
 
 
 def pixels_as_array(item: dict) -> dict:
@@ -87,11 +124,10 @@ def pixels_as_array(item: dict) -> dict:
     return item
 
 
-def build_loader(inputs: Inputs, device: torch.device) -> torch.utils.data.DataLoader:
+def build_loader(dataset: torch.utils.data.Dataset, workers: int, device: torch.device) -> torch.utils.data.DataLoader:
     """The loader of prepared samples, one at a time; its workers fork when it is first iterated."""
-    workers = inputs.workers
     return torch.utils.data.DataLoader(
-        inputs.dataset, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
+        dataset, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
         prefetch_factor=4 if workers else None, multiprocessing_context="fork" if workers else None,
         collate_fn=None if device.type == "cuda" or not workers else pixels_as_array,
     )

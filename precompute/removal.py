@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 from precompute.config import PrecomputeConfig
+from precompute.inputs import where
+from precompute.sources import Source
 from precompute.tars import tar_name
 from shards import ShardWriter, verify
 from shards.reader import stat_problems
@@ -38,15 +40,17 @@ def removals(previous: dict[str, str], seen: set[str], failed_sources: set[str],
     return set(unseen) - kept, len(kept)
 
 
-def removal_refused(config: PrecomputeConfig, gone: set[str], previous: dict[str, str]) -> RemovalRefused | None:
-    """The refusal to remove `gone` (cached keys whose inputs are no longer listed) when they are more of the
-    cache than `config.max_removal_fraction` without `config.allow_removal`; None when they may go."""
+def removal_refused(config: PrecomputeConfig, source: Source, gone: set[str], previous: dict[str, str]) -> RemovalRefused | None:
+    """The refusal to remove `gone` (cached keys of `source` whose inputs are no longer listed) when they are more
+    of the source's samples than `config.max_removal_fraction` without `config.allow_removal`; None when they may go."""
     if not gone or config.allow_removal or len(gone) <= config.max_removal_fraction * len(previous):
         return None
     return RemovalRefused(
-        f"{len(gone)} of the cache's {len(previous)} samples are no longer in DATA={config.data} (e.g. "
-        f"{', '.join(sorted(previous[k] for k in gone)[:3])}), over --max-removal-fraction {config.max_removal_fraction:g}; "
-        f"nothing was removed and everything encoded is kept. If they really are gone, re-run with --allow-removal.")
+        f"{len(gone)} of the {len(previous)} cached samples of source {source.name!r} are no longer in "
+        f"{where(source)}={source.path} (e.g. {', '.join(sorted(previous[k] for k in gone)[:3])}), over "
+        f"--max-removal-fraction {config.max_removal_fraction:g}; nothing was removed and everything encoded is kept. "
+        f"If they really are gone, re-run with --allow-removal (or drop the whole source with --remove-source "
+        f"{source.name}).")
 
 
 def warn_damaged(cache: Path, manifest) -> None:

@@ -41,8 +41,10 @@ def _size(n: float) -> str:
         n /= 1024
 
 
-def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, loop_s: float) -> dict:
+def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, loop_s: float,
+           by_source: dict[str, Counter] | None = None) -> dict:
     manifest = Cache(cache).manifest
+    in_cache = manifest.datasets()
     encoded = counts["new"] + counts["changed"]
     considered = encoded + counts["unchanged"] + counts["failed"]
     by_reason = Counter(f["reason"] for f in failures)
@@ -64,6 +66,10 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         "cache_bytes": manifest.num_bytes,
         "generation": manifest.generation,
         "buckets": {b.name: st.samples for b, st in manifest.buckets().items()},
+        "sources": {name: {"samples": in_cache.get(name, {}).get("samples", 0),
+                           **{k: c[k] for k in ("new", "changed", "unchanged", "removed", "duplicate", "failed")}}
+                    for name, c in (by_source or {}).items()},
+        "other_sources": {name: t["samples"] for name, t in in_cache.items() if name not in (by_source or {})},
         "bytes_per_sample": {k: v / n for k, v in sorted(field_bytes.items())},
         "elapsed_s": elapsed,
         "encode_s": loop_s,  # reading, encoding and writing, without loading the encoders
@@ -73,6 +79,11 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
     print(f"\n{cache}: {summary['cache_samples']} samples, {manifest.num_bytes / 2**20:.1f} MiB, generation {manifest.generation}", file=out)
     print(f"  new {summary['new']} / changed {summary['changed']} / unchanged {summary['unchanged']} / "
           f"removed {summary['removed']}; duplicates {summary['duplicates']}", file=out)
+    for name, c in summary["sources"].items():
+        print(f"    source {name!r}: {c['samples']} samples; new {c['new']} / changed {c['changed']} / unchanged "
+              f"{c['unchanged']} / removed {c['removed']}; duplicates {c['duplicate']}, failed {c['failed']}", file=out)
+    for name, n in summary["other_sources"].items():
+        print(f"    source {name or '(unnamed)'!r}: {n} samples, not in this run (kept)", file=out)
     if summary["kept_unreadable"]:
         print(f"  kept {summary['kept_unreadable']} cached samples whose input could not be read or listed this time", file=out)
     print(f"  encoded {encoded} in {loop_s:.1f}s ({summary['images_per_s']:.1f} images/s; {elapsed:.1f}s with setup); "

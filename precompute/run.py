@@ -24,7 +24,7 @@ from tqdm import tqdm
 from precompute.config import DEFAULT_BATCH, PrecomputeConfig
 from precompute.distributed import gather, lock_cache, setup_distributed
 from precompute.encode import Encoders, best_device
-from precompute.inputs import build_loader, open_inputs
+from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
 from precompute.presets import Preset
 from precompute.removal import RemovalRefused, damaged_shards, removal_refused, removals, replace_damaged, warn_damaged
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
@@ -55,6 +55,10 @@ def run(config: PrecomputeConfig) -> dict:
     config.cache.mkdir(parents=True, exist_ok=True)
     lock = lock_cache(config.cache, rank, world)
     try:
+        if rank == 0 and not config.repair:
+            name_sources(config)
+        if world > 1:
+            dist.barrier()  # every rank scopes its inputs by the names rank 0 committed
         summary = _run(config, device, rank, world, t_start)
     finally:
         if lock is not None:
@@ -69,11 +73,13 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     preset, policy, storage = config.preset(), config.policy(), torch_dtype(config.storage_dtype)
     batch_size = config.batch_size or DEFAULT_BATCH[device.type]
     # 1. what the cache holds, from its manifest alone (no shard is opened), read under the lock; then the
-    # inputs, split disjointly by global rank. The loader's workers start reading images now, while the
-    # encoders load.
+    # inputs of every source, split disjointly by global rank. A source's scope is its own samples: new,
+    # changed and removed count within it, and other sources are never touched. The loader's workers start
+    # reading images now, while the encoders load.
     manifest = load(cache) if exists(cache) else None
-    previous = {key: source for key, source, *_ in manifest.samples()} if manifest else {}
-    known = manifest.by_source() if manifest else {}
+    sources = config.sources()
+    previous = {s.name: {key: src for key, src, *_ in manifest.samples(s.name)} if manifest else {} for s in sources}
+    everything = frozenset(k for k, *_ in manifest.samples()) if manifest else frozenset()
     damaged: dict[str, list[str]] = {}
     if repair:
         if manifest is None:
@@ -84,17 +90,27 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
             return {"repaired_shards": 0, "repaired_samples": 0, "unrepairable": []}
         needed = {k for keys in damaged.values() for k in keys}
         # only the damaged samples' inputs are read (a folder's others are not listed; a tar's are skipped by key)
-        known, skip = {}, frozenset(previous) - needed
-        only = {previous[k] for k in needed}
+        skip = everything - needed
     else:
-        skip, only = frozenset(previous), None
+        skip = everything  # an input whose content is cached in another source is read, then counted a duplicate
         if manifest is not None and is_main:
             warn_damaged(cache, manifest)
-    inputs = open_inputs(config, policy, known, skip, rank=rank, world=world, only=only)
-    if inputs.listed == 0 and previous and not config.allow_removal and not repair:
-        raise RemovalRefused(f"DATA={config.data} lists no input, and the cache at {cache} holds {len(previous)} samples: a "
-                             f"re-run would remove them all. Is the folder empty or unmounted? Pass --allow-removal to remove them.")
-    batches = iter(build_loader(inputs, device))  # forks the workers before any encoder weights exist in this process
+    parts, listings = [], {}
+    for source in sources:
+        mine = previous[source.name]
+        known = {} if repair else unsalted(manifest.by_source(source.name), source) if manifest else {}
+        only = {mine[k] for k in needed if k in mine} if repair else None
+        inputs = open_inputs(config, source, policy, known, skip, rank=rank, world=world, only=only)
+        if inputs.listed == 0 and mine and not config.allow_removal and not repair:
+            raise RemovalRefused(f"{where(source)}={source.path} lists no input, and the cache at {cache} holds {len(mine)} samples "
+                                 f"of source {source.name!r}: a re-run would remove them all. Is the folder empty or unmounted? "
+                                 f"Pass --allow-removal to remove them.")
+        parts.append((source, inputs.dataset))
+        listings[source.name] = inputs
+    total = sum(i.total for i in listings.values()) if all(i.total is not None for i in listings.values()) else None
+    workers = max(i.workers for i in listings.values())
+    # forks the workers before any encoder weights exist in this process
+    batches = iter(build_loader(SourcesDataset(parts), workers, device))
 
     # 2. encoders and the fingerprint of everything that determines the cached values; a cache built
     # differently is refused before anything is encoded
@@ -110,8 +126,9 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         schema = enc.schema(storage)
         if manifest is not None:
             manifest.check_compatible(fingerprint, schema, cache)
-        if config.check_disk and is_main and inputs.listed and not repair:
-            check_disk_space(cache, estimate_bytes_per_sample(enc, policy, storage) * max(0, inputs.listed - len(previous)))
+        growth = sum(max(0, (i.listed or 0) - len(previous[name])) for name, i in listings.items())
+        if config.check_disk and is_main and growth and not repair:
+            check_disk_space(cache, estimate_bytes_per_sample(enc, policy, storage) * growth)
     except BaseException:
         del batches  # stops the workers now, not when the traceback is freed
         raise
@@ -119,9 +136,12 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     # 3. encode per bucket as images arrive, write shards
     writer = ShardWriter(cache, fingerprint, schema, rank=rank, max_shard_bytes=config.max_shard_mb << 20)
     counts: Counter = Counter()
-    failures: list[dict] = list(inputs.failures)
+    by_source: dict[str, Counter] = {s.name: Counter() for s in sources}
+    failures: list[dict] = [{**f, "dataset": name} for name, i in listings.items() for f in i.failures]
     counts["failed"] += len(failures)
-    seen: dict[str, str] = {}
+    for f in failures:
+        by_source[f["dataset"]]["failed"] += 1
+    seen: dict[str, tuple[str, str]] = {}  # key -> (source name, input)
     restamps: dict[str, int] = {}
     repaired: dict[str, dict[str, torch.Tensor]] = {}  # key -> fields, re-encoded for a damaged shard
     pending: dict = defaultdict(list)
@@ -156,10 +176,14 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
             if writer.listed(it["key"]):  # the same image and captions, committed by another rank meanwhile
                 counts["duplicate"] += 1
                 continue
-            writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0))
-            counts["changed" if it["source"] in known else "new"] += 1
+            writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0), dataset=it["dataset"])
+            outcome = "changed" if it["source"] in inputs_of[it["dataset"]] else "new"
+            counts[outcome] += 1
+            by_source[it["dataset"]][outcome] += 1
 
-    bar = tqdm(total=inputs.total, unit="img", desc=f"precompute[{rank}]" if world > 1 else "precompute",
+    stamps_of = {s.name: manifest.by_source(s.name) if manifest and not repair else {} for s in sources}
+    inputs_of = {name: set(mine.values()) for name, mine in previous.items()}  # what a "changed" input was cached as
+    bar = tqdm(total=total, unit="img", desc=f"precompute[{rank}]" if world > 1 else "precompute",
                disable=not config.progress or not is_main, dynamic_ncols=True)
     t_loop = time.perf_counter()
     wait_s = 0.0  # time blocked on the loader: near zero when decoding is hidden behind encoding
@@ -173,22 +197,25 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
             if isinstance(item.get("pixels"), np.ndarray):
                 item["pixels"] = torch.from_numpy(item["pixels"])
             bar.update(1)
-            status = item["status"]
+            status, name = item["status"], item["dataset"]
             if status == "failed":
-                failures.append({k: item[k] for k in ("source", "reason", "detail")})
+                failures.append({k: item[k] for k in ("source", "reason", "detail", "dataset")})
                 counts["failed"] += 1
-            elif item["key"] in seen:
-                counts["duplicate"] += 1
+                by_source[name]["failed"] += 1
+            elif item["key"] in seen or (status == "unchanged" and item["key"] not in previous[name] and not repair):
+                counts["duplicate"] += 1  # twice in this run, or cached in another source
+                by_source[name]["duplicate"] += 1
             elif status == "unchanged":
-                seen[item["key"]] = item["source"]
+                seen[item["key"]] = (name, item["source"])
                 counts["unchanged"] += 1
-                cached = known.get(item["source"])
+                by_source[name]["unchanged"] += 1
+                cached = stamps_of[name].get(item["source"])
                 if cached and cached[0] == item["key"] and item.get("stamp") and cached[1] != item["stamp"]:
                     restamps[item["key"]] = item["stamp"]  # touched, same content: next time it is not read
             elif repair and item["key"] not in needed:
                 counts["changed_since"] += 1  # the input changed after it was cached: a plain re-run updates it
             else:
-                seen[item["key"]] = item["source"]
+                seen[item["key"]] = (name, item["source"])
                 pending[item["bucket"]].append(item)
                 if len(pending[item["bucket"]]) >= batch_size:
                     encode_and_write(pending.pop(item["bucket"]))
@@ -210,35 +237,83 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         return summary
 
     # 4. rank 0: remove what is gone on evidence, store prompt embeddings and the decoder recipe
-    parts = gather({"counts": counts, "failures": failures, "seen": seen, "loop_s": loop_s, "wait_s": wait_s,
-                    "complete": inputs.complete}, world)
+    parts = gather({"counts": counts, "by_source": by_source, "failures": failures, "seen": seen, "loop_s": loop_s,
+                    "wait_s": wait_s, "complete": {name: i.complete for name, i in listings.items()}}, world)
     summary: dict = {}
     refused = None
     if is_main:
         counts = sum((Counter(p["counts"]) for p in parts), Counter())
-        failures = sorted((f for p in parts for f in p["failures"]), key=lambda f: f["source"])
-        seen_keys = set().union(*(p["seen"] for p in parts))
-        stale, kept = removals(previous, seen_keys, {f["source"] for f in failures}, all(p["complete"] for p in parts))
-        read_sources = {s for p in parts for s in p["seen"].values()}
-        changed = {k for k in stale if previous[k] in read_sources}
-        gone = stale - changed  # inputs no longer listed (changed ones were re-encoded)
-        refused = removal_refused(config, gone, previous)
-        if refused is not None:
-            stale = changed
+        by_source = {s.name: sum((Counter(p["by_source"][s.name]) for p in parts), Counter()) for s in sources}
+        failures = sorted((f for p in parts for f in p["failures"]), key=lambda f: (f["dataset"], f["source"]))
+        stale: set[str] = set()
+        for source in sources:  # each source's removals, on the evidence of its own listing
+            name, mine = source.name, previous[source.name]
+            seen_keys = {k for p in parts for k, (n, _) in p["seen"].items() if n == name}
+            gone_or_changed, kept = removals(mine, seen_keys, {f["source"] for f in failures if f["dataset"] == name},
+                                             all(p["complete"][name] for p in parts))
+            read = {src for p in parts for n, src in p["seen"].values() if n == name}
+            changed = {k for k in gone_or_changed if mine[k] in read}
+            gone = gone_or_changed - changed  # inputs no longer listed (changed ones were re-encoded)
+            refusal = removal_refused(config, source, gone, mine)
+            if refusal is not None:
+                refused, gone = refused or refusal, set()
+            stale |= changed | gone
+            by_source[name]["removed"] = len(gone)
+            by_source[name]["kept_unreadable"] = kept
         with ShardWriter(cache, fingerprint, schema) as final:
             final.remove(stale)
             store_prompts(final, enc, config.validation_prompt, storage)
             store_decoder(final, enc, preset)
-        counts["removed"] = len(stale) - len(changed)
-        counts["kept_unreadable"] = kept
+            record_sources(final, sources)
+        counts["removed"] = sum(c["removed"] for c in by_source.values())
+        counts["kept_unreadable"] = sum(c["kept_unreadable"] for c in by_source.values())
         atomic_write_bytes(cache / "failures.jsonl", "".join(json.dumps(f) + "\n" for f in failures).encode())
-        summary = report(cache, counts, failures, time.perf_counter() - t_start, max(p["loop_s"] for p in parts))
+        summary = report(cache, counts, failures, time.perf_counter() - t_start, max(p["loop_s"] for p in parts), by_source)
         summary["data_wait_fraction"] = sum(p["wait_s"] for p in parts) / max(sum(p["loop_s"] for p in parts), 1e-9)
     if world > 1:
         dist.barrier()
     if refused is not None:
         raise refused
     return summary
+
+
+def name_sources(config: PrecomputeConfig) -> None:
+    """Before encoding (rank 0, under the cache's lock): remove the sources `--remove-source` names, and give a
+    name to samples cached before sources had one, when this run has exactly one source (the cache was built
+    from it: re-running the same DATA must find them unchanged)."""
+    if not exists(config.cache):
+        if config.remove_source:
+            raise FileNotFoundError(f"--remove-source: {config.cache} holds no cache")
+        return
+    manifest = load(config.cache)
+    present, sources = manifest.datasets(), config.sources()
+    missing = [name for name in config.remove_source if name not in present]
+    if missing:
+        raise ValueError(f"--remove-source {missing[0]}: the cache at {config.cache} has no such source; it has "
+                         f"{', '.join(repr(n) for n in present) or 'none'}")
+    unnamed = "" in present and len(sources) == 1 and sources[0].name not in present
+    if not config.remove_source and not unnamed:
+        return
+    with ShardWriter(config.cache, manifest.fingerprint, manifest.schema) as writer:
+        for name in config.remove_source:
+            removed = writer.remove_dataset(name)
+            print(f"{config.cache}: removed source {name!r} ({removed} samples)", file=sys.stderr)
+        if config.remove_source:
+            recorded = {k: v for k, v in manifest.extra.get("sources", {}).items() if k not in config.remove_source}
+            writer.set_extra("sources", recorded)
+        if unnamed:
+            moved = writer.rename_dataset("", sources[0].name)
+            print(f"{config.cache}: the {moved} samples cached before sources were named now belong to source "
+                  f"{sources[0].name!r}", file=sys.stderr)
+
+
+def record_sources(writer: ShardWriter, sources: list) -> None:
+    """Each source's path and share (repeats or weight) in the manifest, where training reads them; sources this
+    run does not list keep their records."""
+    recorded = dict(writer.manifest.extra.get("sources", {}))
+    recorded.update({s.name: s.record() for s in sources})
+    if recorded != writer.manifest.extra.get("sources"):
+        writer.set_extra("sources", recorded)
 
 
 def store_prompts(writer: ShardWriter, enc: Encoders, validation_prompts, storage: torch.dtype) -> None:

@@ -64,16 +64,19 @@ def copy(built, tmp_path):
 def test_an_empty_or_unmounted_folder_removes_nothing(copy, tmp_path):
     data, cache = copy
     before = keys(cache)
-    empty = tmp_path / "mnt"
-    empty.mkdir()
+    empty = tmp_path / "mnt" / data.name  # the same source, its mount gone: an empty mount point
+    empty.mkdir(parents=True)
     with pytest.raises(RemovalRefused, match="lists no input.*--allow-removal"):
         run(empty, cache)
     assert keys(cache) == before
+    other = tmp_path / "other"  # another (empty) source: the cache's source is not in its scope
+    other.mkdir()
+    assert run(other, cache)["other_sources"] == {data.name: 8} and keys(cache) == before
     out = cli("-m", "precompute", str(empty), "--model", "tiny-sana", "--cache", str(cache), "--workers", "0", "--no-progress")
     assert out.returncode == 4 and "lists no input" in out.stderr and keys(cache) == before
     for p in list(data.glob("0000[0-5].*")):  # 6 of 8 gone: over the default share
         p.unlink()
-    with pytest.raises(RemovalRefused, match="6 of the cache's 8 samples are no longer in DATA"):
+    with pytest.raises(RemovalRefused, match="6 of the 8 cached samples of source 'data' are no longer in DATA"):
         run(data, cache)
     assert keys(cache) == before
     assert run(data, cache, allow_removal=True)["removed"] == 6 and len(keys(cache)) == 2

@@ -1,0 +1,198 @@
+"""The sources of a run: `DATA` as one path, or a TOML dataset file listing several.
+
+```toml
+[[source]]
+name = "photos"            # defaults to the path's last component
+path = "/data/photos"      # anything DATA accepts: folder, metadata folder, tar pattern, URL, HF dataset
+repeats = 3                # or: weight = 0.25 (a share of each epoch); default repeats = 1
+caption_prefix = "sks dog, "
+default_caption = "a photo of sks dog"   # for images without a caption
+```
+
+Every source is a named dataset of the cache: a run touches only the sources it lists (new / changed /
+removed count within each), and training draws each by its repeats or weight, recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import re
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
+
+
+@dataclass(frozen=True)
+class Source:
+    """One source of samples.
+
+    Args:
+        name: the dataset of the cache its samples belong to.
+        path: a folder of images (sidecar captions or a metadata file), webdataset tars (a .tar, a folder or a
+            brace pattern, local or a URL) or a Hugging Face dataset on disk (`save_to_disk`, parquet).
+        repeats: how many times an epoch of training draws each of its samples.
+        weight: instead of repeats, the share of each epoch's draws that come from this source.
+        caption_prefix: put before every caption (e.g. a trigger word).
+        default_caption: the caption of images that have none (otherwise they are skipped, reason
+            `missing_caption` / `empty_caption`).
+        image_column, caption_column, split: of a Hugging Face dataset; `caption_column` also names the
+            caption column of a folder's metadata.jsonl/.csv (default: the run's --caption-column).
+    """
+
+    name: str
+    path: str
+    repeats: int | None = None
+    weight: float | None = None
+    caption_prefix: str = ""
+    default_caption: str | None = None
+    image_column: str = "image"
+    caption_column: str | None = None
+    split: str = "train"
+    from_file: bool = False  # listed by a dataset file (messages name it), rather than DATA itself
+
+    @property
+    def captions_changed(self) -> bool:
+        return bool(self.caption_prefix) or self.default_caption is not None
+
+    def salt(self) -> int:
+        """Mixed into every input stamp of the source (0: nothing to mix), so that editing its caption options
+        makes an incremental run read its inputs again instead of calling them unchanged."""
+        if not self.captions_changed:
+            return 0
+        text = f"{self.caption_prefix}\0{self.default_caption}".encode("utf-8")
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1 or 1
+
+    def record(self) -> dict:
+        """What the manifest keeps of the source (`extra["sources"][name]`): training reads its share here."""
+        share = {"weight": self.weight} if self.weight is not None else {"repeats": self.repeats or 1}
+        optional = {k: v for k, v in (("caption_prefix", self.caption_prefix), ("default_caption", self.default_caption)) if v}
+        return {"path": self.path, **share, **optional}
+
+
+KEYS = {f.name for f in fields(Source)} - {"from_file"}  # what a [[source]] table may set
+NAME = re.compile(r"[^\t\n\r/\\]+")  # printable in `shards ls`' tab-separated lines; not a path
+
+
+def default_name(path: str) -> str:
+    """A source's name from its path: the last component that is not a file pattern or a tar, so
+    `/data/photos` is "photos" and `s3://bucket/laion/{00000..00999}.tar` is "laion"."""
+    parts = [p for p in PurePosixPath(urlsplit(path).path if "://" in path else path.replace("\\", "/")).parts if p != "/"]
+    while len(parts) > 1 and (any(c in parts[-1] for c in "{*?[") or parts[-1].endswith((".tar", ".parquet"))):
+        parts.pop()
+    if not parts and "://" in path:
+        parts = [urlsplit(path).netloc]
+    return parts[-1] if parts else "data"
+
+
+def single(path: str) -> list[Source]:
+    """`DATA` as one source, named after its path."""
+    return [Source(default_name(path), path)]
+
+
+def is_dataset_file(data: str) -> bool:
+    return data.endswith(".toml") and "://" not in data
+
+
+def read_dataset_file(file: str | Path) -> list[Source]:
+    """The sources a dataset file lists, checked: a key this product does not know, a value of the wrong type
+    or range, both `repeats` and `weight`, or two sources of one name are refused, naming the line.
+
+    Raises:
+        ValueError: the file is not valid TOML or a source is refused; the message names file and line.
+        OSError: the file cannot be read.
+    """
+    file = Path(file)
+    text = file.read_text(encoding="utf-8")
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{file}: not valid TOML: {e}") from None
+    lines = text.split("\n")
+
+    def where(index: int, key: str | None = None) -> str:
+        return f"{file}:{_line_of(lines, index, key)}"
+
+    extra = sorted(set(doc) - {"source"})
+    if extra:
+        raise ValueError(f"{file}:{_top_level_line(lines, extra[0])}: unknown table or key {extra[0]!r}; a dataset file "
+                         f"lists [[source]] tables only")
+    tables = doc.get("source")
+    if not isinstance(tables, list) or not tables:
+        raise ValueError(f"{file}: lists no source; add one [[source]] table per folder or shard set (see "
+                         f"`python -m precompute --help`)")
+    sources: list[Source] = []
+    for i, table in enumerate(tables):
+        for key in table:
+            if key not in KEYS:
+                close = difflib.get_close_matches(key, sorted(KEYS), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(sorted(KEYS))}"
+                raise ValueError(f"{where(i, key)}: unknown key {key!r} in [[source]]{hint}")
+        if "path" not in table:
+            raise ValueError(f"{where(i)}: this [[source]] has no path")
+        for key, value in table.items():
+            problem = _check(key, value)
+            if problem:
+                raise ValueError(f"{where(i, key)}: {key} = {value!r}: {problem}")
+        if "repeats" in table and "weight" in table:
+            raise ValueError(f"{where(i, 'weight')}: give repeats or weight, not both")
+        values = dict(table)
+        values.setdefault("name", default_name(values["path"]))
+        if not NAME.fullmatch(values["name"]):
+            raise ValueError(f"{where(i, 'name' if 'name' in table else 'path')}: source name {values['name']!r} must be "
+                             f"non-empty, without tabs, newlines or slashes")
+        if any(s.name == values["name"] for s in sources):
+            raise ValueError(f"{where(i, 'name' if 'name' in table else 'path')}: a second source named "
+                             f"{values['name']!r}; give each source its own name")
+        path = values["path"]
+        if "://" not in path and not Path(path).is_absolute() and not path.startswith("pipe:"):
+            values["path"] = str(file.parent / path)  # relative to the dataset file, wherever it is run from
+        sources.append(Source(**values, from_file=True))
+    weighted = {s.weight is not None for s in sources}
+    if len(weighted) > 1:
+        first = next(i for i, s in enumerate(sources) if s.weight is not None)
+        raise ValueError(f"{where(first, 'weight')}: some sources have a weight and others repeats; use one of the two "
+                         f"for every source (weights are shares of each epoch, repeats multiply its samples)")
+    return sources
+
+
+def _check(key: str, value) -> str | None:
+    """Why `value` is not a valid `key` of a source, or None."""
+    if key in ("name", "path", "caption_prefix", "image_column", "caption_column", "split", "default_caption"):
+        if not isinstance(value, str):
+            return "must be a string"
+        if key in ("name", "path", "image_column", "split", "default_caption", "caption_column") and not value.strip():
+            return "must not be empty"
+        return None
+    if key == "repeats":
+        return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a whole number ≥ 1"
+    if key == "weight":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+        return None if ok else "must be a number above 0"
+    return None
+
+
+def _line_of(lines: list[str], index: int, key: str | None) -> int:
+    """The 1-based line of the `index`-th [[source]] header, or of `key` inside that table."""
+    header = re.compile(r"^\s*\[\[\s*source\s*\]\]")
+    starts = [n for n, line in enumerate(lines) if header.match(line)]
+    if index >= len(starts):  # an inline array of tables: the line of `source =`
+        return next((n + 1 for n, line in enumerate(lines) if re.match(r"^\s*source\s*=", line)), 1)
+    start, end = starts[index], starts[index + 1] if index + 1 < len(starts) else len(lines)
+    if key is not None:
+        pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=")
+        for n in range(start + 1, end):
+            if pattern.match(lines[n]):
+                return n + 1
+    return start + 1
+
+
+def _top_level_line(lines: list[str], key: str) -> int:
+    pattern = re.compile(rf"^\s*(\[+\s*)?[\"']?{re.escape(key)}[\"']?\s*(=|\])")
+    return next((n + 1 for n, line in enumerate(lines) if pattern.match(line)), 1)
+
+
+def sources_of(data: str) -> list[Source]:
+    """`DATA` as its sources: a dataset file's, or one source named after the path."""
+    return read_dataset_file(data) if is_dataset_file(data) else single(data)
