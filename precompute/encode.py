@@ -57,31 +57,46 @@ class Encoders:
         vae_dtype / text_dtype: compute dtypes, fp32, bf16 or fp16 (None: the preset's defaults for the device).
         pretrained: a local directory in the diffusers layout that replaces the preset's repos
             (for both encoders), e.g. a downloaded snapshot or a saved tiny preset.
+        vae: False builds the text side only (`python -m precompute prompts`): nothing that needs the VAE
+            (`encode_images`, `latent_spec`, `schema`, `fingerprint`, `decoder_recipe`) is available.
     """
 
     def __init__(self, preset: Preset, device: torch.device, *, vae_dtype: str | None = None, text_dtype: str | None = None,
-                 pretrained: str | None = None):
+                 pretrained: str | None = None, vae: bool = True):
         self.preset, self.device = preset, device
-        self.vae_dtype = compute_dtype(vae_dtype, preset.vae.cuda_dtype, device)
-        self.text_dtype = compute_dtype(text_dtype, preset.text.cuda_dtype, device)
-        vae_repo = pretrained or preset.vae.repo
-        text_repo = pretrained or preset.text.repo
-        self.vae_repo = vae_repo
-        self.vae_source = vae_repo or f"tiny-{preset.vae.kind} (seeded)"
-        self.text_source = text_repo or f"{preset.text.name} (seeded)"
+        self.vae: torch.nn.Module | None = None
+        if vae:
+            self._load_vae(vae_dtype, pretrained)
+        self._load_text(text_dtype, pretrained)
 
+    def _load_vae(self, dtype: str | None, pretrained: str | None) -> None:
+        preset = self.preset
+        self.vae_dtype = compute_dtype(dtype, preset.vae.cuda_dtype, self.device)
+        self.vae_repo = pretrained or preset.vae.repo
+        self.vae_source = self.vae_repo or f"tiny-{preset.vae.kind} (seeded)"
         if preset.vae.gaussian:
             from diffusers import AutoencoderKL as VaeClass
         else:
             from diffusers import AutoencoderDC as VaeClass
-        if vae_repo:
-            self.vae = VaeClass.from_pretrained(vae_repo, subfolder=preset.vae.subfolder, revision=preset.vae.revision)
+        if self.vae_repo:
+            self.vae = VaeClass.from_pretrained(self.vae_repo, subfolder=preset.vae.subfolder, revision=preset.vae.revision)
         else:
             self.vae = tiny_vae(preset.vae.kind)
-        self.vae = self.vae.to(device).eval().requires_grad_(False)
+        self.vae = self.vae.to(self.device).eval().requires_grad_(False)
         if self.vae_dtype != torch.float32:
             self.vae.to(self.vae_dtype)
+        cfg = self.vae.config
+        self.scaling_factor = float(cfg.scaling_factor)
+        self.shift_factor = float(getattr(cfg, "shift_factor", None) or 0.0)
+        self.latent_channels = int(cfg.latent_channels)
+        blocks = cfg.block_out_channels if preset.vae.gaussian else cfg.encoder_block_out_channels
+        self.downsample = 2 ** (len(blocks) - 1)
 
+    def _load_text(self, dtype: str | None, pretrained: str | None) -> None:
+        preset, device = self.preset, self.device
+        self.text_dtype = compute_dtype(dtype, preset.text.cuda_dtype, device)
+        text_repo = pretrained or preset.text.repo
+        self.text_source = text_repo or f"{preset.text.name} (seeded)"
         # Captions go through the family pipeline's own encode_prompt, so cached embeddings are
         # exactly what inference computes (Sana's instruction prefix and token selection included).
         self.text_modules: dict[str, torch.nn.Module] = {}  # by subfolder, in pipeline order
@@ -120,12 +135,6 @@ class Encoders:
             Pipeline = PixArtSigmaPipeline if preset.text.kind == "t5" else SanaPipeline
             self.pipeline = Pipeline(tokenizer=self.tokenizer, text_encoder=self.text_encoder, vae=None, transformer=None, scheduler=None)
         self.instruction = sana_complex_human_instruction() if preset.text.complex_human_instruction else None
-        cfg = self.vae.config
-        self.scaling_factor = float(cfg.scaling_factor)
-        self.shift_factor = float(getattr(cfg, "shift_factor", None) or 0.0)
-        self.latent_channels = int(cfg.latent_channels)
-        blocks = cfg.block_out_channels if preset.vae.gaussian else cfg.encoder_block_out_channels
-        self.downsample = 2 ** (len(blocks) - 1)
         config = self.text_encoder.config
         self.text_dim = int(getattr(config, "d_model", None) or config.hidden_size)  # T5's d_model; Gemma's and CLIP's hidden_size
 
@@ -177,22 +186,26 @@ class Encoders:
                 "compute_dtype": str(self.vae_dtype).removeprefix("torch."),
                 **self.latent_spec().fingerprint(),
             },
-            "text_encoder": {
-                "name": self.preset.text.name,
-                "source": self.text_source,
-                "revision": self.preset.text.revision,
-                **self._text_modules_fingerprint(),
-                "compute_dtype": str(self.text_dtype).removeprefix("torch."),
-                **self.text_spec().fingerprint(),
-                "encode_prompt": f"{type(self.pipeline).__name__}.encode_prompt",
-                "complex_human_instruction_sha256": (
-                    hashlib.sha256("\n".join(self.instruction).encode()).hexdigest() if self.instruction else None
-                ),
-                "clean_caption": False,
-                # PixArt and Sana mask padding in cross-attention, so trimming it is lossless. SD3 attends
-                # to every token without a mask: only CLIP's zero padding to the joint width is trimmed.
-                "padding": "trimmed" if self.preset.text.kind != "sd3" else "clip width trimmed; all tokens kept",
-            },
+            "text_encoder": self.text_fingerprint(),
+        }
+
+    def text_fingerprint(self) -> dict:
+        """The fingerprint's `text_encoder` part: what determines every cached caption and prompt embedding."""
+        return {
+            "name": self.preset.text.name,
+            "source": self.text_source,
+            "revision": self.preset.text.revision,
+            **self._text_modules_fingerprint(),
+            "compute_dtype": str(self.text_dtype).removeprefix("torch."),
+            **self.text_spec().fingerprint(),
+            "encode_prompt": f"{type(self.pipeline).__name__}.encode_prompt",
+            "complex_human_instruction_sha256": (
+                hashlib.sha256("\n".join(self.instruction).encode()).hexdigest() if self.instruction else None
+            ),
+            "clean_caption": False,
+            # PixArt and Sana mask padding in cross-attention, so trimming it is lossless. SD3 attends
+            # to every token without a mask: only CLIP's zero padding to the joint width is trimmed.
+            "padding": "trimmed" if self.preset.text.kind != "sd3" else "clip width trimmed; all tokens kept",
         }
 
     def _text_modules_fingerprint(self) -> dict:
