@@ -1,4 +1,6 @@
-"""`python -m precompute DATA --model PRESET --cache DIR`: encode a dataset into the shard cache."""
+"""`python -m precompute DATA --model PRESET --cache DIR`: encode a dataset into the shard cache.
+
+`python -m precompute prompts CACHE --prompt TEXT` adds prompts to a built cache without its dataset."""
 
 from __future__ import annotations
 
@@ -6,10 +8,12 @@ import inspect
 import logging
 import os
 import sys
+from pathlib import Path
 
 import typer
 
 from precompute.config import PrecomputeConfig
+from precompute.prompts import PromptsConfig, add_prompts
 from shards.options import config_file_parameter, help_of, typer_parameters
 
 # Exit codes (README): 0 done; 1 more inputs skipped than --max-failure-fraction (the rest is cached); 2 bad
@@ -17,9 +21,11 @@ from shards.options import config_file_parameter, help_of, typer_parameters
 # would remove more than --max-removal-fraction (nothing removed, everything encoded kept).
 EXIT_FAILURES, EXIT_INPUT, EXIT_BUSY, EXIT_REMOVAL = 1, 2, 3, 4
 SHORT_NAMES = {"model": ("--model", "-m"), "cache": ("--cache", "-c")}
-HELP = (__doc__ + "\n\nRe-running encodes only new or changed images (an image whose size and mtime are unchanged is not "
+HELP = (__doc__.split("\n\n")[0] + "\n\nRe-running encodes only new or changed images (an image whose size and mtime are unchanged is not "
         "read); a killed run resumes where it stopped. Exit codes: 0 done; 1 more inputs skipped than --max-failure-fraction; "
-        "2 bad arguments, input or cache; 3 another run is writing the cache; 4 removal refused (see --max-removal-fraction).")
+        "2 bad arguments, input or cache; 3 another run is writing the cache; 4 removal refused (see --max-removal-fraction)."
+        "\n\n`python -m precompute prompts CACHE --prompt TEXT` adds validation prompts to a built cache without DATA (see "
+        "its --help); a DATA folder named `prompts` is given as ./prompts.")
 
 
 def command(data: str, **options) -> None:
@@ -53,6 +59,42 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 app.command(help=HELP)(command)
 
 
+def prompts_command(cache: Path, **options) -> None:
+    from shards import CacheBusy
+
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        result = add_prompts(PromptsConfig(cache, **options))
+    except (CacheBusy, ValueError, FileNotFoundError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(EXIT_BUSY if isinstance(e, CacheBusy) else EXIT_INPUT)
+    typer.echo(f"{cache}: {len(result['added'])} prompt(s) added, {len(result['cached'])} already cached")
+    for what in ("added", "cached"):
+        for text in result[what]:
+            typer.echo(f"  {'added' if what == 'added' else 'already cached'}: {text}")
+
+
+CACHE = inspect.Parameter("cache", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Path,
+                          default=typer.Argument(..., help=help_of(PromptsConfig, "cache")))
+prompts_command.__signature__ = inspect.Signature([CACHE, *typer_parameters(PromptsConfig, skip=("cache",))])
+PROMPTS_HELP = ("Encode prompts into a built cache's prompt store, for validation images and `python -m train sample`, without "
+                "the cache's dataset. Only the text encoder(s) are loaded, as the cache records them (preset, text encoder, token "
+                "limit, dropped T5, dtype, weights); one that differs from the cache's fingerprint is refused, naming the field. "
+                "Prompts are encoded as stage one's --validation-prompt encodes them; those already cached are kept and not "
+                "encoded again. Exit codes: 0 done; 2 bad arguments, no cache, or a text encoder other than the cache's; 3 "
+                "another run is writing the cache.")
+
+prompts_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+prompts_app.command(help=PROMPTS_HELP)(prompts_command)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "prompts":
+        prompts_app(prog_name="python -m precompute prompts", args=sys.argv[2:])
+    else:
+        app(prog_name="python -m precompute")
+
+
 if __name__ == "__main__":
-    app(prog_name="python -m precompute")
+    main()
     sys.exit(0)

@@ -14,7 +14,7 @@ from shards.options import DTYPES
 from train import checkpoint, lora
 from train.objectives import build_objective
 from train.presets import Weights, build_transformer, get_preset, resolve_weights
-from train.validate import Validator
+from train.validate import Validator, add_prompts_command
 
 
 def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
@@ -158,7 +158,7 @@ def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: l
                           seed=seed, decode_device="cpu", out=out, model_name=preset.name)
     if not validator:
         raise ValueError(f"{cache.root} holds no prompts; pass --validation-prompt TEXT for prompts cached there, or add some with "
-                         f"precompute --validation-prompt")
+                         f"{add_prompts_command(cache, [])}")
     dtype = DTYPES[precision]
     latents = validator.sample(model, dtype)
     del model

@@ -27,7 +27,7 @@ from train.plan import format_plan
 from train.presets import get_preset
 from train.state import TrainState
 from train.step import TrainStep
-from train.validate import Validator
+from train.validate import Validator, add_prompts_command
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -244,6 +244,6 @@ def build_validator(cfg: TrainConfig, cache, preset, objective, device: torch.de
                           decode_device="cpu" if cfg.decode_device == "cpu" else str(device), out=cfg.run, model_name=cfg.model)
     if validator:
         return validator
-    say(f"no validation prompts cached in {cache.root} (add some with precompute --validation-prompt); not validating")
+    say(f"no validation prompts cached in {cache.location} (add some with {add_prompts_command(cache, [])}); not validating")
     validator.close()
     return None

@@ -9,6 +9,7 @@ latents go to `train.decode.Decoder` (a CPU process by default).
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from shards import Bucket, Cache
 from shards.prompts import prompt_key
+from shards.remote import is_url
 from train.data import TextLayout, derived_seed
 from train.decode import Decoder, decoder_recipe
 from train.objectives import DDPM, FlowMatching
@@ -38,16 +40,22 @@ def resolve_prompts(cache: Cache, requested: list[str], model: str) -> list[Vali
     if missing:
         args = " ".join(f"--validation-prompt {json.dumps(t)}" for t in missing)
         raise ValueError(
-            f"validation prompt(s) {missing} have no cached embedding in {cache.root}. Add them (nothing else is "
-            f"re-encoded):\n  make precompute DATA=<your data> MODEL={model} CACHE={cache.root} PRECOMPUTE_ARGS={_quote(args)}"
+            f"validation prompt(s) {missing} have no cached embedding in {cache.location}. Add them (only the cache's text "
+            f"encoder runs; its dataset is not needed):\n  {add_prompts_command(cache, missing)}\nor with stage one's run "
+            f"(nothing else is re-encoded):\n  make precompute DATA=<your data> MODEL={model} CACHE={cache.root} "
+            f"PRECOMPUTE_ARGS={shlex.quote(args)}"
         )
     return [ValidationPrompt(t, layout.caption(stored[prompt_key(t)].fields)) for t in requested]
 
 
-def _quote(text: str) -> str:
-    import shlex
-
-    return shlex.quote(text)
+def add_prompts_command(cache: Cache, prompts: list[str]) -> str:
+    """The command that caches `prompts` in `cache` (`--prompt TEXT` when there are none to name); for a cache
+    read from object storage, the directory it was copied from."""
+    args = " ".join(f"--prompt {shlex.quote(t)}" for t in prompts) or "--prompt TEXT"
+    if is_url(cache.location):
+        return (f"python -m precompute prompts DIR {args}  (DIR: the directory {cache.location} was copied from; "
+                f"copy it there again afterwards)")
+    return f"python -m precompute prompts {shlex.quote(cache.location)} {args}"
 
 
 def default_buckets(cache: Cache, n: int = 3) -> list[Bucket]:
@@ -106,7 +114,8 @@ class Validator:
         self.prompts = resolve_prompts(cache, prompts, model_name)
         null = cache.prompts().get(prompt_key(""))
         if null is None:
-            raise ValueError(f"{cache.root} holds no empty-caption embedding for guidance; re-run `make precompute` on it (only what is missing is encoded)")
+            raise ValueError(f"{cache.location} holds no empty-caption embedding for guidance; it is stored with any prompt: "
+                             f"{add_prompts_command(cache, prompts)}")
         self.layout = TextLayout.of(cache)
         self.null = self.layout.caption(null.fields)  # the empty caption, as the family's pipeline guides
         self.buckets = [Bucket.parse(b) for b in buckets] or default_buckets(cache)
