@@ -76,27 +76,57 @@ def content_key(image: bytes, captions: list[str]) -> str:
     return h.hexdigest()
 
 
-def decode_captions(raw: list[bytes | str]) -> tuple[list[str] | None, str | None]:
+def decode_caption(c: bytes | str) -> tuple[str, str | None]:
+    """One caption candidate as text, and the fallback encoding it was read in (None: UTF-8, or already text).
+
+    Caption files of scraped sets are often cp1252 (Windows) or latin-1: they are read as such rather than
+    skipped. UTF-8 is tried first and reads as before, so no cached sample changes its key.
+
+    Raises:
+        UnicodeError: a str holding lone surrogates (from JSON), which `content_key` could not encode.
+    """
+    if isinstance(c, str):
+        c.encode("utf-8")
+        return c, None
+    try:
+        return c.decode("utf-8"), None
+    except UnicodeDecodeError:
+        pass
+    try:
+        return c.decode("cp1252"), "cp1252"
+    except UnicodeDecodeError:  # cp1252 leaves 0x81, 0x8D, 0x8F, 0x90 and 0x9D undefined
+        return c.decode("latin-1"), "latin-1"  # which maps every byte
+
+
+def read_captions(raw: list[bytes | str]) -> tuple[list[str] | None, str | None, str | None]:
     """Caption candidates as stripped text, empty ones dropped.
 
     Returns:
-        (captions, None), or (None, reason) when there is no usable caption or one is malformed.
+        (captions, None, fallback) where `fallback` names the encoding the first caption that is not UTF-8 was
+        read in ("cp1252", else "latin-1"; None when all are UTF-8), or (None, reason, None) when there is no usable
+        caption or one is malformed.
     """
     if not raw:
-        return None, "missing_caption"
-    out = []
+        return None, "missing_caption", None
+    out, fallback = [], None
     for c in raw:
         try:
-            c = c.decode("utf-8") if isinstance(c, bytes) else c
-            c.encode("utf-8")  # a str from JSON may hold lone surrogates, which content_key could not encode
+            c, encoding = decode_caption(c)
         except UnicodeError:
-            return None, "caption_not_utf8"
+            return None, "caption_not_utf8", None
         if "\x00" in c:  # content_key separates captions with NUL: ["a\0b"] and ["a", "b"] would share a key
-            return None, "caption_nul"
+            return None, "caption_nul", None
         c = c.removeprefix("\ufeff").strip()  # a byte order mark from a Windows editor is not text
         if c:
             out.append(c)
-    return (out, None) if out else (None, "empty_caption")
+            fallback = fallback or encoding
+    return (out, None, fallback) if out else (None, "empty_caption", None)
+
+
+def decode_captions(raw: list[bytes | str]) -> tuple[list[str] | None, str | None]:
+    """`read_captions` without the fallback encoding: (captions, None) or (None, reason)."""
+    captions, reason, _ = read_captions(raw)
+    return captions, reason
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
@@ -120,7 +150,8 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
 
     Returns:
         A dict with `status` ("ok", "unchanged" or "failed") and `source`; "ok" adds `key`, `bucket`,
-        `pixels` (3, H, W) uint8, `captions`, `original_size` (h, w) and `crop` (top, left, h, w);
+        `pixels` (3, H, W) uint8, `captions`, `original_size` (h, w), `crop` (top, left, h, w) and, when a
+        caption was not UTF-8, `caption_fallback` (the encoding it was read in, "cp1252" or "latin-1");
         "unchanged" adds `key`; "failed" adds `reason` and `detail`.
     """
     def failed(reason: str, detail: str = "") -> dict:
@@ -130,7 +161,7 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         return failed(record.missing, record.detail)
     if not record.image:
         return failed("empty_file")
-    captions, reason = decode_captions(record.captions)
+    captions, reason, fallback = read_captions(record.captions)
     if reason:
         return failed(reason)
     key = content_key(record.image, captions)
@@ -175,4 +206,5 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         "captions": captions,
         "original_size": (h, w),
         "crop": (top, left, bucket.height, bucket.width),
+        **({"caption_fallback": fallback} if fallback else {}),
     }
