@@ -63,16 +63,28 @@ def losses(run) -> list[float]:
     return [json.loads(line)["loss"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
 
 
+def two_source_cache(root: Path) -> Path:
+    """A tiny-sana cache of two sources of 4 images each, the first drawn three times an epoch."""
+    from precompute.run import main as precompute
+    from precompute.sample_data import make_folder
+
+    a, b = make_folder(root / "a", count=4, seed=1), make_folder(root / "b", count=4, seed=2)
+    (root / "data.toml").write_text(f'[[source]]\npath = "{a}"\nrepeats = 3\n\n[[source]]\npath = "{b}"\n')
+    precompute(str(root / "data.toml"), "tiny-sana", root / "cache", workers=0, progress=False)
+    return root / "cache"
+
+
 @pytest.fixture(scope="module")
 def runs(tiny_caches, tmp_path_factory):
     """One process at batch 4, and 2 processes at batch 2 under DDP and under FSDP: 6 steps each,
-    checkpointed at steps 3 and 6."""
+    checkpointed at steps 3 and 6, from a cache of two sources."""
     root = tmp_path_factory.mktemp("distributed")
-    cache = tiny_caches["tiny-sana"]
+    cache = two_source_cache(root / "sources")
     launch(cache, root / "one", 1, "--steps", "6", "--batch-size", "4")
     launch(cache, root / "ddp", 2, "--steps", "6", "--batch-size", "2", "--parallel", "ddp")
     launch(cache, root / "fsdp", 2, "--steps", "6", "--batch-size", "2", "--parallel", "fsdp")
     # bf16 compute: autocast in one process, FSDP's bf16 parameters in two
+    cache = tiny_caches["tiny-sana"]
     bf16 = ["--steps", "3", "--precision", "bf16"]
     launch(cache, root / "one-bf16", 1, *bf16, "--batch-size", "4", record=True)
     launch(cache, root / "fsdp-bf16", 2, *bf16, "--batch-size", "2", "--parallel", "fsdp", record=True)
@@ -85,6 +97,22 @@ def test_two_processes_match_one_with_the_same_global_batch(runs, kind):
     one, two = losses(runs / "one"), losses(runs / kind)
     assert len(one) == len(two) == 6
     assert two == pytest.approx(one, rel=1e-4)  # same samples, noise, timesteps and updates
+
+
+@pytest.mark.slow
+def test_sources_are_drawn_alike_by_one_process_and_two(runs):
+    """samples_by_source in metrics.jsonl: what the data order plans for the run's 24 samples, on 1 and 2 ranks."""
+    from shards import Cache
+    from train.order import BatchPlan
+
+    plan = BatchPlan.of(Cache(runs / "sources" / "cache"), 4, seed=0)
+    expected = {}
+    for planned in list(plan.global_batches(0))[:6]:
+        expected[planned.source] = expected.get(planned.source, 0) + 4
+    drawn = {kind: json.loads((runs / kind / "metrics.jsonl").read_text().splitlines()[-1])["samples_by_source"]
+             for kind in ("one", "ddp", "fsdp")}
+    assert drawn["one"] == drawn["ddp"] == drawn["fsdp"] == expected
+    assert set(expected) == {"a", "b"} and plan.draws_by_source() == {"a": 12, "b": 4}
 
 
 @pytest.mark.slow

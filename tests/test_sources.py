@@ -151,3 +151,56 @@ def test_samples_cached_before_sources_had_names_are_adopted_by_the_same_data(tm
     summary = precompute(str(data), "tiny-sana", cache, **RUN)
     assert summary["sources"]["images"]["unchanged"] == 5 and summary["sources"]["images"]["new"] == 0
     assert set(load(cache).datasets()) == {"images"}
+
+
+# ---- training draws each source by its share -------------------------------------------------------------
+
+def two_source_plan(records: dict, sizes=(400, 400), **kw):
+    """A plan over two sources of `sizes` samples, each in two buckets of 10-sample shards."""
+    from shards import Bucket
+    from train.order import BatchPlan, Stream, source_draws
+
+    ranges, samples, start = {}, {}, 0
+    for name, n in zip(("a", "b"), sizes):
+        for bucket in (Bucket(64, 64), Bucket(48, 80)):
+            half = n // 2
+            ranges[Stream(bucket, name)] = [range(s, min(s + 10, start + half)) for s in range(start, start + half, 10)]
+            samples[Stream(bucket, name)] = half
+            start += half
+    return BatchPlan(ranges, draws=source_draws(samples, records), **kw), start
+
+
+def source_of(index: int, sizes=(400, 400)) -> str:
+    return "a" if index < sizes[0] else "b"
+
+
+@pytest.mark.parametrize("records, share", [({"a": {"repeats": 3}, "b": {"repeats": 1}}, 3.0),
+                                            ({"a": {"weight": 0.25}, "b": {"weight": 0.75}}, 1 / 3)])
+def test_sources_are_drawn_by_their_repeats_or_weights(records, share):
+    from collections import Counter
+
+    plan, n = two_source_plan(records, batch_size=4, seed=3, remainder="drop")
+    drawn = Counter()
+    for epoch in range(3):
+        for planned in plan.global_batches(epoch):
+            assert {source_of(i) for i in planned.indices} == {planned.source}  # a batch holds one source
+            drawn.update(source_of(i) for i in planned.indices)
+    assert drawn["a"] / drawn["b"] == pytest.approx(share, rel=0.02)
+    if "repeats" in records["a"]:  # every sample of a three times an epoch, each pass shuffled anew
+        epoch = [i for p in plan.global_batches(0) for i in p.indices]
+        assert Counter(Counter(i for i in epoch if i < 400).values()) == Counter({3: 400})
+    # the same seed, the same batches; a resume lands on the tail; N ranks see what one process sees
+    again, _ = two_source_plan(records, batch_size=4, seed=3, remainder="drop")
+    assert again(1) == plan(1)
+    assert plan(1, start=7) == plan(1)[7:]
+    ranks = [two_source_plan(records, batch_size=2, seed=3, rank=r, world_size=2, remainder="drop")[0] for r in range(2)]
+    assert [a + b for a, b in zip(ranks[0](2), ranks[1](2))] == plan(2)
+
+
+def test_a_one_source_plan_keeps_the_batches_of_a_cache_without_sources():
+    from shards import Bucket
+    from train.order import BatchPlan, Stream
+
+    ranges = {Bucket(64, 64): [range(0, 10), range(10, 17)], Bucket(48, 80): [range(17, 30)]}
+    named = {Stream(b, "photos"): spans for b, spans in ranges.items()}
+    assert BatchPlan(named, 3, seed=4)(0) == BatchPlan(ranges, 3, seed=4)(0)

@@ -57,6 +57,8 @@ def test_resume_equals_an_uninterrupted_run(caches, tmp_path):
     assert [r["step"] for r in b] == list(range(1, 13))
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6, abs=1e-7) and x["lr"] == y["lr"]
+        assert x["samples_by_source"] == y["samples_by_source"]  # carried over the resume
+    assert b[-1]["samples_by_source"] == {"data": 12 * 4}
     wa = torch.load(complete_checkpoints(tmp_path / "straight")[-1] / "optimizer.pt", weights_only=True)
     wb = torch.load(complete_checkpoints(tmp_path / "resumed")[-1] / "optimizer.pt", weights_only=True)
     for k in wa["state"]:

@@ -291,7 +291,7 @@ class BatchStream:
             return _Failed(e, epoch.number, planned.cursor)
         if self.pin:
             batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        batch.update(epoch=epoch.number, cursor=planned.cursor + 1)
+        batch.update(epoch=epoch.number, cursor=planned.cursor + 1, source=planned.source)
         return batch
 
     def _put(self, q: queue.Queue, item) -> bool:

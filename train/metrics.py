@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -31,9 +32,10 @@ class Metrics:
     """
 
     def __init__(self, run: Path, step: int, smoothed: list, *, is_main: bool, device: torch.device,
-                 precision: str, data_wait: float = 0.0):
+                 precision: str, data_wait: float = 0.0, drawn: dict | None = None):
         self.run, self.is_main, self.device, self.precision = run, is_main, device, precision
         self.smooth_sum, self.smooth_n = smoothed
+        self.drawn: Counter[str] = Counter(drawn or {})  # samples trained on per source, over the whole run
         self.losses: list[tuple[int, float]] = []
         self.grids: list[str] = []
         self.file = self.tensorboard = None
@@ -61,8 +63,10 @@ class Metrics:
         total = distributed.sum_across([float(self.smooth_sum)], self.device)[0] / distributed.world_size()
         return [total, self.smooth_n]
 
-    def add(self, loss: torch.Tensor, per_sample: torch.Tensor, t: torch.Tensor, samples: int) -> None:
-        """One micro-batch: `loss` is this rank's mean, `per_sample` and `t` its samples', `samples` the global count."""
+    def add(self, loss: torch.Tensor, per_sample: torch.Tensor, t: torch.Tensor, samples: int, source: str = "") -> None:
+        """One micro-batch: `loss` is this rank's mean, `per_sample` and `t` its samples', `samples` the global count,
+        drawn from `source` (every rank's slice of a global batch comes from the same one)."""
+        self.drawn[source] += samples
         self.smooth_sum, self.smooth_n = 0.95 * self.smooth_sum + 0.05 * loss.float(), self.smooth_n + 1
         self.loss, self.n, self.samples = self.loss + loss.float(), self.n + 1, self.samples + samples
         which = (t.detach().float() * TIMESTEP_BINS).long().clamp(0, TIMESTEP_BINS - 1)
@@ -87,7 +91,7 @@ class Metrics:
             "lr": lr, "grad_norm": grad_norm, "samples_per_s": self.samples / elapsed,
             "data_wait": (data_wait - self.wait) / elapsed, "peak_memory": peak_memory(self.device),
             "loss_by_timestep": [s / c if c else None for s, c in zip(sums, counts)],
-            "precision": self.precision,
+            "precision": self.precision, "samples_by_source": dict(self.drawn),
         }
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")

@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import heapq
-from collections import OrderedDict
+import math
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -34,9 +35,47 @@ def _generator(*parts: int, device: torch.device | str | None = None) -> torch.G
     return torch.Generator(where).manual_seed(derived_seed(*parts))
 
 
+@dataclass(frozen=True, order=True)
+class Stream:
+    """The shards of one bucket and one source (a named dataset of the cache): what the plan draws batches from."""
+
+    bucket: Bucket
+    source: str = ""
+
+
+def source_draws(samples: dict[Stream, int], records: dict[str, dict]) -> dict[Stream, int]:
+    """Samples each stream gives an epoch, from its source's share as stage one recorded it
+    (`manifest.extra["sources"]`): `repeats` r draws each sample r times; sources with a `weight` share the draws
+    their samples would take once, in proportion to their weights. A source without a record draws once.
+    A source's draws are spread over its buckets in proportion to their samples (rounded to whole draws)."""
+    per_source: dict[str, int] = defaultdict(int)
+    for stream, n in samples.items():
+        per_source[stream.source] += n
+    weights = {name: float(records[name]["weight"]) for name in per_source if "weight" in records.get(name, {})}
+    wanted: dict[str, float] = {name: n * int(records.get(name, {}).get("repeats", 1))
+                                for name, n in per_source.items() if name not in weights}
+    pool = sum(per_source[name] for name in weights)
+    wanted |= {name: pool * w / sum(weights.values()) for name, w in weights.items()}
+    draws = _whole(wanted)
+    out: dict[Stream, int] = {}
+    for name, total in draws.items():
+        mine = {stream: n for stream, n in samples.items() if stream.source == name}
+        out |= _whole({stream: total * n / per_source[name] for stream, n in mine.items()})
+    return out
+
+
+def _whole(parts: dict) -> dict:
+    """Shares rounded to whole numbers with their sum kept (largest remainders first, ties in key order)."""
+    floors = {k: math.floor(v + 1e-9) for k, v in parts.items()}
+    short = round(sum(parts.values())) - sum(floors.values())
+    for k in sorted(parts, key=lambda k: -(parts[k] - floors[k]))[:max(short, 0)]:
+        floors[k] += 1
+    return floors
+
+
 @dataclass
 class _BucketEpoch:
-    """One bucket's order in one epoch: its shards shuffled, grouped into windows of `shuffle_shards`
+    """One stream's order in one pass of an epoch: its shards shuffled, grouped into windows of `shuffle_shards`
     consecutive shards whose samples are shuffled together."""
 
     shard_order: np.ndarray  # positions in the bucket's shard list
@@ -51,6 +90,7 @@ class PlannedBatch:
     cursor: int
     bucket: Bucket
     indices: list[int]
+    source: str = ""
 
 
 class BatchPlan:
@@ -71,6 +111,10 @@ class BatchPlan:
     - Nothing per sample is stored: memory and start-up are O(shards); batch `s` of an epoch is found in
       O(buckets x log samples) (`batches(epoch, start=s)`), so a resume does not replay the epoch.
 
+    A cache of several sources (named datasets) draws from each by its share: every bucket and source is a
+    stream of its own, batches never mix sources, and a stream drawn more often than it has samples (repeats,
+    or a large weight) shuffles anew for every pass over it within the epoch.
+
     Global batches hold `batch_size * world_size` samples and are the same on every rank (a function of
     seed and epoch alone); rank r takes slice r of each. So every rank gets the same number of batches of
     the same shape at every step, and N ranks see exactly the samples one process with the global batch
@@ -78,15 +122,18 @@ class BatchPlan:
     the start of that bucket's order, so every sample is used every epoch; `"drop"` drops it instead.
 
     Args:
-        ranges: global index ranges of each bucket's shards (`Cache.ranges_by_bucket()`), or use `of(cache)`.
+        ranges: global index ranges of the shards of each bucket (or `Stream`: bucket and source), or use
+            `of(cache)`.
+        draws: samples drawn per epoch from each stream (`source_draws`); default: each sample once.
         batch_size: samples per batch on each rank.
         seed, rank, world_size: the run's.
         remainder: "repeat" or "drop".
         shuffle_shards: shards whose samples are shuffled together.
     """
 
-    def __init__(self, ranges: dict[Bucket, list[range]] | dict[Bucket, tuple[np.ndarray, np.ndarray]], batch_size: int,
-                 seed: int = 0, rank: int = 0, world_size: int = 1, remainder: str = "repeat", shuffle_shards: int = 4):
+    def __init__(self, ranges: dict[Bucket | Stream, list[range] | tuple[np.ndarray, np.ndarray]], batch_size: int,
+                 seed: int = 0, rank: int = 0, world_size: int = 1, remainder: str = "repeat", shuffle_shards: int = 4,
+                 draws: dict[Stream, int] | None = None):
         if remainder not in ("repeat", "drop"):
             raise ValueError(f"remainder {remainder!r}: choose repeat or drop")
         if batch_size < 1 or shuffle_shards < 1:
@@ -94,35 +141,52 @@ class BatchPlan:
         self.batch_size, self.seed, self.rank, self.world_size = batch_size, seed, rank, world_size
         self.remainder, self.shuffle_shards = remainder, shuffle_shards
         self.global_size = batch_size * world_size
-        self.buckets: list[Bucket] = []
-        self._starts: list[np.ndarray] = []  # per bucket: its shards' first global index
+        self.streams: list[Stream] = []
+        self._starts: list[np.ndarray] = []  # per stream: its shards' first global index
         self._sizes: list[np.ndarray] = []  # and their sample counts
-        for bucket, spans in sorted(ranges.items()):
+        ranges = {key if isinstance(key, Stream) else Stream(key): spans for key, spans in ranges.items()}
+        for stream, spans in sorted(ranges.items()):
             if isinstance(spans, tuple):
                 starts, stops = (np.asarray(a, dtype=np.int64) for a in spans)
             else:
                 starts = np.fromiter((r.start for r in spans), dtype=np.int64, count=len(spans))
                 stops = np.fromiter((r.stop for r in spans), dtype=np.int64, count=len(spans))
             keep = stops > starts
-            if keep.any():
-                self.buckets.append(bucket)
+            if keep.any() and (draws is None or draws.get(stream, 0) > 0):
+                self.streams.append(stream)
                 self._starts.append(starts[keep])
                 self._sizes.append(stops[keep] - starts[keep])
+        self.buckets = [stream.bucket for stream in self.streams]
         self.samples = [int(s.sum()) for s in self._sizes]
+        self.draws = [self.samples[i] if draws is None else int(draws[st]) for i, st in enumerate(self.streams)]
         g = self.global_size
-        self.counts = [(n + g - 1) // g if remainder == "repeat" else n // g for n in self.samples]
-        self._epochs: OrderedDict[int, list[_BucketEpoch]] = OrderedDict()  # the two most recent
+        self.counts = [(n + g - 1) // g if remainder == "repeat" else n // g for n in self.draws]
+        # one source: the seeds of the plan before sources existed (its runs resume onto the same batches)
+        self._single = len({st.source for st in self.streams}) <= 1
+        self._epochs: OrderedDict[tuple[int, int, int], _BucketEpoch] = OrderedDict()  # a few recent (epoch, stream, pass)
 
     @classmethod
     def of(cls, cache, batch_size: int, **kwargs) -> "BatchPlan":
-        """The plan of a `shards.Cache`'s generation, from its shard table (no shard is opened)."""
+        """The plan of a `shards.Cache`'s generation, from its shard table (no shard is opened): a stream per
+        bucket and source, each source drawn by the share stage one recorded for it."""
         starts = cache.shard_starts
         heights, widths = cache.shards.column("height"), cache.shards.column("width")
-        ranges = {}
-        for h, w in sorted(set(zip(heights.tolist(), widths.tolist()))):
-            mine = np.flatnonzero((heights == h) & (widths == w))
-            ranges[Bucket(int(h), int(w))] = (starts[mine], starts[mine + 1])
-        return cls(ranges, batch_size, **kwargs)
+        names = np.array(cache.shards.datasets(), dtype=object)
+        ranges, samples = {}, {}
+        for h, w, name in sorted(set(zip(heights.tolist(), widths.tolist(), names.tolist()))):
+            mine = np.flatnonzero((heights == h) & (widths == w) & (names == name))
+            stream = Stream(Bucket(int(h), int(w)), name)
+            ranges[stream] = (starts[mine], starts[mine + 1])
+            samples[stream] = int((starts[mine + 1] - starts[mine]).sum())
+        draws = source_draws(samples, cache.manifest.extra.get("sources", {}))
+        return cls(ranges, batch_size, draws=draws, **kwargs)
+
+    def draws_by_source(self) -> dict[str, int]:
+        """Samples each source gives an epoch (before a last batch is completed or dropped)."""
+        out: dict[str, int] = defaultdict(int)
+        for stream, d in zip(self.streams, self.draws):
+            out[stream.source] += d
+        return dict(out)
 
     def batches_per_epoch(self) -> int:
         return sum(self.counts)
@@ -133,30 +197,37 @@ class BatchPlan:
         twin._epochs = OrderedDict()
         return twin
 
-    # --- within a bucket ---
+    # --- within a stream ---
 
-    def _bucket_epochs(self, epoch: int) -> list[_BucketEpoch]:
-        out = self._epochs.get(epoch)
+    def _tag(self, b: int, p: int) -> tuple:
+        """What sets stream `b`'s pass `p` apart in the seeds (nothing for the one pass of a one-source cache)."""
+        return () if self._single and p == 0 else (self.streams[b].source, p)
+
+    def _bucket_epoch(self, epoch: int, b: int, p: int) -> _BucketEpoch:
+        """Stream `b`'s order in pass `p` of `epoch` (kept for the few most recent)."""
+        key = (epoch, b, p)
+        out = self._epochs.get(key)
         if out is None:
-            out = []
-            for bucket, sizes in zip(self.buckets, self._sizes):
-                order = torch.randperm(len(sizes), generator=_generator(self.seed, epoch, bucket.height, bucket.width)).numpy()
-                k = self.shuffle_shards
-                per_window = np.add.reduceat(sizes[order], np.arange(0, len(order), k))
-                out.append(_BucketEpoch(order, np.concatenate([[0], np.cumsum(per_window)])))
-            self._epochs[epoch] = out
-            if len(self._epochs) > 2:
+            bucket, sizes = self.buckets[b], self._sizes[b]
+            order = torch.randperm(len(sizes), generator=_generator(self.seed, epoch, bucket.height, bucket.width,
+                                                                    *self._tag(b, p))).numpy()
+            per_window = np.add.reduceat(sizes[order], np.arange(0, len(order), self.shuffle_shards))
+            out = self._epochs[key] = _BucketEpoch(order, np.concatenate([[0], np.cumsum(per_window)]))
+            if len(self._epochs) > 2 * len(self.streams) + 4:  # two epochs' worth at a hand-over
                 self._epochs.popitem(last=False)
+        else:
+            self._epochs.move_to_end(key)
         return out
 
-    def _window(self, epoch: int, b: int, w: int, be: _BucketEpoch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Window `w` of bucket `b`: the permutation of its samples, its shards' first global indices and their
-        cumulative sample counts (kept for the few most recent windows: a batch reads one or two)."""
+    def _window(self, epoch: int, b: int, p: int, w: int, be: _BucketEpoch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Window `w` of stream `b`'s pass `p`: the permutation of its samples, its shards' first global indices
+        and their cumulative sample counts (kept for the few most recent windows: a batch reads one or two)."""
         window = be.perms.get(w)
         if window is None:
             size = int(be.window_starts[w + 1] - be.window_starts[w])
             bucket = self.buckets[b]
-            perm = torch.randperm(size, generator=_generator(self.seed, epoch, bucket.height, bucket.width, w)).numpy()
+            perm = torch.randperm(size, generator=_generator(self.seed, epoch, bucket.height, bucket.width, w,
+                                                             *self._tag(b, p))).numpy()
             shards = be.shard_order[w * self.shuffle_shards : (w + 1) * self.shuffle_shards]
             window = (perm, self._starts[b][shards], np.cumsum(self._sizes[b][shards]))
             be.perms[w] = window
@@ -167,26 +238,27 @@ class BatchPlan:
         return window
 
     def _sample(self, epoch: int, b: int, q: int) -> int:
-        """Global index of position `q` of bucket `b`'s stream in `epoch` (positions past its end wrap)."""
-        be = self._bucket_epochs(epoch)[b]
-        q %= self.samples[b]
+        """Global index of draw `q` of stream `b` in `epoch`: pass q // samples, position q % samples of that
+        pass's order (draws past the epoch's, which complete a last batch, wrap to its first)."""
+        p, q = divmod(q % self.draws[b], self.samples[b])
+        be = self._bucket_epoch(epoch, b, p)
         w = int(np.searchsorted(be.window_starts, q, side="right")) - 1
-        perm, starts, ends = self._window(epoch, b, w, be)
+        perm, starts, ends = self._window(epoch, b, p, w, be)
         o = int(perm[q - be.window_starts[w]])
         s = int(np.searchsorted(ends, o, side="right"))
         return int(starts[s]) + o - (int(ends[s - 1]) if s else 0)
 
     def global_batch(self, epoch: int, b: int, k: int) -> list[int]:
-        """The samples of bucket `b`'s `k`-th global batch in `epoch`."""
+        """The samples of stream `b`'s `k`-th global batch in `epoch`."""
         g = self.global_size
         return [self._sample(epoch, b, q) for q in range(k * g, (k + 1) * g)]
 
-    # --- across buckets ---
+    # --- across streams ---
 
     def _due(self, epoch: int, b: int, k: int) -> float:
-        """When bucket `b`'s batch `k` comes in the epoch, in [0, 1)."""
+        """When stream `b`'s batch `k` comes in the epoch, in [0, 1)."""
         bucket = self.buckets[b]
-        u = derived_seed(self.seed, epoch, bucket.height, bucket.width, k, 7) / float(1 << 63)
+        u = derived_seed(self.seed, epoch, bucket.height, bucket.width, k, 7, *self._tag(b, 0)[:1]) / float(1 << 63)
         return (k + u) / self.counts[b]
 
     def _due_before(self, epoch: int, b: int, tau: float) -> int:
@@ -234,14 +306,14 @@ class BatchPlan:
             done[b] += 1
             if done[b] < self.counts[b]:
                 heapq.heappush(heap, (self._due(epoch, b, done[b]), b))
-            yield PlannedBatch(cursor, self.buckets[b], self.global_batch(epoch, b, k))
+            yield PlannedBatch(cursor, self.buckets[b], self.global_batch(epoch, b, k), self.streams[b].source)
             cursor += 1
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[PlannedBatch]:
         """This rank's batches of `epoch` from its `start`-th on: slice `rank` of each global batch."""
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         for planned in self.global_batches(epoch, start):
-            yield PlannedBatch(planned.cursor, planned.bucket, planned.indices[mine])
+            yield PlannedBatch(planned.cursor, planned.bucket, planned.indices[mine], planned.source)
 
     def __call__(self, epoch: int, start: int = 0) -> list[list[int]]:
         """This rank's batches of `epoch` as lists of indices (for tests and small caches)."""

@@ -23,13 +23,15 @@ log = logging.getLogger("train")
 @dataclass
 class Progress:
     """Where a run is: optimizer steps, epoch and batches of it read (`cursor`), the smoothed loss as
-    (sum, n), and the precisions it has trained in (`history`, from which step)."""
+    (sum, n), the precisions it has trained in (`history`, from which step) and the samples trained on per
+    source (`drawn`)."""
 
     step: int = 0
     epoch: int = 0
     cursor: int = 0
     smoothed: list = field(default_factory=lambda: [0.0, 0])  # (sum, n)
     history: list = field(default_factory=list)
+    drawn: dict = field(default_factory=dict)  # source -> samples trained on so far
 
 
 class TrainState:
@@ -81,7 +83,8 @@ class TrainState:
         history = state["precision_history"]
         if (history[-1]["precision"], history[-1].get("weights_dtype", "fp32")) != (cfg.precision, cfg.weights_dtype):
             history.append({"step": state["step"], "precision": cfg.precision, "weights_dtype": cfg.weights_dtype})
-        progress = Progress(state["step"], state["epoch"], state["cursor"], list(state.get("smoothed_loss", [0.0, 0])), history)
+        progress = Progress(state["step"], state["epoch"], state["cursor"], list(state.get("smoothed_loss", [0.0, 0])), history,
+                            dict(state.get("samples_by_source", {})))
         say(f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.cursor})")
         return progress
 
@@ -108,6 +111,7 @@ class TrainState:
         state = {
             "step": progress.step, "epoch": progress.epoch, "cursor": progress.cursor, "world_size": self.world,
             "model": cfg.model, "parallel": self.parallel, "smoothed_loss": list(progress.smoothed),
+            "samples_by_source": dict(progress.drawn),
             "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "cache_generation": cache.generation,
             # a remote cache's generations live in its bucket: `shards gc` of a directory must not count them
             **({"cache_url": cache.location} if isinstance(cache, RemoteCache) else {"cache_root": str(cache.root.resolve())}),

@@ -31,6 +31,7 @@ class MicroBatch:
     per_sample: torch.Tensor  # this rank's samples' losses
     t: torch.Tensor  # and their timesteps in [0, 1)
     samples: int  # this rank's sample count
+    source: str = ""  # the source (a named dataset of the cache) they were drawn from
 
 
 class TrainStep:
@@ -73,7 +74,7 @@ class TrainStep:
                 per_sample, t = self.objective(self.model.forward, batch, g, part=(self.rank, self.world))
                 loss = per_sample.mean()
             self.scaler.scale(loss / self.cfg.grad_accum).backward()
-        self.micros.append(MicroBatch(loss.detach(), per_sample.detach(), t, len(batch["keys"])))
+        self.micros.append(MicroBatch(loss.detach(), per_sample.detach(), t, len(batch["keys"]), batch.get("source", "")))
         self.keys += batch["keys"]
         return self.ready
 
