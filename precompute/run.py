@@ -216,6 +216,8 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
                 counts["changed_since"] += 1  # the input changed after it was cached: a plain re-run updates it
             else:
                 seen[item["key"]] = (name, item["source"])
+                if item.get("caption_fallback"):  # not UTF-8: read in the encoding named, reported in the summary
+                    counts[f"caption_fallback:{item['caption_fallback']}"] += 1
                 pending[item["bucket"]].append(item)
                 if len(pending[item["bucket"]]) >= batch_size:
                     encode_and_write(pending.pop(item["bucket"]))

@@ -68,7 +68,6 @@ EXPECTED_FAILURES = {
     "extreme.png": "extreme_aspect",
     "nocaption.png": "missing_caption",
     "emptycaption.png": "empty_caption",
-    "latin1.png": "caption_not_utf8",
 }
 
 
@@ -89,6 +88,7 @@ def test_bad_input_corpus(bad_folder, tmp_path):
     assert summary["failed"] == len(EXPECTED_FAILURES)
     assert summary["failed_by_reason"]["not_an_image"] == 2
     assert summary["captions_truncated"] == 1
+    assert summary["caption_fallbacks"] == {"cp1252": 1}  # latin1.png's caption: read, reported, cached
     cache = Cache(tmp_path)
     sources = {bytes(cache[i]["source"].tolist()).decode(): cache[i] for i in range(len(cache))}
     assert set(sources) == set(corpus()) - set(EXPECTED_FAILURES)
