@@ -24,7 +24,8 @@ PREPROCESSING_VERSION = 1  # bump when anything below changes the pixels or capt
 @dataclass(frozen=True)
 class ImagePolicy:
     """How images become bucket-sized pixels (`PrecomputeConfig.policy()` builds it from the run's options, which
-    say what each means). Everything here is part of the cache fingerprint.
+    say what each means). Everything here but a source's caption options is part of the cache fingerprint;
+    those change the captions, hence the keys, of the samples they apply to.
 
     Args:
         buckets: the bucket table.
@@ -34,6 +35,8 @@ class ImagePolicy:
             by more than `aspect_tolerance`.
         max_pixels: refuse images with more pixels (decompression bombs).
         aspect_tolerance: factor by which an aspect ratio may exceed the table's extremes.
+        caption_prefix: put before every caption of the source (a trigger word).
+        default_caption: the caption of an image that has none (otherwise skipped as missing or empty).
     """
 
     buckets: tuple[Bucket, ...]
@@ -42,6 +45,8 @@ class ImagePolicy:
     extreme_aspect: str
     max_pixels: int
     aspect_tolerance: float = 1.25
+    caption_prefix: str = ""
+    default_caption: str | None = None
 
     def fingerprint(self) -> dict:
         return {
@@ -162,8 +167,11 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
     if not record.image:
         return failed("empty_file")
     captions, reason, fallback = read_captions(record.captions)
+    if reason in ("missing_caption", "empty_caption") and policy.default_caption:
+        captions, reason = [policy.default_caption], None
     if reason:
         return failed(reason)
+    captions = [policy.caption_prefix + c for c in captions]
     key = content_key(record.image, captions)
     if key in skip_keys:
         return {"status": "unchanged", "source": record.source, "key": key}

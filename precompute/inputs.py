@@ -7,7 +7,7 @@ out of a worker for bad data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -65,6 +65,7 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
         keys: keys already cached: an input of one of them is reported unchanged after reading.
     """
     data = source.path
+    policy = replace(policy, caption_prefix=source.caption_prefix, default_caption=source.default_caption)
     if is_tar_source(data):
         urls = expand_tar_urls(data, config.allow_pipe)
         mine = urls[rank::world]

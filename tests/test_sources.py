@@ -204,3 +204,32 @@ def test_a_one_source_plan_keeps_the_batches_of_a_cache_without_sources():
     ranges = {Bucket(64, 64): [range(0, 10), range(10, 17)], Bucket(48, 80): [range(17, 30)]}
     named = {Stream(b, "photos"): spans for b, spans in ranges.items()}
     assert BatchPlan(named, 3, seed=4)(0) == BatchPlan(ranges, 3, seed=4)(0)
+
+
+# ---- caption options --------------------------------------------------------------------------------------
+
+def test_caption_prefix_and_default_caption_and_editing_them(tmp_path):
+    from precompute.images import content_key
+
+    data = make_folder(tmp_path / "dogs", count=4)
+    (data / "00003.txt").unlink()  # an image without a caption
+    file = write_toml(tmp_path / "data.toml", f'[[source]]\npath = "{data}"\ncaption_prefix = "sks dog, "\n'
+                                              f'default_caption = "a photo of sks dog"\n')
+    cache = tmp_path / "cache"
+    summary = precompute(str(file), "tiny-sana", cache, **RUN)
+    assert summary["sources"]["dogs"]["new"] == 4 and summary["failed"] == 0
+    expected = {content_key((data / f"{i:05d}.png").read_bytes(),
+                            ["sks dog, " + (data / f"{i:05d}.txt").read_text().strip()]) for i in range(3)}
+    expected.add(content_key((data / "00003.png").read_bytes(), ["sks dog, a photo of sks dog"]))
+    assert {k for k, _ in Cache(cache).keys()} == expected
+    assert precompute(str(file), "tiny-sana", cache, **RUN)["sources"]["dogs"]["unchanged"] == 4  # not read again
+
+    # another prefix: every input is read and encoded again, replacing its old sample
+    write_toml(file, f'[[source]]\npath = "{data}"\ncaption_prefix = "zwx dog, "\ndefault_caption = "a photo of zwx dog"\n')
+    summary = precompute(str(file), "tiny-sana", cache, **RUN)
+    assert (summary["sources"]["dogs"]["changed"], summary["sources"]["dogs"]["removed"]) == (4, 0)
+    assert len(Cache(cache)) == 4 and not ({k for k, _ in Cache(cache).keys()} & expected)
+    # without the options: the plain captions, and the image without one is skipped again
+    write_toml(file, f'[[source]]\npath = "{data}"\n')
+    summary = precompute(str(file), "tiny-sana", cache, allow_removal=True, **RUN)
+    assert summary["sources"]["dogs"]["changed"] == 3 and summary["failed_by_reason"] == {"missing_caption": 1}
