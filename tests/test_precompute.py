@@ -219,6 +219,29 @@ def test_kill_and_resume_equals_an_uninterrupted_run(folder, tmp_path, commits, 
 
 
 @pytest.mark.slow
+def test_kill_and_resume_with_a_dataset_file_of_two_sources(folder, tmp_path):
+    """Killed in the middle of a two-source run, the next run completes both sources: the cache equals an
+    uninterrupted run's, sample by sample and source by source."""
+    other = make_folder(tmp_path / "other", count=8, seed=5)
+    file = tmp_path / "data.toml"
+    file.write_text(f'[[source]]\nname = "shapes"\npath = "{folder}"\nrepeats = 2\n\n[[source]]\npath = "{other}"\n')
+    run(file, tmp_path / "straight", max_shard_mb=0, batch_size=4)
+    cache = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", KILLER.format(root=str(ROOT)), str(file), str(cache)],
+                          env={**os.environ, "COMMITS": "5"}, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    done = len(Cache(cache))
+    assert 0 < done < 32
+    s = run(file, cache, max_shard_mb=0, batch_size=4)
+    assert s["unchanged"] == done and s["new"] == 32 - done
+    assert digests(cache) == digests(tmp_path / "straight")
+    assert Cache(cache).manifest.datasets().keys() == {"shapes", "other"}
+    assert {n: d["samples"] for n, d in Cache(cache).manifest.datasets().items()} == {"shapes": 24, "other": 8}
+    assert Cache(cache).manifest.extra["sources"] == Cache(tmp_path / "straight").manifest.extra["sources"]
+    assert verify(cache).ok
+
+
+@pytest.mark.slow
 def test_two_processes_equal_one(folder, tmp_path, clean_cache):
     # One compute thread, as the in-process build of `clean_cache` has (conftest): CPU kernels split work by
     # thread and round differently.
