@@ -97,6 +97,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         f"rank(s) per epoch")
     for bucket, stats in cache.manifest.buckets().items():
         say(f"  {bucket.name:>10}: {stats.samples} samples")
+    draws = first.plan.draws_by_source()
+    if set(draws) != {""}:
+        for name, totals in cache.manifest.datasets().items():
+            say(f"  source {name or '(unnamed)'}: {totals['samples']} samples, {draws.get(name, 0)} drawn per epoch")
     if is_main or cfg.dry_run:
         planned = startup_plan(cfg, cache, device, world, parallel, objective)
         say(format_plan(planned))
@@ -108,7 +112,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     handlers = {s: signal.signal(s, lambda signum, frame: stop.update(signal=signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     # `kill -USR1 PID` writes RUN/memory.txt at the next step
     handlers[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: stop.update(memory=True))
-    metrics = Metrics(cfg.run, progress.step, progress.smoothed, is_main=is_main, device=device, precision=cfg.precision)
+    metrics = Metrics(cfg.run, progress.step, progress.smoothed, is_main=is_main, device=device, precision=cfg.precision,
+                      drawn=progress.drawn)
     validated_at = None
 
     def validate() -> None:
@@ -121,7 +126,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         metrics.exclude(time.perf_counter() - t0)
 
     def save() -> None:
-        progress.smoothed = metrics.smoothed
+        progress.smoothed, progress.drawn = metrics.smoothed, dict(metrics.drawn)
         state.save(progress, cache, run_config)
 
     damaged: list[CorruptSample] = []
@@ -162,7 +167,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 continue
             grad_norm, micros = done
             for micro in micros:
-                metrics.add(micro.loss, micro.per_sample, micro.t, micro.samples * world)
+                metrics.add(micro.loss, micro.per_sample, micro.t, micro.samples * world, micro.source)
             progress.step += 1
             bar.update(1)
             if world > 1 and distributed.any_across(stop["signal"] is not None, device):
