@@ -257,7 +257,7 @@ class RawSamples:
     def __init__(self, cache: Cache):
         self.cache = cache
 
-    def batch(self, epoch: int, indices: list[int]) -> dict:
+    def batch(self, epoch: int, indices: list[int], passes: list[int] | None = None) -> dict:
         return {"fields": [{k: t.clone() for k, t in self.cache[i].fields.items()} for i in indices], "keys": indices}
 
 

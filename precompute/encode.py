@@ -161,6 +161,8 @@ class Encoders:
         `text_lengths` their token counts, so one image can carry several captions."""
         return {
             **{name: Field(storage_dtype) for name in self.latent_spec().fields},
+            # the flipped image's latent: one row for samples of a `flip = true` source, none for the others
+            **{name: Field(storage_dtype, ragged=True) for name in self.latent_spec().flipped_fields},
             **self.prompt_schema(storage_dtype),
             "text_lengths": Field(torch.int32, ragged=True),
             "original_size": Field(torch.int32),

@@ -37,6 +37,7 @@ class ImagePolicy:
         aspect_tolerance: factor by which an aspect ratio may exceed the table's extremes.
         caption_prefix: put before every caption of the source (a trigger word).
         default_caption: the caption of an image that has none (otherwise skipped as missing or empty).
+        flip: the source's samples also cache the latent of the horizontally flipped image.
     """
 
     buckets: tuple[Bucket, ...]
@@ -47,6 +48,7 @@ class ImagePolicy:
     aspect_tolerance: float = 1.25
     caption_prefix: str = ""
     default_caption: str | None = None
+    flip: bool = False
 
     def fingerprint(self) -> dict:
         return {
@@ -73,11 +75,14 @@ class Record:
     detail: str = ""  # what went wrong, with `missing`
 
 
-def content_key(image: bytes, captions: list[str]) -> str:
-    """A sample's key: sha256 of the image bytes and every caption."""
+def content_key(image: bytes, captions: list[str], flip: bool = False) -> str:
+    """A sample's key: sha256 of the image bytes and every caption, and whether its flipped view is cached too
+    (a caption never holds NUL, so the marker cannot be a caption)."""
     h = hashlib.sha256(image)
     for c in captions:
         h.update(b"\x00" + c.encode("utf-8"))
+    if flip:
+        h.update(b"\x00\x00flip")
     return h.hexdigest()
 
 
@@ -172,7 +177,7 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
     if reason:
         return failed(reason)
     captions = [policy.caption_prefix + c for c in captions]
-    key = content_key(record.image, captions)
+    key = content_key(record.image, captions, policy.flip)
     if key in skip_keys:
         return {"status": "unchanged", "source": record.source, "key": key}
     try:

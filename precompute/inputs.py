@@ -65,7 +65,7 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
         keys: keys already cached: an input of one of them is reported unchanged after reading.
     """
     data = source.path
-    policy = replace(policy, caption_prefix=source.caption_prefix, default_caption=source.default_caption)
+    policy = replace(policy, caption_prefix=source.caption_prefix, default_caption=source.default_caption, flip=source.flip)
     if is_tar_source(data):
         urls = expand_tar_urls(data, config.allow_pipe)
         mine = urls[rank::world]
@@ -106,7 +106,7 @@ class SourcesDataset(torch.utils.data.IterableDataset):
             for item in items:
                 if salt and item.get("stamp"):
                     item["stamp"] = (item["stamp"] ^ salt) or 1
-                item["dataset"] = source.name
+                item["dataset"], item["flip"] = source.name, source.flip
                 yield item
 
 

@@ -28,7 +28,7 @@ from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalte
 from precompute.presets import Preset
 from precompute.removal import RemovalRefused, damaged_shards, removal_refused, removals, replace_damaged, warn_damaged
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
-from shards import CacheSpec, Prompt, ShardWriter, exists, load, prompt_key
+from shards import FLIP_PREFIX, CacheSpec, Prompt, ShardWriter, exists, load, prompt_key
 from shards.atomic import atomic_write_bytes
 from shards.options import torch_dtype
 
@@ -123,7 +123,7 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         # dtypes by torch's names ("bfloat16"), as every cache records them, whatever the option's spelling
         fingerprint = {**enc.fingerprint(), "storage_dtype": str(storage).removeprefix("torch."), "buckets": policy.fingerprint(),
                        "captions": {"caption_column": config.caption_column, "caption_keys": list(config.caption_key)}}
-        schema = enc.schema(storage)
+        schema = cache_schema(enc, storage, manifest, sources, cache)
         if manifest is not None:
             manifest.check_compatible(fingerprint, schema, cache)
         growth = sum(max(0, (i.listed or 0) - len(previous[name])) for name, i in listings.items())
@@ -146,8 +146,12 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     repaired: dict[str, dict[str, torch.Tensor]] = {}  # key -> fields, re-encoded for a damaged shard
     pending: dict = defaultdict(list)
 
+    flipped_fields = [name for name in enc.latent_spec().flipped_fields if name in schema]
+
     def encode_and_write(items: list[dict]) -> None:
         latents = enc.encode_images(torch.stack([it["pixels"] for it in items]))  # (B, C, h, w) each
+        flips = [j for j, it in enumerate(items) if it.get("flip")]
+        mirrored = enc.encode_images(torch.stack([items[j]["pixels"].flip(-1) for j in flips])) if flips else {}
         captions = [c for it in items for c in it["captions"]]
         texts, truncated = [], []
         for i in range(0, len(captions), config.text_batch_size):
@@ -160,6 +164,10 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
             mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field
             at += len(it["captions"])
             fields = {name: t[j].to(storage) for name, t in latents.items()}
+            for name in flipped_fields:  # one row: the flipped image's latent; none for a source without flip
+                plain = latents[name.removeprefix(FLIP_PREFIX)]
+                row = mirrored[name.removeprefix(FLIP_PREFIX)][flips.index(j)][None] if j in flips else plain[j][None][:0]
+                fields[name] = row.to(storage)
             fields.update({name: torch.cat([c[name] for c in mine]).to(storage) for name in mine[0]})
             fields["text_lengths"] = torch.tensor([c["text"].shape[0] if "text" in c else 0 for c in mine], dtype=torch.int32)
             fields["original_size"] = torch.tensor(it["original_size"], dtype=torch.int32)
@@ -277,6 +285,20 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     if refused is not None:
         raise refused
     return summary
+
+
+def cache_schema(enc: Encoders, storage: torch.dtype, manifest, sources: list, cache: Path) -> dict:
+    """The fields of every sample: the encoders' schema, or, for a cache written before flipped latents could be
+    stored, its own (without them), in which no source may ask for `flip`."""
+    schema = enc.schema(storage)
+    flipped = set(enc.latent_spec().flipped_fields)
+    if manifest is not None and not flipped & set(manifest.schema):
+        schema = {name: field for name, field in schema.items() if name not in flipped}
+        asking = [s.name for s in sources if s.flip]
+        if asking:
+            raise ValueError(f"source {asking[0]!r} sets flip = true, but the cache at {cache} was built before flipped "
+                             f"latents could be stored: write it into a new cache (--cache DIR)")
+    return schema
 
 
 def name_sources(config: PrecomputeConfig) -> None:

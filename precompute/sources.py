@@ -7,6 +7,7 @@ path = "/data/photos"      # anything DATA accepts: folder, metadata folder, tar
 repeats = 3                # or: weight = 0.25 (a share of each epoch); default repeats = 1
 caption_prefix = "sks dog, "
 default_caption = "a photo of sks dog"   # for images without a caption
+flip = true                # also cache the horizontally flipped latent; training draws one of the two
 ```
 
 Every source is a named dataset of the cache: a run touches only the sources it lists (new / changed /
@@ -37,6 +38,7 @@ class Source:
         caption_prefix: put before every caption (e.g. a trigger word).
         default_caption: the caption of images that have none (otherwise they are skipped, reason
             `missing_caption` / `empty_caption`).
+        flip: also cache the latent of the horizontally flipped image; training draws one of the two each time.
         image_column, caption_column, split: of a Hugging Face dataset; `caption_column` also names the
             caption column of a folder's metadata.jsonl/.csv (default: the run's --caption-column).
     """
@@ -47,27 +49,25 @@ class Source:
     weight: float | None = None
     caption_prefix: str = ""
     default_caption: str | None = None
+    flip: bool = False
     image_column: str = "image"
     caption_column: str | None = None
     split: str = "train"
     from_file: bool = False  # listed by a dataset file (messages name it), rather than DATA itself
 
-    @property
-    def captions_changed(self) -> bool:
-        return bool(self.caption_prefix) or self.default_caption is not None
-
     def salt(self) -> int:
-        """Mixed into every input stamp of the source (0: nothing to mix), so that editing its caption options
-        makes an incremental run read its inputs again instead of calling them unchanged."""
-        if not self.captions_changed:
+        """Mixed into every input stamp of the source (0: nothing to mix), so that editing its caption options or
+        `flip` makes an incremental run read its inputs again instead of calling them unchanged."""
+        if not (self.caption_prefix or self.default_caption is not None or self.flip):
             return 0
-        text = f"{self.caption_prefix}\0{self.default_caption}".encode("utf-8")
+        text = f"{self.caption_prefix}\0{self.default_caption}\0{self.flip}".encode("utf-8")
         return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1 or 1
 
     def record(self) -> dict:
         """What the manifest keeps of the source (`extra["sources"][name]`): training reads its share here."""
         share = {"weight": self.weight} if self.weight is not None else {"repeats": self.repeats or 1}
-        optional = {k: v for k, v in (("caption_prefix", self.caption_prefix), ("default_caption", self.default_caption)) if v}
+        optional = {k: v for k, v in (("caption_prefix", self.caption_prefix), ("default_caption", self.default_caption),
+                                      ("flip", self.flip)) if v}
         return {"path": self.path, **share, **optional}
 
 
@@ -159,6 +159,8 @@ def read_dataset_file(file: str | Path) -> list[Source]:
 
 def _check(key: str, value) -> str | None:
     """Why `value` is not a valid `key` of a source, or None."""
+    if key == "flip":
+        return None if isinstance(value, bool) else "must be true or false"
     if key in ("name", "path", "caption_prefix", "image_column", "caption_column", "split", "default_caption"):
         if not isinstance(value, str):
             return "must be a string"

@@ -16,6 +16,9 @@ from typing import Literal
 from shards.schema import FormatError
 
 TextLayoutKind = Literal["masked", "sd3_joint"]
+# The horizontally flipped image's latent fields are the latent fields' names with this prefix, ragged: one row
+# for a sample of a source cached with `flip = true`, none for the others (8 bytes of offsets each).
+FLIP_PREFIX = "flip_"
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class LatentSpec:
     @property
     def fields(self) -> tuple[str, ...]:
         return ("latent_mean", "latent_std") if self.posterior == "mean_std" else ("latent",)
+
+    @property
+    def flipped_fields(self) -> tuple[str, ...]:
+        """The fields of the flipped image's latent (`FLIP_PREFIX`), present in caches written since they exist."""
+        return tuple(FLIP_PREFIX + name for name in self.fields)
 
     def shape(self, height: int, width: int) -> tuple[int, int, int]:
         """The latent's shape for a bucket of `height` x `width` pixels."""

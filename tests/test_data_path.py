@@ -151,10 +151,10 @@ class FailingSamples(TrainingSamples):
 
     error: Exception = OSError("Input/output error: cache/shards/00042.safetensors")
 
-    def batch(self, epoch, indices):
+    def batch(self, epoch, indices, passes=None):
         if epoch == 0 and indices == BatchPlan.of(self.cache, 2, seed=3, shuffle_shards=2)(0)[3]:
             raise FailingSamples.error
-        return super().batch(epoch, indices)
+        return super().batch(epoch, indices, passes)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

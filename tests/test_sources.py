@@ -233,3 +233,49 @@ def test_caption_prefix_and_default_caption_and_editing_them(tmp_path):
     write_toml(file, f'[[source]]\npath = "{data}"\n')
     summary = precompute(str(file), "tiny-sana", cache, allow_removal=True, **RUN)
     assert summary["sources"]["dogs"]["changed"] == 3 and summary["failed_by_reason"] == {"missing_caption": 1}
+
+
+# ---- flipped latents ------------------------------------------------------------------------------------------
+
+def test_a_flip_source_caches_the_latent_of_the_flipped_image_and_training_draws_both(tmp_path):
+    import torch
+    from PIL import Image, ImageOps
+
+    from train.data import TrainingSamples
+
+    plain, mirrored = tmp_path / "plain", tmp_path / "mirrored"
+    made = make_folder(tmp_path / "drawn", count=6, seed=4)
+    for d in (plain, mirrored):
+        d.mkdir()
+    for i, image in enumerate(sorted(made.glob("*.png"))):  # at a bucket's size: no crop to mirror
+        img = Image.open(image).convert("RGB").resize((256, 256))
+        img.save(plain / f"{i}.png")
+        ImageOps.mirror(img).save(mirrored / f"{i}.png")
+        for d in (plain, mirrored):
+            (d / f"{i}.txt").write_text(image.with_suffix(".txt").read_text())
+    file = write_toml(tmp_path / "data.toml", f'[[source]]\npath = "{plain}"\nflip = true\n\n[[source]]\npath = "{mirrored}"\n')
+    cache = tmp_path / "cache"
+    precompute(str(file), "tiny-sana", cache, workers=0, progress=False, batch_size=1, storage_dtype="fp32")
+    c = Cache(cache)
+    names = c.shards.datasets()
+    by_input = {}
+    for j, name in enumerate(names):
+        row = int(c.shards.rows[j])
+        start = int(c.shard_starts[j])
+        for r, source in enumerate(c.manifest.shards.samples_of(row)[1]):
+            by_input[(name, source)] = c[start + r]
+    for i in range(6):
+        flipped, reference = by_input[("plain", f"{i}.png")], by_input[("mirrored", f"{i}.png")]
+        assert flipped["flip_latent"].shape[0] == 1 and reference["flip_latent"].shape[0] == 0
+        torch.testing.assert_close(flipped["flip_latent"][0], reference["latent"], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(flipped["latent"], reference["latent"])
+    # training draws the flipped view about one time in two, for the flip source only
+    samples = TrainingSamples(c, seed=0, caption_dropout=0.0)
+    index = {key: i for key, i in c.keys()}
+    key = by_input[("plain", "0.png")].key
+    views = [samples[(epoch, index[key])]["latent"] for epoch in range(40)]
+    is_flipped = [torch.equal(v, by_input[("plain", "0.png")]["flip_latent"][0]) for v in views]
+    assert all(f or torch.equal(v, by_input[("plain", "0.png")]["latent"]) for f, v in zip(is_flipped, views))
+    assert 10 <= sum(is_flipped) <= 30
+    other = index[by_input[("mirrored", "0.png")].key]
+    assert all(torch.equal(samples[(e, other)]["latent"], by_input[("mirrored", "0.png")]["latent"]) for e in range(10))

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from shards import Cache, CorruptSample, TextSpec, prompt_key
+from shards import FLIP_PREFIX, Cache, CorruptSample, TextSpec, prompt_key
 from train.order import BATCH_SAMPLER_VERSION, BatchPlan, PlannedBatch, _generator, derived_seed  # noqa: F401
 
 log = logging.getLogger("train")
@@ -105,15 +105,19 @@ class TrainingSamples(torch.utils.data.Dataset):
             if null == "zeros":
                 self.null = {k: torch.zeros_like(v) for k, v in self.null.items()}
 
-    def __getitem__(self, item: tuple[int, int]) -> dict:
-        epoch, i = item
+    def __getitem__(self, item: tuple[int, ...]) -> dict:
+        """Draw (epoch, index) or (epoch, index, pass): a sample drawn again in an epoch (repeats) draws anew."""
+        epoch, i, *rest = item
         s = self.cache[i]
-        g = _generator(self.seed, epoch, i)
+        g = _generator(self.seed, epoch, i, *(rest if rest and rest[0] else ()))
+        # a source cached with flipped latents (`flip = true`): the flipped view, one draw in two
+        flipped = s.fields.get(FLIP_PREFIX + ("latent_mean" if self.posterior else "latent"))
+        view = FLIP_PREFIX if flipped is not None and len(flipped) and float(torch.rand((), generator=g)) < 0.5 else ""
         if self.posterior:
-            mean, std = s["latent_mean"].float(), s["latent_std"].float()
-            latent = mean + std * torch.randn(mean.shape, generator=g)
+            mean, std = s[view + "latent_mean"].float(), s[view + "latent_std"].float()
+            latent = mean.reshape(mean.shape[-3:]) + std.reshape(std.shape[-3:]) * torch.randn(mean.shape[-3:], generator=g)
         else:
-            latent = s["latent"].float()
+            latent = s[view + "latent"].float().reshape(s[view + "latent"].shape[-3:])
         pick = int(torch.randint(self.layout.captions(s.fields), (1,), generator=g))
         cond = self.layout.caption(s.fields, pick)
         if self.caption_dropout and float(torch.rand((), generator=g)) < self.caption_dropout:
@@ -132,9 +136,9 @@ class TrainingSamples(torch.utils.data.Dataset):
 
 
 
-    def batch(self, epoch: int, indices: list[int]) -> dict:
-        """The collated batch of these samples in `epoch`."""
-        return self.collate([self[(epoch, i)] for i in indices])
+    def batch(self, epoch: int, indices: list[int], passes: list[int] | None = None) -> dict:
+        """The collated batch of these samples in `epoch` (drawn in these passes over their stream)."""
+        return self.collate([self[(epoch, i, p)] for i, p in zip(indices, passes or [0] * len(indices))])
 
 
 @dataclass
@@ -286,7 +290,7 @@ class BatchStream:
 
     def _build(self, epoch: Epoch, planned: PlannedBatch):
         try:
-            batch = epoch.samples.batch(epoch.number, planned.indices)
+            batch = epoch.samples.batch(epoch.number, planned.indices, planned.passes)
         except Exception as e:  # noqa: BLE001 (raised in the training thread, where the batch is taken)
             return _Failed(e, epoch.number, planned.cursor)
         if self.pin:

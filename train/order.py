@@ -91,6 +91,7 @@ class PlannedBatch:
     bucket: Bucket
     indices: list[int]
     source: str = ""
+    passes: list[int] | None = None  # per sample, which pass over its stream drew it (None: all the first)
 
 
 class BatchPlan:
@@ -237,21 +238,24 @@ class BatchPlan:
             be.perms.move_to_end(w)
         return window
 
-    def _sample(self, epoch: int, b: int, q: int) -> int:
-        """Global index of draw `q` of stream `b` in `epoch`: pass q // samples, position q % samples of that
-        pass's order (draws past the epoch's, which complete a last batch, wrap to its first)."""
+    def _sample(self, epoch: int, b: int, q: int) -> tuple[int, int]:
+        """Global index and pass of draw `q` of stream `b` in `epoch`: pass q // samples, position q % samples of
+        that pass's order (draws past the epoch's, which complete a last batch, wrap to its first)."""
         p, q = divmod(q % self.draws[b], self.samples[b])
         be = self._bucket_epoch(epoch, b, p)
         w = int(np.searchsorted(be.window_starts, q, side="right")) - 1
         perm, starts, ends = self._window(epoch, b, p, w, be)
         o = int(perm[q - be.window_starts[w]])
         s = int(np.searchsorted(ends, o, side="right"))
-        return int(starts[s]) + o - (int(ends[s - 1]) if s else 0)
+        return int(starts[s]) + o - (int(ends[s - 1]) if s else 0), p
 
-    def global_batch(self, epoch: int, b: int, k: int) -> list[int]:
-        """The samples of stream `b`'s `k`-th global batch in `epoch`."""
+    def global_batch(self, epoch: int, b: int, k: int) -> tuple[list[int], list[int] | None]:
+        """The samples of stream `b`'s `k`-th global batch in `epoch`, and the pass that drew each (None when all
+        come from the first: a sample drawn twice in an epoch gets other noise, caption and flip each time)."""
         g = self.global_size
-        return [self._sample(epoch, b, q) for q in range(k * g, (k + 1) * g)]
+        drawn = [self._sample(epoch, b, q) for q in range(k * g, (k + 1) * g)]
+        passes = [p for _, p in drawn]
+        return [i for i, _ in drawn], passes if any(passes) else None
 
     # --- across streams ---
 
@@ -306,14 +310,16 @@ class BatchPlan:
             done[b] += 1
             if done[b] < self.counts[b]:
                 heapq.heappush(heap, (self._due(epoch, b, done[b]), b))
-            yield PlannedBatch(cursor, self.buckets[b], self.global_batch(epoch, b, k), self.streams[b].source)
+            indices, passes = self.global_batch(epoch, b, k)
+            yield PlannedBatch(cursor, self.buckets[b], indices, self.streams[b].source, passes)
             cursor += 1
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[PlannedBatch]:
         """This rank's batches of `epoch` from its `start`-th on: slice `rank` of each global batch."""
         mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
         for planned in self.global_batches(epoch, start):
-            yield PlannedBatch(planned.cursor, planned.bucket, planned.indices[mine], planned.source)
+            yield PlannedBatch(planned.cursor, planned.bucket, planned.indices[mine], planned.source,
+                               planned.passes[mine] if planned.passes else None)
 
     def __call__(self, epoch: int, start: int = 0) -> list[list[int]]:
         """This rank's batches of `epoch` as lists of indices (for tests and small caches)."""
