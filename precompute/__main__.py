@@ -14,6 +14,7 @@ import typer
 
 from precompute.config import PrecomputeConfig
 from precompute.prompts import PromptsConfig, add_prompts
+from precompute.sources import KEY_HELP
 from shards.options import config_file_parameter, help_of, typer_parameters
 
 # Exit codes (README): 0 done; 1 more inputs skipped than --max-failure-fraction (the rest is cached); 2 bad
@@ -25,7 +26,9 @@ HELP = (__doc__.split("\n\n")[0] + "\n\nRe-running encodes only new or changed i
         "read); a killed run resumes where it stopped. Exit codes: 0 done; 1 more inputs skipped than --max-failure-fraction; "
         "2 bad arguments, input or cache; 3 another run is writing the cache; 4 removal refused (see --max-removal-fraction)."
         "\n\n`python -m precompute prompts CACHE --prompt TEXT` adds validation prompts to a built cache without DATA (see "
-        "its --help); a DATA folder named `prompts` is given as ./prompts.")
+        "its --help); a DATA folder named `prompts` is given as ./prompts."
+        "\n\nDATA may be a dataset file (.toml) of \\[\\[source]] tables, one per source; a run touches only the sources it "
+        "lists. Keys: " + "; ".join(f"{k}: {v}" for k, v in KEY_HELP.items()) + ".")
 
 
 def command(data: str, **options) -> None:
