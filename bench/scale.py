@@ -260,6 +260,9 @@ class RawSamples:
     def batch(self, epoch: int, indices: list[int], passes: list[int] | None = None) -> dict:
         return {"fields": [{k: t.clone() for k, t in self.cache[i].fields.items()} for i in indices], "keys": indices}
 
+    def shards_of(self, indices: list[int]) -> list:
+        return [(self.cache, j) for j in sorted({self.cache.locate(i)[0] for i in indices})]
+
 
 def measure_trainer_start(root: str, batch: int = 64) -> dict:
     """A trainer's start on this cache, resumed in the middle of an epoch: open the generation, build the data
@@ -368,7 +371,7 @@ def main(
             row = build(root, n, per, w, fsync_always)
             took = {"build": row["build_s"], "sync + snapshot": time.perf_counter() - t - row["build_s"]}
             measures = [("load", ()), ("decide", (n, decide_seconds)), ("readers", (reads,)), ("trainer_start", ())]
-            if n == max(m for m in ns if m <= epoch_max):
+            if n == max((m for m in ns if m <= epoch_max), default=None):
                 measures.append(("epoch", ()))
             for name, args in measures:
                 t = time.perf_counter()

@@ -72,8 +72,10 @@ def needed_generations(root: Path) -> tuple[set[int], list[Path]]:
         for state in run.glob(CHECKPOINTS_GLOB):
             if (state.parent / COMPLETE).exists():
                 obj = json.loads(state.read_text())
-                if obj.get("cache_root") in (None, str(root.resolve())) and obj.get("cache_generation") is not None:
-                    recorded.append(obj["cache_generation"])
+                # a run of several caches lists each under "caches"; the first one's fields are at the top too
+                for entry in obj.get("caches") or [obj]:
+                    if entry.get("cache_root") in (None, str(root.resolve())) and entry.get("cache_generation") is not None:
+                        recorded.append(entry["cache_generation"])
         needed |= set(recorded)
         if not recorded or reg["generation"] > max(recorded):
             needed.add(reg["generation"])  # the epoch in progress, not checkpointed yet

@@ -144,7 +144,7 @@ def test_fsdp_checkpoint_is_sharded_resumes_exactly_and_exports(tiny_caches, run
     half = complete_checkpoints(runs / "fsdp")[0]
     assert half.name == "step-00000003"
     shutil.copytree(half, tmp_path / "resumed" / "checkpoints" / half.name)
-    launch(tiny_caches["tiny-sana"], tmp_path / "resumed", 2, "--steps", "6", "--batch-size", "2", "--parallel", "fsdp")
+    launch(runs / "sources" / "cache", tmp_path / "resumed", 2, "--steps", "6", "--batch-size", "2", "--parallel", "fsdp")
     assert losses(tmp_path / "resumed") == losses(runs / "fsdp")[3:]
 
     for ema in (False, True):  # in one process without a process group: full tensors assembled from the shards
@@ -164,7 +164,7 @@ def test_fsdp_checkpoint_is_sharded_resumes_exactly_and_exports(tiny_caches, run
 def test_resuming_with_another_world_size_is_refused(tiny_caches, runs, tmp_path):
     shutil.copytree(runs / "one", tmp_path / "run")  # saved by one process
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",
-                          "--cache", str(tiny_caches["tiny-sana"]), "--run-dir", str(tmp_path / "run"), *COMMON, "--steps", "8",
+                          "--cache", str(runs / "sources" / "cache"), "--run-dir", str(tmp_path / "run"), *COMMON, "--steps", "8",
                           "--batch-size", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode != 0 and "saved with world size 1, this run has 2" in out.stderr
 

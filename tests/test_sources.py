@@ -279,3 +279,53 @@ def test_a_flip_source_caches_the_latent_of_the_flipped_image_and_training_draws
     assert 10 <= sum(is_flipped) <= 30
     other = index[by_input[("mirrored", "0.png")].key]
     assert all(torch.equal(samples[(e, other)]["latent"], by_input[("mirrored", "0.png")]["latent"]) for e in range(10))
+
+
+# ---- several caches in one run --------------------------------------------------------------------------------
+
+def test_several_caches_train_by_their_weights_and_resume_exactly(tmp_path):
+    from train.config import TrainConfig
+    from train.loop import train
+
+    small, large = tmp_path / "c256", tmp_path / "c256-more"
+    precompute(str(make_folder(tmp_path / "x", count=6, seed=1)), "tiny-sana", small, **RUN)
+    precompute(str(make_folder(tmp_path / "y", count=6, seed=2)), "tiny-sana", large, **RUN)
+
+    def cfg(run, steps, **kw):
+        return TrainConfig(model="tiny-sana", cache=[str(small), str(large)], cache_weight=[3, 1], run=run, steps=steps,
+                           batch_size=2, progress=False, log_every=1, checkpoint_every=1000, validate=False, lr=1e-3, **kw)
+
+    train(cfg(tmp_path / "straight", 8))
+    train(cfg(tmp_path / "resumed", 4))
+    train(cfg(tmp_path / "resumed", 8))
+    rows = [[json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("straight", "resumed")]
+    assert [r["loss"] for r in rows[0]] == pytest.approx([r["loss"] for r in rows[1]], rel=1e-6, abs=1e-7)
+    drawn = rows[0][-1]["samples_by_source"]
+    assert drawn == rows[1][-1]["samples_by_source"] and set(drawn) == {"c256/x", "c256-more/y"}
+    state = json.loads(sorted((tmp_path / "resumed" / "checkpoints").glob("step-*/state.json"))[-1].read_text())
+    assert [c["cache_root"] for c in state["caches"]] == [str(small.resolve()), str(large.resolve())]
+
+    from train.order import BatchPlan
+    plan = BatchPlan.of([Cache(small), Cache(large)], 2, weights=[3, 1])
+    assert plan.draws_by_source() == {"c256/x": 9, "c256-more/y": 3}  # 12 samples, shared 3:1
+    with pytest.raises(ValueError, match="trained from 2 cache"):
+        train(TrainConfig(model="tiny-sana", cache=[str(small)], run=tmp_path / "resumed", steps=9, batch_size=2,
+                          progress=False, validate=False))
+    with pytest.raises(ValueError, match="--cache-weight"):
+        train(cfg(tmp_path / "resumed", 9).__class__(**{**cfg(tmp_path / "resumed", 9).__dict__, "cache_weight": [1, 1]}))
+
+
+def test_caches_of_other_encoders_do_not_train_one_run(tmp_path):
+    from train.config import TrainConfig
+    from train.loop import train
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    data = make_folder(tmp_path / "x", count=2)
+    precompute(str(data), "tiny-sana", a, **RUN)
+    precompute(str(data), "tiny-sana", b, storage_dtype="fp32", **RUN)
+    with pytest.raises(ValueError, match="storage dtype"):
+        train(TrainConfig(model="tiny-sana", cache=[str(a), str(b)], run=tmp_path / "run", steps=1, batch_size=1,
+                          progress=False, validate=False))
+    with pytest.raises(ValueError, match="2 weights for 1 caches"):
+        TrainConfig(model="tiny-sana", cache=[str(a)], cache_weight=[1, 2])

@@ -405,7 +405,7 @@ def test_a_config_file_gives_defaults_and_flags_win(tmp_path, monkeypatch):
     (tmp_path / "run.json").write_text(json.dumps({"steps": 7, "lr": 0.5, "model": "tiny-sd3"}))
     result = CliRunner().invoke(app, ["--config", str(tmp_path / "run.json"), "--lr", "0.25"])
     assert result.exit_code == 0, result.output
-    assert (seen[0].steps, seen[0].lr, seen[0].model, seen[0].cache) == (7, 0.25, "tiny-sd3", Path("cache/tiny-sd3"))
+    assert (seen[0].steps, seen[0].lr, seen[0].model, seen[0].cache) == (7, 0.25, "tiny-sd3", [Path("cache/tiny-sd3")])
     (tmp_path / "bad.json").write_text(json.dumps({"steps": 7, "stepz": 8}))
     result = CliRunner().invoke(app, ["--config", str(tmp_path / "bad.json")], env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "unknown options ['stepz']" in result.output

@@ -35,6 +35,28 @@ def open_generation(cache_root: Path | str, run: Path, is_main: bool, generation
     return cache if is_main else open_at(generation)
 
 
+def saved_generations(saved: dict, count: int) -> list[int | None]:
+    """The generation each of a run's `count` caches was read at by the checkpoint `saved` (None: the newest)."""
+    if not saved:
+        return [None] * count
+    recorded = [entry.get("cache_generation") for entry in saved.get("caches") or [saved]]
+    return (recorded + [None] * count)[:count]
+
+
+def check_same_encoders(caches: list[Cache]) -> None:
+    """Several caches train one model only if their latents and text mean the same: the same family, VAE and text
+    encoder (bucket tables and sources may differ, e.g. a 512 and a 1024 cache)."""
+    first = caches[0]
+    for other in caches[1:]:
+        problems = [f"{what}: {first.location} has {a}, {other.location} has {b}" for what, a, b in (
+            ("family", first.spec.family, other.spec.family),
+            ("VAE", first.fingerprint.get("vae"), other.fingerprint.get("vae")),
+            ("text encoder", first.fingerprint.get("text_encoder"), other.fingerprint.get("text_encoder")),
+            ("storage dtype", first.fingerprint.get("storage_dtype"), other.fingerprint.get("storage_dtype"))) if a != b]
+        if problems:
+            raise ValueError("these caches cannot train one run; their latents or embeddings differ:\n  " + "\n  ".join(problems))
+
+
 def repair_command(cache: Cache) -> str:
     """How to repair the cache's damaged shards (for a bucket: on the directory it was copied from)."""
     return repair_hint(cache.location) if isinstance(cache, RemoteCache) else REPAIR.format(root=cache.root)

@@ -148,13 +148,14 @@ REFUSED_ON_RESUME = {
     "seed": "the data order, the draws and the noise are functions of the seed",
     "remainder": "the epoch's batches depend on it",
     "shuffle_shards": "the epoch's batches depend on it",
+    "cache_weight": "the epoch's batches depend on it",
     "lora_rank": "LoRA adapters resume with the rank, alpha and targets they were trained with",
     "lora_alpha": "LoRA adapters resume with the rank, alpha and targets they were trained with",
     "lora_targets": "LoRA adapters resume with the rank, alpha and targets they were trained with",
 }
 
 
-def check_resumable(path: Path, state: dict, config: dict, world: int, parallel: str, fingerprint: str) -> list[str]:
+def check_resumable(path: Path, state: dict, config: dict, world: int, parallel: str, fingerprint: str | list[str]) -> list[str]:
     """Refuse to resume `path` with settings that change what it means; return the applied changes, one
     line each (e.g. `lr 0.0001 -> 5e-05`), for the start-up log.
 
@@ -162,8 +163,18 @@ def check_resumable(path: Path, state: dict, config: dict, world: int, parallel:
         state: the checkpoint's `state.json`.
         config: this run's options (`TrainConfig` as a dict).
         world, parallel: this run's number of processes and parallelism.
-        fingerprint: the cache's fingerprint hash.
+        fingerprint: the cache's fingerprint hash (or each of the run's caches', in their order).
     """
+    fingerprints = fingerprint if isinstance(fingerprint, list) else [fingerprint]
+    saved = [entry.get("cache_fingerprint_sha256") for entry in state.get("caches") or [state]]
+    if len(state.get("caches") or [state]) != len(fingerprints):
+        raise ValueError(f"{path} was trained from {len(saved)} cache(s), this run has {len(fingerprints)}; resume with the "
+                         f"same --cache list, or start a new run (--resume '').")
+    fingerprint = fingerprints[0]
+    for k, (was, now) in enumerate(zip(saved[1:], fingerprints[1:]), 1):
+        if was is not None and was != now:
+            raise ValueError(f"{path} was trained from a cache built differently as --cache number {k + 1} (fingerprint "
+                             f"{was[:16]}, this cache {now[:16]}); use the caches it was trained from, in their order.")
     if state["world_size"] != world:
         raise ValueError(f"{path} was saved with world size {state['world_size']}, this run has {world}; resume with the "
                          f"same number of processes (the data cursor and the batch split depend on it)")

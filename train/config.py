@@ -22,9 +22,12 @@ class TrainConfig:
     """Every option of a training run; the CLI is built from it (see `python -m train --help`)."""
 
     model: str = opt("tiny-sana", "Preset (see the README's table; python -m train plan --help lists them).")
-    cache: str | None = opt(None, "Cache built by `make precompute` for this model: a directory (default: cache/MODEL) or a URL "
-                                  "of object storage (s3://, gs://, hf://... through fsspec; its shards are downloaded to "
-                                  "--local-cache ahead of need).")
+    cache: list[str] = opt([], "Cache built by `make precompute` for this model: a directory (default: cache/MODEL) or a URL "
+                               "of object storage (s3://, gs://, hf://... through fsspec; its shards are downloaded to "
+                               "--local-cache ahead of need). Repeat it to train from several caches of the same family "
+                               "and encoders (e.g. a 512 and a 1024 cache); the first one's prompts validate.")
+    cache_weight: list[float] = opt([], "With several --cache: each one's share of every epoch, in their order (default: "
+                                        "every cache's samples drawn as its sources' repeats and weights say).")
     run: Path | None = opt(None, "Run directory: checkpoints, metrics.jsonl, loss.png (default: runs/MODEL).")
     steps: int = opt(200, "Total optimizer steps of the run; a resumed run continues until it.")
     batch_size: int = opt(8, "Samples per batch on each process (all from one bucket).")
@@ -126,10 +129,16 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        if self.cache is None:
-            self.cache = Path("cache") / self.model
-        elif "://" not in str(self.cache):  # a URL stays a string (Path would fold its "//")
-            self.cache = Path(self.cache)
+        given = [self.cache] if isinstance(self.cache, (str, Path)) else list(self.cache or [])
+        # a URL stays a string (Path would fold its "//")
+        self.cache = [c if "://" in str(c) else Path(c) for c in given] or [Path("cache") / self.model]
+        if self.cache_weight and len(self.cache_weight) != len(self.cache):
+            raise ValueError(f"--cache-weight: {len(self.cache_weight)} weights for {len(self.cache)} caches; give one per --cache")
+        if any(not w > 0 for w in self.cache_weight):
+            raise ValueError(f"--cache-weight {self.cache_weight}: every weight must be above 0")
+        if len({str(c) for c in self.cache}) != len(self.cache):
+            raise ValueError(f"--cache names {self.cache[0]} twice; give each cache once (--cache-weight sets shares)")
+        self.cache_weight = list(self.cache_weight)
         self.run = Path(self.run) if self.run is not None else Path("runs") / self.model
         if self.weights_dtype == "bf16" and self.precision != "bf16":
             raise ValueError(f"--weights-dtype bf16 trains in bf16; --precision {self.precision} needs --weights-dtype fp32")

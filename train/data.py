@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from shards import FLIP_PREFIX, Cache, CorruptSample, TextSpec, prompt_key
@@ -87,11 +88,12 @@ class TrainingSamples(torch.utils.data.Dataset):
     """
 
     def __init__(self, cache: Cache | str | os.PathLike, seed: int, caption_dropout: float, null: str = "empty", *,
-                 check_digests: bool = True):
+                 check_digests: bool = True, offset: int = 0):
         if not isinstance(cache, Cache):
             cache = Cache(cache)
         cache.check_digests = check_digests
         self.cache, self.seed, self.caption_dropout = cache, seed, caption_dropout
+        self.offset = offset  # the number of this cache's first sample among a run's several (its draws' seeds)
         self.layout = TextLayout.of(cache)
         self.posterior = cache.spec.latent.posterior == "mean_std"  # a KL VAE's: sample a latent per draw
         if null not in ("empty", "zeros"):
@@ -109,7 +111,7 @@ class TrainingSamples(torch.utils.data.Dataset):
         """Draw (epoch, index) or (epoch, index, pass): a sample drawn again in an epoch (repeats) draws anew."""
         epoch, i, *rest = item
         s = self.cache[i]
-        g = _generator(self.seed, epoch, i, *(rest if rest and rest[0] else ()))
+        g = _generator(self.seed, epoch, self.offset + i, *(rest if rest and rest[0] else ()))
         # a source cached with flipped latents (`flip = true`): the flipped view, one draw in two
         flipped = s.fields.get(FLIP_PREFIX + ("latent_mean" if self.posterior else "latent"))
         view = FLIP_PREFIX if flipped is not None and len(flipped) and float(torch.rand((), generator=g)) < 0.5 else ""
@@ -139,6 +141,33 @@ class TrainingSamples(torch.utils.data.Dataset):
     def batch(self, epoch: int, indices: list[int], passes: list[int] | None = None) -> dict:
         """The collated batch of these samples in `epoch` (drawn in these passes over their stream)."""
         return self.collate([self[(epoch, i, p)] for i, p in zip(indices, passes or [0] * len(indices))])
+
+    def shards_of(self, indices: list[int]) -> list[tuple[Cache, int]]:
+        """(cache, shard) of every shard these samples lie in, in shard order: what the read-ahead reads."""
+        return [(self.cache, j) for j in sorted({self.cache.locate(i)[0] for i in indices})]
+
+
+class CacheSamples:
+    """The samples of a run's several caches, numbered one after the other (the data order's global indices);
+    a batch comes from one of them. Each cache's `TrainingSamples` draws with seeds of the global index."""
+
+    def __init__(self, parts: list[TrainingSamples]):
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(p.cache) for p in parts])
+        self.cache = parts[0].cache  # the first: its prompts validate the run
+
+    def _part(self, i: int) -> int:
+        return int(np.searchsorted(self.starts, i, side="right")) - 1
+
+    def batch(self, epoch: int, indices: list[int], passes: list[int] | None = None) -> dict:
+        k = self._part(indices[0])
+        if any(self._part(i) != k for i in indices):
+            raise ValueError("a batch mixes samples of two caches; the data order never plans one")
+        return self.parts[k].batch(epoch, [i - int(self.starts[k]) for i in indices], passes)
+
+    def shards_of(self, indices: list[int]) -> list[tuple[Cache, int]]:
+        k = self._part(indices[0])
+        return self.parts[k].shards_of([i - int(self.starts[k]) for i in indices])
 
 
 @dataclass
@@ -328,8 +357,7 @@ class BatchStream:
             if self._stop.is_set():
                 return
             epoch, planned = item
-            cache = epoch.samples.cache
-            for j in sorted({cache.locate(i)[0] for i in planned.indices}):
+            for cache, j in epoch.samples.shards_of(planned.indices):
                 key = (cache.root, cache.generation, j)
                 if key in recent:
                     recent.move_to_end(key)

@@ -17,9 +17,9 @@ from tqdm import tqdm
 from shards import CorruptSample
 from shards.options import DTYPES
 from train import checkpoint, distributed
-from train.cache import check_cache, check_cache_files, open_generation, until_damaged
+from train.cache import check_cache, check_cache_files, check_same_encoders, open_generation, saved_generations, until_damaged
 from train.config import TrainConfig
-from train.data import BatchPlan, BatchStream, Epoch, Prefetcher, TrainingSamples
+from train.data import BatchPlan, BatchStream, CacheSamples, Epoch, Prefetcher, TrainingSamples
 from train.dryrun import dry_run, startup_plan
 from train.metrics import Metrics, write_memory_report
 from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption
@@ -56,17 +56,26 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 "last_loss": None, "checkpoint": str(resume_from), "finished": True}
 
     # 1. the cache must fit the model, checked before any weights load. Every rank reads the generation rank 0
-    # opened (or the one the checkpoint's epoch was reading), registered for `shards gc` at once.
-    cache = open_generation(cfg.cache, cfg.run, is_main, saved.get("cache_generation"), local_cache=cfg.local_cache,
-                            local_cache_gb=cfg.local_cache_gb)
+    # opened (or the one the checkpoint's epoch was reading), registered for `shards gc` at once. With several
+    # caches, the first is the run's cache for everything but the data (validation prompts, the plan).
+    def open_all(generations: list[int | None]) -> list:
+        return [open_generation(c, cfg.run, is_main, g, local_cache=cfg.local_cache, local_cache_gb=cfg.local_cache_gb)
+                for c, g in zip(cfg.cache, generations)]
+
+    group = open_all(saved_generations(saved, len(cfg.cache)))
+    cache = group[0]
     config = preset.transformer_config()
-    check_cache(preset, cache, config)
+    for c in group:
+        check_cache(preset, c, config)
+    check_same_encoders(group)
     objective = build_run_objective(cfg, preset, config)
     validator = build_validator(cfg, cache, preset, objective, device, say)  # missing prompts stop the run here
-    run_config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
-    check_cache_files(cache, is_main)  # every listed shard exists with its size
+    run_config = {k: [str(c) for c in v] if k == "cache" else str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    for c in group:
+        check_cache_files(c, is_main)  # every listed shard exists with its size
     if saved:
-        for change in checkpoint.check_resumable(resume_from, saved, run_config, world, parallel, cache.manifest.fingerprint_sha256):
+        for change in checkpoint.check_resumable(resume_from, saved, run_config, world, parallel,
+                                                 [c.manifest.fingerprint_sha256 for c in group]):
             say(f"applied on resume: {change} from step {saved['step']}")
 
     # 2. the transformer and only it, then what trains it; resumed from the checkpoint when there is one
@@ -82,25 +91,31 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
 
     # 3. data: one bucket per batch, the same number of batches on every rank. An epoch reads the cache generation
     # it started with; samples committed or removed meanwhile count from the next epoch on.
-    def epoch_of(number: int, c, start: int = 0) -> Epoch:
-        plan = BatchPlan.of(c, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world, remainder=cfg.remainder,
-                            shuffle_shards=cfg.shuffle_shards)
+    def epoch_of(number: int, cs: list, start: int = 0) -> Epoch:
+        plan = BatchPlan.of(cs, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world, remainder=cfg.remainder,
+                            shuffle_shards=cfg.shuffle_shards, weights=cfg.cache_weight or None)
         if not plan.batches_per_epoch():
-            raise ValueError(f"{c.root} holds no full batch of {cfg.batch_size} x {world} sample(s) in any bucket with "
-                             f"--remainder drop; use a smaller --batch-size or --remainder repeat")
-        samples = TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset), check_digests=cfg.check_digests)
-        return Epoch(number, plan, samples, start)
+            raise ValueError(f"{', '.join(c.location for c in cs)} holds no full batch of {cfg.batch_size} x {world} sample(s) "
+                             f"in any bucket with --remainder drop; use a smaller --batch-size or --remainder repeat")
+        parts, offset = [], 0
+        for c in cs:
+            parts.append(TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset),
+                                         check_digests=cfg.check_digests, offset=offset))
+            offset += len(c)
+        return Epoch(number, plan, parts[0] if len(parts) == 1 else CacheSamples(parts), start)
 
-    first = epoch_of(progress.epoch, cache, progress.cursor)
+    first = epoch_of(progress.epoch, group, progress.cursor)
     dataset = first.samples
-    say(f"cache {cache.root}: {len(cache)} samples, {first.plan.batches_per_epoch()} batches of {cfg.batch_size} x {world} "
-        f"rank(s) per epoch")
-    for bucket, stats in cache.manifest.buckets().items():
-        say(f"  {bucket.name:>10}: {stats.samples} samples")
+    say(f"{first.plan.batches_per_epoch()} batches of {cfg.batch_size} x {world} rank(s) per epoch")
     draws = first.plan.draws_by_source()
-    if set(draws) != {""}:
-        for name, totals in cache.manifest.datasets().items():
-            say(f"  source {name or '(unnamed)'}: {totals['samples']} samples, {draws.get(name, 0)} drawn per epoch")
+    for k, c in enumerate(group):
+        say(f"cache {c.location}: {len(c)} samples")
+        for bucket, stats in c.manifest.buckets().items():
+            say(f"  {bucket.name:>10}: {stats.samples} samples")
+        if set(draws) != {""}:
+            label = f"{first.plan.labels[k]}/" if first.plan.labels else ""
+            for name, totals in c.manifest.datasets().items():
+                say(f"  source {name or '(unnamed)'}: {totals['samples']} samples, {draws.get(label + name, 0)} drawn per epoch")
     if is_main or cfg.dry_run:
         planned = startup_plan(cfg, cache, device, world, parallel, objective)
         say(format_plan(planned))
@@ -127,20 +142,21 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
 
     def save() -> None:
         progress.smoothed, progress.drawn = metrics.smoothed, dict(metrics.drawn)
-        state.save(progress, cache, run_config)
+        state.save(progress, group, run_config)
 
     damaged: list[CorruptSample] = []
     bar = tqdm(total=cfg.steps, initial=progress.step, unit="step", disable=not cfg.progress or not is_main, dynamic_ncols=True)
-    caches = {progress.epoch: cache}  # the generation each epoch in flight reads
+    caches = {progress.epoch: group}  # the generations each epoch in flight reads
     stream = BatchStream(first, workers=cfg.workers, prefetch=cfg.prefetch, readahead=cfg.readahead, pin=device.type == "cuda")
     prefetch = Prefetcher(stream, device)
 
     def hand_over() -> None:
         """Open the next epoch's generation (the same on every rank) before this epoch's last batches are taken."""
         number = stream.position[0] + 1
-        nxt = open_generation(cfg.cache, cfg.run, is_main, local_cache=cfg.local_cache, local_cache_gb=cfg.local_cache_gb)
+        nxt = open_all([None] * len(cfg.cache))
         try:
-            check_cache_files(nxt, is_main)
+            for c in nxt:
+                check_cache_files(c, is_main)
         except CorruptSample as e:  # every rank checks the same generation: all stop where the epoch begins
             stream.add_epoch(Epoch(number, None, None, error=e))
             return
@@ -156,7 +172,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 break
             if batch["epoch"] != progress.epoch:  # the epoch before is done
                 caches.pop(progress.epoch, None)
-                cache = caches[batch["epoch"]]
+                group = caches[batch["epoch"]]
+                cache = group[0]
             progress.epoch, progress.cursor = batch["epoch"], batch["cursor"]
             if stream.needs_epoch():
                 hand_over()

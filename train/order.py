@@ -37,10 +37,12 @@ def _generator(*parts: int, device: torch.device | str | None = None) -> torch.G
 
 @dataclass(frozen=True, order=True)
 class Stream:
-    """The shards of one bucket and one source (a named dataset of the cache): what the plan draws batches from."""
+    """The shards of one bucket and one source (a named dataset) of one cache (of a run's several): what the plan
+    draws batches from."""
 
     bucket: Bucket
     source: str = ""
+    cache: int = 0
 
 
 def source_draws(samples: dict[Stream, int], records: dict[str, dict]) -> dict[Stream, int]:
@@ -62,6 +64,12 @@ def source_draws(samples: dict[Stream, int], records: dict[str, dict]) -> dict[S
         mine = {stream: n for stream, n in samples.items() if stream.source == name}
         out |= _whole({stream: total * n / per_source[name] for stream, n in mine.items()})
     return out
+
+
+def cache_labels(locations: list[str]) -> list[str]:
+    """Short names of a run's caches: the last component of each location, numbered where two are alike."""
+    names = [location.rstrip("/").rsplit("/", 1)[-1] for location in locations]
+    return [f"{i}-{n}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
 def _whole(parts: dict) -> dict:
@@ -163,30 +171,51 @@ class BatchPlan:
         g = self.global_size
         self.counts = [(n + g - 1) // g if remainder == "repeat" else n // g for n in self.draws]
         # one source: the seeds of the plan before sources existed (its runs resume onto the same batches)
-        self._single = len({st.source for st in self.streams}) <= 1
+        self._single = len({(st.source, st.cache) for st in self.streams}) <= 1
+        self.labels: list[str] | None = None  # with several caches, how batches name their source: "CACHE/SOURCE"
         self._epochs: OrderedDict[tuple[int, int, int], _BucketEpoch] = OrderedDict()  # a few recent (epoch, stream, pass)
 
     @classmethod
-    def of(cls, cache, batch_size: int, **kwargs) -> "BatchPlan":
-        """The plan of a `shards.Cache`'s generation, from its shard table (no shard is opened): a stream per
-        bucket and source, each source drawn by the share stage one recorded for it."""
-        starts = cache.shard_starts
-        heights, widths = cache.shards.column("height"), cache.shards.column("width")
-        names = np.array(cache.shards.datasets(), dtype=object)
-        ranges, samples = {}, {}
-        for h, w, name in sorted(set(zip(heights.tolist(), widths.tolist(), names.tolist()))):
-            mine = np.flatnonzero((heights == h) & (widths == w) & (names == name))
-            stream = Stream(Bucket(int(h), int(w)), name)
-            ranges[stream] = (starts[mine], starts[mine + 1])
-            samples[stream] = int((starts[mine + 1] - starts[mine]).sum())
-        draws = source_draws(samples, cache.manifest.extra.get("sources", {}))
-        return cls(ranges, batch_size, draws=draws, **kwargs)
+    def of(cls, cache, batch_size: int, *, weights: list[float] | None = None, **kwargs) -> "BatchPlan":
+        """The plan of a `shards.Cache`'s generation (or of several caches', their samples numbered one after
+        the other), from their shard tables (no shard is opened): a stream per bucket and source, each source
+        drawn by the share stage one recorded for it; with `weights`, every cache's draws are scaled to its
+        share of the epoch."""
+        caches = cache if isinstance(cache, (list, tuple)) else [cache]
+        ranges, draws, offset, totals = {}, {}, 0, []
+        for c, one in enumerate(caches):
+            starts = one.shard_starts + offset
+            heights, widths = one.shards.column("height"), one.shards.column("width")
+            names = np.array(one.shards.datasets(), dtype=object)
+            samples = {}
+            for h, w, name in sorted(set(zip(heights.tolist(), widths.tolist(), names.tolist()))):
+                mine = np.flatnonzero((heights == h) & (widths == w) & (names == name))
+                stream = Stream(Bucket(int(h), int(w)), name, c)
+                ranges[stream] = (starts[mine], starts[mine + 1])
+                samples[stream] = int((starts[mine + 1] - starts[mine]).sum())
+            mine = source_draws(samples, one.manifest.extra.get("sources", {}))
+            draws |= mine
+            totals.append(sum(mine.values()))
+            offset += len(one)
+        if weights:  # each cache's share of the epoch in whole draws, spread over its streams as its own draws are
+            target = _whole({c: sum(totals) * w / sum(weights) for c, w in enumerate(weights)})
+            draws = {st: d for c in range(len(caches)) if totals[c] for st, d in _whole(
+                {st: d * target[c] / totals[c] for st, d in draws.items() if st.cache == c}).items()}
+        plan = cls(ranges, batch_size, draws=draws, **kwargs)
+        if len(caches) > 1:
+            plan.labels = cache_labels([getattr(one, "location", str(one.root)) for one in caches])
+        return plan
+
+    def source_name(self, b: int) -> str:
+        """How metrics name stream `b`'s source: its name, prefixed with its cache's when there are several."""
+        stream = self.streams[b]
+        return stream.source if self.labels is None else f"{self.labels[stream.cache]}/{stream.source}"
 
     def draws_by_source(self) -> dict[str, int]:
         """Samples each source gives an epoch (before a last batch is completed or dropped)."""
         out: dict[str, int] = defaultdict(int)
-        for stream, d in zip(self.streams, self.draws):
-            out[stream.source] += d
+        for b, d in enumerate(self.draws):
+            out[self.source_name(b)] += d
         return dict(out)
 
     def batches_per_epoch(self) -> int:
@@ -202,7 +231,7 @@ class BatchPlan:
 
     def _tag(self, b: int, p: int) -> tuple:
         """What sets stream `b`'s pass `p` apart in the seeds (nothing for the one pass of a one-source cache)."""
-        return () if self._single and p == 0 else (self.streams[b].source, p)
+        return () if self._single and p == 0 else (self.streams[b].source, self.streams[b].cache, p)
 
     def _bucket_epoch(self, epoch: int, b: int, p: int) -> _BucketEpoch:
         """Stream `b`'s order in pass `p` of `epoch` (kept for the few most recent)."""
@@ -262,7 +291,7 @@ class BatchPlan:
     def _due(self, epoch: int, b: int, k: int) -> float:
         """When stream `b`'s batch `k` comes in the epoch, in [0, 1)."""
         bucket = self.buckets[b]
-        u = derived_seed(self.seed, epoch, bucket.height, bucket.width, k, 7, *self._tag(b, 0)[:1]) / float(1 << 63)
+        u = derived_seed(self.seed, epoch, bucket.height, bucket.width, k, 7, *self._tag(b, 0)[:2]) / float(1 << 63)
         return (k + u) / self.counts[b]
 
     def _due_before(self, epoch: int, b: int, tau: float) -> int:
@@ -311,7 +340,7 @@ class BatchPlan:
             if done[b] < self.counts[b]:
                 heapq.heappush(heap, (self._due(epoch, b, done[b]), b))
             indices, passes = self.global_batch(epoch, b, k)
-            yield PlannedBatch(cursor, self.buckets[b], indices, self.streams[b].source, passes)
+            yield PlannedBatch(cursor, self.buckets[b], indices, self.source_name(b), passes)
             cursor += 1
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[PlannedBatch]:

@@ -88,9 +88,12 @@ class TrainState:
         say(f"resumed from {path} at step {progress.step} (epoch {progress.epoch}, batch {progress.cursor})")
         return progress
 
-    def save(self, progress: Progress, cache: Cache, run_config: dict) -> Path:
-        """Checkpoint `progress.step`: atomically, keeping the newest `--keep-checkpoints`."""
+    def save(self, progress: Progress, caches: Cache | list[Cache], run_config: dict) -> Path:
+        """Checkpoint `progress.step`: atomically, keeping the newest `--keep-checkpoints`. `caches`: the one cache
+        (or the run's several) the current epoch reads; the first's fields keep the layout of one-cache runs."""
         cfg, ema = self.cfg, self.ema
+        caches = caches if isinstance(caches, list) else [caches]
+        cache = caches[0]
         tensors = {"scheduler": self.scheduler.state_dict()}
         if self.scaler.is_enabled():
             tensors["scaler"] = self.scaler.state_dict()
@@ -112,9 +115,8 @@ class TrainState:
             "step": progress.step, "epoch": progress.epoch, "cursor": progress.cursor, "world_size": self.world,
             "model": cfg.model, "parallel": self.parallel, "smoothed_loss": list(progress.smoothed),
             "samples_by_source": dict(progress.drawn),
-            "cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "cache_generation": cache.generation,
-            # a remote cache's generations live in its bucket: `shards gc` of a directory must not count them
-            **({"cache_url": cache.location} if isinstance(cache, RemoteCache) else {"cache_root": str(cache.root.resolve())}),
+            **({"caches": [cache_record(c) for c in caches]} if len(caches) > 1 else {}),
+            **cache_record(cache),
             "precision_history": progress.history, "weights": self.model.weights,
             "sampler": {"version": BATCH_SAMPLER_VERSION, "batch_size": cfg.batch_size, "seed": cfg.seed, "remainder": cfg.remainder,
                         "shuffle_shards": cfg.shuffle_shards},
@@ -122,3 +124,10 @@ class TrainState:
         }
         return checkpoint.save(cfg.run, progress.step, model=self.model.module, tensors=tensors, keep=cfg.keep_checkpoints,
                                sharded=sharded, rank=self.rank, adapter=adapter_files, state=state)
+
+
+def cache_record(cache: Cache) -> dict:
+    """What a checkpoint records of a cache it reads: where it is, its generation and fingerprint."""
+    # a remote cache's generations live in its bucket: `shards gc` of a directory must not count them
+    where = {"cache_url": cache.location} if isinstance(cache, RemoteCache) else {"cache_root": str(cache.root.resolve())}
+    return {"cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "cache_generation": cache.generation, **where}
