@@ -35,7 +35,9 @@ class PrecomputeConfig:
                                         "with sidecar captions (x.jpg + x.txt/.caption) or a "
                                         "metadata.jsonl/.csv (file_name, text); or webdataset tars: a .tar, a folder of tars, "
                                         "a brace pattern data-{0000..0099}.tar, http(s) URLs, or any fsspec URL (s3://bucket/data-{0000..0099}.tar, "
-                                        "gs://, hf://; the `remote` extra installs s3fs and gcsfs)."})
+                                        "gs://, hf://; the `remote` extra installs s3fs and gcsfs); or a Hugging Face dataset on disk: a save_to_disk "
+                                        "folder or parquet files (a file, a glob, a Hub snapshot folder) with columns image and text "
+                                        "(the `hf` extra installs pyarrow)."})
     model: str = opt("tiny-sana", f"Preset: {', '.join(PRESETS)}.")
     cache: Path | None = opt(None, "Cache directory to create or extend (default: cache/MODEL, where `make train` looks).")
     text_encoder: str | None = opt(None, f"Override the preset's text encoder: {', '.join(TEXT_ENCODERS)}.")

@@ -70,7 +70,7 @@ def _failure(source: str, reason: str, detail: str) -> dict:
     return {"source": source, "reason": reason, "detail": detail}
 
 
-def _os_reason(e: OSError) -> str:
+def os_reason(e: OSError) -> str:
     """The failure reason of a per-file OSError."""
     if isinstance(e, SpecialFileError):
         return "special_file"
@@ -92,7 +92,7 @@ def _stat_regular(path: str | os.PathLike, st: os.stat_result | None = None) -> 
     return st
 
 
-def _read_regular(path: str | os.PathLike) -> bytes:
+def read_regular(path: str | os.PathLike) -> bytes:
     """A regular file's bytes; anything else raises SpecialFileError without being opened."""
     _stat_regular(path)
     # O_NONBLOCK: should the path become a FIFO after the check, the open still returns at once
@@ -108,7 +108,7 @@ def _read_utf8(path: Path) -> str:
     Raises:
         ValueError: the file is not UTF-8; the message names the file and line.
     """
-    data = _read_regular(path)
+    data = read_regular(path)
     try:
         return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
@@ -227,7 +227,7 @@ def _walk_folder(root: Path) -> Listing:
             try:
                 _stat_regular(path)  # follows symlinks: a loop or a dangling one fails here
             except OSError as e:
-                failures.append(_failure(source, _os_reason(e), f"{type(e).__name__}: {e}"))
+                failures.append(_failure(source, os_reason(e), f"{type(e).__name__}: {e}"))
                 continue
             sidecars = tuple(str(Path(dirpath) / (stem + c)) for c in CAPTION_EXTENSIONS if stem + c in names)
             entries.append(FolderEntry(source, str(path), sidecars))
@@ -279,12 +279,12 @@ def entry_stamp(entry: FolderEntry) -> int:
 def read_folder_entry(entry: FolderEntry) -> Record:
     """An entry's image bytes and raw captions; a file that cannot be read makes a Record with its reason."""
     try:
-        image = _read_regular(entry.image)
+        image = read_regular(entry.image)
         if entry.captions is not None:
             return Record(entry.source, image, list(entry.captions))
-        return Record(entry.source, image, [_read_regular(p) for p in entry.caption_files])
+        return Record(entry.source, image, [read_regular(p) for p in entry.caption_files])
     except OSError as e:
-        return Record(entry.source, None, missing=_os_reason(e), detail=f"{type(e).__name__}: {e}")
+        return Record(entry.source, None, missing=os_reason(e), detail=f"{type(e).__name__}: {e}")
 
 
 class FolderDataset(torch.utils.data.Dataset):
@@ -310,7 +310,7 @@ class FolderDataset(torch.utils.data.Dataset):
         try:
             stamp = entry_stamp(entry)
         except OSError as e:
-            return {"status": "failed", "source": entry.source, "reason": _os_reason(e),
+            return {"status": "failed", "source": entry.source, "reason": os_reason(e),
                     "detail": f"{type(e).__name__}: {e}", "stamp": 0}
         known = self.known.get(entry.source)
         if known is not None and known[1] == stamp:  # a known stamp of 0 never matches

@@ -1,5 +1,5 @@
-"""Reading the sources of DATA: folders (`precompute.folders`) or webdataset tars (`precompute.tars`) as this
-rank's stream of prepared samples, read by DataLoader workers while the encoders run.
+"""Reading the sources of DATA: folders (`precompute.folders`), webdataset tars (`precompute.tars`) or Hugging Face
+datasets on disk (`precompute.hfdata`) as this rank's stream of prepared samples, read by DataLoader workers while the encoders run.
 
 Every input either becomes a prepared sample or a failure with a named reason (`REASONS`); nothing raises
 out of a worker for bad data.
@@ -15,6 +15,7 @@ import torch
 from precompute.config import PrecomputeConfig
 from precompute.sources import Source
 from precompute.folders import FolderDataset, list_folder
+from precompute.hfdata import HFDataset, is_hf_dataset, list_hf
 from precompute.images import ImagePolicy
 from precompute.tars import TarDataset, expand_tar_urls, is_tar_source
 
@@ -40,6 +41,7 @@ REASONS = {
     "unlisted_directory": "directory could not be listed; the files in it were not seen",
     "bad_metadata_row": "metadata row that is not valid JSON/CSV or has no usable file_name",
     "outside_root": "metadata file_name is absolute or points outside DATA",
+    "no_image": "a dataset row whose image column is empty",
 }
 
 
@@ -71,8 +73,15 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
         mine = urls[rank::world]
         return Inputs(TarDataset(mine, policy, keys, tuple(config.caption_key)), None, None, True,
                       workers=min(config.workers, len(mine)))
+    if is_hf_dataset(data):
+        listing = list_hf(data, source.split, source.image_column, source.caption_column or config.caption_column)
+        parts = listing.parts[rank::world]
+        if only is not None:
+            parts = [p for p in parts if not only.isdisjoint(listing.names(p))]
+        dataset = HFDataset(listing, parts, policy, keys, known, only)
+        return Inputs(dataset, len(dataset), listing.rows, True, workers=min(config.workers, len(parts)))
     if not Path(data).is_dir():
-        raise FileNotFoundError(f"{where(source)}={data} is neither a folder of images nor webdataset tars")
+        raise FileNotFoundError(f"{where(source)}={data} is neither a folder of images, webdataset tars nor a Hugging Face dataset on disk")
     listing = list_folder(data, source.caption_column or config.caption_column)
     entries = listing.entries if only is None else [e for e in listing.entries if e.source in only]
     mine = entries[rank::world]

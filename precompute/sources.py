@@ -74,15 +74,16 @@ class Source:
 KEYS = {f.name for f in fields(Source)} - {"from_file"}  # what a [[source]] table may set
 KEY_HELP = {  # `python -m precompute --help` lists these
     "name": "the source's name in the cache (default: the path's last component)",
-    "path": "a folder, metadata folder, tar pattern or URL, as DATA (relative: to the dataset file)",
+    "path": "a folder, metadata folder, tar pattern, URL or Hugging Face dataset on disk, as DATA (relative: to the "
+            "dataset file)",
     "repeats": "draws of each sample per epoch, a whole number >= 1 (default 1)",
     "weight": "instead of repeats, the source's share of each epoch (> 0; then every source has one)",
     "caption_prefix": "text put before every caption (a trigger word)",
     "default_caption": "the caption of images without one (otherwise skipped)",
     "flip": "true: also cache the horizontally flipped image's latent; training draws one of the two",
-    "caption_column": "the caption column of the folder's metadata.jsonl/.csv",
+    "caption_column": "the caption column of the folder's metadata.jsonl/.csv or of a Hugging Face dataset",
     "image_column": "the image column of a Hugging Face dataset on disk",
-    "split": "the split of a saved DatasetDict (default train)",
+    "split": "the split of a saved DatasetDict or of Hub parquet files (default train)",
 }
 assert set(KEY_HELP) == KEYS
 NAME = re.compile(r"[^\t\n\r/\\]+")  # printable in `shards ls`' tab-separated lines; not a path
