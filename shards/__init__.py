@@ -7,7 +7,7 @@ See FORMAT.md beside this file.
 """
 
 from shards.buckets import ASPECT_RATIO_TABLES, Bucket, aspect_error, bucket_table, nearest_bucket
-from shards.contract import FLIP_PREFIX, CacheSpec, DecoderRecipe, LatentSpec, TextSpec
+from shards.contract import CONTROL_PREFIX, FLIP_PREFIX, CacheSpec, DecoderRecipe, LatentSpec, TextSpec
 from shards.fingerprint import canonical_json, diff_fingerprints, fingerprint_hash
 from shards.gc import gc, register_reader
 from shards.manifest import MANIFEST, Manifest, ShardEntry, exists, load
@@ -33,6 +33,7 @@ __all__ = [
     "Cache",
     "CacheBusy",
     "FLIP_PREFIX",
+    "CONTROL_PREFIX",
     "CacheSpec",
     "DecoderRecipe",
     "LatentSpec",

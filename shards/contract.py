@@ -19,6 +19,10 @@ TextLayoutKind = Literal["masked", "sd3_joint"]
 # The horizontally flipped image's latent fields are the latent fields' names with this prefix, ragged: one row
 # for a sample of a source cached with `flip = true`, none for the others (8 bytes of offsets each).
 FLIP_PREFIX = "flip_"
+# The control image's latent fields (ControlNet training) are the latent fields' names with this prefix, stacked
+# like the latent: every sample of a cache built with control images has one. Their presence is in the fingerprint
+# (`control`), so a cache with control latents never extends one without, nor the other way round.
+CONTROL_PREFIX = "control_"
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,18 @@ class LatentSpec:
     def flipped_fields(self) -> tuple[str, ...]:
         """The fields of the flipped image's latent (`FLIP_PREFIX`), present in caches written since they exist."""
         return tuple(FLIP_PREFIX + name for name in self.fields)
+
+    @property
+    def control_fields(self) -> tuple[str, ...]:
+        """The fields of the control image's latent (`CONTROL_PREFIX`), encoded like the image's: same VAE, same
+        resize and crop, the posterior's mean and std for a KL VAE (a fresh draw each step, as the stock SD3
+        ControlNet pipeline samples `latent_dist`), the latent itself for DC-AE."""
+        return tuple(CONTROL_PREFIX + name for name in self.fields)
+
+    def control_fingerprint(self) -> dict:
+        """The fingerprint's `control` part, written by stage one into a cache that holds control latents."""
+        return {"fields": list(self.control_fields), "image": "the training image's bucket, resize and crop",
+                "encoder": "the cache's VAE", "stored": "(z - shift_factor) * scaling_factor"}
 
     def shape(self, height: int, width: int) -> tuple[int, int, int]:
         """The latent's shape for a bucket of `height` x `width` pixels."""
@@ -150,6 +166,7 @@ class CacheSpec:
     base_resolution: int | None = None
     decoder: DecoderRecipe | None = None
     extra: dict = field(default_factory=dict, compare=False)  # the rest of stage one's record, untyped
+    control: dict | None = None  # the fingerprint's `control` part: the cache holds control latents (ControlNet)
 
     def record(self) -> dict:
         """Stage one's record in the manifest's `extra["precompute"]` (keys in the order caches have held them)."""
@@ -171,4 +188,4 @@ class CacheSpec:
         decoder = record.pop("decoder", None)
         return cls(LatentSpec.from_fingerprint(fp["vae"]), TextSpec.from_fingerprint(fp["text_encoder"]), record.pop("family", None),
                    record.pop("preset", None), record.pop("base_resolution", None),
-                   DecoderRecipe.from_json(decoder) if decoder else None, record)
+                   DecoderRecipe.from_json(decoder) if decoder else None, record, fp.get("control") or None)
