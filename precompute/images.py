@@ -1,5 +1,6 @@
 """How an input becomes a sample: captions decoded, the image decoded, bucketed, resized and cropped
-deterministically, and the sample's content key.
+deterministically (its control image, for ControlNet caches, given the same resize and crop), and the sample's
+content key.
 
 `prepare` turns a `Record` (an input's bytes, from a folder or a tar) into a prepared sample or a failure
 with a named reason (`precompute.inputs.REASONS`); nothing raises for bad data.
@@ -38,6 +39,8 @@ class ImagePolicy:
         caption_prefix: put before every caption of the source (a trigger word).
         default_caption: the caption of an image that has none (otherwise skipped as missing or empty).
         flip: the source's samples also cache the latent of the horizontally flipped image.
+        control: every image pairs with a control image (`Record.control`), resized and cropped as the image is;
+            an image without one is skipped.
     """
 
     buckets: tuple[Bucket, ...]
@@ -49,6 +52,7 @@ class ImagePolicy:
     caption_prefix: str = ""
     default_caption: str | None = None
     flip: bool = False
+    control: bool = False
 
     def fingerprint(self) -> dict:
         return {
@@ -73,16 +77,25 @@ class Record:
     captions: list[bytes | str] = field(default_factory=list)
     missing: str | None = None  # a failure reason known before decoding
     detail: str = ""  # what went wrong, with `missing`
+    control: bytes | None = None  # the control image's bytes (ControlNet caches); None: none was found or read
+    control_missing: str = "missing_control"  # why `control` is None: missing_control or unreadable_control
+    control_detail: str = ""  # what went wrong, or where the control image was looked for
 
 
-def content_key(image: bytes, captions: list[str], flip: bool = False) -> str:
-    """A sample's key: sha256 of the image bytes and every caption, and whether its flipped view is cached too
-    (a caption never holds NUL, so the marker cannot be a caption)."""
+# A control image may differ in size from its image, not in shape: their aspect ratios agree within this fraction.
+CONTROL_ASPECT_TOLERANCE = 0.01
+
+
+def content_key(image: bytes, captions: list[str], flip: bool = False, control: bytes | None = None) -> str:
+    """A sample's key: sha256 of the image bytes and every caption, whether its flipped view is cached too, and
+    the control image's bytes when it has one (a caption never holds NUL, so the markers cannot be a caption)."""
     h = hashlib.sha256(image)
     for c in captions:
         h.update(b"\x00" + c.encode("utf-8"))
     if flip:
         h.update(b"\x00\x00flip")
+    if control is not None:
+        h.update(b"\x00\x00control\x00" + hashlib.sha256(control).digest())
     return h.hexdigest()
 
 
@@ -155,14 +168,34 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+def decode_image(data: bytes, max_pixels: int) -> tuple[Image.Image | None, str | None, str]:
+    """Image bytes as 8-bit RGB (`to_rgb`), or (None, reason, detail): not_an_image, too_many_pixels or corrupt_image."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            w, h = img.size
+            if w * h > max_pixels:
+                return None, "too_many_pixels", f"{w}x{h}"
+            img.load()
+            return to_rgb(img), None, ""
+    except UnidentifiedImageError as e:
+        return None, "not_an_image", str(e)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        return None, "too_many_pixels", str(e)
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        return None, "corrupt_image", f"{type(e).__name__}: {e}"
+
+
 def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set[str] = frozenset()) -> dict:
     """Turn a record into a prepared sample, an `unchanged` marker, or a failure.
 
     Returns:
         A dict with `status` ("ok", "unchanged" or "failed") and `source`; "ok" adds `key`, `bucket`,
-        `pixels` (3, H, W) uint8, `captions`, `original_size` (h, w), `crop` (top, left, h, w) and, when a
-        caption was not UTF-8, `caption_fallback` (the encoding it was read in, "cp1252" or "latin-1");
-        "unchanged" adds `key`; "failed" adds `reason` and `detail`.
+        `pixels` (3, H, W) uint8, `captions`, `original_size` (h, w), `crop` (top, left, h, w), with
+        `policy.control` `control_pixels` (3, H, W) uint8 (the control image resized and cropped as the image)
+        and, when a caption was not UTF-8, `caption_fallback` (the encoding it was read in, "cp1252" or
+        "latin-1"); "unchanged" adds `key`; "failed" adds `reason` and `detail`.
     """
     def failed(reason: str, detail: str = "") -> dict:
         return {"status": "failed", "source": record.source, "reason": reason, "detail": detail}
@@ -176,25 +209,22 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         captions, reason = [policy.default_caption], None
     if reason:
         return failed(reason)
+    if policy.control and record.control is None:
+        return failed(record.control_missing, record.control_detail)
+    if policy.control and not record.control:
+        return failed("corrupt_control", "zero-byte control image")
     captions = [policy.caption_prefix + c for c in captions]
-    key = content_key(record.image, captions, policy.flip)
+    key = content_key(record.image, captions, policy.flip, record.control if policy.control else None)
     if key in skip_keys:
         return {"status": "unchanged", "source": record.source, "key": key}
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(record.image))
-            w, h = img.size
-            if w * h > policy.max_pixels:
-                return failed("too_many_pixels", f"{w}x{h}")
-            img.load()
-            img = to_rgb(img)
-    except UnidentifiedImageError as e:
-        return failed("not_an_image", str(e))
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        return failed("too_many_pixels", str(e))
-    except (OSError, ValueError, SyntaxError, EOFError) as e:
-        return failed("corrupt_image", f"{type(e).__name__}: {e}")
+    img, reason, detail = decode_image(record.image, policy.max_pixels)
+    if img is None:
+        return failed(reason, detail)
+    control = None
+    if policy.control:
+        control, reason, detail = decode_image(record.control, policy.max_pixels)
+        if control is None:
+            return failed("corrupt_control", f"control image: {reason}: {detail}")
 
     h, w = img.height, img.width
     bucket = nearest_bucket(h, w, policy.buckets)
@@ -204,12 +234,18 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
     scale = max(bucket.height / h, bucket.width / w)
     if scale > policy.max_upscale and not policy.allow_upscale:
         return failed("too_small", f"{w}x{h} needs {scale:.2f}x upscaling for bucket {bucket}")
-    # cover the bucket, then center-crop
+    if control is not None and control.size != img.size:
+        # another size of the same picture (a depth map at half resolution): the same shape within 1 %
+        ratio = (control.width / control.height) / (w / h)
+        if max(ratio, 1 / ratio) - 1 > CONTROL_ASPECT_TOLERANCE:
+            return failed("control_aspect", f"control image {control.width}x{control.height}, image {w}x{h} (width x height)")
+    # cover the bucket, then center-crop; a control image is resized to the same size and cropped with the same box
     rw, rh = max(bucket.width, round(w * scale)), max(bucket.height, round(h * scale))
-    img = img.resize((rw, rh), Image.BICUBIC)
     top, left = (rh - bucket.height) // 2, (rw - bucket.width) // 2
-    img = img.crop((left, top, left + bucket.width, top + bucket.height))
-    pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)  # (3, H, W)
+    box = (left, top, left + bucket.width, top + bucket.height)
+    pixels = as_pixels(img.resize((rw, rh), Image.BICUBIC).crop(box))
+    if control is not None:
+        control = as_pixels(control.resize((rw, rh), Image.BICUBIC).crop(box))
     return {
         "status": "ok",
         "source": record.source,
@@ -219,5 +255,11 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         "captions": captions,
         "original_size": (h, w),
         "crop": (top, left, bucket.height, bucket.width),
+        **({"control_pixels": control} if control is not None else {}),
         **({"caption_fallback": fallback} if fallback else {}),
     }
+
+
+def as_pixels(img: Image.Image) -> torch.Tensor:
+    """An RGB image as (3, H, W) uint8."""
+    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
