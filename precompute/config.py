@@ -64,6 +64,15 @@ class PrecomputeConfig:
     caption_column: str = opt(CAPTION_COLUMN, "Caption column of metadata.jsonl/.csv (a string or a list of captions).")
     caption_key: list[str] = opt(["caption", "text", "prompt"], "Keys of a tar sample's .json whose values are captions "
                                                                 "(repeatable); all found are encoded.")
+    control: bool = opt(False, "ControlNet training: every image pairs with a control image whose latent is cached beside "
+                               "its own, encoded by the same VAE after the image's bucket, resize and crop (a control "
+                               "image of another size but the same aspect ratio, within 1 %, is resized to match). Found "
+                               "as x.control.png (any image extension) beside x.jpg in a folder; in a metadata.jsonl/.csv's "
+                               "control_file_name column (else the sidecar); as the KEY.control.png / KEY.control.jpg "
+                               "member of a tar sample; in the control_image column of a Hugging Face dataset; or, for a "
+                               "dataset file's source, under the images' relative names in its control = \"DIR\" folder "
+                               "(control_column renames the column). An image without one is skipped (missing_control). A "
+                               "cache is built with or without control latents; the other kind of run is refused.")
     validation_prompt: list[str] = opt([], "A prompt to encode for validation images (repeatable).")
     validation_file: Path | None = opt(None, "A file of validation prompts, one per line (added to --validation-prompt).")
     allow_pipe: bool = opt(False, "Allow pipe: URLs, which run a shell command (checked on every URL a brace pattern expands to).")
@@ -132,6 +141,16 @@ class PrecomputeConfig:
         for name in ("max_removal_fraction", "max_failure_fraction"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{flag(name)} {getattr(self, name)}: a fraction, from 0 to 1")
+        for source in self.sources():
+            where = f"source {source.name!r}" if source.from_file else f"DATA={self.data}"
+            if self.control and source.flip:
+                # the flipped image would need its flipped control image, which is not cached
+                raise ValueError(f"{where} sets flip = true, which --control does not support: a flipped image's control "
+                                 f"latent is not cached. Drop flip for this source, or build a cache without --control")
+            keys = [k for k in ("control", "control_column") if getattr(source, k) is not None]
+            if keys and not self.control:
+                raise ValueError(f"{where} sets {keys[0]}, which applies to ControlNet caches only: pass --control (every "
+                                 f"image of the cache then needs a control image) or remove {keys[0]} from the dataset file")
         if self.repair and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--repair runs in one process (it re-encodes only the damaged shards' samples); run it without torchrun")
 
@@ -154,4 +173,5 @@ class PrecomputeConfig:
     def policy(self) -> ImagePolicy:
         """How this run turns images into bucket-sized pixels, on the preset's bucket table."""
         return ImagePolicy(bucket_table(self.preset().base_resolution), max_upscale=self.max_upscale,
-                           allow_upscale=self.allow_upscale, extreme_aspect=self.extreme_aspect, max_pixels=self.max_pixels)
+                           allow_upscale=self.allow_upscale, extreme_aspect=self.extreme_aspect, max_pixels=self.max_pixels,
+                           control=self.control)

@@ -156,13 +156,15 @@ class Encoders:
         return TextSpec("sd3_joint", width, text.max_length, clip_tokens=CLIP_TOKENS, t5_tokens=text.max_length,
                         t5_stored=not text.drop_t5, clip_width=self.clip_dim, pooled_width=self.pooled_dim, t5_width=width)
 
-    def schema(self, storage_dtype: torch.dtype) -> Schema:
+    def schema(self, storage_dtype: torch.dtype, control: bool = False) -> Schema:
         """Fields of every sample. `text` holds all of a sample's captions back to back and
-        `text_lengths` their token counts, so one image can carry several captions."""
+        `text_lengths` their token counts, so one image can carry several captions. With `control`, the control
+        image's latent fields (ControlNet caches), stacked like the image's."""
         return {
             **{name: Field(storage_dtype) for name in self.latent_spec().fields},
             # the flipped image's latent: one row for samples of a `flip = true` source, none for the others
             **{name: Field(storage_dtype, ragged=True) for name in self.latent_spec().flipped_fields},
+            **{name: Field(storage_dtype) for name in (self.latent_spec().control_fields if control else ())},
             **self.prompt_schema(storage_dtype),
             "text_lengths": Field(torch.int32, ragged=True),
             "original_size": Field(torch.int32),

@@ -1,8 +1,11 @@
 """A folder of images as inputs: find image-caption pairs, read them, and stamp them.
 
 Captions are sidecar files (`x.jpg` + `x.txt`) or a `metadata.jsonl` / `metadata.csv` in the Hugging Face
-imagefolder convention. Only regular files are opened, and metadata cannot name a path outside DATA. An
-entry's stamp (size and mtime of its files) lets an incremental run skip an unchanged input without reading it.
+imagefolder convention. A control image (ControlNet caches) is the sidecar `x.control.png` (any image
+extension; such files are never images of their own), a metadata row's `control_file_name`, or the file of the
+same relative name in a separate folder (`with_control_folder`). Only regular files are opened, and metadata
+cannot name a path outside DATA. An entry's stamp (size and mtime of its files) lets an incremental run skip an
+unchanged input without reading it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import io
 import json
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Iterator
 
@@ -25,6 +28,22 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".
 CAPTION_EXTENSIONS = (".txt", ".caption")
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")  # the first one present is the dataset
 CAPTION_COLUMN = "text"  # the imagefolder convention's caption column
+CONTROL_COLUMN = "control_file_name"  # a metadata file's column of control images, relative to the folder
+CONTROL_SUFFIX = ".control"  # x.control.png is the control image of x.jpg, never an image of its own
+
+
+def is_control_file(name: str) -> bool:
+    """Whether a file name is a control image's sidecar (`x.control.png`), which is never listed as an image."""
+    stem, ext = os.path.splitext(name)
+    return ext.lower() in IMAGE_EXTENSIONS and os.path.splitext(stem)[1].lower() == CONTROL_SUFFIX
+
+
+def pick_control(candidates: list[str], image: str) -> str:
+    """The control image among several of one stem: the one with the image's extension, else the first in
+    `IMAGE_EXTENSIONS` order (then by name)."""
+    ext = os.path.splitext(image)[1].lower()
+    rank = {e: i for i, e in enumerate(IMAGE_EXTENSIONS)}
+    return min(candidates, key=lambda c: (os.path.splitext(c)[1].lower() != ext, rank[os.path.splitext(c)[1].lower()], c))
 
 
 @dataclass(frozen=True)
@@ -35,6 +54,8 @@ class FolderEntry:
     image: str
     caption_files: tuple[str, ...] = ()
     captions: tuple[str, ...] | None = None  # from a metadata file
+    control: str | None = None  # the control image's path, when control images are looked for and one was found
+    control_looked: str = ""  # where it was looked for (the failure's detail when none was found)
 
 
 @dataclass
@@ -160,8 +181,8 @@ def metadata_captions(value: object, from_csv: bool) -> tuple[str, ...] | None:
     return None
 
 
-def _metadata_path(root: Path, name: str, inside: dict[str, bool]) -> str:
-    """The path a metadata `file_name` names under root.
+def _metadata_path(root: Path, name: str, inside: dict[str, bool], column: str = "file_name") -> str:
+    """The path a metadata `file_name` (or control column) names under root.
 
     The name must be relative, without `..`, and its directory must resolve inside root. The file itself
     may be a symlink, followed as in a folder listing (the Hugging Face hub cache stores a snapshot's files
@@ -169,19 +190,21 @@ def _metadata_path(root: Path, name: str, inside: dict[str, bool]) -> str:
     `inside` caches the answer per directory.
     """
     if os.path.isabs(name) or ".." in PurePosixPath(name).parts:
-        raise _BadRow("outside_root", f"file_name {name!r} is not a relative path inside DATA", name)
+        raise _BadRow("outside_root", f"{column} {name!r} is not a relative path inside DATA", name)
     path = root / name
     parent = str(path.parent)
     if parent not in inside:
         real_root, real_parent = os.path.realpath(root), os.path.realpath(parent)
         inside[parent] = os.path.commonpath([real_root, real_parent]) == real_root
     if not inside[parent]:
-        raise _BadRow("outside_root", f"file_name {name!r} leads outside DATA through a symlinked directory", name)
+        raise _BadRow("outside_root", f"{column} {name!r} leads outside DATA through a symlinked directory", name)
     return str(path)
 
 
-def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, inside: dict[str, bool]) -> FolderEntry:
-    """A metadata row as an entry; a row that is not a sample raises _BadRow."""
+def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, inside: dict[str, bool],
+                    control_column: str | None) -> FolderEntry:
+    """A metadata row as an entry; a row that is not a sample raises _BadRow. With `control_column`, its control
+    image is the file that column names, or else the sidecar beside the image (`x.control.png`)."""
     name = row.get("file_name")
     if not isinstance(name, str) or not name.strip() or "\x00" in name:
         raise _BadRow("bad_metadata_row", f"file_name {name!r} is not a non-empty string")
@@ -190,17 +213,31 @@ def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, 
     if captions is None:
         raise _BadRow("caption_not_string", f"{caption_column} is {row.get(caption_column)!r}, "
                       "not a string or a list of strings", name)
-    return FolderEntry(name, path, captions=captions)
+    if control_column is None:
+        return FolderEntry(name, path, captions=captions)
+    control = row.get(control_column)
+    if control is not None and (not isinstance(control, str) or "\x00" in control):
+        raise _BadRow("bad_metadata_row", f"{control_column} {control!r} is not a path", name)
+    if control and control.strip():
+        try:
+            control_path = _metadata_path(root, control, inside, control_column)
+        except _BadRow as e:  # the row's input is its image
+            raise _BadRow(e.reason, str(e), name) from None
+        return FolderEntry(name, path, captions=captions, control=control_path, control_looked=f"{control_column} {control!r}")
+    stem = os.path.splitext(path)[0] + CONTROL_SUFFIX
+    found = [stem + ext for ext in IMAGE_EXTENSIONS if os.path.lexists(stem + ext)]
+    return FolderEntry(name, path, captions=captions, control=pick_control(found, path) if found else None,
+                       control_looked=f"no {control_column} and no {Path(stem).name}.<image extension> beside the image")
 
 
-def _list_metadata(root: Path, path: Path, caption_column: str) -> Listing:
+def _list_metadata(root: Path, path: Path, caption_column: str, control_column: str | None) -> Listing:
     text, from_csv = _read_utf8(path), path.suffix == ".csv"
     entries, failures, complete, inside = [], [], True, {}
     for n, row in _csv_rows(text, path) if from_csv else _jsonl_rows(text):
         try:
             if isinstance(row, _BadRow):
                 raise row
-            entries.append(_metadata_entry(root, row, caption_column, from_csv, inside))
+            entries.append(_metadata_entry(root, row, caption_column, from_csv, inside, control_column))
         except _BadRow as e:
             # a row naming no file may be a cached sample's: the listing cannot say it is gone
             complete = complete and e.source is not None
@@ -208,7 +245,7 @@ def _list_metadata(root: Path, path: Path, caption_column: str) -> Listing:
     return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
 
 
-def _walk_folder(root: Path) -> Listing:
+def _walk_folder(root: Path, control: bool) -> Listing:
     entries, failures = [], []
 
     def unlisted(e: OSError) -> None:
@@ -218,9 +255,13 @@ def _walk_folder(root: Path) -> Listing:
     for dirpath, dirnames, filenames in os.walk(root, onerror=unlisted):
         dirnames.sort()
         names = set(filenames)
+        controls: dict[str, list[str]] = {}  # image stem -> its control sidecars
+        for name in filenames:
+            if is_control_file(name):
+                controls.setdefault(os.path.splitext(os.path.splitext(name)[0])[0], []).append(name)
         for name in sorted(filenames):
             stem, ext = os.path.splitext(name)
-            if ext.lower() not in IMAGE_EXTENSIONS:
+            if ext.lower() not in IMAGE_EXTENSIONS or is_control_file(name):
                 continue
             path = Path(dirpath) / name
             source = path.relative_to(root).as_posix()
@@ -230,17 +271,26 @@ def _walk_folder(root: Path) -> Listing:
                 failures.append(_failure(source, os_reason(e), f"{type(e).__name__}: {e}"))
                 continue
             sidecars = tuple(str(Path(dirpath) / (stem + c)) for c in CAPTION_EXTENSIONS if stem + c in names)
-            entries.append(FolderEntry(source, str(path), sidecars))
+            if not control:
+                entries.append(FolderEntry(source, str(path), sidecars))
+                continue
+            found = pick_control(controls[stem], name) if stem in controls else None
+            entries.append(FolderEntry(source, str(path), sidecars, control=str(Path(dirpath) / found) if found else None,
+                                       control_looked=f"no {stem}{CONTROL_SUFFIX}.<image extension> beside the image"))
     complete = not any(f["reason"] == "unlisted_directory" for f in failures)
     return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
 
 
-def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN) -> Listing:
-    """Every image under `root` with its captions, and what could not be listed.
+def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN, control: bool = False,
+                control_column: str = CONTROL_COLUMN) -> Listing:
+    """Every image under `root` with its captions (and control image), and what could not be listed.
 
     With `metadata.jsonl` or `metadata.csv` at the root (columns `file_name` and `caption_column`),
     those rows are the dataset; otherwise each image's captions are the sidecar files beside it
-    with the same stem (`x.jpg` + `x.txt` and/or `x.caption`). Symlinks to files are followed, symlinks
+    with the same stem (`x.jpg` + `x.txt` and/or `x.caption`), and files named `x.control.EXT` are never images.
+    With `control`, each entry's control image is the row's `control_column` (a path relative to root, checked
+    as `file_name` is) or else the sidecar `x.control.EXT` beside the image (with several, the one of the image's
+    extension); an entry without one has `control` None. Symlinks to files are followed, symlinks
     to directories are not; nothing is opened but the metadata file.
 
     Returns:
@@ -253,18 +303,47 @@ def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN) -
     root = Path(root)
     for name in METADATA_FILES:
         if os.path.lexists(root / name):
-            return _list_metadata(root, root / name, caption_column)
-    return _walk_folder(root)
+            return _list_metadata(root, root / name, caption_column, control_column if control else None)
+    return _walk_folder(root, control)
+
+
+def with_control_folder(entries: list[FolderEntry], folder: str | os.PathLike) -> list[FolderEntry]:
+    """The entries with their control images in `folder`, under the same relative names as the images, with any
+    image extension (kohya's conditioning_data_dir): `folder/a/x.png` for the image `a/x.jpg`. Sidecars are not
+    looked at. The folder is listed once (names only); symlinks to files are followed, to directories not.
+
+    Raises:
+        FileNotFoundError: `folder` is not a directory.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder")
+    found: dict[str, list[str]] = {}  # relative stem -> control files
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for name in filenames:
+            stem, ext = os.path.splitext(name)
+            if ext.lower() in IMAGE_EXTENSIONS:
+                found.setdefault((Path(dirpath) / stem).relative_to(folder).as_posix(), []).append(str(Path(dirpath) / name))
+    out = []
+    for e in entries:
+        stem = os.path.splitext(PurePosixPath(e.source).as_posix())[0]
+        candidates = found.get(stem)
+        out.append(replace(e, control=pick_control(candidates, e.image) if candidates else None,
+                           control_looked=f"no {stem}.<image extension> in {folder}"))
+    return out
 
 
 def entry_stamp(entry: FolderEntry) -> int:
     """What an incremental run compares instead of reading an entry's files.
 
     A 63-bit blake2b digest of (size, mtime_ns) of the image and of each sidecar caption file, and of the
-    metadata captions; `os.stat` only, nothing is opened. Never 0, which stands for "unknown".
+    metadata captions, and of the control image (its path relative to the image's folder, size and mtime; a
+    control image that cannot be stat'ed stamps as absent, and reading the entry says why); `os.stat` only,
+    nothing is opened. Never 0, which stands for "unknown".
 
     Raises:
-        OSError: a file cannot be stat'ed, or is not a regular file (SpecialFileError).
+        OSError: the image or a caption file cannot be stat'ed, or is not a regular file (SpecialFileError).
     """
     h = hashlib.blake2b(digest_size=8)
     for path in (entry.image, *entry.caption_files):
@@ -273,18 +352,33 @@ def entry_stamp(entry: FolderEntry) -> int:
     for c in entry.captions or ():
         text = c.encode("utf-8", "surrogatepass")
         h.update(len(text).to_bytes(8, "big") + text)
+    if entry.control is not None:
+        try:
+            st = _stat_regular(entry.control)
+            known = f"{st.st_size}\0{st.st_mtime_ns}"
+        except OSError:
+            known = "absent"
+        where = os.path.relpath(entry.control, os.path.dirname(entry.image))
+        h.update(f"\0control\0{where}\0{known}\0".encode("utf-8", "surrogateescape"))
     return int.from_bytes(h.digest(), "big") >> 1 or 1
 
 
 def read_folder_entry(entry: FolderEntry) -> Record:
-    """An entry's image bytes and raw captions; a file that cannot be read makes a Record with its reason."""
+    """An entry's image bytes, raw captions and control image; a file that cannot be read makes a Record with its
+    reason (a control image: `missing_control` or `unreadable_control`, left for `prepare` to report)."""
     try:
         image = read_regular(entry.image)
-        if entry.captions is not None:
-            return Record(entry.source, image, list(entry.captions))
-        return Record(entry.source, image, [read_regular(p) for p in entry.caption_files])
+        captions = list(entry.captions) if entry.captions is not None else [read_regular(p) for p in entry.caption_files]
     except OSError as e:
         return Record(entry.source, None, missing=os_reason(e), detail=f"{type(e).__name__}: {e}")
+    record = Record(entry.source, image, captions, control_detail=entry.control_looked)
+    if entry.control is not None:
+        try:
+            record.control = read_regular(entry.control)
+        except OSError as e:
+            record.control_missing = "missing_control" if isinstance(e, FileNotFoundError) else "unreadable_control"
+            record.control_detail = f"{type(e).__name__}: {e}"
+    return record
 
 
 class FolderDataset(torch.utils.data.Dataset):

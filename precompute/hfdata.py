@@ -1,6 +1,7 @@
 """A Hugging Face dataset on disk as inputs: a `save_to_disk` directory (one dataset, or a DatasetDict and a
 split of it) or parquet files (one file, a glob, or a folder of them as the Hub stores a dataset), with an image
-column and a caption column.
+column and a caption column, and for ControlNet caches a control image column (`control_image`, in the image
+column's forms).
 
 Read with pyarrow, one parquet row group or Arrow record batch at a time, rather than through `datasets`:
 `load_dataset("parquet", ...)` first copies every image into its Arrow cache (a second copy of the dataset on
@@ -8,7 +9,7 @@ disk), and its streaming mode does not say which file and row a sample came from
 need. pyarrow reads both formats `datasets` writes, memory-mapping Arrow files.
 
 A row's input name is `FILE:ROW` (FILE relative to the dataset's folder) and its stamp digests the file's size
-and mtime with the row number: a re-run skips a file's unchanged rows without reading them, and rows of a
+and mtime with the row number (and those of image files the row names by path): a re-run skips a file's unchanged rows without reading them, and rows of a
 rewritten file are read again (their content keys still find what is cached).
 """
 
@@ -29,6 +30,7 @@ from precompute.folders import METADATA_FILES, metadata_captions, os_reason, rea
 from precompute.images import ImagePolicy, Record, prepare
 
 SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")  # as Hub file names spell them
+CONTROL_COLUMN = "control_image"  # the control image column of a ControlNet dataset (diffusers' training scripts' name)
 
 
 def _pyarrow():
@@ -100,6 +102,7 @@ class HFListing:
     parts: list[Part]
     image_column: str
     caption_column: str
+    control_column: str | None = None  # read only for ControlNet caches
 
     @property
     def rows(self) -> int:
@@ -188,9 +191,10 @@ def _check_column(schema, column: str, role: str, file: str) -> None:
                          f"set {role}_column = \"...\" in the dataset file")
 
 
-def list_hf(data: str, split: str = "train", image_column: str = "image", caption_column: str = "text") -> HFListing:
-    """The rows of DATA's split, in parts, after checking that every file has both columns. Only file headers
-    and parquet footers are read.
+def list_hf(data: str, split: str = "train", image_column: str = "image", caption_column: str = "text",
+            control_column: str | None = None) -> HFListing:
+    """The rows of DATA's split, in parts, after checking that every file has the columns (the control column too,
+    when one is given). Only file headers and parquet footers are read.
 
     Raises:
         FileNotFoundError: no data file found.
@@ -202,8 +206,10 @@ def list_hf(data: str, split: str = "train", image_column: str = "image", captio
         schema, found = _schema_and_parts(path, kind, i)
         _check_column(schema, image_column, "image", path)
         _check_column(schema, caption_column, "caption", path)
+        if control_column is not None:
+            _check_column(schema, control_column, "control", path)
         parts += found
-    return HFListing(root, files, parts, image_column, caption_column)
+    return HFListing(root, files, parts, image_column, caption_column, control_column)
 
 
 def _file_stamp(path: str) -> bytes:
@@ -211,12 +217,14 @@ def _file_stamp(path: str) -> bytes:
     return f"{st.st_size}\0{st.st_mtime_ns}\0".encode()
 
 
-def row_stamp(file_stamp: bytes, row: int, referenced: str | None = None) -> int:
-    """A row's stamp: its file's size and mtime and the row's number, and those of the image file a row names by
-    path instead of holding its bytes. Never 0."""
+def row_stamp(file_stamp: bytes, row: int, referenced: str | None = None, control: str | None = None) -> int:
+    """A row's stamp: its file's size and mtime and the row's number, and those of the image file (and control
+    image file) a row names by path instead of holding its bytes. Never 0."""
     h = hashlib.blake2b(file_stamp + row.to_bytes(8, "big"), digest_size=8)
     if referenced is not None:
         h.update(_file_stamp(referenced))
+    if control is not None:
+        h.update(b"control\0" + _file_stamp(control))
     return int.from_bytes(h.digest(), "big") >> 1 or 1
 
 
@@ -294,13 +302,16 @@ class HFDataset(torch.utils.data.IterableDataset):
             return
         images = table.column(self.listing.image_column)
         captions = table.column(self.listing.caption_column)
+        controls = table.column(self.listing.control_column) if self.listing.control_column else None
         for j, (n, want) in enumerate(zip(names, wanted)):
             if want:
-                yield self._row(n, images[j].as_py(), captions[j].as_py(), stamp, part.start + j, self.known.get(n))
+                control = controls[j].as_py() if controls is not None else None
+                yield self._row(n, images[j].as_py(), captions[j].as_py(), stamp, part.start + j, self.known.get(n), control)
 
     def _read(self, path: str, kind: str, part: Part):
         pa = _pyarrow()
         columns = [self.listing.image_column, self.listing.caption_column]
+        columns += [self.listing.control_column] if self.listing.control_column else []
         if kind == "parquet":
             return pa.parquet.ParquetFile(path).read_row_group(part.index, columns=columns)
         if self._batches[0] != path:  # a file's parts are read one after the other: map it once
@@ -311,10 +322,19 @@ class HFDataset(torch.utils.data.IterableDataset):
             raise ValueError(f"{path} holds {len(batches)} record batches, not {part.index + 1}: it changed while being read")
         return batches[part.index].select(columns)
 
-    def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known) -> dict:
+    def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None) -> dict:
         try:
             data, referenced = _image_of(image, self.listing.root)
-            stamp = row_stamp(file_stamp, row, referenced)
+        except OSError as e:
+            return {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
+        control, control_path, control_error = None, None, None
+        if self.listing.control_column:
+            try:
+                control, control_path = _image_of(control_cell, self.listing.root)
+            except OSError as e:
+                control_error = e
+        try:
+            stamp = row_stamp(file_stamp, row, referenced, control_path)
         except OSError as e:
             return {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
         if known is not None and known[1] == stamp:
@@ -326,4 +346,9 @@ class HFDataset(torch.utils.data.IterableDataset):
         if texts is None:
             return {"status": "failed", "source": name, "reason": "caption_not_string",
                     "detail": f"{self.listing.caption_column} is {caption!r}, not a string or a list of strings", "stamp": stamp}
-        return {**prepare(Record(name, data, list(texts)), self.policy, self.skip_keys), "stamp": stamp}
+        record = Record(name, data, list(texts), control=control,
+                        control_detail=f"column {self.listing.control_column!r} is empty in this row")
+        if control_error is not None:  # a control image named by a path that cannot be read
+            record.control_missing = "missing_control" if isinstance(control_error, FileNotFoundError) else "unreadable_control"
+            record.control_detail = f"{type(control_error).__name__}: {control_error}"
+        return {**prepare(record, self.policy, self.skip_keys), "stamp": stamp}

@@ -14,7 +14,8 @@ import torch
 
 from precompute.config import PrecomputeConfig
 from precompute.sources import Source
-from precompute.folders import FolderDataset, list_folder
+from precompute.folders import CONTROL_COLUMN, FolderDataset, list_folder, with_control_folder
+from precompute.hfdata import CONTROL_COLUMN as HF_CONTROL_COLUMN
 from precompute.hfdata import HFDataset, is_hf_dataset, list_hf
 from precompute.images import ImagePolicy
 from precompute.tars import TarDataset, expand_tar_urls, is_tar_source
@@ -42,6 +43,10 @@ REASONS = {
     "bad_metadata_row": "metadata row that is not valid JSON/CSV or has no usable file_name",
     "outside_root": "metadata file_name is absolute or points outside DATA",
     "no_image": "a dataset row whose image column is empty",
+    "missing_control": "--control: no control image found for the image",
+    "unreadable_control": "--control: the control image could not be read (permission, I/O error, special file)",
+    "corrupt_control": "--control: the control image is not a decodable image",
+    "control_aspect": "--control: the control image's aspect ratio differs from the image's by more than 1 %",
 }
 
 
@@ -68,13 +73,24 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     """
     data = source.path
     policy = replace(policy, caption_prefix=source.caption_prefix, default_caption=source.default_caption, flip=source.flip)
-    if is_tar_source(data):
+    tar = is_tar_source(data)
+    hf = not tar and is_hf_dataset(data)
+    in_tar = "a tar sample holds its control image as its KEY.control.png member"
+    if source.control is not None and (tar or hf):
+        instead = in_tar if tar else "a Hugging Face dataset holds its control images in a column (control_column)"
+        raise ValueError(f"source {source.name!r}: control = {source.control!r} pairs a folder's images with a folder of "
+                         f"control images by name; {instead}: remove control from the dataset file")
+    if source.control_column is not None and tar:
+        raise ValueError(f"source {source.name!r}: control_column names a column of a Hugging Face dataset or of a "
+                         f"folder's metadata file; {in_tar}: remove control_column from the dataset file")
+    if tar:
         urls = expand_tar_urls(data, config.allow_pipe)
         mine = urls[rank::world]
         return Inputs(TarDataset(mine, policy, keys, tuple(config.caption_key)), None, None, True,
                       workers=min(config.workers, len(mine)))
-    if is_hf_dataset(data):
-        listing = list_hf(data, source.split, source.image_column, source.caption_column or config.caption_column)
+    if hf:
+        listing = list_hf(data, source.split, source.image_column, source.caption_column or config.caption_column,
+                          (source.control_column or HF_CONTROL_COLUMN) if config.control else None)
         parts = listing.parts[rank::world]
         if only is not None:
             parts = [p for p in parts if not only.isdisjoint(listing.names(p))]
@@ -82,8 +98,14 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
         return Inputs(dataset, len(dataset), listing.rows, True, workers=min(config.workers, len(parts)))
     if not Path(data).is_dir():
         raise FileNotFoundError(f"{where(source)}={data} is neither a folder of images, webdataset tars nor a Hugging Face dataset on disk")
-    listing = list_folder(data, source.caption_column or config.caption_column)
+    listing = list_folder(data, source.caption_column or config.caption_column, config.control and source.control is None,
+                          source.control_column or CONTROL_COLUMN)
     entries = listing.entries if only is None else [e for e in listing.entries if e.source in only]
+    if config.control and source.control is not None:
+        try:
+            entries = with_control_folder(entries, source.control)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"source {source.name!r}: control = {source.control} is not a folder") from None
     mine = entries[rank::world]
     return Inputs(FolderDataset(mine, policy, keys, known), len(mine), len(entries), listing.complete,
                   failures=listing.failures[rank::world], workers=config.workers)
@@ -126,12 +148,10 @@ def unsalted(known: dict[str, tuple[str, int]], source: Source) -> dict[str, tup
 
 
 def pixels_as_array(item: dict) -> dict:
-    """A worker's item with its pixels as a numpy array: sent through the pipe in one copy. A tensor goes
+    """A worker's item with its pixels (and control pixels) as numpy arrays: sent through the pipe in one copy. A tensor goes
     through shared memory instead (a file, a descriptor passed over a socket and a mapping per image),
     which costs the receiving process more than the copy for the image sizes a CPU encodes."""
-    if "pixels" in item:
-        item = {**item, "pixels": item["pixels"].numpy()}
-    return item
+    return {**item, **{name: item[name].numpy() for name in ("pixels", "control_pixels") if name in item}}
 
 
 def build_loader(dataset: torch.utils.data.Dataset, workers: int, device: torch.device) -> torch.utils.data.DataLoader:

@@ -15,11 +15,13 @@ from precompute.inputs import REASONS
 from shards import Cache
 
 
-def estimate_bytes_per_sample(enc: Encoders, policy: ImagePolicy, storage: torch.dtype, captions: int = 1) -> int:
-    """Latents at the largest bucket area plus, per caption, half the token limit: an estimate for the disk check."""
+def estimate_bytes_per_sample(enc: Encoders, policy: ImagePolicy, storage: torch.dtype, captions: int = 1,
+                              control: bool = False) -> int:
+    """Latents (and control latents) at the largest bucket area plus, per caption, half the token limit: an estimate
+    for the disk check."""
     latent, text = enc.latent_spec(), enc.text_spec()
     area = max(b.height * b.width for b in policy.buckets) // latent.downsample**2
-    latents = len(latent.fields) * latent.channels * area
+    latents = (2 if control else 1) * len(latent.fields) * latent.channels * area
     if text.layout == "sd3_joint":  # every token is kept: CLIP's 77 and T5's whole length
         per_caption = text.clip_tokens * text.clip_width + text.pooled_width + (text.t5_tokens * text.t5_width if text.t5_stored else 0)
     else:

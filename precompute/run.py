@@ -28,7 +28,7 @@ from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalte
 from precompute.presets import Preset
 from precompute.removal import RemovalRefused, damaged_shards, removal_refused, removals, replace_damaged, warn_damaged
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
-from shards import FLIP_PREFIX, CacheSpec, Prompt, ShardWriter, exists, load, prompt_key
+from shards import CONTROL_PREFIX, FLIP_PREFIX, CacheSpec, Prompt, ShardWriter, exists, load, prompt_key
 from shards.atomic import atomic_write_bytes
 from shards.options import torch_dtype
 
@@ -77,6 +77,7 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     # changed and removed count within it, and other sources are never touched. The loader's workers start
     # reading images now, while the encoders load.
     manifest = load(cache) if exists(cache) else None
+    check_control(config, manifest)
     sources = config.sources()
     previous = {s.name: {key: src for key, src, *_ in manifest.samples(s.name)} if manifest else {} for s in sources}
     everything = frozenset(k for k, *_ in manifest.samples()) if manifest else frozenset()
@@ -123,12 +124,14 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         # dtypes by torch's names ("bfloat16"), as every cache records them, whatever the option's spelling
         fingerprint = {**enc.fingerprint(), "storage_dtype": str(storage).removeprefix("torch."), "buckets": policy.fingerprint(),
                        "captions": {"caption_column": config.caption_column, "caption_keys": list(config.caption_key)}}
-        schema = cache_schema(enc, storage, manifest, sources, cache)
+        if config.control:  # the cache holds control latents: never mixed with a cache without them (check_control)
+            fingerprint["control"] = enc.latent_spec().control_fingerprint()
+        schema = cache_schema(enc, storage, manifest, sources, cache, config.control)
         if manifest is not None:
             manifest.check_compatible(fingerprint, schema, cache)
         growth = sum(max(0, (i.listed or 0) - len(previous[name])) for name, i in listings.items())
         if config.check_disk and is_main and growth and not repair:
-            check_disk_space(cache, estimate_bytes_per_sample(enc, policy, storage) * growth)
+            check_disk_space(cache, estimate_bytes_per_sample(enc, policy, storage, control=config.control) * growth)
     except BaseException:
         del batches  # stops the workers now, not when the traceback is freed
         raise
@@ -152,6 +155,8 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         latents = enc.encode_images(torch.stack([it["pixels"] for it in items]))  # (B, C, h, w) each
         flips = [j for j, it in enumerate(items) if it.get("flip")]
         mirrored = enc.encode_images(torch.stack([items[j]["pixels"].flip(-1) for j in flips])) if flips else {}
+        # the control images, cropped as their images, through the same VAE: the pipelines' control latents
+        controls = enc.encode_images(torch.stack([it["control_pixels"] for it in items])) if config.control else {}
         captions = [c for it in items for c in it["captions"]]
         texts, truncated = [], []
         for i in range(0, len(captions), config.text_batch_size):
@@ -168,6 +173,7 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
                 plain = latents[name.removeprefix(FLIP_PREFIX)]
                 row = mirrored[name.removeprefix(FLIP_PREFIX)][flips.index(j)][None] if j in flips else plain[j][None][:0]
                 fields[name] = row.to(storage)
+            fields.update({CONTROL_PREFIX + name: t[j].to(storage) for name, t in controls.items()})
             fields.update({name: torch.cat([c[name] for c in mine]).to(storage) for name in mine[0]})
             fields["text_lengths"] = torch.tensor([c["text"].shape[0] if "text" in c else 0 for c in mine], dtype=torch.int32)
             fields["original_size"] = torch.tensor(it["original_size"], dtype=torch.int32)
@@ -202,8 +208,9 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
             wait_s += time.perf_counter() - t_wait
             if item is None:
                 break
-            if isinstance(item.get("pixels"), np.ndarray):
-                item["pixels"] = torch.from_numpy(item["pixels"])
+            for name in ("pixels", "control_pixels"):
+                if isinstance(item.get(name), np.ndarray):
+                    item[name] = torch.from_numpy(item[name])
             bar.update(1)
             status, name = item["status"], item["dataset"]
             if status == "failed":
@@ -287,10 +294,11 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     return summary
 
 
-def cache_schema(enc: Encoders, storage: torch.dtype, manifest, sources: list, cache: Path) -> dict:
-    """The fields of every sample: the encoders' schema, or, for a cache written before flipped latents could be
-    stored, its own (without them), in which no source may ask for `flip`."""
-    schema = enc.schema(storage)
+def cache_schema(enc: Encoders, storage: torch.dtype, manifest, sources: list, cache: Path, control: bool = False) -> dict:
+    """The fields of every sample: the encoders' schema (with the control latent's fields, for a ControlNet cache),
+    or, for a cache written before flipped latents could be stored, its own (without them), in which no source may
+    ask for `flip`."""
+    schema = enc.schema(storage, control)
     flipped = set(enc.latent_spec().flipped_fields)
     if manifest is not None and not flipped & set(manifest.schema):
         schema = {name: field for name, field in schema.items() if name not in flipped}
@@ -299,6 +307,20 @@ def cache_schema(enc: Encoders, storage: torch.dtype, manifest, sources: list, c
             raise ValueError(f"source {asking[0]!r} sets flip = true, but the cache at {cache} was built before flipped "
                              f"latents could be stored: write it into a new cache (--cache DIR)")
     return schema
+
+
+def check_control(config: PrecomputeConfig, manifest) -> None:
+    """Refuse to mix samples with and without control latents in one cache: a cache built with --control is extended
+    only by runs with it, one built without only by runs without (the fingerprint's `control` part says which)."""
+    if manifest is None or bool(manifest.fingerprint.get("control")) == config.control:
+        return
+    if config.control:
+        raise ValueError(f"--control: the cache at {config.cache} was built without control images, and a cache holds "
+                         f"control latents for every sample or for none. Write the ControlNet cache into a new directory "
+                         f"(--cache DIR), or leave --control out to extend this one")
+    raise ValueError(f"the cache at {config.cache} holds control latents (it was built with --control, for ControlNet "
+                     f"training) and every sample needs one: pass --control, with a control image for every image, or "
+                     f"write into a new directory (--cache DIR)")
 
 
 def name_sources(config: PrecomputeConfig) -> None:
@@ -310,6 +332,7 @@ def name_sources(config: PrecomputeConfig) -> None:
             raise FileNotFoundError(f"--remove-source: {config.cache} holds no cache")
         return
     manifest = load(config.cache)
+    check_control(config, manifest)  # before a source is removed or renamed
     present, sources = manifest.datasets(), config.sources()
     missing = [name for name in config.remove_source if name not in present]
     if missing:

@@ -8,7 +8,12 @@ repeats = 3                # or: weight = 0.25 (a share of each epoch); default 
 caption_prefix = "sks dog, "
 default_caption = "a photo of sks dog"   # for images without a caption
 flip = true                # also cache the horizontally flipped latent; training draws one of the two
+# with --control (ControlNet caches), where a folder's control images are, when not beside the images:
+control = "/data/photos-canny"   # /data/photos-canny/a/x.png is the control image of /data/photos/a/x.jpg
 ```
+
+`control_column` names the control image column of a Hugging Face dataset (default `control_image`) or of a
+folder's metadata.jsonl/.csv (default `control_file_name`).
 
 Every source is a named dataset of the cache: a run touches only the sources it lists (new / changed /
 removed count within each), and training draws each by its repeats or weight, recorded in the manifest.
@@ -41,6 +46,10 @@ class Source:
         flip: also cache the latent of the horizontally flipped image; training draws one of the two each time.
         image_column, caption_column, split: of a Hugging Face dataset; `caption_column` also names the
             caption column of a folder's metadata.jsonl/.csv (default: the run's --caption-column).
+        control: with --control, a folder holding the control images of a folder source under the images'
+            relative names, with any image extension (`control/a/x.png` for `a/x.jpg`), instead of sidecars.
+        control_column: with --control, the control image column of a Hugging Face dataset (default
+            `control_image`) or of a folder's metadata.jsonl/.csv (default `control_file_name`).
     """
 
     name: str
@@ -53,21 +62,27 @@ class Source:
     image_column: str = "image"
     caption_column: str | None = None
     split: str = "train"
+    control: str | None = None
+    control_column: str | None = None
     from_file: bool = False  # listed by a dataset file (messages name it), rather than DATA itself
 
     def salt(self) -> int:
-        """Mixed into every input stamp of the source (0: nothing to mix), so that editing its caption options or
-        `flip` makes an incremental run read its inputs again instead of calling them unchanged."""
-        if not (self.caption_prefix or self.default_caption is not None or self.flip):
+        """Mixed into every input stamp of the source (0: nothing to mix), so that editing its caption options,
+        `flip` or where its control images are makes an incremental run read its inputs again instead of calling
+        them unchanged."""
+        if not (self.caption_prefix or self.default_caption is not None or self.flip or self.control or self.control_column):
             return 0
-        text = f"{self.caption_prefix}\0{self.default_caption}\0{self.flip}".encode("utf-8")
-        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big") >> 1 or 1
+        text = f"{self.caption_prefix}\0{self.default_caption}\0{self.flip}"
+        if self.control or self.control_column:  # absent from the text otherwise: the salts of older caches stay
+            text += f"\0{self.control}\0{self.control_column}"
+        return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big") >> 1 or 1
 
     def record(self) -> dict:
         """What the manifest keeps of the source (`extra["sources"][name]`): training reads its share here."""
         share = {"weight": self.weight} if self.weight is not None else {"repeats": self.repeats or 1}
         optional = {k: v for k, v in (("caption_prefix", self.caption_prefix), ("default_caption", self.default_caption),
-                                      ("flip", self.flip)) if v}
+                                      ("flip", self.flip), ("control", self.control),
+                                      ("control_column", self.control_column)) if v}
         return {"path": self.path, **share, **optional}
 
 
@@ -84,6 +99,11 @@ KEY_HELP = {  # `python -m precompute --help` lists these
     "caption_column": "the caption column of the folder's metadata.jsonl/.csv or of a Hugging Face dataset",
     "image_column": "the image column of a Hugging Face dataset on disk",
     "split": "the split of a saved DatasetDict or of Hub parquet files (default train)",
+    "control": "with --control: a folder of the control images of a folder source, under the images' relative names "
+               "with any image extension (DIR/a/x.png for a/x.jpg; relative: to the dataset file), instead of sidecars "
+               "x.control.png",
+    "control_column": "with --control: the control image column of a Hugging Face dataset (default control_image) or "
+                      "of the folder's metadata.jsonl/.csv (default control_file_name)",
 }
 assert set(KEY_HELP) == KEYS
 NAME = re.compile(r"[^\t\n\r/\\]+")  # printable in `shards ls`' tab-separated lines; not a path
@@ -162,6 +182,8 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         path = values["path"]
         if "://" not in path and not Path(path).is_absolute() and not path.startswith("pipe:"):
             values["path"] = str(file.parent / path)  # relative to the dataset file, wherever it is run from
+        if "control" in values and "://" not in values["control"] and not Path(values["control"]).is_absolute():
+            values["control"] = str(file.parent / values["control"])
         sources.append(Source(**values, from_file=True))
     weighted = {s.weight is not None for s in sources}
     if len(weighted) > 1:
@@ -175,10 +197,11 @@ def _check(key: str, value) -> str | None:
     """Why `value` is not a valid `key` of a source, or None."""
     if key == "flip":
         return None if isinstance(value, bool) else "must be true or false"
-    if key in ("name", "path", "caption_prefix", "image_column", "caption_column", "split", "default_caption"):
+    if key in ("name", "path", "caption_prefix", "image_column", "caption_column", "split", "default_caption", "control",
+               "control_column"):
         if not isinstance(value, str):
             return "must be a string"
-        if key in ("name", "path", "image_column", "split", "default_caption", "caption_column") and not value.strip():
+        if key != "caption_prefix" and not value.strip():
             return "must not be empty"
         return None
     if key == "repeats":

@@ -1,7 +1,8 @@
 """Webdataset tars as inputs (img2dataset's layout): which DATA names tars, the tars it names, their samples.
 
 Tars in object storage (`s3://`, `gs://`, `hf://`, any fsspec URL) are listed and read through fsspec; `pipe:`
-commands and http(s) URLs through webdataset's `gopen`; both are unpacked by webdataset's tar iterators.
+commands and http(s) URLs through webdataset's `gopen`; both are unpacked by webdataset's tar iterators. A sample's
+control image (ControlNet caches) is its `control.png` / `control.jpg` member (`KEY.control.png` beside `KEY.jpg`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from precompute.folders import IMAGE_EXTENSIONS, METADATA_FILES, metadata_captio
 from precompute.images import ImagePolicy, Record, prepare
 
 STREAMED = ("http://", "https://", "pipe:")  # opened by webdataset's gopen, read once as a stream
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif")  # a sample's image, the first present
+CONTROL_MEMBERS = tuple(f"control.{ext}" for ext in IMAGE_MEMBERS)  # its control image, the first present
 
 
 def is_stored(url: str) -> bool:
@@ -110,10 +113,11 @@ def tar_name(url: str) -> str:
     return Path(url).name
 
 
-def tar_records(sample: dict, caption_keys: tuple[str, ...]) -> Record:
-    """A webdataset sample dict (raw bytes per extension) as a Record."""
+def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = False) -> Record:
+    """A webdataset sample dict (raw bytes per extension) as a Record; with `control`, its `control.EXT` member
+    is the control image."""
     source = f"{tar_name(sample.get('__url__', ''))}/{sample['__key__']}"
-    image = next((sample[ext] for ext in ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif") if ext in sample), None)
+    image = next((sample[ext] for ext in IMAGE_MEMBERS if ext in sample), None)
     if image is None:
         return Record(source, None, missing="not_an_image")
     captions: list[bytes | str] = []
@@ -129,7 +133,11 @@ def tar_records(sample: dict, caption_keys: tuple[str, ...]) -> Record:
             if found is None:
                 return Record(source, None, missing="caption_not_string", detail=f"json {k!r} is {meta[k]!r}")
             captions += found
-    return Record(source, image, captions)
+    if not control:
+        return Record(source, image, captions)
+    found = next((sample[ext] for ext in CONTROL_MEMBERS if ext in sample), None)
+    return Record(source, image, captions, control=found, control_detail=f"no member {sample['__key__']}.control.png "
+                                                                          f"(or another image extension) in the tar")
 
 
 def tar_ends_properly(url: str) -> bool:
@@ -193,4 +201,5 @@ class TarDataset(torch.utils.data.IterableDataset):
                     yield {"status": "failed", "source": url, "reason": "corrupt_tar", "detail": f"{type(e).__name__}: {e}",
                            "stamp": 0}
                     break
-                yield {**prepare(tar_records(sample, self.caption_keys), self.policy, self.skip_keys), "stamp": 0}
+                record = tar_records(sample, self.caption_keys, self.policy.control)
+                yield {**prepare(record, self.policy, self.skip_keys), "stamp": 0}
