@@ -1,0 +1,418 @@
+"""Stage one with --control: every image's control image is found beside it (per input kind), given the image's
+resize and crop, encoded as the stock diffusers ControlNet pipelines encode it, and cached as the control latent."""
+
+import io
+import json
+import os
+import random
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageFilter, ImageOps
+from typer.testing import CliRunner
+
+from precompute.config import PrecomputeConfig
+from precompute.folders import list_folder
+from precompute.images import Record, prepare
+from precompute.run import main as precompute
+from precompute.sample_data import draw_sample
+from shards import CONTROL_PREFIX, CacheSpec, Cache, load
+
+RUN = dict(workers=0, progress=False, batch_size=1, max_shard_mb=0, storage_dtype="fp32")
+POLICY = PrecomputeConfig("unused", control=True).policy()
+
+
+def triples(count: int, seed: int = 0) -> list[tuple[Image.Image, Image.Image, str]]:
+    """(image, control image, caption): the sample data's drawings, an edge map of each as its control image (other
+    pixels than the image's, the same shape), and captions that say which sample they are."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        img, caption = draw_sample(rng)
+        edges = img.convert("L").filter(ImageFilter.FIND_EDGES)
+        out.append((img, ImageOps.autocontrast(edges).convert("RGB"), f"{caption}, sample {i}"))
+    return out
+
+
+def png(img: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def sidecar_folder(root: Path, items) -> Path:
+    """x.png + x.txt + x.control.png per sample."""
+    root.mkdir(parents=True, exist_ok=True)
+    for i, (img, control, caption) in enumerate(items):
+        img.save(root / f"{i:03d}.png")
+        control.save(root / f"{i:03d}.control.png")
+        (root / f"{i:03d}.txt").write_text(caption)
+    return root
+
+
+def failures(cache) -> dict[str, str]:
+    lines = (Path(cache) / "failures.jsonl").read_text().splitlines()
+    return {json.loads(line)["source"]: json.loads(line)["reason"] for line in lines}
+
+
+@pytest.fixture(scope="module")
+def items():
+    return triples(3, seed=1)
+
+
+@pytest.fixture(scope="module")
+def control_latents(items, tmp_path_factory):
+    """caption -> the tiny-sana latent of each control image encoded as a training image of its own (the same size
+    as its image, so the same bucket, resize and crop): what a sample's control latent must be, whatever the input."""
+    root = tmp_path_factory.mktemp("reference")
+    data = root / "data"
+    data.mkdir()
+    for i, (_, control, caption) in enumerate(items):
+        control.save(data / f"{i:03d}.png")
+        (data / f"{i:03d}.txt").write_text(caption)
+    precompute(str(data), "tiny-sana", root / "cache", **RUN)
+    c = Cache(root / "cache")
+    captions = {f"{i:03d}.png": caption for i, (_, _, caption) in enumerate(items)}
+    return {captions[bytes(c[i]["source"].tolist()).decode()]: c[i]["latent"] for i in range(len(c))}
+
+
+def check_pairs(cache, items, control_latents, caption_of) -> None:
+    """Every sample of `cache` holds the control latent of its own image's control image; `caption_of(sample)`
+    says which image it is."""
+    c = Cache(cache)
+    assert len(c) == len(items)
+    for i in range(len(c)):
+        s = c[i]
+        torch.testing.assert_close(s["control_latent"], control_latents[caption_of(s)], rtol=0, atol=0)
+        assert not torch.equal(s["control_latent"], s["latent"])
+
+
+# ---- the cached control latent is the stock pipeline's ------------------------------------------------------
+
+def resized_and_cropped(img: Image.Image, original_size, crop) -> Image.Image:
+    """An image (or its control image, of any size of the same shape) given the resize and crop the cache records
+    for its sample: resized to cover the bucket from the original size, then cropped at (top, left)."""
+    (h, w), (top, left, bh, bw) = original_size, crop
+    scale = max(bh / h, bw / w)
+    size = (max(bw, round(w * scale)), max(bh, round(h * scale)))
+    return img.resize(size, Image.BICUBIC).crop((left, top, left + bw, top + bh))
+
+
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-sana"])
+def test_control_latents_equal_the_stock_controlnet_pipeline(tmp_path, model):
+    """Each cached control latent is what StableDiffusion3ControlNetPipeline / SanaControlNetPipeline compute from
+    the control image cropped as its image (their `prepare_image`, then `vae.encode`), with the VAE the cache
+    stored; a control image at half the image's size is resized to the image's resized size first."""
+    import diffusers
+
+    items = triples(3, seed=2)
+    data = sidecar_folder(tmp_path / "data", items)
+    half = items[1][1].resize((items[1][1].width // 2, items[1][1].height // 2), Image.BICUBIC)
+    half.save(data / "001.control.png")  # another size of the same shape
+    controls = [items[0][1], half, items[2][1]]
+    cache = tmp_path / "cache"
+    summary = precompute(str(data), model, cache, control=True, **RUN)
+    assert summary["new"] == 3 and summary["failed"] == 0
+
+    c = Cache(cache)
+    vae_class = diffusers.AutoencoderKL if model == "tiny-sd3" else diffusers.AutoencoderDC
+    vae = vae_class.from_pretrained(cache / "vae").eval()  # the weights the cache was encoded with
+    if model == "tiny-sd3":
+        pipe = diffusers.StableDiffusion3ControlNetPipeline(
+            transformer=None, scheduler=None, vae=vae, text_encoder=None, tokenizer=None, text_encoder_2=None,
+            tokenizer_2=None, text_encoder_3=None, tokenizer_3=None, controlnet=None)
+    else:
+        pipe = diffusers.SanaControlNetPipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=None,
+                                                controlnet=None, scheduler=None)
+    scaling, shift = vae.config.scaling_factor, getattr(vae.config, "shift_factor", None) or 0.0
+    for i in range(len(c)):
+        s = c[i]
+        n = int(bytes(s["source"].tolist()).decode()[:3])
+        crop, original = s["crop"].tolist(), s["original_size"].tolist()
+        height, width = crop[2], crop[3]
+        assert (s.bucket.height, s.bucket.width) == (height, width)
+
+        def pipeline_input(img):
+            return pipe.prepare_image(resized_and_cropped(img, original, crop), width=width, height=height, batch_size=1,
+                                      num_images_per_prompt=1, device="cpu", dtype=torch.float32)
+
+        with torch.no_grad():
+            control = pipeline_input(controls[n])
+            image = pipeline_input(items[n][0])
+            if model == "tiny-sd3":
+                dist = vae.encode(control).latent_dist
+                torch.testing.assert_close(s["control_latent_mean"], ((dist.mean - shift) * scaling)[0], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(s["control_latent_std"], (dist.std * scaling)[0], rtol=1e-6, atol=1e-6)
+                # the pipeline's draw, `(latent_dist.sample() - shift) * scaling`, is the cached mean + std * its noise
+                drawn = (dist.sample(generator=torch.Generator().manual_seed(i)) - shift) * scaling
+                noise = torch.randn(dist.mean.shape, generator=torch.Generator().manual_seed(i))[0]
+                torch.testing.assert_close(s["control_latent_mean"] + s["control_latent_std"] * noise, drawn[0],
+                                           rtol=1e-5, atol=1e-5)
+                # the image itself was resized and cropped the same way
+                image_mean = (vae.encode(image).latent_dist.mean - shift) * scaling
+                torch.testing.assert_close(s["latent_mean"], image_mean[0], rtol=1e-6, atol=1e-6)
+            else:
+                torch.testing.assert_close(s["control_latent"], (vae.encode(control).latent * scaling)[0], rtol=1e-6, atol=1e-6)
+                torch.testing.assert_close(s["latent"], (vae.encode(image).latent * scaling)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_control_image_gets_exactly_the_image_resize_and_crop():
+    """The same picture as image and control gives the same pixels; another size of the same shape (within 1 %)
+    is resized to match; another shape, an undecodable or an empty control image fails with its reason; EXIF
+    rotation and alpha are applied to control images as to images."""
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 255, (300, 200, 3), dtype=np.uint8))  # 200 wide, 300 high: resized and cropped
+    data = png(image)
+    same = prepare(Record("x.png", data, ["a caption"], control=data), POLICY)
+    assert same["status"] == "ok" and torch.equal(same["control_pixels"], same["pixels"])
+
+    smooth = image.resize((20, 30)).resize((200, 300), Image.BICUBIC)
+    half = prepare(Record("x.png", png(smooth), ["a caption"], control=png(smooth.resize((100, 150), Image.BICUBIC))), POLICY)
+    assert half["status"] == "ok" and half["control_pixels"].shape == half["pixels"].shape
+    assert (half["control_pixels"].float() - half["pixels"].float()).abs().mean() < 8  # the same picture, resampled
+    near = prepare(Record("x.png", data, ["a caption"], control=png(image.resize((201, 300)))), POLICY)  # 0.5 % wider
+    assert near["status"] == "ok"
+
+    def reason(control: bytes) -> tuple[str, str]:
+        out = prepare(Record("x.png", data, ["a caption"], control=control), POLICY)
+        return out["status"], out.get("reason")
+
+    assert reason(png(image.resize((204, 300)))) == ("failed", "control_aspect")  # 2 % wider
+    assert reason(png(image.resize((300, 200)))) == ("failed", "control_aspect")  # transposed
+    assert reason(b"not an image at all") == ("failed", "corrupt_control")
+    assert reason(data[: len(data) // 2]) == ("failed", "corrupt_control")
+    assert reason(b"") == ("failed", "corrupt_control")
+    missing = prepare(Record("x.png", data, ["a caption"], control_detail="no x.control.png"), POLICY)
+    assert (missing["reason"], missing["detail"]) == ("missing_control", "no x.control.png")
+
+    # stored rotated, with an EXIF orientation: its displayed shape is the image's
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buf = io.BytesIO()
+    smooth.rotate(90, expand=True).save(buf, format="JPEG", exif=exif, quality=98)
+    rotated = prepare(Record("x.png", png(smooth), ["a caption"], control=buf.getvalue()), POLICY)
+    assert rotated["status"] == "ok" and (rotated["control_pixels"].float() - rotated["pixels"].float()).abs().mean() < 8
+    # alpha composited on white, as for images
+    clear = prepare(Record("x.png", data, ["a caption"], control=png(Image.new("RGBA", (200, 300), (0, 0, 0, 0)))), POLICY)
+    assert bool((clear["control_pixels"] == 255).all())
+    # without --control, a control image is not read, and the key is the image's and captions' alone
+    plain = prepare(Record("x.png", data, ["a caption"], control=data), PrecomputeConfig("unused").policy())
+    assert "control_pixels" not in plain and plain["key"] != same["key"]
+
+
+# ---- where control images are found --------------------------------------------------------------------------
+
+def test_folder_sidecars_are_control_images_and_never_images(tmp_path, items, control_latents):
+    data = sidecar_folder(tmp_path / "data", items)
+    (data / "sub").mkdir()
+    items[0][1].save(data / "sub" / "orphan.control.jpg")  # a control image without an image: listed by nobody
+    assert [e.source for e in list_folder(data).entries] == ["000.png", "001.png", "002.png"]  # also without --control
+    listing = list_folder(data, control=True)
+    assert [Path(e.control).name for e in listing.entries] == ["000.control.png", "001.control.png", "002.control.png"]
+    # read by two loader workers: control pixels cross the process boundary as the image's do
+    summary = precompute(str(data), "tiny-sana", tmp_path / "cache", control=True, **{**RUN, "workers": 2})
+    assert summary["new"] == 3 and summary["failed"] == 0
+    caption_of = {f"{i:03d}.png": caption for i, (_, _, caption) in enumerate(items)}
+    check_pairs(tmp_path / "cache", items, control_latents, lambda s: caption_of[bytes(s["source"].tolist()).decode()])
+    # a plain run of the same folder caches the three images, not their control images
+    assert precompute(str(data), "tiny-sana", tmp_path / "plain", **RUN)["new"] == 3
+
+
+def test_a_metadata_column_names_control_images_and_sidecars_work_beside_it(tmp_path, items, control_latents):
+    data = tmp_path / "data"
+    (data / "images").mkdir(parents=True)
+    (data / "conditioning").mkdir()
+    rows = []
+    for i, (img, control, caption) in enumerate(items):
+        img.save(data / "images" / f"{i}.png")
+        if i < 2:
+            control.save(data / "conditioning" / f"c{i}.png")
+            rows.append({"file_name": f"images/{i}.png", "text": caption, "control_file_name": f"conditioning/c{i}.png"})
+        else:  # no control_file_name: the sidecar beside the image
+            control.save(data / "images" / f"{i}.control.png")
+            rows.append({"file_name": f"images/{i}.png", "text": caption})
+    items[0][0].save(data / "images" / "3.png")
+    rows.append({"file_name": "images/3.png", "text": "escapes", "control_file_name": "../outside.png"})
+    (data / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = precompute(str(data), "tiny-sana", tmp_path / "cache", control=True, **RUN)
+    assert summary["new"] == 3 and failures(tmp_path / "cache") == {"images/3.png": "outside_root"}
+    caption_of = {f"images/{i}.png": caption for i, (_, _, caption) in enumerate(items)}
+    check_pairs(tmp_path / "cache", items, control_latents, lambda s: caption_of[bytes(s["source"].tolist()).decode()])
+
+
+def test_a_tar_sample_control_member_is_its_control_image(tmp_path, items, control_latents):
+    tar_path = tmp_path / "tars" / "data-0000.tar"
+    tar_path.parent.mkdir()
+    with tarfile.open(tar_path, "w") as tar:
+        for i, (img, control, caption) in enumerate(items):
+            members = [("jpg" if i == 0 else "png", png(img, "JPEG" if i == 0 else "PNG")), ("txt", caption.encode()),
+                       ("control.png", png(control))]
+            for ext, blob in members:
+                info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+    summary = precompute(str(tar_path), "tiny-sana", tmp_path / "cache", control=True, **RUN)
+    assert summary["new"] == 3 and summary["failed"] == 0
+    caption_of = {f"data-0000.tar/{i:06d}": caption for i, (_, _, caption) in enumerate(items)}
+    check_pairs(tmp_path / "cache", items, control_latents, lambda s: caption_of[bytes(s["source"].tolist()).decode()])
+
+
+def test_a_hugging_face_dataset_control_image_column_and_its_rename(tmp_path, items, control_latents):
+    datasets = pytest.importorskip("datasets")
+
+    def saved(path: Path, control_column: str) -> Path:
+        ds = datasets.Dataset.from_dict({"image": [{"bytes": png(img), "path": None} for img, _, _ in items],
+                                         "text": [caption for _, _, caption in items],
+                                         control_column: [{"bytes": png(control), "path": None} for _, control, _ in items]})
+        ds.cast_column("image", datasets.Image()).cast_column(control_column, datasets.Image()).save_to_disk(str(path))
+        return path
+
+    caption_of = {f"{i}": caption for i, (_, _, caption) in enumerate(items)}
+    summary = precompute(str(saved(tmp_path / "hf", "control_image")), "tiny-sana", tmp_path / "cache", control=True, **RUN)
+    assert summary["new"] == 3 and summary["failed"] == 0
+    check_pairs(tmp_path / "cache", items, control_latents, lambda s: caption_of[bytes(s["source"].tolist()).decode().rsplit(":")[-1]])
+
+    saved(tmp_path / "renamed", "conditioning_image")
+    with pytest.raises(ValueError, match="no control column 'control_image'.*control_column"):
+        precompute(str(tmp_path / "renamed"), "tiny-sana", tmp_path / "other", control=True, **RUN)
+    file = tmp_path / "data.toml"
+    file.write_text(f'[[source]]\npath = "{tmp_path / "renamed"}"\ncontrol_column = "conditioning_image"\n')
+    summary = precompute(str(file), "tiny-sana", tmp_path / "other", control=True, **RUN)
+    assert summary["new"] == 3 and summary["failed"] == 0
+    check_pairs(tmp_path / "other", items, control_latents, lambda s: caption_of[bytes(s["source"].tolist()).decode().rsplit(":")[-1]])
+
+
+def test_a_dataset_file_control_folder_holds_control_images_by_relative_name(tmp_path, items, control_latents):
+    data, controls = tmp_path / "photos", tmp_path / "photos-edges"
+    for i, (img, control, caption) in enumerate(items):
+        sub = "a" if i < 2 else "b"
+        for d in (data / sub, controls / sub):
+            d.mkdir(parents=True, exist_ok=True)
+        img.save(data / sub / f"{i}.png")
+        (data / sub / f"{i}.txt").write_text(caption)
+        control.save(controls / sub / f"{i}.bmp")  # any image extension, here lossless as the png
+        if i == 0:
+            items[2][1].save(data / sub / f"{i}.control.png")  # a sidecar is not what a control folder pairs
+    file = tmp_path / "data.toml"
+    file.write_text('[[source]]\npath = "photos"\ncontrol = "photos-edges"\n')  # relative to the file
+    summary = precompute(str(file), "tiny-sana", tmp_path / "cache", control=True, **RUN)
+    assert summary["new"] == 3 and summary["failed"] == 0
+    caption_of = {f"{'a' if i < 2 else 'b'}/{i}.png": caption for i, (_, _, caption) in enumerate(items)}
+    check_pairs(tmp_path / "cache", items, control_latents, lambda s: caption_of[bytes(s["source"].tolist()).decode()])
+    assert load(tmp_path / "cache").extra["sources"]["photos"]["control"] == str(controls)
+
+    (controls / "b" / "2.bmp").unlink()
+    summary = precompute(str(file), "tiny-sana", tmp_path / "cache", control=True, **RUN)
+    assert summary["failed_by_reason"] == {"missing_control": 1} and summary["unchanged"] == 2
+    assert len(Cache(tmp_path / "cache")) == 3  # a sample whose input fails to read is kept, as for every failure
+
+
+def test_control_keys_and_flip_are_checked_against_control(tmp_path):
+    file = tmp_path / "data.toml"
+    file.write_text('[[source]]\npath = "photos"\ncontrol = "edges"\n')
+    with pytest.raises(ValueError, match="sets control, which applies to ControlNet caches only: pass --control"):
+        PrecomputeConfig(str(file))
+    file.write_text('[[source]]\nname = "dogs"\npath = "photos"\nflip = true\n')
+    with pytest.raises(ValueError, match="source 'dogs' sets flip = true, which --control does not support"):
+        PrecomputeConfig(str(file), control=True)
+    file.write_text('[[source]]\npath = "photos"\ncontrl = "edges"\n')
+    with pytest.raises(ValueError, match="did you mean 'control'"):
+        PrecomputeConfig(str(file), control=True)
+    file.write_text('[[source]]\npath = "photos"\ncontrol = 3\n')
+    with pytest.raises(ValueError, match="control = 3: must be a string"):
+        PrecomputeConfig(str(file), control=True)
+    from precompute.__main__ import HELP
+
+    assert "control_column" in HELP and "control:" in HELP
+
+
+# ---- failures, the fingerprint, incremental runs -----------------------------------------------------------------
+
+def test_missing_or_undecodable_control_images_are_named_failures(tmp_path, items):
+    data = sidecar_folder(tmp_path / "data", items + triples(4, seed=5))
+    (data / "003.control.png").unlink()  # missing
+    (data / "004.control.png").write_bytes(b"\x89PNG\r\n\x1a\n but cut short")  # undecodable
+    img = Image.open(data / "005.png")
+    Image.new("RGB", (img.width, 2 * img.height)).save(data / "005.control.png")  # another shape
+    (data / "006.control.png").unlink()
+    os.mkfifo(data / "006.control.png")  # not a regular file: never opened (opening a FIFO would block)
+    cache = tmp_path / "cache"
+    summary = precompute(str(data), "tiny-sana", cache, control=True, **RUN)
+    assert summary["new"] == 3
+    expected = {"003.png": "missing_control", "004.png": "corrupt_control", "005.png": "control_aspect",
+                "006.png": "unreadable_control"}
+    assert failures(cache) == expected
+    assert summary["failed_by_reason"] == {"control_aspect": 1, "corrupt_control": 1, "missing_control": 1, "unreadable_control": 1}
+    assert sorted(bytes(Cache(cache)[i]["source"].tolist()).decode() for i in range(3)) == ["000.png", "001.png", "002.png"]
+
+    from precompute.inputs import REASONS
+
+    assert all(reason in REASONS for reason in expected.values())
+
+
+def test_the_fingerprint_holds_control_and_the_other_kind_of_run_is_refused(tmp_path, items):
+    from precompute.__main__ import app
+
+    data = sidecar_folder(tmp_path / "data", items)
+    control_cache, plain_cache = tmp_path / "control", tmp_path / "plain"
+    precompute(str(data), "tiny-sd3", control_cache, control=True, **RUN)
+    manifest = load(control_cache)
+    spec = CacheSpec.of(manifest)
+    assert manifest.fingerprint["control"] == spec.latent.control_fingerprint() == spec.control
+    for name in spec.latent.control_fields:  # stacked like the latent, in the storage dtype
+        field, twin = manifest.schema[name], manifest.schema[name.removeprefix(CONTROL_PREFIX)]
+        assert not field.ragged and field.dtype == twin.dtype == torch.float32
+    assert set(spec.latent.control_fields) == {"control_latent_mean", "control_latent_std"}
+
+    with pytest.raises(ValueError, match="holds control latents .* pass --control"):
+        precompute(str(data), "tiny-sd3", control_cache, **RUN)
+    out = CliRunner().invoke(app, [str(data), "--model", "tiny-sd3", "--cache", str(control_cache), "--workers", "0",
+                                   "--storage-dtype", "fp32", "--no-progress"])
+    assert out.exit_code == 2 and "holds control latents" in out.output
+
+    precompute(str(data), "tiny-sd3", plain_cache, **RUN)
+    assert "control" not in load(plain_cache).fingerprint and CacheSpec.of(load(plain_cache)).control is None
+    with pytest.raises(ValueError, match="built without control images"):
+        precompute(str(data), "tiny-sd3", plain_cache, control=True, **RUN)
+    assert len(Cache(control_cache)) == len(Cache(plain_cache)) == 3  # nothing was touched
+
+    # a control cache takes validation prompts without its dataset, and stays a control cache
+    from precompute.prompts import PromptsConfig, add_prompts
+
+    assert add_prompts(PromptsConfig(control_cache, prompt=["a red circle"]))["added"] == ["a red circle"]
+    after = load(control_cache)
+    assert (after.fingerprint, after.schema) == (manifest.fingerprint, manifest.schema)
+    assert "a red circle" in {p.text for p in Cache(control_cache).prompts().values()}
+
+
+def test_editing_one_control_image_re_encodes_that_sample_alone(tmp_path, items, monkeypatch):
+    data = sidecar_folder(tmp_path / "data", items)
+    cache = tmp_path / "cache"
+    precompute(str(data), "tiny-sana", cache, control=True, **RUN)
+    before = {bytes(s["source"].tolist()).decode(): (s.key, s["control_latent"]) for s in map(Cache(cache).__getitem__, range(3))}
+
+    again = precompute(str(data), "tiny-sana", cache, control=True, **RUN)
+    assert (again["unchanged"], again["new"], again["changed"]) == (3, 0, 0)
+    ImageOps.mirror(items[1][1]).save(data / "001.control.png")
+    summary = precompute(str(data), "tiny-sana", cache, control=True, **RUN)
+    assert (summary["changed"], summary["unchanged"], summary["new"], summary["removed"]) == (1, 2, 0, 0)
+    after = {bytes(s["source"].tolist()).decode(): (s.key, s["control_latent"]) for s in map(Cache(cache).__getitem__, range(3))}
+    assert after.keys() == before.keys()
+    for name in ("000.png", "002.png"):
+        assert after[name][0] == before[name][0] and torch.equal(after[name][1], before[name][1])
+    assert after["001.png"][0] != before["001.png"][0] and not torch.equal(after["001.png"][1], before["001.png"][1])
+
+    # the stamp holds the control image's size and mtime: touched, it is read again (and found unchanged by its
+    # content); unchanged, nothing is read
+    from precompute import folders
+
+    read, real = [], folders.read_regular
+    monkeypatch.setattr(folders, "read_regular", lambda path: read.append(Path(path).name) or real(path))
+    assert precompute(str(data), "tiny-sana", cache, control=True, **RUN)["unchanged"] == 3
+    assert read == []
+    os.utime(data / "000.control.png", ns=(10**18, 10**18))
+    assert precompute(str(data), "tiny-sana", cache, control=True, **RUN)["unchanged"] == 3
+    assert sorted(read) == ["000.control.png", "000.png", "000.txt"]
