@@ -20,6 +20,7 @@ from train.distributed import barrier
 MARKER = "COMPLETE"
 SHARDED = "sharded"  # torch.distributed.checkpoint directory of an FSDP run
 ADAPTER_DIR = "transformer_lora"  # a LoRA run's adapters, in the format the family's pipeline loads
+CONTROLNET_DIR = "controlnet"  # a ControlNet run's ControlNet, in diffusers layout
 STATE_VERSION = 1
 
 
@@ -36,8 +37,9 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
          sharded: dict | None = None, rank: int = 0, adapter: tuple | None = None) -> Path:
     """Write checkpoint `step`: the model via `save_pretrained`, each of `tensors` as NAME.pt, `state` as JSON.
 
-    With `adapter` = (directory name, writer): a LoRA run, whose frozen base is not saved; the writer
-    puts the adapters into that directory and the model's config goes to `transformer/`.
+    With `adapter` = (directory name, writer): a LoRA or ControlNet run, whose frozen base is not saved; the
+    writer puts what trains (the adapters, the ControlNet) into that directory and the model's config goes to
+    `transformer/`.
 
     With `sharded` (FSDP: model, optimizer and EMA state dicts of DTensors), every rank writes its own
     shards with `torch.distributed.checkpoint` into `sharded/` and only the model's config goes to
@@ -136,11 +138,16 @@ def is_lora(path: Path) -> bool:
     return (path / ADAPTER_DIR).is_dir()
 
 
+def is_controlnet(path: Path) -> bool:
+    return (path / CONTROLNET_DIR).is_dir()
+
+
 # What a resumed run may change. These take effect from the resumed step, each logged; the rest of the
 # state-bearing options would make the checkpoint mean something else, so a change stops the run.
 APPLIED_ON_RESUME = ("steps", "lr", "warmup_steps", "lr_schedule", "weight_decay", "grad_clip", "grad_accum", "ema_decay",
                      "ema_every", "caption_dropout", "caption_dropout_embedding", "weighting_scheme", "logit_mean", "logit_std",
-                     "mode_scale", "precondition_outputs", "flow_shift", "resolution_shift", "learned_variance", "lora_dropout")
+                     "mode_scale", "precondition_outputs", "flow_shift", "resolution_shift", "learned_variance", "lora_dropout",
+                     "controlnet_conditioning_scale")
 REFUSED_ON_RESUME = {
     "model": "the checkpoint holds another preset's weights",
     "optimizer": "its moments do not carry over to another optimizer",
@@ -152,6 +159,9 @@ REFUSED_ON_RESUME = {
     "lora_rank": "LoRA adapters resume with the rank, alpha and targets they were trained with",
     "lora_alpha": "LoRA adapters resume with the rank, alpha and targets they were trained with",
     "lora_targets": "LoRA adapters resume with the rank, alpha and targets they were trained with",
+    "controlnet": "a ControlNet run's checkpoints hold the ControlNet alone, a full fine-tune's the transformer",
+    "controlnet_layers": "the ControlNet resumes from the checkpoint, with its depth",
+    "pretrained_controlnet": "the ControlNet resumes from the checkpoint, not from other weights",
 }
 
 
@@ -186,7 +196,7 @@ def check_resumable(path: Path, state: dict, config: dict, world: int, parallel:
                          f"{state['cache_fingerprint_sha256'][:16]}, this cache {fingerprint[:16]}): its latents or embeddings "
                          f"mean something else. Use the cache it was trained from, or start a new run (--resume '').")
     was = state["config"]
-    if not config.get("lora_rank"):
+    if not config.get("lora_rank") and not config.get("controlnet"):  # those rebuild their frozen base, checked then
         check_start_weights(path, state.get("weights") or {}, config)
     for name, why in REFUSED_ON_RESUME.items():
         if name in was and _same(was[name]) != _same(config[name]):

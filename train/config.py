@@ -126,6 +126,17 @@ class TrainConfig:
     lora_targets: list[str] = opt([], "Module names to adapt (repeatable, matched by suffix; default: attention q/k/v/out, and "
                                       "SD3's text-stream projections).")
     lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input.")
+    controlnet: bool = opt(False, "Train a ControlNet (SD3 / SD3.5, Sana) on the cache's control latents (stage one's "
+                                  "--control) beside the frozen transformer: only the ControlNet gets gradients, optimizer "
+                                  "states and EMA; checkpoints and export hold it alone, in diffusers layout (controlnet/). "
+                                  "--weights-dtype sets the frozen transformer's dtype; the ControlNet trains in fp32.")
+    controlnet_layers: int | None = opt(None, "Transformer blocks a new ControlNet copies (default: 12 for SD3, as diffusers' "
+                                              "train_controlnet_sd3.py; 7 for Sana, as Sana's ControlNet; fewer where the "
+                                              "transformer cannot take that many residuals).")
+    pretrained_controlnet: str | None = opt(None, "Continue training this ControlNet instead of a new one: a directory or Hub "
+                                                  "id (its controlnet/ subfolder if it has one). Implies --controlnet.")
+    controlnet_conditioning_scale: float = opt(1.0, "Scale of the ControlNet's residuals in training (the pipelines' "
+                                                    "controlnet_conditioning_scale; applied on resume when changed).")
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -142,10 +153,31 @@ class TrainConfig:
         self.run = Path(self.run) if self.run is not None else Path("runs") / self.model
         if self.weights_dtype == "bf16" and self.precision != "bf16":
             raise ValueError(f"--weights-dtype bf16 trains in bf16; --precision {self.precision} needs --weights-dtype fp32")
+        if self.pretrained_controlnet:
+            self.controlnet = True
+        if self.controlnet:
+            from train.controlnet import controlnet_class
+            from train.presets import get_preset
+
+            controlnet_class(get_preset(self.model).family)  # refuses a family without a ControlNet, saying why
+        if self.controlnet and self.lora_rank:
+            raise ValueError("--controlnet with --lora-rank: a ControlNet run trains the ControlNet alone beside the frozen "
+                             "transformer; LoRA adapters on that transformer would be a second trained model, which its "
+                             "checkpoints, export and the ControlNet pipelines do not carry. Train them in separate runs.")
+        if self.controlnet and self.optimizer == "adamw-bf16":
+            raise ValueError("the ControlNet trains in fp32 (--weights-dtype sets the frozen transformer's dtype); choose "
+                             "adamw, came or adafactor")
+        if self.controlnet and self.from_scratch:
+            raise ValueError("a ControlNet steers a trained transformer; with --from-scratch the frozen transformer would be "
+                             "random. Drop --from-scratch (the preset's released weights load by default).")
+        if self.controlnet_layers is not None and (self.controlnet_layers < 1 or not self.controlnet or self.pretrained_controlnet):
+            raise ValueError(f"--controlnet-layers {self.controlnet_layers}: the depth (at least 1) of a new ControlNet, with "
+                             f"--controlnet and without --pretrained-controlnet (which has its own)")
+        frozen_base = bool(self.lora_rank or self.controlnet)  # --weights-dtype is then the frozen transformer's
         if self.optimizer == "adamw-bf16" and self.weights_dtype != "bf16" and not self.lora_rank:
             raise ValueError("--optimizer adamw-bf16 keeps bf16 states for bf16 weights; add --weights-dtype bf16 "
                              "(or choose adamw for fp32 master weights)")
-        if self.weights_dtype == "bf16" and not self.lora_rank and self.optimizer != "adamw-bf16":
+        if self.weights_dtype == "bf16" and not frozen_base and self.optimizer != "adamw-bf16":
             raise ValueError(f"full fine-tuning with --weights-dtype bf16 and --optimizer {self.optimizer}: each update is rounded "
                              f"to the nearest bf16 value, so updates smaller than half a bf16 step (lr x 1 against weights "
                              f"around 1 lose everything below 2^-9) vanish and training silently stalls. Use --optimizer "

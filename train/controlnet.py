@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 
 from shards import CacheSpec, LatentSpec
+from train.checkpoint import CONTROLNET_DIR  # a checkpoint's and an export's ControlNet, in diffusers layout
 from train.presets import ModelPreset, sd3_joint_tokens
 
-CONTROLNET_DIR = "controlnet"  # a checkpoint's (and an export's) ControlNet, in diffusers layout
 # New ControlNets' depth: diffusers' train_controlnet_sd3.py (SD3ControlNetModel.from_transformer's default) and
 # Sana's ControlNet (7 blocks of Sana's 20, SanaControlNetModel's default)
 DEFAULT_LAYERS = {"sd3": 12, "sana": 7}

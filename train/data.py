@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from shards import FLIP_PREFIX, Cache, CorruptSample, TextSpec, prompt_key
+from shards import CONTROL_PREFIX, FLIP_PREFIX, Cache, CorruptSample, TextSpec, prompt_key
 from train.order import BATCH_SAMPLER_VERSION, BatchPlan, PlannedBatch, _generator, derived_seed  # noqa: F401
 
 log = logging.getLogger("train")
@@ -84,11 +84,13 @@ class TrainingSamples(torch.utils.data.Dataset):
     every sample is checked against its stored digest (`shards.CorruptSample` names the shard). Per sample and epoch: a fresh latent from the cached
     posterior (mean + std * eps) where the cache stores one, one of the sample's captions, and caption dropout:
     to the cached empty-caption embedding (`null="empty"`, PixArt and Sana) or to zeroed embeddings
-    (`null="zeros"`, SD3's convention).
+    (`null="zeros"`, SD3's convention). With `control` (ControlNet training), also the control image's latent,
+    drawn from its cached posterior like the image's, right after it (DC-AE's is taken as stored); a ControlNet
+    sample is never the flipped view (its control latent is the unflipped image's).
     """
 
     def __init__(self, cache: Cache | str | os.PathLike, seed: int, caption_dropout: float, null: str = "empty", *,
-                 check_digests: bool = True, offset: int = 0):
+                 check_digests: bool = True, offset: int = 0, control: bool = False):
         if not isinstance(cache, Cache):
             cache = Cache(cache)
         cache.check_digests = check_digests
@@ -96,6 +98,9 @@ class TrainingSamples(torch.utils.data.Dataset):
         self.offset = offset  # the number of this cache's first sample among a run's several (its draws' seeds)
         self.layout = TextLayout.of(cache)
         self.posterior = cache.spec.latent.posterior == "mean_std"  # a KL VAE's: sample a latent per draw
+        self.control = control
+        if control and cache.spec.control is None:
+            raise ValueError(f"{cache.location} holds no control latents; build the cache with stage one's --control")
         if null not in ("empty", "zeros"):
             raise ValueError(f"caption dropout embedding {null!r}: choose empty or zeros")
         self.null = None
@@ -114,23 +119,32 @@ class TrainingSamples(torch.utils.data.Dataset):
         g = _generator(self.seed, epoch, self.offset + i, *(rest if rest and rest[0] else ()))
         # a source cached with flipped latents (`flip = true`): the flipped view, one draw in two
         flipped = s.fields.get(FLIP_PREFIX + ("latent_mean" if self.posterior else "latent"))
-        view = FLIP_PREFIX if flipped is not None and len(flipped) and float(torch.rand((), generator=g)) < 0.5 else ""
-        if self.posterior:
-            mean, std = s[view + "latent_mean"].float(), s[view + "latent_std"].float()
-            latent = mean.reshape(mean.shape[-3:]) + std.reshape(std.shape[-3:]) * torch.randn(mean.shape[-3:], generator=g)
-        else:
-            latent = s[view + "latent"].float().reshape(s[view + "latent"].shape[-3:])
+        flippable = flipped is not None and len(flipped) and not self.control
+        view = FLIP_PREFIX if flippable and float(torch.rand((), generator=g)) < 0.5 else ""
+        latent = self._draw(s, view, g)
+        control = self._draw(s, CONTROL_PREFIX, g) if self.control else None
         pick = int(torch.randint(self.layout.captions(s.fields), (1,), generator=g))
         cond = self.layout.caption(s.fields, pick)
         if self.caption_dropout and float(torch.rand((), generator=g)) < self.caption_dropout:
             cond = self.null
         # text stays in its storage dtype (bf16 by default) until the device: half the bytes to copy
-        return {"key": s.key, "bucket": s.bucket, "latent": latent, "cond": cond}
+        item = {"key": s.key, "bucket": s.bucket, "latent": latent, "cond": cond}
+        return {**item, "control": control} if self.control else item
+
+    def _draw(self, s, prefix: str, g: torch.Generator) -> torch.Tensor:
+        """The latent in fields `prefix` + the latent fields' names: a draw from the cached posterior
+        (mean + std * eps), or as stored (DC-AE). (C, h, w)"""
+        if self.posterior:
+            mean, std = s[prefix + "latent_mean"].float(), s[prefix + "latent_std"].float()
+            return mean.reshape(mean.shape[-3:]) + std.reshape(std.shape[-3:]) * torch.randn(mean.shape[-3:], generator=g)
+        return s[prefix + "latent"].float().reshape(s[prefix + "latent"].shape[-3:])
 
     def collate(self, samples: list[dict]) -> dict:
-        """Stack latents (B, C, h, w); the text as `TextLayout.collate` builds it."""
+        """Stack latents (B, C, h, w) and control latents as `control` (B, C, h, w); the text as `TextLayout.collate`
+        builds it."""
         return {
             "latents": torch.stack([s["latent"] for s in samples]),
+            **({"control": torch.stack([s["control"] for s in samples])} if "control" in samples[0] else {}),
             **self.layout.collate([s["cond"] for s in samples]),
             "bucket": tuple(samples[0]["bucket"]),
             "keys": [s["key"] for s in samples],

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from shards import CorruptSample
 from shards.options import DTYPES
-from train import checkpoint, distributed
+from train import checkpoint, controlnet, distributed
 from train.cache import check_cache, check_cache_files, check_same_encoders, open_generation, saved_generations, until_damaged
 from train.config import TrainConfig
 from train.data import BatchPlan, BatchStream, CacheSamples, Epoch, Prefetcher, TrainingSamples
@@ -67,6 +67,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     config = preset.transformer_config()
     for c in group:
         check_cache(preset, c, config)
+        if cfg.controlnet:  # a family with a ControlNet, a cache with control latents
+            controlnet.check_cache(preset, c.spec, c.location)
     check_same_encoders(group)
     objective = build_run_objective(cfg, preset, config)
     validator = build_validator(cfg, cache, preset, objective, device, say)  # missing prompts stop the run here
@@ -79,7 +81,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             say(f"applied on resume: {change} from step {saved['step']}")
 
     # 2. the transformer and only it, then what trains it; resumed from the checkpoint when there is one
-    model = build_model(cfg, preset, parallel, world, device, resume_from=resume_from, state=saved, say=say)
+    model = build_model(cfg, preset, parallel, world, device, resume_from=resume_from, state=saved, say=say, latent=cache.spec.latent)
     optimizer = build_optimizer(cfg, model.params, device)
     scheduler = build_schedule(cfg, optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
@@ -100,7 +102,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         parts, offset = [], 0
         for c in cs:
             parts.append(TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset),
-                                         check_digests=cfg.check_digests, offset=offset))
+                                         check_digests=cfg.check_digests, offset=offset, control=cfg.controlnet))
             offset += len(c)
         return Epoch(number, plan, parts[0] if len(parts) == 1 else CacheSamples(parts), start)
 
@@ -252,6 +254,9 @@ def parallelism(cfg: TrainConfig, world: int, device: torch.device) -> str:
         raise ValueError("--fsdp-cpu-offload moves FSDP's shards between GPU and CPU memory: it needs --parallel fsdp on CUDA")
     if parallel == "fsdp" and cfg.lora_rank:
         raise ValueError("LoRA trains with the frozen base replicated on every GPU: use --parallel ddp (the default)")
+    if parallel == "fsdp" and cfg.controlnet:
+        raise ValueError("--controlnet trains with the frozen transformer and the ControlNet replicated on every GPU (DDP "
+                         "wraps the ControlNet alone): use --parallel ddp (the default)")
     if parallel == "fsdp" and cfg.ema_decay > 0 and cfg.ema_device == "cpu":
         raise ValueError("under FSDP the EMA is sharded like the weights; use --fsdp-cpu-offload instead of --ema-device cpu")
     return parallel
@@ -260,6 +265,9 @@ def parallelism(cfg: TrainConfig, world: int, device: torch.device) -> str:
 def build_validator(cfg: TrainConfig, cache, preset, objective, device: torch.device, say) -> Validator | None:
     """The run's validation sampler, or None (--no-validate, or no prompts cached)."""
     if not cfg.validate:
+        return None
+    if cfg.controlnet:
+        say("no validation grids for a ControlNet run: sampling it needs control images, which validation does not take")
         return None
     validator = Validator(cache, preset, objective, prompts=cfg.validation_prompt, buckets=cfg.validation_bucket,
                           steps=cfg.validation_steps, guidance=cfg.guidance_scale, seed=cfg.validation_seed,

@@ -12,8 +12,9 @@ from typing import Callable
 import torch
 import torch.utils.checkpoint
 
+from shards import LatentSpec
 from shards.options import DTYPES
-from train import checkpoint, distributed, lora
+from train import checkpoint, controlnet, distributed, lora
 from train.config import TrainConfig
 from train.ema import EMA
 from train.objectives import build_objective
@@ -26,9 +27,11 @@ log = logging.getLogger("train")
 class Model:
     """The transformer and what trains of it.
 
-    `module` holds the weights; `net` is what a step calls (the module or its DDP wrapper); `forward` calls
-    `net` with the family's inputs; `params` are the trained parameters (all, or the LoRA adapters); `adapter`
-    is the LoRA config (None: full fine-tuning); `weights` records the weights the run started from."""
+    `module` holds the transformer's weights; `net` is what a step calls and wraps in DDP (the module, or the
+    ControlNet); `forward` calls the model with the family's inputs; `params` are the trained parameters (all,
+    the LoRA adapters, or the ControlNet's); `adapter` is the LoRA config (None: no LoRA); `controlnet` the
+    ControlNet trained beside the frozen transformer (None: none); `weights` records the weights the run
+    (its transformer) started from."""
 
     module: torch.nn.Module
     net: torch.nn.Module
@@ -36,21 +39,28 @@ class Model:
     params: list[torch.nn.Parameter]
     adapter: object | None
     weights: dict | None
+    controlnet: torch.nn.Module | None = None
 
 
 def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int, device: torch.device, *, resume_from: Path | None,
-                state: dict, say: Callable = print) -> Model:
-    """The transformer, and only it: released weights unless told otherwise (a full fine-tune resumes its own
-    from the checkpoint; a LoRA run rebuilds its base and resumes the adapters), checkpointed, on the device,
-    wrapped for DDP or sharded for FSDP. Optimizer states and the rest of the state come in `restore`."""
+                state: dict, say: Callable = print, latent: LatentSpec | None = None) -> Model:
+    """The transformer, and only it (or a ControlNet beside it, frozen): released weights unless told otherwise
+    (a full fine-tune resumes its own from the checkpoint; a LoRA or ControlNet run rebuilds its base and resumes
+    the adapters or the ControlNet), checkpointed, on the device, wrapped for DDP or sharded for FSDP. Optimizer
+    states and the rest of the state come in `restore`. `latent`: the cache's latent spec (a ControlNet's input)."""
     weights_dtype = DTYPES[cfg.weights_dtype]
     weights = None
-    if not resume_from or cfg.lora_rank:
+    if not resume_from or cfg.lora_rank or cfg.controlnet:
         weights = resolve_weights(preset, cfg.pretrained, cfg.revision, cfg.from_scratch, cfg.seed)
         if state.get("weights") and (state["weights"]["source"], state["weights"].get("revision")) != (weights.source, weights.revision):
-            raise ValueError(f"{resume_from}: its adapters were trained on {state['weights']['source']}; this run loads "
-                             f"{weights.describe()}. LoRA adapters resume onto the base they were trained on.")
+            what, rule = (("ControlNet was", "A ControlNet resumes beside the base it was trained with") if cfg.controlnet else
+                          ("adapters were", "LoRA adapters resume onto the base they were trained on"))
+            raise ValueError(f"{resume_from}: its {what} trained on {state['weights']['source']}; this run loads "
+                             f"{weights.describe()}. {rule}.")
         say(f"transformer weights: {weights.describe()}")
+    if cfg.controlnet:
+        return build_controlnet_model(cfg, preset, weights, parallel, world, device, resume_from=resume_from, state=state,
+                                      say=say, latent=latent)
     adapter = None
     if cfg.lora_rank:
         if weights.kind == "fresh" and preset.repo is not None:
@@ -83,10 +93,49 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
                  record)
 
 
+def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, parallel: str, world: int, device: torch.device, *,
+                           resume_from: Path | None, state: dict, say: Callable, latent: LatentSpec | None) -> Model:
+    """A ControlNet beside the frozen transformer: the transformer from `weights` in --weights-dtype, frozen; the
+    ControlNet in fp32, new from the transformer, from --pretrained-controlnet, or the checkpoint's. Only the
+    ControlNet trains and is wrapped in DDP; both are checkpointed when asked (the frozen transformer's blocks
+    still keep activations: the ControlNet's residuals enter them)."""
+    if weights.kind == "fresh" and preset.repo is not None:
+        raise ValueError("a ControlNet on a random transformer steers nothing: start from the preset's released weights or --pretrained")
+    transformer = build_transformer(preset, weights, cfg.seed, DTYPES[cfg.weights_dtype])
+    transformer.requires_grad_(False)
+    if resume_from:
+        if not checkpoint.is_controlnet(resume_from):
+            raise ValueError(f"{resume_from} holds no ControlNet ({controlnet.CONTROLNET_DIR}/): it is not a ControlNet run's "
+                             f"checkpoint; start a new run (another --run-dir, or --resume '')")
+        net = controlnet.load_checkpoint(resume_from, preset.family)
+        controlnet.check_fits(net, transformer, preset.family)
+    else:
+        net = controlnet.build_controlnet(transformer, preset.family, layers=cfg.controlnet_layers,
+                                          pretrained=cfg.pretrained_controlnet, seed=cfg.seed)
+    origin = f"from {resume_from.name}" if resume_from else (cfg.pretrained_controlnet or "new from the transformer's first blocks")
+    trained = sum(p.numel() for p in net.parameters())
+    say(f"{type(net).__name__} ({origin}): {net.config.num_layers} blocks, {trained:,} trainable parameters; transformer "
+        f"({sum(p.numel() for p in transformer.parameters()):,}) frozen in {cfg.weights_dtype}, conditioning scale "
+        f"{cfg.controlnet_conditioning_scale:g}")
+    if cfg.checkpoint_every_k():
+        n, m = (checkpoint_blocks(x, cfg.checkpoint_every_k()) for x in (net, transformer))
+        say(f"gradient checkpointing: {n} of {len(net.transformer_blocks)} ControlNet blocks and {m} of "
+            f"{len(transformer.transformer_blocks)} transformer blocks recomputed in backward")
+    net.train()
+    transformer.eval().to(device)
+    # SD3: the ControlNet's last block computes a text stream that nothing reads, so some of its parameters get no
+    # gradient; DDP must be told
+    wrapped = distribute(cfg, net, parallel, world, device, say, find_unused=preset.family == "sd3")
+    forward = controlnet.controlled_forward(transformer, wrapped, preset.family, scale=cfg.controlnet_conditioning_scale,
+                                            latent=latent)
+    record = state.get("weights") if resume_from else weights.to_json()
+    return Model(transformer, wrapped, forward, [p for p in net.parameters() if p.requires_grad], None, record, controlnet=net)
+
+
 def distribute(cfg: TrainConfig, model: torch.nn.Module, parallel: str, world: int, device: torch.device,
-               say: Callable) -> torch.nn.Module:
+               say: Callable, find_unused: bool = False) -> torch.nn.Module:
     """Place the model: shard it per block (FSDP2), or on the device and wrapped in DDP, or just on the device.
-    Returns what a step calls."""
+    Returns what a step calls. `find_unused`: some trained parameters may get no gradient in a step (DDP)."""
     if parallel == "fsdp":
         blocks = distributed.find_blocks(model, cfg.fsdp_block)
         distributed.shard(model, blocks, reshard_after_forward=cfg.fsdp_reshard, cpu_offload=cfg.fsdp_cpu_offload,
@@ -102,7 +151,8 @@ def distribute(cfg: TrainConfig, model: torch.nn.Module, parallel: str, world: i
     from torch.nn.parallel import DistributedDataParallel
 
     say(f"DDP over {world} ranks")
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                   find_unused_parameters=find_unused)
 
 
 def checkpoint_blocks(model: torch.nn.Module, every: int) -> int:
@@ -216,7 +266,10 @@ def build_run_objective(cfg: TrainConfig, preset: ModelPreset, config: dict):
 
 
 def null_caption(cfg: TrainConfig, preset: ModelPreset) -> str:
-    """What caption dropout feeds: SD3 was trained with zeroed embeddings, PixArt and Sana with the empty caption."""
+    """What caption dropout feeds: SD3 was trained with zeroed embeddings, PixArt and Sana with the empty caption;
+    ControlNets of every family train with the empty caption."""
     if cfg.caption_dropout_embedding != "auto":
         return cfg.caption_dropout_embedding
+    if cfg.controlnet:  # diffusers' ControlNet trainers drop a caption to the empty prompt's embedding, SD3's too
+        return "empty"
     return "zeros" if preset.family == "sd3" else "empty"

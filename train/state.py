@@ -1,5 +1,5 @@
 """What a run continues from: its progress, and the checkpoints that save and restore it with the weights
-(or adapters), optimizer, schedule, loss scaler and EMA (`train.checkpoint` holds the files' format)."""
+(or adapters, or a ControlNet), optimizer, schedule, loss scaler and EMA (`train.checkpoint` holds the files' format)."""
 
 from __future__ import annotations
 
@@ -111,6 +111,9 @@ class TrainState:
         if self.model.adapter is not None:  # the adapters alone, as the family's pipeline loads them
             module, adapter, family = self.model.module, self.model.adapter, self.family
             adapter_files = (checkpoint.ADAPTER_DIR, lambda d: lora.save_adapter(d, family, lora.adapter_state(module), adapter))
+        elif self.model.controlnet is not None:  # the ControlNet alone, as the family's ControlNet pipeline loads it
+            controlnet = self.model.controlnet
+            adapter_files = (checkpoint.CONTROLNET_DIR, lambda d: controlnet.save_pretrained(d, safe_serialization=True))
         state = {
             "step": progress.step, "epoch": progress.epoch, "cursor": progress.cursor, "world_size": self.world,
             "model": cfg.model, "parallel": self.parallel, "smoothed_loss": list(progress.smoothed),
