@@ -55,14 +55,16 @@ def like_train(name: str, default=None, help: str | None = None):
 def export_command(
     run: Path = typer.Argument(..., help="Run directory (its newest complete checkpoint) or one checkpoint directory."),
     out: Path = typer.Option(..., help="Output directory; the transformer goes to OUT/transformer in the diffusers layout. "
-                             "A LoRA run's adapters go to OUT (pipe.load_lora_weights(OUT); PixArt: PeftModel.from_pretrained)."),
+                             "A LoRA run's adapters go to OUT (pipe.load_lora_weights(OUT); PixArt: PeftModel.from_pretrained). "
+                             "A ControlNet run's ControlNet goes to OUT/controlnet (the family's ControlNet model class: "
+                             "from_pretrained(OUT, subfolder=\"controlnet\"))."),
     ema: bool = typer.Option(False, help="Export the EMA weights instead of the trained ones."),
     dtype: Optional[Dtype] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
     merge_lora: bool = typer.Option(False, help="A LoRA run: fold the adapters into the base weights and write the whole "
                                     "transformer to OUT/transformer (for pipelines without a LoRA loader, e.g. PixArt-Sigma's)."),
 ) -> None:
     """Write a checkpoint's transformer in the diffusers format (load it with `from_pretrained(OUT, subfolder="transformer")`),
-    or a LoRA run's adapters in the format its family's pipeline loads."""
+    a LoRA run's adapters in the format its family's pipeline loads, or a ControlNet run's ControlNet (OUT/controlnet)."""
     from train.export import export
 
     _run(lambda: print(f"exported {export(run, out, ema=ema, dtype=dtype, merge_lora=merge_lora)}"))

@@ -11,17 +11,21 @@ import torch
 from shards import Cache
 from shards.atomic import publish_directory
 from shards.options import DTYPES
-from train import checkpoint, lora
+from train import checkpoint, controlnet, lora
 from train.objectives import build_objective
 from train.presets import Weights, build_transformer, get_preset, resolve_weights
 from train.validate import Validator, add_prompts_command
 
 
 def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
-    """(transformer, preset, training state) of a checkpoint; with `ema`, the EMA weights."""
+    """(transformer, preset, training state) of a checkpoint; with `ema`, the EMA weights. A ControlNet run's
+    checkpoint is refused: its transformer is the frozen base (`load_controlnet_run` loads both)."""
     state = checkpoint.load_state(ckpt)
     preset = get_preset(state["model"])
     cls = preset.transformer_class
+    if checkpoint.is_controlnet(ckpt):
+        raise ValueError(f"{ckpt} trains a ControlNet, which samples with control images: export it (python -m train export "
+                         f"RUN --out DIR) and load DIR/controlnet into the family's ControlNet pipeline")
     if checkpoint.is_lora(ckpt):  # the run's base weights, then its adapters
         cfg = state["config"]
         model = build_transformer(preset, base_weights(preset, state), cfg["seed"], dtype or DTYPES[cfg["weights_dtype"]])
@@ -54,6 +58,44 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
             for p, s in zip(params, shadow):
                 p.copy_(s)
     return model, preset, state
+
+
+def load_controlnet_run(ckpt: Path, ema: bool = False, dtype: torch.dtype | None = None):
+    """(transformer, ControlNet, preset, training state) of a ControlNet run's checkpoint: the frozen transformer
+    the run was trained on (rebuilt from its recorded source) and the ControlNet (its EMA weights with `ema`)."""
+    state = checkpoint.load_state(ckpt)
+    preset = get_preset(state["model"])
+    cfg = state["config"]
+    transformer = build_transformer(preset, base_weights(preset, state), cfg["seed"], dtype or DTYPES[cfg["weights_dtype"]])
+    net = controlnet.load_checkpoint(ckpt, preset.family, _ema_state(ckpt, state) if ema else None, dtype)
+    return transformer, net, preset, state
+
+
+def _ema_state(ckpt: Path, state: dict) -> dict:
+    ema_state = checkpoint.load_tensors(ckpt, "ema")
+    if ema_state is None:
+        raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
+    return ema_state
+
+
+def export_controlnet(ckpt: Path, out: Path, ema: bool, dtype: str | None = None) -> Path:
+    """A ControlNet run's ControlNet (trained or EMA) into OUT/controlnet in diffusers layout, which the family's
+    ControlNet pipeline loads; the frozen transformer is the run's base, named in training.json, not written."""
+    state = checkpoint.load_state(ckpt)
+    preset = get_preset(state["model"])
+    net = controlnet.load_checkpoint(ckpt, preset.family, _ema_state(ckpt, state) if ema else None,
+                                     DTYPES[dtype] if dtype else None)
+    target = Path(out) / controlnet.CONTROLNET_DIR
+    tmp = target.with_name(f".tmp-{target.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    net.save_pretrained(tmp, safe_serialization=True)
+    cfg = state["config"]
+    started = cfg.get("pretrained_controlnet") or "the base's first blocks"
+    write_provenance(tmp, ckpt, state, ema, base=base_weights(preset, state).describe(),
+                     controlnet={"class": type(net).__name__, "started_from": started,
+                                 "conditioning_scale": cfg.get("controlnet_conditioning_scale", 1.0)})
+    publish_directory(tmp, target)
+    return target
 
 
 def base_weights(preset, state: dict):
@@ -111,8 +153,13 @@ def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, me
     """Write the transformer of a run's newest checkpoint (or of a given checkpoint) to OUT/transformer in
     the diffusers layout, with a note of where it came from. Returns OUT/transformer. A LoRA run's
     adapters go to OUT itself (`export_adapter`), or with `merge_lora` are folded into the base weights
-    and the whole transformer is written."""
+    and the whole transformer is written. A ControlNet run's ControlNet goes to OUT/controlnet
+    (`export_controlnet`)."""
     ckpt = checkpoint.find(run)
+    if checkpoint.is_controlnet(ckpt):
+        if merge_lora:
+            raise ValueError(f"{ckpt} is a ControlNet checkpoint, not a LoRA one; export it without --merge-lora")
+        return export_controlnet(ckpt, out, ema, dtype)
     if checkpoint.is_lora(ckpt) and not merge_lora:
         return export_adapter(ckpt, out, ema)
     if merge_lora and not checkpoint.is_lora(ckpt):
