@@ -123,6 +123,11 @@ def inputs(model: str, g: torch.Generator) -> tuple[torch.Tensor, dict]:
 
 
 def test_depth_and_structure_are_checked():
+    for name, layers in (("sd35-large", 12), ("sana-1600m", 7)):  # the defaults, built on the meta device as a planner would
+        preset = get_preset(name)
+        with torch.device("meta"):
+            net = controlnet.build_controlnet(preset.transformer_class.from_config(preset.transformer_config()), preset.family)
+        assert net.config.num_layers == layers and next(net.parameters()).device.type == "meta"
     sana, sd3 = get_preset("tiny-sana"), get_preset("tiny-sd3")
     transformer = build_transformer(sana, None, 0)
     with pytest.raises(ValueError, match="has 2 blocks and takes the residuals of at most 1"):

@@ -80,7 +80,8 @@ def build_controlnet(transformer: torch.nn.Module, family: str, *, layers: int |
                      seed: int = 0) -> torch.nn.Module:
     """The ControlNet a run trains, in fp32: new from `transformer` (its first `layers` blocks, default
     `default_layers`), or `pretrained` (a directory or Hub id; its `controlnet/` subfolder if it has one). Either
-    way it is checked to fit the transformer (`check_fits`)."""
+    way it is checked to fit the transformer (`check_fits`). Under `torch.device("meta")` with a transformer on
+    the meta device, a new one is built without values (for counting parameters and tracing)."""
     cls = controlnet_class(family)
     if pretrained is not None:
         if layers is not None:
@@ -95,7 +96,8 @@ def build_controlnet(transformer: torch.nn.Module, family: str, *, layers: int |
         with torch.random.fork_rng(devices=[]):  # whatever is not copied from the transformer is seeded
             torch.manual_seed(seed)
             controlnet = _new_sd3(cls, transformer, layers) if family == "sd3" else _new_sana(cls, transformer, layers)
-        zero = [n for n, p in controlnet.named_parameters() if _is_output_projection(n) and p.detach().abs().sum() > 0]
+        zero = [n for n, p in controlnet.named_parameters()  # (a planner's ControlNet on the meta device has no values)
+                if _is_output_projection(n) and p.device.type != "meta" and p.detach().abs().sum() > 0]
         assert not zero, f"a new ControlNet's output projections start at zero: {zero[:3]}"
     check_fits(controlnet, transformer, family)
     return controlnet  # fp32: built by from_config, or loaded with torch_dtype
