@@ -82,6 +82,36 @@ def test_lora_plan_counts_adapters_alone():
     assert lora["predicted_peak"] < full["predicted_peak"] / 3
 
 
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-sana"])
+def test_controlnet_plan_counts_the_controlnet_the_trainer_builds_as_the_only_trained_part(model):
+    from train import controlnet
+
+    preset = get_preset(model)
+    transformer = preset.transformer_class.from_config(preset.transformer_config())
+    built = controlnet.build_controlnet(transformer, preset.family)
+    planned = plan(PlanConfig(model, batch_size=2, bucket=(256, 256), text_tokens=20, controlnet=True))
+    alone = plan(PlanConfig(model, batch_size=2, bucket=(256, 256), text_tokens=20))
+    trained = sum(p.numel() for p in built.parameters())
+    assert planned["trainable_parameters"] == trained and planned["controlnet_layers"] == built.config.num_layers
+    assert planned["parameters"] == alone["parameters"] + trained
+    assert planned["bytes"]["gradients"] == 4 * trained and planned["bytes"]["optimizer states"] == 2 * 4 * trained
+    # the frozen transformer still keeps activations: the ControlNet's residuals flow back through it
+    assert planned["bytes"]["activations"] > alone["bytes"]["activations"] / 2
+
+
+def test_controlnet_plan_of_sd35_large_on_80gb():
+    full = plan(PlanConfig("sd35-large", batch_size=1, weights_dtype="bf16", precision="bf16", optimizer="adamw",
+                           grad_checkpointing="all"))
+    cn = plan(PlanConfig("sd35-large", batch_size=1, weights_dtype="bf16", precision="bf16", optimizer="adamw",
+                         grad_checkpointing="all", controlnet=True))
+    assert cn["controlnet_layers"] == 12 and cn["fits"] and cn["largest_batch"] >= 1
+    assert 0 < cn["trainable_parameters"] < full["parameters"] / 2
+    with pytest.raises(ValueError, match="not both"):
+        plan(PlanConfig("tiny-sd3", controlnet=True, lora_rank=4))
+    with pytest.raises(ValueError, match="at most"):
+        plan(PlanConfig("sd3-medium", controlnet=True, controlnet_layers=40))
+
+
 def test_plan_cli_json_and_verdict():
     out = subprocess.run([sys.executable, "-m", "train", "plan", "sana-1600m", "--batch-size", "4", "--optimizer", "came",
                           "--grad-checkpointing", "all", "--gpu-memory", "48GB", "--json"], cwd=ROOT, capture_output=True, text=True)

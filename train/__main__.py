@@ -126,6 +126,10 @@ def plan_command(
     lora_rank: int = like_train("lora_rank", default_of(TrainConfig, "lora_rank"), help="Plan LoRA adapters of this rank on the "
                                 "frozen transformer (0: full fine-tuning); --weights-dtype is then the base's dtype."),
     lora_targets: List[str] = like_train("lora_targets", []),
+    controlnet: bool = like_train("controlnet", False, help="Plan a ControlNet trained beside the frozen transformer (its "
+                                  "gradients, optimizer states and EMA alone, fp32; --weights-dtype is the transformer's dtype); "
+                                  "activations are traced through both models."),
+    controlnet_layers: Optional[int] = like_train("controlnet_layers", None),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
@@ -141,7 +145,8 @@ def plan_command(
                                  ema=ema_placement(ema_decay, ema_device), world_size=world_size,
                                  parallel="fsdp" if parallel == "fsdp" else "ddp",
                                  fsdp_cpu_offload=fsdp_cpu_offload, text_tokens=text_tokens, gpu_memory=parse_bytes(gpu_memory),
-                                 lora_rank=lora_rank, lora_targets=tuple(lora_targets)))
+                                 lora_rank=lora_rank, lora_targets=tuple(lora_targets), controlnet=controlnet,
+                                 controlnet_layers=controlnet_layers))
         print(json.dumps(result, indent=1) if as_json else format_plan(result))
     _run(go)
 

@@ -93,7 +93,7 @@ class TrainConfig:
     local_cache_gb: float = opt(100.0, "Disk space the shards in --local-cache may take; least recently used are removed first.")
     check_digests: bool = opt(True, "Check every sample read against the digest stored with it; a mismatch stops the run "
                                     "after a checkpoint, naming the shard and the repair command.")
-    checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT).")
+    checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT; 0: only then).")
     keep_checkpoints: int = opt(3, "Keep the newest K checkpoints.")
     resume: str | None = opt("auto", "auto (newest complete checkpoint of the run, if any), a checkpoint directory (or "
                                      "another run's directory: its newest), or '' to start over.")
@@ -107,6 +107,9 @@ class TrainConfig:
     validation_steps: int = opt(20, "Sampler steps per validation image.")
     guidance_scale: float = opt(4.5, "Classifier-free guidance scale (the cached empty caption is the unconditional input).")
     validation_seed: int = opt(0, "Seed of the validation noise (fixed per prompt and bucket).")
+    validation_items: int = opt(4, "ControlNet runs: validate on this many cached dataset items, spread evenly over the cache "
+                                   "(a grid row each: control image, image generated from its control latent and caption, "
+                                   "ground truth); 0: no grids.")
     decode_device: Literal["cpu", "device"] = opt("cpu", "Decode validation latents in a background CPU process (cpu) or on the "
                                                          "training device after releasing memory (device).")
     validate: bool = opt(True, "Sample validation grids (--no-validate: never).")
@@ -192,6 +195,8 @@ class TrainConfig:
                              "--from-scratch (the preset's released weights load by default) or train every weight (--lora-rank 0).")
         if self.from_scratch and self.pretrained:
             raise ValueError("--from-scratch and --pretrained contradict each other: choose one")
+        if self.checkpoint_every < 0 or self.validate_every < 0:
+            raise ValueError("--checkpoint-every and --validate-every must be at least 0 (0: only at the end)")
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("steps, batch size and gradient accumulation must be at least 1")
         if self.workers < 0 or self.prefetch < 1 or self.readahead < 0 or self.shuffle_shards < 1:

@@ -28,7 +28,8 @@ def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: in
                            weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer, grad_checkpointing=cfg.grad_checkpointing,
                            ema=ema, world_size=world, parallel="fsdp" if parallel == "fsdp" else "ddp",
                            fsdp_cpu_offload=cfg.fsdp_cpu_offload, text_tokens=cache.spec.text.tokens,
-                           gpu_memory=device_memory(device), lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets)),
+                           gpu_memory=device_memory(device), lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets),
+                           controlnet=cfg.controlnet, controlnet_layers=cfg.controlnet_layers),
                 objective)
 
 
@@ -46,11 +47,13 @@ def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: Trai
         while not step.ready:
             step.accumulate(batch, 0)
         step.update(0)
-        if validator is not None:
-            prompt = validator.prompts[0]
-            generate(step.model.module, preset, step.objective, prompt.cond, validator.null,
+        if validator is not None:  # a ControlNet run samples from the batch's first control latent
+            cond = validator.items[0].cond if validator.items else validator.prompts[0].cond
+            control = batch["control"][0] if "control" in batch else None
+            generate(step.model.module, preset, step.objective, cond, validator.null,
                      cache.spec.latent.shape(largest.height, largest.width), largest.height * largest.width, steps=2,
-                     guidance=cfg.guidance_scale, seed=0, precision=DTYPES[cfg.precision], layout=validator.layout)
+                     guidance=cfg.guidance_scale, seed=0, precision=DTYPES[cfg.precision], layout=validator.layout,
+                     forward=step.model.forward if control is not None else None, control=control)
 
     measured = measure_peak(one_step, device)
     predicted = planned["predicted_peak"]

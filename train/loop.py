@@ -82,6 +82,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
 
     # 2. the transformer and only it, then what trains it; resumed from the checkpoint when there is one
     model = build_model(cfg, preset, parallel, world, device, resume_from=resume_from, state=saved, say=say, latent=cache.spec.latent)
+    # validation samples with the training weights themselves: the ControlNet unwrapped, no copy of either model
+    controlled = (controlnet.controlled_forward(model.module, model.controlnet, preset.family, scale=cfg.controlnet_conditioning_scale,
+                                                latent=cache.spec.latent) if model.controlnet is not None else None)
     optimizer = build_optimizer(cfg, model.params, device)
     scheduler = build_schedule(cfg, optimizer)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
@@ -137,7 +140,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         """Queue a validation grid of this step; its time is left out of the throughput."""
         nonlocal validated_at
         t0 = time.perf_counter()
-        validator.run(model.module, progress.step, DTYPES[cfg.precision], ema, model.params, submit=is_main)
+        validator.run(model.module, progress.step, DTYPES[cfg.precision], ema, model.params, submit=is_main,
+                      controlnet=model.controlnet, forward=controlled)
         validated_at = progress.step
         metrics.report_grids(validator.finished())
         metrics.exclude(time.perf_counter() - t0)
@@ -202,7 +206,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 write_memory_report(cfg.run / ("memory.txt" if world == 1 else f"memory-rank{rank}.txt"), device, progress.step)
             if validator is not None and cfg.validate_every and progress.step % cfg.validate_every == 0:
                 validate()
-            if progress.step % cfg.checkpoint_every == 0:
+            if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0:
                 save()
             if progress.step >= cfg.steps or stop["signal"] is not None:
                 break
@@ -266,12 +270,13 @@ def build_validator(cfg: TrainConfig, cache, preset, objective, device: torch.de
     """The run's validation sampler, or None (--no-validate, or no prompts cached)."""
     if not cfg.validate:
         return None
-    if cfg.controlnet:
-        say("no validation grids for a ControlNet run: sampling it needs control images, which validation does not take")
+    if cfg.controlnet and not cfg.validation_items:
+        say("no validation grids: --validation-items 0")
         return None
     validator = Validator(cache, preset, objective, prompts=cfg.validation_prompt, buckets=cfg.validation_bucket,
                           steps=cfg.validation_steps, guidance=cfg.guidance_scale, seed=cfg.validation_seed,
-                          decode_device="cpu" if cfg.decode_device == "cpu" else str(device), out=cfg.run, model_name=cfg.model)
+                          decode_device="cpu" if cfg.decode_device == "cpu" else str(device), out=cfg.run, model_name=cfg.model,
+                          items=cfg.validation_items if cfg.controlnet else 0)
     if validator:
         return validator
     say(f"no validation prompts cached in {cache.location} (add some with {add_prompts_command(cache, [])}); not validating")

@@ -51,6 +51,8 @@ class PlanConfig:
     gpu_memory: float = 80 * GiB
     lora_rank: int = _train("lora_rank")  # 0: every weight trains; N: LoRA adapters of rank N on the frozen base
     lora_targets: tuple[str, ...] = ()  # default: the family's
+    controlnet: bool = _train("controlnet")  # a ControlNet trains beside the frozen transformer (fp32, its states alone)
+    controlnet_layers: int | None = None  # the ControlNet's blocks (default: the family's, as the trainer builds it)
 
 
 def optimizer_state_bytes(params: list[torch.Tensor], optimizer: str, weight_bytes: int) -> int:
@@ -84,12 +86,8 @@ def optimizer_state_bytes(params: list[torch.Tensor], optimizer: str, weight_byt
 def meta_model(name: str, dtype: torch.dtype = torch.float32, lora_rank: int = 0, lora_targets=(),
                adapter_dtype: torch.dtype = torch.float32):
     """The preset's transformer on the meta device; with `lora_rank`, frozen, with adapters in `adapter_dtype`."""
-    from diffusers.utils import logging as diffusers_logging
-
     preset = get_preset(name)
-    level = diffusers_logging.get_verbosity()
-    diffusers_logging.set_verbosity_error()  # published configs carry keys the class ignores; nothing to act on
-    try:
+    with _quiet_diffusers():
         with torch.device("meta"):
             model = preset.transformer_class.from_config(preset.transformer_config())
         model = model.to(dtype)
@@ -99,8 +97,31 @@ def meta_model(name: str, dtype: torch.dtype = torch.float32, lora_rank: int = 0
             with torch.device("meta"):
                 lora.add_lora(model, lora.lora_config(preset.family, lora_rank, targets=list(lora_targets)), adapter_dtype)
         return preset, model
+
+
+@contextlib.contextmanager
+def _quiet_diffusers():
+    """diffusers' warnings off: published configs carry keys a class ignores, and casting a model built from a config
+    warns about fp32 modules it has none of; nothing for a user to act on."""
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        yield
     finally:
         diffusers_logging.set_verbosity(level)
+
+
+def meta_controlnet(preset, transformer: torch.nn.Module, layers: int | None, dtype: torch.dtype = torch.float32):
+    """The ControlNet the trainer builds beside `transformer` (`train.controlnet.build_controlnet`: `layers` blocks or
+    the family's default), on the meta device, in `dtype`."""
+    from train import controlnet
+
+    with _quiet_diffusers():
+        with torch.device("meta"):
+            net = controlnet.build_controlnet(transformer, preset.family, layers=layers)
+        return net.to(dtype)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -159,13 +180,14 @@ def objective_bytes(objective, in_channels: int, out_channels: int) -> tuple[flo
 
 
 def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype,
-                      every: int = 0, objective_per_element: tuple[float, float] | None = None) -> dict:
+                      every: int = 0, objective_per_element: tuple[float, float] | None = None, controlnet=None) -> dict:
     """Bytes autograd saves for backward in one forward pass (meta tensors, no memory used).
 
     Returns the total, the largest block's share (what a checkpointed block recomputes at once), and
     the total with every `every`-th block checkpointed (0: none). `objective_per_element`: what the loss holds per
     latent element, at the end of the forward pass and at its peak (`objective_bytes`; default: the output in fp32
-    and the clean latents)."""
+    and the clean latents). `controlnet`: traced with a ControlNet beside the (frozen) transformer, as
+    `train.controlnet.controlled_forward` runs them; its blocks count as blocks too."""
     cfg = model.config
     down = preset.latent_downsample
     c, h, w = cfg.in_channels, bucket[0] // down, bucket[1] // down
@@ -178,12 +200,15 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     else:
         text = {"text": torch.zeros(batch, text_tokens, text_width(cfg), device="meta", dtype=dtype),
                 "text_mask": torch.ones(batch, text_tokens, device="meta", dtype=torch.bool)}
+    if controlnet is not None:
+        text["control"] = torch.zeros_like(x)  # the control latent, the latent's shape
     t = torch.full((batch,), 500.0, device="meta")
 
     saved: dict[int, int] = {}
     by_block: dict[int, int] = {}
     current = [-1]
-    weights = {p.untyped_storage()._cdata for p in model.parameters()}  # saved, but counted as weights
+    modules = [model] + ([controlnet] if controlnet is not None else [])
+    weights = {p.untyped_storage()._cdata for m in modules for p in m.parameters()}  # saved, but counted as weights
 
     def pack(tensor):
         storage = tensor.untyped_storage()
@@ -193,10 +218,15 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
         return tensor
 
     hooks = []
-    for i, block in enumerate(model.transformer_blocks):
+    for i, block in enumerate(b for m in modules for b in m.transformer_blocks):
         hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
         hooks.append(block.register_forward_hook(lambda m, a, o: current.__setitem__(0, -1)))
-    forward = model_forward(model, preset.family)
+    if controlnet is not None:
+        from train.controlnet import controlled_forward
+
+        forward = controlled_forward(model, controlnet, preset.family)
+    else:
+        forward = model_forward(model, preset.family)
     import torch.nn.functional as F
 
     sdpa = F.scaled_dot_product_attention
@@ -216,7 +246,8 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     if every:
         saved.clear()
         by_block.clear()
-        checkpoint_blocks(model, every)
+        for m in modules:
+            checkpoint_blocks(m, every)
         F.scaled_dot_product_attention = _fused_sdpa
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -241,20 +272,27 @@ def plan(pc: PlanConfig, objective=None) -> dict:
     `objective`: the run's (its memory is traced); default: the preset's with the trainer's default options."""
     wb = DTYPE_BYTES[pc.weights_dtype]
     compute = DTYPES[pc.precision]
-    if pc.lora_rank and pc.parallel == "fsdp" and pc.world_size > 1:
-        raise ValueError("LoRA trains with the frozen base replicated on every GPU: plan it with --parallel ddp")
+    if (pc.lora_rank or pc.controlnet) and pc.parallel == "fsdp" and pc.world_size > 1:
+        what = "LoRA trains" if pc.lora_rank else "A ControlNet trains"
+        raise ValueError(f"{what} with the frozen base replicated on every GPU: plan it with --parallel ddp")
+    if pc.lora_rank and pc.controlnet:
+        raise ValueError("plan LoRA or a ControlNet, not both: the trainer trains one or the other")
     preset, model = meta_model(pc.model, DTYPES[pc.weights_dtype], pc.lora_rank, pc.lora_targets)
-    params = list(model.parameters())
+    modules = [model]
+    if pc.controlnet:  # the transformer frozen in the weights dtype; the ControlNet trains in fp32
+        model.requires_grad_(False)
+        modules.append(meta_controlnet(preset, model, pc.controlnet_layers))
+    params = [p for m in modules for p in m.parameters()]
     trainable = [p for p in params if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     n_trainable = sum(p.numel() for p in trainable)
-    n_buffers = sum(b.numel() for b in model.buffers())
+    n_buffers = sum(b.numel() for m in modules for b in m.buffers())
     shard = pc.world_size if pc.parallel == "fsdp" else 1
     on_device = 0.0 if pc.fsdp_cpu_offload else 1.0
     every = parse_checkpointing(pc.grad_checkpointing)
-    # Full fine-tuning: every weight trains in the weights dtype. LoRA: the base is frozen in the weights
-    # dtype and the adapters (the only gradients, optimizer states and EMA) are fp32.
-    tb = 4 if pc.lora_rank else wb
+    # Full fine-tuning: every weight trains in the weights dtype. LoRA (ControlNet): the base is frozen in the weights
+    # dtype and the adapters (the ControlNet: the only gradients, optimizer states and EMA) are fp32.
+    tb = 4 if pc.lora_rank or pc.controlnet else wb
     components = {
         "weights": on_device * ((n_params - n_trainable) * wb + n_trainable * tb) / shard + n_buffers * wb,
         "gradients": on_device * n_trainable * tb / shard,
@@ -273,8 +311,12 @@ def plan(pc: PlanConfig, objective=None) -> dict:
 
     def activations(batch: int) -> float:
         _, m = meta_model(pc.model, compute, pc.lora_rank, pc.lora_targets, adapter_dtype=compute)
+        net = None
+        if pc.controlnet:
+            m.requires_grad_(False)
+            net = meta_controlnet(preset, m, pc.controlnet_layers, compute)
         a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens or preset.text_tokens, compute, every,
-                              per_element)
+                              per_element, controlnet=net)
         return a["checkpointed"] if every else a["full"]
 
     act = activations(pc.batch_size)
@@ -312,6 +354,7 @@ def plan(pc: PlanConfig, objective=None) -> dict:
         "peak_with_encoders_resident": peak + sum(encoders.values()),
         "parameters": n_params,
         "trainable_parameters": n_trainable,
+        **({"controlnet_layers": modules[1].config.num_layers} if pc.controlnet else {}),
         "buffers": n_buffers,
         "bytes": components,
         "predicted_peak": peak,
@@ -328,6 +371,8 @@ def format_plan(result: dict) -> str:
     lines = [
         f"{cfg['model']}: {result['parameters']:,} parameters ({result['buffers']:,} buffer values)"
         + (f", LoRA rank {cfg['lora_rank']}: {result['trainable_parameters']:,} trainable" if cfg["lora_rank"] else "")
+        + (f", ControlNet of {result['controlnet_layers']} blocks: {result['trainable_parameters']:,} trainable, the "
+           f"transformer frozen" if cfg["controlnet"] else "")
         + f"; batch {cfg['batch_size']} at "
         f"{cfg['bucket']}, {cfg['precision']} compute, {cfg['weights_dtype']} weights, {cfg['optimizer']}, checkpointing "
         f"{cfg['grad_checkpointing']}, EMA {cfg['ema']}, {cfg['world_size']} rank(s) {cfg['parallel'] if cfg['world_size'] > 1 else ''}"

@@ -12,6 +12,7 @@ import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -80,9 +81,12 @@ def sampling_scheduler(preset: ModelPreset, objective, pixels: int):
 @torch.no_grad()
 def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, latent_shape: tuple[int, int, int],
              pixels: int, *, steps: int, guidance: float, seed: int, precision: torch.dtype,
-             layout: TextLayout | None = None) -> torch.Tensor:
+             layout: TextLayout | None = None, forward: Callable | None = None,
+             control: torch.Tensor | None = None) -> torch.Tensor:
     """One sample (C, h, w) at the cache's latent scale, with classifier-free guidance; `pixels` of its bucket.
-    `cond` and `null` are one caption's cached text fields each."""
+    `cond` and `null` are one caption's cached text fields each. `forward` (default: the model's own) is called as
+    (latents, timesteps, batch); `control`, a control latent (C, h, w) as the cache stores it, goes into that batch
+    for both halves of the guidance, as the stock ControlNet pipelines condition them."""
     device = next(model.parameters()).device
     c, h, w = latent_shape
     scheduler = sampling_scheduler(preset, objective, pixels)
@@ -90,8 +94,10 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
     g = torch.Generator().manual_seed(seed)
     latents = (torch.randn(1, c, h, w, generator=g) * getattr(scheduler, "init_noise_sigma", 1.0)).to(device)
     text = (layout or TextLayout()).collate([{k: v.float() for k, v in fields.items()} for fields in (null, cond)])
+    if control is not None:
+        text["control"] = control.float()[None].expand(2, *control.shape[-3:])
     text = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in text.items()}
-    forward = model_forward(model, preset.family)
+    forward = forward or model_forward(model, preset.family)
     autocast = torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
     for t in scheduler.timesteps:
         x = torch.cat([latents, latents])
@@ -105,13 +111,45 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
     return latents[0]
 
 
+@dataclass
+class ValidationItem:
+    """A cached dataset item a ControlNet run validates on: its first caption's text fields, its control latent and
+    its own latent (the ground truth), as the cache stores them, at its bucket."""
+
+    name: str  # the input it was encoded from
+    bucket: Bucket
+    cond: dict[str, torch.Tensor]
+    control: torch.Tensor  # (C, h, w); a KL VAE's posterior mean
+    reference: torch.Tensor  # (C, h, w)
+
+
+def validation_items(cache: Cache, n: int) -> list[ValidationItem]:
+    """`n` dataset items spread evenly over the cache (by position, so buckets and sources come in proportion),
+    the same ones every time. The control latent is the posterior's mean: validation is deterministic where
+    training draws from the posterior."""
+    layout, spec = TextLayout.of(cache), cache.spec.latent
+    out = []
+    for i in sorted({j * len(cache) // n for j in range(min(n, len(cache)))}):
+        s = cache[i]
+        shape = spec.shape(s.bucket.height, s.bucket.width)
+        out.append(ValidationItem(Path(bytes(s.fields["source"].numpy()).decode("utf-8", "replace")).name, s.bucket,
+                                  {k: v.clone() for k, v in layout.caption(s.fields, 0).items()},
+                                  s.fields[spec.control_fields[0]].float().reshape(shape).clone(),
+                                  s.fields[spec.fields[0]].float().reshape(shape).clone()))
+    return out
+
+
 class Validator:
     """Generates one grid per call: a row per prompt, a column per bucket, and a row of dataset latents
-    decoded the same way, so generated samples can be judged against what the model learns from."""
+    decoded the same way, so generated samples can be judged against what the model learns from.
+
+    With `items` (ControlNet runs), a row per cached dataset item instead: its control image, the image generated
+    from its control latent and caption, and its own image (all decoded by the background decoder)."""
 
     def __init__(self, cache: Cache, preset: ModelPreset, objective, *, prompts: list[str], buckets: list[str], steps: int,
-                 guidance: float, seed: int, decode_device: str, out: Path, model_name: str):
-        self.prompts = resolve_prompts(cache, prompts, model_name)
+                 guidance: float, seed: int, decode_device: str, out: Path, model_name: str, items: int = 0):
+        self.items = validation_items(cache, items) if items else []
+        self.prompts = [] if items else resolve_prompts(cache, prompts, model_name)
         null = cache.prompts().get(prompt_key(""))
         if null is None:
             raise ValueError(f"{cache.location} holds no empty-caption embedding for guidance; it is stored with any prompt: "
@@ -133,12 +171,17 @@ class Validator:
         self.decoder: Decoder | None = None  # started at the first grid
 
     def __bool__(self) -> bool:
-        return bool(self.prompts)
+        return bool(self.prompts or self.items)
 
-    def sample(self, model, precision: torch.dtype, ema=None, params=None) -> dict[tuple[str, Bucket], torch.Tensor]:
-        """Latents of every prompt at every bucket, by (prompt, bucket); EMA weights when given."""
-        was_training = model.training
-        model.eval()
+    def sample(self, model, precision: torch.dtype, ema=None, params=None, *, controlnet=None,
+               forward: Callable | None = None) -> dict[tuple[str, Bucket], torch.Tensor]:
+        """Latents of every prompt at every bucket, by (prompt, bucket), or of every item, by (its name, its bucket);
+        EMA weights when given (`params`: the weights they stand for). A ControlNet run passes its ControlNet and
+        `forward` (`train.controlnet.controlled_forward`): the training weights sample, no copy is made."""
+        modules = [m for m in (model, controlnet) if m is not None]
+        was_training = [m.training for m in modules]
+        for m in modules:
+            m.eval()
         backup = []
         if ema is not None:  # one tensor at a time: foreach copies have no DTensor (FSDP) rule
             with torch.no_grad():
@@ -146,6 +189,15 @@ class Validator:
                     backup.append(p.detach().clone())
                     p.copy_(s)
         try:
+            if self.items:
+                return {
+                    (item.name, item.bucket): generate(model, self.preset, self.objective, item.cond, self.null,
+                                                       tuple(item.control.shape), item.bucket.height * item.bucket.width,
+                                                       steps=self.steps, guidance=self.guidance,
+                                                       seed=derived_seed(self.seed, i, *item.control.shape), precision=precision,
+                                                       layout=self.layout, forward=forward, control=item.control)
+                    for i, item in enumerate(self.items)
+                }
             return {
                 (prompt.text, b): generate(model, self.preset, self.objective, prompt.cond, self.null, shape, b.height * b.width,
                                            steps=self.steps, guidance=self.guidance, seed=derived_seed(self.seed, i, *shape),
@@ -156,20 +208,28 @@ class Validator:
             with torch.no_grad():
                 for p, b in zip(params or [], backup):
                     p.copy_(b)
-            model.train(was_training)
+            for m, mode in zip(modules, was_training):
+                m.train(mode)
 
-    def run(self, model, step: int, precision: torch.dtype, ema=None, params=None, submit: bool = True) -> Path:
-        """Sample every prompt at every bucket and queue the grid's decoding; returns the grid's path.
+    def run(self, model, step: int, precision: torch.dtype, ema=None, params=None, submit: bool = True, *,
+            controlnet=None, forward: Callable | None = None) -> Path:
+        """Sample every prompt at every bucket (every item) and queue the grid's decoding; returns the grid's path.
 
         Under FSDP every rank samples (the weights are sharded) and only one submits the grid."""
-        latents = self.sample(model, precision, ema, params)
+        latents = self.sample(model, precision, ema, params, controlnet=controlnet, forward=forward)
         path = self.out / f"samples-step{step:08d}.png"
         if not submit:
             return path
-        rows = [(p.text, [latents[p.text, b] for b in self.buckets]) for p in self.prompts]
-        if self.references:
-            rows.append(("dataset latents, decoded: " + ", ".join(name for name, _ in self.references), [z for _, z in self.references]))
-        buckets = ", ".join(b.name for b in self.buckets)
+        if self.items:
+            rows = [(f"{item.name} ({item.bucket.name}): control, generated, ground truth",
+                     [item.control, latents[item.name, item.bucket], item.reference]) for item in self.items]
+            buckets = "each item's own"
+        else:
+            rows = [(p.text, [latents[p.text, b] for b in self.buckets]) for p in self.prompts]
+            if self.references:
+                rows.append(("dataset latents, decoded: " + ", ".join(name for name, _ in self.references),
+                             [z for _, z in self.references]))
+            buckets = ", ".join(b.name for b in self.buckets)
         if self.decoder is None:
             self.decoder = Decoder(self.recipe, self.decode_device)
         self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance} · buckets {buckets}", rows, path)
