@@ -24,6 +24,7 @@ import torch
 
 from shards import CacheSpec, LatentSpec
 from train.checkpoint import CONTROLNET_DIR  # a checkpoint's and an export's ControlNet, in diffusers layout
+from train.ema import load_shadow
 from train.presets import ModelPreset, sd3_joint_tokens
 
 # New ControlNets' depth: diffusers' train_controlnet_sd3.py (SD3ControlNetModel.from_transformer's default) and
@@ -235,11 +236,5 @@ def load_checkpoint(ckpt: Path, family: str, ema_state: dict | None = None, dtyp
     """A checkpoint's ControlNet (`ckpt/controlnet`), with the EMA weights of `ema_state` when given."""
     controlnet = controlnet_class(family).from_pretrained(Path(ckpt) / CONTROLNET_DIR, torch_dtype=torch.float32)
     if ema_state is not None:
-        params = [p for p in controlnet.parameters() if p.requires_grad]
-        shadow = ema_state["shadow_params"]
-        if len(shadow) != len(params) or any(s.shape != p.shape for s, p in zip(shadow, params)):
-            raise ValueError(f"{ckpt}: the EMA weights do not match the ControlNet's parameters")
-        with torch.no_grad():
-            for p, s in zip(params, shadow):
-                p.copy_(s)
+        load_shadow(controlnet, ema_state, ckpt)
     return controlnet if dtype is None else controlnet.to(dtype)

@@ -74,3 +74,15 @@ class EMA:
         self.model.load_state_dict(state)
         self.model.decay = decay
         self._place()
+
+
+def load_shadow(module: torch.nn.Module, ema_state: dict, where) -> None:
+    """Copy a saved EMA's shadow weights (`ema_state["shadow_params"]`) into `module`'s trainable parameters, in
+    order; refused, naming `where` (the checkpoint), when they do not match one for one."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    shadow = ema_state["shadow_params"]
+    if len(shadow) != len(params) or any(s.shape != p.shape for s, p in zip(shadow, params)):
+        raise ValueError(f"{where}: the EMA weights do not match the {type(module).__name__}'s parameters")
+    with torch.no_grad():
+        for p, s in zip(params, shadow):
+            p.copy_(s)

@@ -12,6 +12,7 @@ from shards import Cache
 from shards.atomic import publish_directory
 from shards.options import DTYPES
 from train import checkpoint, controlnet, lora
+from train.ema import load_shadow
 from train.objectives import build_objective
 from train.presets import Weights, build_transformer, get_preset, resolve_weights
 from train.validate import Validator, add_prompts_command
@@ -50,13 +51,7 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
     if ema:
         if ema_state is None:
             raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
-        params = [p for p in model.parameters() if p.requires_grad]
-        shadow = ema_state["shadow_params"]
-        if len(shadow) != len(params) or any(s.shape != p.shape for s, p in zip(shadow, params)):
-            raise ValueError(f"{ckpt}: the EMA weights do not match the transformer's parameters")
-        with torch.no_grad():
-            for p, s in zip(params, shadow):
-                p.copy_(s)
+        load_shadow(model, ema_state, ckpt)
     return model, preset, state
 
 
