@@ -296,6 +296,10 @@ def test_refusals_say_why(caches, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--controlnet-layers 3: the depth"):
         TrainConfig(model="tiny-sd3", controlnet_layers=3)
     assert TrainConfig(model="tiny-sd3", pretrained_controlnet="some/controlnet").controlnet
+    with pytest.raises(ValueError, match="validates on cached dataset items .* not on --validation-prompt"):
+        TrainConfig(model="tiny-sd3", controlnet=True, validation_prompt=["a red circle"])
+    with pytest.raises(ValueError, match="--validation-items must be at least 0"):
+        TrainConfig(model="tiny-sd3", controlnet=True, validation_items=-1)
     from train.loop import parallelism
 
     with pytest.raises(ValueError, match="--controlnet trains with the frozen transformer and the ControlNet replicated"):
@@ -355,57 +359,100 @@ def test_two_processes_train_the_controlnet_as_one(caches, tmp_path):
 
 @pytest.mark.parametrize("model", MODELS)
 def test_validation_samples_cached_items_with_the_training_weights_alone(caches, tmp_path, model):
-    """Items carry their cached control latent and their own latent; sampling follows the control latent; the
-    process's peak while validating stays under the training step's (no text encoder, no second copy of a weight)."""
-    from train.data import TrainingSamples
-    from train.model import build_model, build_optimizer, build_run_objective, build_schedule
+    """Items carry their cached control latent and their own latent; sampling follows the control latent; the grid's
+    rows are (control, generated, ground truth); validating (EMA swapped in) holds no more memory than one sampler
+    step does, where a copy of the ControlNet's weights would show; the weights, EMA and modes come back unchanged."""
+    import copy
+
+    from train.model import build_ema, build_model
     from train.plan import measure_peak
-    from train.step import TrainStep
     from train.validate import Validator, generate
 
     preset, cache, cpu = get_preset(model), Cache(caches[model]), torch.device("cpu")
-    c = cfg(caches[model], tmp_path, model, ema_decay=0.0, caption_dropout=0.0)
+    c = cfg(caches[model], tmp_path, model, ema_decay=0.9)
     net = build_model(c, preset, "none", 1, cpu, resume_from=None, state={}, say=lambda *a: None, latent=cache.spec.latent)
     perturbed(net.controlnet)  # as after training: the residuals reach the transformer
+    ema = build_ema(c, net.params, cpu)
+    with torch.no_grad():  # the EMA differs from the weights, as it does in a run
+        for s in ema.shadow_params:
+            s.mul_(0.5)
+    from train.model import build_run_objective
+
     objective = build_run_objective(c, preset, preset.transformer_config())
-    optimizer = build_optimizer(c, net.params, cpu)
-    step = TrainStep(c, net, objective, optimizer, build_schedule(c, optimizer), torch.amp.GradScaler("cpu", enabled=False), None,
-                     parallel="none", rank=0, world=1, device=cpu)
     validator = Validator(cache, preset, objective, prompts=[], buckets=[], steps=2, guidance=4.5, seed=0, decode_device="cpu",
                           out=tmp_path, model_name=model, items=3)
-    assert len(validator.items) == 3 and not validator.prompts
+    assert len(validator.items) == 3 and not validator.prompts and not validator.references
     spec = cache.spec.latent
     for item, i in zip(validator.items, (0, len(cache) // 3, 2 * len(cache) // 3)):  # spread evenly, as stored
         stored = cache[i].fields
         assert item.bucket == cache[i].bucket
         assert torch.equal(item.control, stored[spec.control_fields[0]].float().reshape(item.control.shape))
         assert torch.equal(item.reference, stored[spec.fields[0]].float().reshape(item.reference.shape))
+    assert len(Validator(cache, preset, objective, prompts=[], buckets=[], steps=2, guidance=4.5, seed=0, decode_device="cpu",
+                         out=tmp_path, model_name=model, items=len(cache) + 5).items) == len(cache)
     forward = controlnet.controlled_forward(net.module, net.controlnet, preset.family, latent=spec)
+    weights = {k: v.clone() for k, v in net.controlnet.state_dict().items()}
+    shadow = [s.clone() for s in ema.shadow_params]
+    net.controlnet.train()
 
     def validate():
-        return validator.sample(net.module, torch.float32, controlnet=net.controlnet, forward=forward)
+        return validator.sample(net.module, torch.float32, ema, net.params, controlnet=net.controlnet, forward=forward)
 
     latents = validate()
-    assert {key: z.shape for key, z in latents.items()} == {(it.name, it.bucket): it.control.shape for it in validator.items}
+    assert net.controlnet.training  # back in training mode
+    assert all(torch.equal(v, net.controlnet.state_dict()[k]) for k, v in weights.items())  # the weights are back
+    assert all(torch.equal(a, b) for a, b in zip(shadow, ema.shadow_params))  # and the EMA
+    assert [z.shape for z in latents.values()] == [it.control.shape for it in validator.items]
     item = validator.items[0]
-    other = generate(net.module, preset, objective, item.cond, validator.null, tuple(item.control.shape),
-                     item.bucket.height * item.bucket.width, steps=2, guidance=4.5, seed=derived(item), precision=torch.float32,
-                     layout=validator.layout, forward=forward, control=torch.zeros_like(item.control))
-    assert not torch.allclose(other, latents[item.name, item.bucket])  # the control latent steers the sample
+    largest = max(validator.items, key=lambda it: it.bucket.height * it.bucket.width)
 
-    largest = max(validator.items, key=lambda it: it.bucket.height * it.bucket.width).bucket
-    first = next(iter(cache.ranges_by_bucket()[largest]))
-    samples = TrainingSamples(cache, seed=0, caption_dropout=0.0, control=True)
-    batch = samples.collate([samples[(0, first.start)]] * 2)  # batch 2, as guidance samples two at a time
+    def sampler_step(it=largest, control=None, steps=1):
+        return generate(net.module, preset, objective, it.cond, validator.null, tuple(it.control.shape),
+                        it.bucket.height * it.bucket.width, steps=steps, guidance=4.5, seed=derived(it), precision=torch.float32,
+                        layout=validator.layout, forward=forward, control=it.control if control is None else control)
 
-    def train_step():
-        step.accumulate(batch, 0)
-        step.update(0)
+    with torch.no_grad():  # what validation samples is the EMA's
+        for p, s in zip(net.params, ema.shadow_params):
+            p.copy_(s)
+        assert torch.equal(sampler_step(item, steps=2), latents[0])
+        assert not torch.allclose(sampler_step(item, torch.zeros_like(item.control), steps=2), latents[0])  # control steers
+        for p, (k, v) in zip(net.params, ((k, v) for k, v in weights.items() if k in dict(net.controlnet.named_parameters()))):
+            p.copy_(v)
 
-    train_step()  # optimizer states exist from here on, as in a run
-    trained, validating = measure_peak(train_step, cpu), measure_peak(validate, cpu)
-    assert validating <= trained, (validating, trained)
-    validator.close()
+    # The profiler counts a tensor once it sees it: every measured call first touches every weight and the EMA, so
+    # the figures differ by what each allocates. The sampler itself, over the same items, is the yardstick.
+    live = [*net.module.parameters(), *net.controlnet.parameters(), *ema.shadow_params]
+
+    def seen(fn):
+        def run():
+            with torch.no_grad():
+                for t in live:
+                    t.add_(0)
+            return fn()
+        return run
+
+    sampler = measure_peak(seen(lambda: [sampler_step(it, steps=2) for it in validator.items]), cpu)
+    validating = measure_peak(seen(validate), cpu)
+    copied = measure_peak(seen(lambda: (copy.deepcopy(net.controlnet), validate())), cpu)  # what the test must catch
+    slack = max(p.numel() * 4 for p in net.params)  # the latents and scheduler state are smaller than any weight matrix
+    assert validating <= sampler + slack, (validating, sampler)
+    assert copied > sampler + slack, (copied, sampler)  # a copy of the ControlNet's weights would not pass
+
+    class Recorder:  # stands in for the background decoder: what the grid is made of
+        def submit(self, title, rows, path):
+            self.rows = rows
+
+        def finished(self, wait=False):
+            return []
+
+        close = finished
+
+    validator.decoder = Recorder()
+    validator.run(net.module, 3, torch.float32, ema, net.params, controlnet=net.controlnet, forward=forward)
+    assert len(validator.decoder.rows) == 3
+    for (label, row), it, z in zip(validator.decoder.rows, validator.items, latents.values()):
+        assert it.name in label and len(row) == 3
+        assert torch.equal(row[0], it.control) and torch.equal(row[1], z) and torch.equal(row[2], it.reference)
 
 
 def derived(item) -> int:

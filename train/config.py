@@ -195,8 +195,11 @@ class TrainConfig:
                              "--from-scratch (the preset's released weights load by default) or train every weight (--lora-rank 0).")
         if self.from_scratch and self.pretrained:
             raise ValueError("--from-scratch and --pretrained contradict each other: choose one")
-        if self.checkpoint_every < 0 or self.validate_every < 0:
-            raise ValueError("--checkpoint-every and --validate-every must be at least 0 (0: only at the end)")
+        if self.checkpoint_every < 0 or self.validate_every < 0 or self.validation_items < 0:
+            raise ValueError("--checkpoint-every, --validate-every and --validation-items must be at least 0")
+        if self.controlnet and (self.validation_prompt or self.validation_bucket):
+            raise ValueError("a ControlNet run validates on cached dataset items (--validation-items: their control images, "
+                             "captions and buckets), not on --validation-prompt / --validation-bucket: leave those out")
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise ValueError("steps, batch size and gradient accumulation must be at least 1")
         if self.workers < 0 or self.prefetch < 1 or self.readahead < 0 or self.shuffle_shards < 1:

@@ -20,8 +20,10 @@ from train.step import TrainStep
 from train.validate import Validator, generate
 
 
-def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: int, parallel: str, objective) -> dict:
-    """The memory plan of this run (its objective, at the cache's largest bucket)."""
+def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: int, parallel: str, objective,
+                 controlnet_layers: int | None = None) -> dict:
+    """The memory plan of this run (its objective, at the cache's largest bucket); `controlnet_layers`: the depth of
+    the ControlNet the run built (a pretrained or resumed one has its own)."""
     largest = largest_bucket(cache)
     ema = ema_placement(cfg.ema_decay, cfg.ema_device)
     return plan(PlanConfig(cfg.model, batch_size=cfg.batch_size, bucket=(largest.height, largest.width), precision=cfg.precision,
@@ -29,7 +31,7 @@ def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: in
                            ema=ema, world_size=world, parallel="fsdp" if parallel == "fsdp" else "ddp",
                            fsdp_cpu_offload=cfg.fsdp_cpu_offload, text_tokens=cache.spec.text.tokens,
                            gpu_memory=device_memory(device), lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets),
-                           controlnet=cfg.controlnet, controlnet_layers=cfg.controlnet_layers),
+                           controlnet=cfg.controlnet, controlnet_layers=controlnet_layers or cfg.controlnet_layers),
                 objective)
 
 

@@ -122,7 +122,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             for name, totals in c.manifest.datasets().items():
                 say(f"  source {name or '(unnamed)'}: {totals['samples']} samples, {draws.get(label + name, 0)} drawn per epoch")
     if is_main or cfg.dry_run:
-        planned = startup_plan(cfg, cache, device, world, parallel, objective)
+        planned = startup_plan(cfg, cache, device, world, parallel, objective,
+                               model.controlnet.config.num_layers if model.controlnet is not None else None)
         say(format_plan(planned))
     if cfg.dry_run:
         return dry_run(cfg, cache, dataset, step, validator, preset, planned, device, say)

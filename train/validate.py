@@ -128,8 +128,9 @@ def validation_items(cache: Cache, n: int) -> list[ValidationItem]:
     the same ones every time. The control latent is the posterior's mean: validation is deterministic where
     training draws from the posterior."""
     layout, spec = TextLayout.of(cache), cache.spec.latent
+    k = min(n, len(cache))
     out = []
-    for i in sorted({j * len(cache) // n for j in range(min(n, len(cache)))}):
+    for i in (j * len(cache) // k for j in range(k)):  # k distinct positions, the first sample first
         s = cache[i]
         shape = spec.shape(s.bucket.height, s.bucket.width)
         out.append(ValidationItem(Path(bytes(s.fields["source"].numpy()).decode("utf-8", "replace")).name, s.bucket,
@@ -148,7 +149,11 @@ class Validator:
 
     def __init__(self, cache: Cache, preset: ModelPreset, objective, *, prompts: list[str], buckets: list[str], steps: int,
                  guidance: float, seed: int, decode_device: str, out: Path, model_name: str, items: int = 0):
+        if items < 0:
+            raise ValueError(f"--validation-items {items}: give 0 (no grids) or more")
         self.items = validation_items(cache, items) if items else []
+        if items and not self.items:
+            raise ValueError(f"{cache.location} holds no samples to validate on")
         self.prompts = [] if items else resolve_prompts(cache, prompts, model_name)
         null = cache.prompts().get(prompt_key(""))
         if null is None:
@@ -156,7 +161,8 @@ class Validator:
                              f"{add_prompts_command(cache, prompts)}")
         self.layout = TextLayout.of(cache)
         self.null = self.layout.caption(null.fields)  # the empty caption, as the family's pipeline guides
-        self.buckets = [Bucket.parse(b) for b in buckets] or default_buckets(cache)
+        # items come with their own buckets and ground truth; prompts are sampled at these buckets beside dataset latents
+        self.buckets = [] if self.items else [Bucket.parse(b) for b in buckets] or default_buckets(cache)
         latent = cache.spec.latent
         bad = [b.name for b in self.buckets if b.height % latent.downsample or b.width % latent.downsample]
         if bad:
@@ -165,7 +171,7 @@ class Validator:
         self.preset, self.objective = preset, objective
         self.steps, self.guidance, self.seed = steps, guidance, seed
         self.out = out
-        self.references = reference_latents(cache, self.buckets)
+        self.references = [] if self.items else reference_latents(cache, self.buckets)
         self.recipe = decoder_recipe(cache)
         self.decode_device = None if decode_device == "cpu" else torch.device(decode_device)
         self.decoder: Decoder | None = None  # started at the first grid
@@ -174,16 +180,19 @@ class Validator:
         return bool(self.prompts or self.items)
 
     def sample(self, model, precision: torch.dtype, ema=None, params=None, *, controlnet=None,
-               forward: Callable | None = None) -> dict[tuple[str, Bucket], torch.Tensor]:
-        """Latents of every prompt at every bucket, by (prompt, bucket), or of every item, by (its name, its bucket);
-        EMA weights when given (`params`: the weights they stand for). A ControlNet run passes its ControlNet and
-        `forward` (`train.controlnet.controlled_forward`): the training weights sample, no copy is made."""
+               forward: Callable | None = None) -> dict:
+        """Latents of every prompt at every bucket, by (prompt, bucket), or of every item, by its position in
+        `items`; EMA weights when given (`params`: the weights they stand for). A ControlNet run passes its
+        ControlNet and `forward` (`train.controlnet.controlled_forward`): the training weights sample."""
         modules = [m for m in (model, controlnet) if m is not None]
         was_training = [m.training for m in modules]
         for m in modules:
             m.eval()
+        swapped = ema is not None and _swappable(params, ema.shadow_params)
         backup = []
-        if ema is not None:  # one tensor at a time: foreach copies have no DTensor (FSDP) rule
+        if swapped:  # the EMA's tensors take the weights' place and back: no copy of either
+            _swap(params, ema.shadow_params)
+        elif ema is not None:  # one tensor at a time: foreach copies have no DTensor (FSDP) rule
             with torch.no_grad():
                 for p, s in zip(params, ema.shadow_params):
                     backup.append(p.detach().clone())
@@ -191,11 +200,10 @@ class Validator:
         try:
             if self.items:
                 return {
-                    (item.name, item.bucket): generate(model, self.preset, self.objective, item.cond, self.null,
-                                                       tuple(item.control.shape), item.bucket.height * item.bucket.width,
-                                                       steps=self.steps, guidance=self.guidance,
-                                                       seed=derived_seed(self.seed, i, *item.control.shape), precision=precision,
-                                                       layout=self.layout, forward=forward, control=item.control)
+                    i: generate(model, self.preset, self.objective, item.cond, self.null, tuple(item.control.shape),
+                                item.bucket.height * item.bucket.width, steps=self.steps, guidance=self.guidance,
+                                seed=derived_seed(self.seed, i, *item.control.shape), precision=precision, layout=self.layout,
+                                forward=forward, control=item.control)
                     for i, item in enumerate(self.items)
                 }
             return {
@@ -205,6 +213,8 @@ class Validator:
                 for i, prompt in enumerate(self.prompts) for shape, b in zip(self.shapes, self.buckets)
             }
         finally:
+            if swapped:
+                _swap(params, ema.shadow_params)
             with torch.no_grad():
                 for p, b in zip(params or [], backup):
                     p.copy_(b)
@@ -222,7 +232,7 @@ class Validator:
             return path
         if self.items:
             rows = [(f"{item.name} ({item.bucket.name}): control, generated, ground truth",
-                     [item.control, latents[item.name, item.bucket], item.reference]) for item in self.items]
+                     [item.control, latents[i], item.reference]) for i, item in enumerate(self.items)]
             buckets = "each item's own"
         else:
             rows = [(p.text, [latents[p.text, b] for b in self.buckets]) for p in self.prompts]
@@ -244,6 +254,19 @@ class Validator:
     def close(self) -> None:
         if self.decoder is not None:
             self.decoder.close()
+
+
+def _swappable(params: list[torch.Tensor], shadow: list[torch.Tensor]) -> bool:
+    """Whether the EMA's shadow tensors can stand in for the weights: plain tensors of the same device and dtype (not
+    an EMA on the CPU for weights on a GPU, nor FSDP's sharded DTensors)."""
+    return all(type(p.data) is torch.Tensor and type(s) is torch.Tensor and p.device == s.device and p.dtype == s.dtype
+               and p.shape == s.shape for p, s in zip(params, shadow))
+
+
+def _swap(params: list[torch.Tensor], shadow: list[torch.Tensor]) -> None:
+    """Exchange the storage of each weight and its shadow; a second call puts both back."""
+    for p, s in zip(params, shadow):
+        p.data, s.data = s.data, p.data
 
 
 def reference_latents(cache: Cache, buckets: list[Bucket], n: int = 4) -> list[tuple[str, torch.Tensor]]:
