@@ -15,7 +15,7 @@ from typing import Literal
 
 from shards.schema import FormatError
 
-TextLayoutKind = Literal["masked", "sd3_joint"]
+TextLayoutKind = Literal["masked", "sd3_joint", "flux"]
 # The horizontally flipped image's latent fields are the latent fields' names with this prefix, ragged: one row
 # for a sample of a source cached with `flip = true`, none for the others (8 bytes of offsets each).
 FLIP_PREFIX = "flip_"
@@ -113,7 +113,9 @@ class TextSpec:
     padded per batch with a mask. "sd3_joint": per caption `clip` (`clip_tokens`, `clip_width`), `pooled`
     (`pooled_width`,) and, unless T5 was dropped, `text` (`t5_tokens`, `t5_width`); the model input is
     cat(pad(clip, to the joint width), T5 tokens) as StableDiffusion3Pipeline builds it, with `t5_tokens`
-    zero tokens in T5's place when it was dropped."""
+    zero tokens in T5's place when it was dropped. "flux" (Flux.1): per caption `text`, every one of the `t5_tokens`
+    T5 tokens padding included (`t5_width` wide; Flux attends to the padding without a mask, so it is part of the
+    input), and `pooled` (`pooled_width`,), CLIP-L's pooled output; the text ids are zeros, as FluxPipeline builds them."""
 
     layout: TextLayoutKind
     width: int | None
@@ -142,6 +144,9 @@ class TextSpec:
             out["layout"] = {"kind": "sd3_joint", "clip_tokens": self.clip_tokens, "t5_tokens": self.t5_tokens,
                              "t5": "stored" if self.t5_stored else "dropped", "clip_width": self.clip_width,
                              "pooled_width": self.pooled_width, "t5_width": self.t5_width}
+        elif self.layout == "flux":
+            out["layout"] = {"kind": "flux", "t5_tokens": self.t5_tokens, "pooled_width": self.pooled_width,
+                             "t5_width": self.t5_width}
         return out
 
     @classmethod
@@ -149,6 +154,9 @@ class TextSpec:
         layout = text.get("layout") or {"kind": "masked"}
         if layout["kind"] == "masked":
             return cls("masked", text.get("hidden_size"), text["max_length"])
+        if layout["kind"] == "flux":
+            return cls("flux", text.get("hidden_size"), text["max_length"], t5_tokens=layout["t5_tokens"],
+                       pooled_width=layout["pooled_width"], t5_width=layout["t5_width"])
         if layout["kind"] != "sd3_joint":
             raise FormatError(f"unknown text layout {layout['kind']!r}: this cache was written by a newer version; update")
         return cls("sd3_joint", text.get("hidden_size"), text["max_length"], layout["clip_tokens"], layout["t5_tokens"],
