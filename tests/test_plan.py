@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # The counts published with the configs (../shared/model_configs/README.md, diffusers 0.42.1).
 PUBLISHED = {"sana-1600m": 1_604_462_752, "sana-600m": 591_747_872, "pixart-sigma-1024": 610_856_096, "pixart-sigma-512": 610_856_096,
-             "sd3-medium": 2_028_328_000, "sd35-medium": 2_243_171_520, "sd35-large": 8_056_627_520}
+             "sd3-medium": 2_028_328_000, "sd35-medium": 2_243_171_520, "sd35-large": 8_056_627_520,
+             "flux-dev": 11_901_408_320, "flux-schnell": 11_891_178_560}
 
 
 @pytest.mark.parametrize("model", sorted(PUBLISHED))

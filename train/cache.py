@@ -11,7 +11,7 @@ from shards import Bucket, Cache, CorruptSample, FormatError, RemoteCache, open_
 from shards.reader import REPAIR
 from shards.remote import repair_hint
 from train import distributed
-from train.presets import ModelPreset, text_width
+from train.presets import ModelPreset, latent_channels, latent_patch, text_width
 
 log = logging.getLogger("train")
 
@@ -69,12 +69,13 @@ def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
     except FormatError as e:  # not written by stage one: say which model to build it for
         raise FormatError(f"{e} MODEL={preset.name}") from None
     latent, text = spec.latent, spec.text
-    patch = config.get("patch_size", 1)
+    patch = latent_patch(preset.family, config)
     problems = []
     if spec.family and spec.family != preset.family:
         problems.append(f"family: cache {spec.family!r}, model {preset.family!r}")
-    if latent.channels != config["in_channels"]:
-        problems.append(f"latent channels: cache {latent.channels}, model in_channels {config['in_channels']}")
+    if latent.channels != latent_channels(preset.family, config):
+        what = "in_channels / 4 (2 x 2 packed)" if preset.family == "flux" else "in_channels"
+        problems.append(f"latent channels: cache {latent.channels}, model {what} {latent_channels(preset.family, config)}")
     if text.layout == "sd3_joint":
         if text.clip_width > config["joint_attention_dim"]:
             problems.append(f"CLIP width: cache {text.clip_width}, over the model's joint width {config['joint_attention_dim']}")
@@ -82,6 +83,13 @@ def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
             problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config['pooled_projection_dim']}")
         if text.t5_width not in (None, config["joint_attention_dim"]):
             problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {config['joint_attention_dim']}")
+    elif text.layout == "flux":
+        if text.t5_width != config["joint_attention_dim"]:
+            problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {config['joint_attention_dim']}")
+        if text.pooled_width != config["pooled_projection_dim"]:
+            problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config['pooled_projection_dim']}")
+    elif preset.family == "flux":
+        problems.append(f"text layout: cache {text.layout!r}, Flux takes 'flux' (every T5 token and CLIP-L's pooled vector)")
     elif text.width != text_width(config):
         problems.append(f"text width: cache {text.width}, model {text_width(config)}")
     for bucket in cache.manifest.buckets():

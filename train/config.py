@@ -105,7 +105,11 @@ class TrainConfig:
     validate_every: int = opt(0, "Sample a validation grid every N steps (0: only at the end).")
     validation_bucket: list[str] = opt([], "Bucket HxW to sample at (repeatable; default: the cache's 3 most populous).")
     validation_steps: int = opt(20, "Sampler steps per validation image.")
-    guidance_scale: float = opt(4.5, "Classifier-free guidance scale (the cached empty caption is the unconditional input).")
+    guidance_scale: float = opt(4.5, "Classifier-free guidance scale (the cached empty caption is the unconditional input). "
+                                     "Flux: no classifier-free guidance; FLUX.1-dev's distilled guidance value (its guidance "
+                                     "embedding, as FluxPipeline's guidance_scale); schnell takes none.")
+    guidance_scale_train: float = opt(3.5, "Flux models with a guidance embedding (FLUX.1-dev): the guidance value fed to it "
+                                           "while training, as diffusers' train_dreambooth_lora_flux.py (--guidance_scale 3.5).")
     validation_seed: int = opt(0, "Seed of the validation noise (fixed per prompt and bucket).")
     validation_items: int = opt(4, "ControlNet runs: validate on this many cached dataset items, spread evenly over the cache "
                                    "(a grid row each: control image, image generated from its control latent and caption, "

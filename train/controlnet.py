@@ -42,9 +42,12 @@ NO_PIXART = ("PixArt-Sigma has no ControlNet in diffusers (no ControlNet model c
 
 
 def controlnet_class(family: str) -> type:
-    """diffusers' ControlNet class of a family; PixArt-Sigma is refused with the reason."""
+    """diffusers' ControlNet class of a family; PixArt-Sigma and Flux are refused with the reason."""
     if family == "pixart":
         raise ValueError(NO_PIXART)
+    if family == "flux":
+        raise ValueError("--controlnet trains SD3 / SD3.5 and Sana ControlNets; Flux ControlNet training (FluxControlNetModel "
+                         "beside the packed latents) is not built yet")
     from diffusers import SanaControlNetModel, SD3ControlNetModel
 
     return {"sd3": SD3ControlNetModel, "sana": SanaControlNetModel}[family]

@@ -28,8 +28,8 @@ log = logging.getLogger("train")
 
 @dataclass(frozen=True)
 class TextLayout:
-    """How a cache's text fields (`shards.TextSpec`: "masked" or "sd3_joint") become the transformer's text input:
-    one caption of a sample, and a batch of captions collated."""
+    """How a cache's text fields (`shards.TextSpec`: "masked", "sd3_joint" or "flux") become the transformer's text
+    input: one caption of a sample, and a batch of captions collated."""
 
     spec: TextSpec = TextSpec("masked", None, 0)
 
@@ -56,12 +56,14 @@ class TextLayout:
         if self.kind == "sd3_joint":
             tokens = fields["clip"].shape[0] // self.captions(fields)
             out["clip"] = fields["clip"][pick * tokens : (pick + 1) * tokens]
+        if self.kind in ("sd3_joint", "flux"):
             out["pooled"] = fields["pooled"][pick]
         return out
 
     def collate(self, conds: list[dict[str, torch.Tensor]]) -> dict:
         """Per-caption conditioning -> the batch's: `text` padded to the longest caption (B, L, D) with
-        `text_mask` (B, L); for SD3 also `clip` (B, 77, D_clip), `pooled` (B, D_pooled), `t5_zeros`."""
+        `text_mask` (B, L); for SD3 also `clip` (B, 77, D_clip), `pooled` (B, D_pooled), `t5_zeros`; for Flux also
+        `pooled` (its captions all hold every T5 token: nothing is padded)."""
         out: dict = {}
         if "text" in conds[0]:
             longest = max(c["text"].shape[0] for c in conds)
@@ -74,6 +76,8 @@ class TextLayout:
         if self.kind == "sd3_joint":
             out.update(clip=torch.stack([c["clip"] for c in conds]), pooled=torch.stack([c["pooled"] for c in conds]),
                        t5_zeros=self.spec.t5_zeros)
+        if self.kind == "flux":
+            out["pooled"] = torch.stack([c["pooled"] for c in conds])
         return out
 
 

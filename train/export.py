@@ -13,6 +13,7 @@ from shards.atomic import publish_directory
 from shards.options import DTYPES
 from train import checkpoint, controlnet, lora
 from train.ema import load_shadow
+from train.model import flow_shift_kind
 from train.objectives import build_objective
 from train.presets import Weights, build_transformer, get_preset, resolve_weights
 from train.validate import Validator, add_prompts_command
@@ -192,7 +193,8 @@ def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: l
     decode_device = decode_device or cfg["decode_device"]
     precision = precision or cfg["precision"]
     objective = build_objective(preset.objective, preset.prediction, shift=cfg.get("flow_shift") or preset.flow_shift,
-                                resolution_shift=cfg.get("resolution_shift", False), base_resolution=preset.base_resolution)
+                                resolution_shift=cfg.get("resolution_shift", False), base_resolution=preset.base_resolution,
+                                **flow_shift_kind(cfg.get("flow_shift"), cfg.get("resolution_shift", False), preset))
     cache = Cache(prompt_cache)
     out = Path(out) if out else ckpt / "samples"
     out.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ Only the adapters train; they stay in fp32 while the frozen base may be bf16 (di
 `cast_training_params`). Checkpoints and exports hold the adapters alone, in the format the family's
 stock pipeline loads:
 
-- SD3 and Sana: `pytorch_lora_weights.safetensors` (keys `transformer.<module>.lora_A.weight`, the
+- SD3, Sana and Flux: `pytorch_lora_weights.safetensors` (keys `transformer.<module>.lora_A.weight`, the
   LoRA config in the file's metadata), loaded with `pipe.load_lora_weights(DIR)`.
 - PixArt-Sigma: diffusers' PixArtSigmaPipeline has no LoRA loader, so the adapter is written in peft's
   own layout (`adapter_config.json`, `adapter_model.safetensors`) and loaded the way PixArt-Sigma's
@@ -21,10 +21,14 @@ import torch
 # Attention projections (query, key, value, output); SD3 adds the text stream's projections of its
 # joint attention. Names match by suffix, so SD3.5's second attention (attn2) is included.
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
+TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 DEFAULT_TARGETS = {
     "pixart": ATTENTION,
     "sana": ATTENTION,
-    "sd3": ATTENTION + ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+    "sd3": ATTENTION + TEXT_STREAM,
+    # diffusers' train_dreambooth_lora_flux.py: both streams' attention (q, k, v of the single-stream blocks too, which
+    # have no output projection) and the double-stream blocks' feed-forwards, image and text
+    "flux": ATTENTION + TEXT_STREAM + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
 }
 DIFFUSERS_FILE = "pytorch_lora_weights.safetensors"
 PEFT_FILE = "adapter_model.safetensors"
@@ -122,9 +126,9 @@ def merge_adapters(model: torch.nn.Module) -> int:
 
 
 def _pipeline_class(family: str):
-    from diffusers import SanaPipeline, StableDiffusion3Pipeline
+    from diffusers import FluxPipeline, SanaPipeline, StableDiffusion3Pipeline
 
-    return {"sana": SanaPipeline, "sd3": StableDiffusion3Pipeline}[family]
+    return {"sana": SanaPipeline, "sd3": StableDiffusion3Pipeline, "flux": FluxPipeline}[family]
 
 
 def _jsonable(value):

@@ -18,7 +18,7 @@ from train import checkpoint, controlnet, distributed, lora
 from train.config import TrainConfig
 from train.ema import EMA
 from train.objectives import build_objective
-from train.presets import ModelPreset, build_transformer, model_forward, resolve_weights
+from train.presets import ModelPreset, build_transformer, model_forward, resolve_weights, transformer_blocks
 
 log = logging.getLogger("train")
 
@@ -84,13 +84,13 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
         log.warning("%s weights were released for %s training; this run uses %s", preset.name, preset.released_dtype, cfg.precision)
     if cfg.checkpoint_every_k():
         n = checkpoint_blocks(model, cfg.checkpoint_every_k())
-        say(f"gradient checkpointing: {n} of {len(model.transformer_blocks)} transformer blocks recomputed in backward")
+        say(f"gradient checkpointing: {n} of {len(transformer_blocks(model))} transformer blocks recomputed in backward")
     model.train()
     net = distribute(cfg, model, parallel, world, device, say)
     # a resumed run keeps the record of the weights it started from (a LoRA base re-resolved now may name a newer commit)
     record = state.get("weights") if resume_from else weights.to_json()
-    return Model(model, net, model_forward(net, preset.family), [p for p in model.parameters() if p.requires_grad], adapter,
-                 record)
+    return Model(model, net, model_forward(net, preset.family, guidance=cfg.guidance_scale_train),
+                 [p for p in model.parameters() if p.requires_grad], adapter, record)
 
 
 def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, parallel: str, world: int, device: torch.device, *,
@@ -163,8 +163,8 @@ def checkpoint_blocks(model: torch.nn.Module, every: int) -> int:
     """
     if every == 1:
         model.enable_gradient_checkpointing()
-        return len(model.transformer_blocks)
-    chosen = list(model.transformer_blocks)[every - 1 :: every]
+        return len(transformer_blocks(model))
+    chosen = transformer_blocks(model)[every - 1 :: every]
     for block in chosen:
         block.forward = _checkpointed(block.forward)
     return len(chosen)
@@ -251,13 +251,14 @@ def build_ema(cfg: TrainConfig, params, device: torch.device) -> EMA | None:
 
 def build_run_objective(cfg: TrainConfig, preset: ModelPreset, config: dict):
     """The objective with this run's options and the preset's defaults (SD3 preconditions its outputs as
-    diffusers' SD3 trainers do; PixArt-Sigma's full fine-tunes train the variance channels)."""
+    diffusers' SD3 trainers do; Flux shifts by the image's sequence length unless --flow-shift or --resolution-shift
+    says otherwise; PixArt-Sigma's full fine-tunes train the variance channels)."""
     if preset.objective == "flow":
         precondition = cfg.precondition_outputs if cfg.precondition_outputs is not None else preset.family == "sd3"
         return build_objective("flow", preset.prediction, weighting_scheme=cfg.weighting_scheme, logit_mean=cfg.logit_mean,
                                logit_std=cfg.logit_std, mode_scale=cfg.mode_scale, precondition_outputs=precondition,
                                shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
-                               base_resolution=preset.base_resolution)
+                               base_resolution=preset.base_resolution, **flow_shift_kind(cfg.flow_shift, cfg.resolution_shift, preset))
     variance_channels = config.get("out_channels", config["in_channels"]) == 2 * config["in_channels"]
     learned = cfg.learned_variance if cfg.learned_variance is not None else (variance_channels and not cfg.lora_rank)
     if learned and not variance_channels:
@@ -265,9 +266,17 @@ def build_run_objective(cfg: TrainConfig, preset: ModelPreset, config: dict):
     return build_objective("ddpm", preset.prediction, learned_variance=learned)
 
 
+def flow_shift_kind(flow_shift: float | None, resolution_shift: bool, preset: ModelPreset) -> dict:
+    """Flux's shift from the sequence length (the preset's), unless a fixed or resolution-scaled one is asked for."""
+    dynamic = preset.dynamic_shift and not flow_shift and not resolution_shift
+    return {"dynamic_shift": dynamic, "pixels_per_token": (preset.latent_downsample * 2) ** 2} if dynamic else {}
+
+
 def null_caption(cfg: TrainConfig, preset: ModelPreset) -> str:
     """What caption dropout feeds: SD3 was trained with zeroed embeddings, PixArt and Sana with the empty caption;
-    ControlNets of every family train with the empty caption."""
+    Flux with the empty caption too (what FluxPipeline encodes for an empty prompt and true-CFG's negative prompt:
+    zeroed T5 tokens and pooled vector are no input its pipeline ever builds); ControlNets of every family train with
+    the empty caption."""
     if cfg.caption_dropout_embedding != "auto":
         return cfg.caption_dropout_embedding
     if cfg.controlnet:  # diffusers' ControlNet trainers drop a caption to the empty prompt's embedding, SD3's too

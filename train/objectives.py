@@ -1,7 +1,8 @@
 """Training objectives: `loss, t = objective(model_fn, batch, generator)` and nothing else in the loop.
 
-Flow matching (rectified flow; Sana, SD3): x_t = (1 - s) x_0 + s n, the model predicts n - x_0 at
-timestep 1000 s, with the timestep density and loss weighting of diffusers' SD3 trainers. DDPM
+Flow matching (rectified flow; Sana, SD3, Flux): x_t = (1 - s) x_0 + s n, the model predicts n - x_0 at
+timestep 1000 s, with the timestep density and loss weighting of diffusers' SD3 trainers and a timestep shift
+(fixed, scaled with the resolution, or Flux's, from the image's sequence length). DDPM
 (PixArt-Sigma): epsilon or v prediction with diffusers' DDPMScheduler, and for models that predict
 their variance too, the VLB term of improved DDPM as PixArt-Sigma's own trainer adds it.
 
@@ -44,6 +45,11 @@ class FlowMatching:
         shift: s -> shift * s / (1 + (shift - 1) s); larger shifts spend more steps at high noise.
         resolution_shift: scale the shift with sqrt(pixels / base pixels) per bucket.
         base_resolution: the square size `shift` was tuned at.
+        dynamic_shift: Flux's shift instead of `shift`: mu from the image's sequence length (pixels /
+            `pixels_per_token`) as FluxPipeline's `calculate_shift` defines it, and the exponential time shift
+            exp(mu) / (exp(mu) + 1 / s - 1) the scheduler applies with `use_dynamic_shifting`, which is the shift
+            above with shift = exp(mu).
+        pixels_per_token: image pixels per token of the transformer's sequence (Flux: (8 x 2)^2).
     """
 
     weighting_scheme: str = "logit_normal"
@@ -54,8 +60,12 @@ class FlowMatching:
     shift: float = 1.0
     resolution_shift: bool = False
     base_resolution: int = 1024
+    dynamic_shift: bool = False
+    pixels_per_token: int = 256
 
     def __post_init__(self) -> None:
+        if self.dynamic_shift and self.resolution_shift:
+            raise ValueError("the dynamic (sequence-length) shift and --resolution-shift both scale the shift: choose one")
         if self.weighting_scheme not in DENSITY:
             raise ValueError(f"weighting scheme {self.weighting_scheme!r}: choose one of {', '.join(DENSITY)}")
         if self.weighting_scheme == "sigma_sqrt" and not self.precondition_outputs:
@@ -63,8 +73,17 @@ class FlowMatching:
                              "low-noise samples would outweigh the rest up to a million-fold. It is meant for the x0 loss of "
                              "--precondition-outputs (as in diffusers' SD3 trainers); add it, or choose another scheme.")
 
+    def mu(self, pixels: int) -> float:
+        """Flux's mu for a bucket of `pixels`: calculate_shift of its image sequence length, with diffusers' defaults
+        (FLUX.1's scheduler config: 256 -> 0.5, 4096 -> 1.15)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift  # the pipeline module, only where Flux trains
+
+        return calculate_shift(pixels // self.pixels_per_token)
+
     def shift_at(self, pixels: int) -> float:
         """The shift for a bucket of `pixels` (sampling uses the same one)."""
+        if self.dynamic_shift:
+            return math.exp(self.mu(pixels))
         return self.shift * (math.sqrt(pixels) / self.base_resolution if self.resolution_shift else 1.0)
 
     def sigmas(self, n: int, pixels: int, generator: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -22,7 +22,7 @@ from shards import Bucket, bucket_table
 from shards.options import DTYPE_BYTES, DTYPES, default_of
 from train.config import TrainConfig, parse_checkpointing
 from train.model import build_run_objective, checkpoint_blocks
-from train.presets import get_preset, model_forward, text_width
+from train.presets import get_preset, latent_channels, model_forward, text_width, transformer_blocks
 
 GiB = 2**30
 
@@ -190,12 +190,15 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     `train.controlnet.controlled_forward` runs them; its blocks count as blocks too."""
     cfg = model.config
     down = preset.latent_downsample
-    c, h, w = cfg.in_channels, bucket[0] // down, bucket[1] // down
+    c, h, w = latent_channels(preset.family, cfg), bucket[0] // down, bucket[1] // down
     x = torch.zeros(batch, c, h, w, device="meta", dtype=dtype)
     if preset.family == "sd3":  # CLIP's 77 tokens, the rest T5's; the joint width throughout
         clip = min(77, text_tokens)
         text = {"clip": torch.zeros(batch, clip, text_width(cfg), device="meta", dtype=dtype),
                 "text": torch.zeros(batch, text_tokens - clip, text_width(cfg), device="meta", dtype=dtype),
+                "pooled": torch.zeros(batch, cfg["pooled_projection_dim"], device="meta", dtype=dtype)}
+    elif preset.family == "flux":  # every T5 token, and the pooled CLIP-L vector
+        text = {"text": torch.zeros(batch, text_tokens, text_width(cfg), device="meta", dtype=dtype),
                 "pooled": torch.zeros(batch, cfg["pooled_projection_dim"], device="meta", dtype=dtype)}
     else:
         text = {"text": torch.zeros(batch, text_tokens, text_width(cfg), device="meta", dtype=dtype),
@@ -218,7 +221,7 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
         return tensor
 
     hooks = []
-    for i, block in enumerate(b for m in modules for b in m.transformer_blocks):
+    for i, block in enumerate(b for m in modules for b in transformer_blocks(m)):
         hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
         hooks.append(block.register_forward_hook(lambda m, a, o: current.__setitem__(0, -1)))
     if controlnet is not None:
@@ -226,7 +229,7 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
 
         forward = controlled_forward(model, controlnet, preset.family)
     else:
-        forward = model_forward(model, preset.family)
+        forward = model_forward(model, preset.family, guidance=default_of(TrainConfig, "guidance_scale_train"))
     import torch.nn.functional as F
 
     sdpa = F.scaled_dot_product_attention
@@ -301,13 +304,14 @@ def plan(pc: PlanConfig, objective=None) -> dict:
     }
     if pc.parallel == "fsdp" and pc.world_size > 1:
         # one block's full parameters gathered in the compute dtype, and the next prefetched
-        block_params = max(sum(p.numel() for p in b.parameters()) for b in model.transformer_blocks)
+        block_params = max(sum(p.numel() for p in b.parameters()) for b in transformer_blocks(model))
         components["fsdp all-gather buffers"] = 2 * block_params * DTYPE_BYTES[pc.precision]
 
     config = preset.transformer_config()
     if objective is None:
         objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank), preset, config)
-    per_element = objective_bytes(objective, config["in_channels"], config.get("out_channels") or config["in_channels"])
+    channels = latent_channels(preset.family, config)
+    per_element = objective_bytes(objective, channels, channels if preset.family == "flux" else config.get("out_channels") or channels)
 
     def activations(batch: int) -> float:
         _, m = meta_model(pc.model, compute, pc.lora_rank, pc.lora_targets, adapter_dtype=compute)

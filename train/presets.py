@@ -29,6 +29,8 @@ class ModelPreset:
         objective: "flow" (rectified flow) or "ddpm".
         prediction: "flow" (velocity), "epsilon" or "v_prediction".
         flow_shift: timestep shift at the preset's base resolution (Sana 3.0).
+        dynamic_shift: the shift follows the image's sequence length as FluxPipeline's `calculate_shift` defines mu
+            (shift = exp(mu)) instead of `flow_shift`.
         base_resolution: pixels of the square bucket the shift refers to.
         released_dtype: the precision the released weights were trained in (fp16, bf16).
         latent_downsample: pixels per latent pixel of the family's VAE (for planning memory per bucket).
@@ -37,12 +39,13 @@ class ModelPreset:
     """
 
     name: str
-    family: Literal["pixart", "sana", "sd3"]
+    family: Literal["pixart", "sana", "sd3", "flux"]
     repo: str | None
     config: dict | str
     objective: Literal["flow", "ddpm"]
     prediction: str
     flow_shift: float = 1.0
+    dynamic_shift: bool = False
     base_resolution: int = 1024
     released_dtype: str | None = None
     latent_downsample: int = 8
@@ -52,9 +55,10 @@ class ModelPreset:
 
     @property
     def transformer_class(self):
-        from diffusers import PixArtTransformer2DModel, SanaTransformer2DModel, SD3Transformer2DModel
+        from diffusers import FluxTransformer2DModel, PixArtTransformer2DModel, SanaTransformer2DModel, SD3Transformer2DModel
 
-        return {"pixart": PixArtTransformer2DModel, "sana": SanaTransformer2DModel, "sd3": SD3Transformer2DModel}[self.family]
+        return {"pixart": PixArtTransformer2DModel, "sana": SanaTransformer2DModel, "sd3": SD3Transformer2DModel,
+                "flux": FluxTransformer2DModel}[self.family]
 
     def transformer_config(self) -> dict:
         cfg = self.config if isinstance(self.config, dict) else json.loads((CONFIGS / self.config).read_text())
@@ -73,6 +77,12 @@ TINY_SD3 = dict(
     joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=24, pos_embed_max_size=48, qk_norm="rms_norm",
     dual_attention_layers=(0,),
 )
+# Flux.1-dev's features at CPU size: double- and single-stream blocks, 3-axis RoPE (the axes sum to the head width),
+# the guidance embedding; the text and pooled widths of tiny-sd3's encoders.
+TINY_FLUX = dict(
+    patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32, pooled_projection_dim=24, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+)
 TINY_SANA = dict(
     in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16, num_layers=2, num_cross_attention_heads=2,
     cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32, mlp_ratio=2.5, patch_size=1, sample_size=32,
@@ -83,6 +93,9 @@ PIXART_ENCODERS = {"SDXL VAE (AutoencoderKL)": 83_653_863, "T5-v1.1-XXL encoder"
 SANA_ENCODERS = {"DC-AE f32c32 (AutoencoderDC)": 312_250_275, "Gemma-2-2B": 2_614_341_888}
 SD3_ENCODERS = {"SD3 VAE (AutoencoderKL)": 83_819_683, "CLIP-L": 123_650_304, "CLIP-G": 694_659_840,
                 "T5-v1.1-XXL encoder": 4_762_310_656}
+# Flux.1: its VAE is SD3's architecture (16 channels, no quant convs; its own weights, shift and scaling); CLIP-L
+# without the projection (CLIPTextModel)
+FLUX_ENCODERS = {"Flux VAE (AutoencoderKL)": 83_819_683, "CLIP-L": 123_060_480, "T5-v1.1-XXL encoder": 4_762_310_656}
 
 PRESETS: dict[str, Callable[[], ModelPreset]] = {
     "pixart-sigma-512": lambda: ModelPreset("pixart-sigma-512", "pixart", "PixArt-alpha/PixArt-Sigma-XL-2-512-MS",
@@ -107,12 +120,23 @@ PRESETS: dict[str, Callable[[], ModelPreset]] = {
     "sd35-large": lambda: ModelPreset("sd35-large", "sd3", "stabilityai/stable-diffusion-3.5-large",
                                       "sd35_large_transformer.json", "flow", "flow", flow_shift=3.0, encoder_parameters=SD3_ENCODERS,
                                       released_dtype="bf16", text_tokens=77 + 256),
+    # Flux.1: double- then single-stream blocks over every T5 token (no mask) and the packed 2x2 latent patches;
+    # pooled CLIP-L. dev is guidance-distilled (guidance embedding) and shifts by the image's sequence length;
+    # schnell is timestep-distilled and samples unshifted (its scheduler: shift 1, no dynamic shifting).
+    "flux-dev": lambda: ModelPreset("flux-dev", "flux", "black-forest-labs/FLUX.1-dev", "flux_dev_transformer.json", "flow",
+                                    "flow", dynamic_shift=True, encoder_parameters=FLUX_ENCODERS, released_dtype="bf16",
+                                    text_tokens=512),
+    "flux-schnell": lambda: ModelPreset("flux-schnell", "flux", "black-forest-labs/FLUX.1-schnell",
+                                        "flux_schnell_transformer.json", "flow", "flow",
+                                        encoder_parameters=FLUX_ENCODERS, released_dtype="bf16", text_tokens=256),
     "tiny-pixart": lambda: ModelPreset("tiny-pixart", "pixart", None, TINY_PIXART, "ddpm", "epsilon", base_resolution=256,
                                        text_tokens=64),
     "tiny-sana": lambda: ModelPreset("tiny-sana", "sana", None, TINY_SANA, "flow", "flow", flow_shift=3.0, base_resolution=256,
                                      text_tokens=64),
     "tiny-sd3": lambda: ModelPreset("tiny-sd3", "sd3", None, TINY_SD3, "flow", "flow", flow_shift=3.0, base_resolution=256,
                                     text_tokens=77 + 32),
+    "tiny-flux": lambda: ModelPreset("tiny-flux", "flux", None, TINY_FLUX, "flow", "flow", dynamic_shift=True, base_resolution=256,
+                                     text_tokens=32),
 }
 
 
@@ -212,18 +236,57 @@ def text_width(config) -> int:
     return config["joint_attention_dim"] if "joint_attention_dim" in config else config["caption_channels"]
 
 
-def model_forward(model, family: str):
-    """The family's call signature as (noisy latents, timesteps, batch) -> prediction."""
+def latent_channels(family: str, config) -> int:
+    """Channels of the cached latent the transformer takes (Flux's in_channels count the 2 x 2 packed patch)."""
+    return config["in_channels"] // 4 if family == "flux" else config["in_channels"]
+
+
+def latent_patch(family: str, config) -> int:
+    """Latent pixels per side of one image token: the patch size, or Flux's 2 x 2 packing."""
+    return 2 if family == "flux" else config.get("patch_size", 1)
+
+
+def transformer_blocks(model) -> list[torch.nn.Module]:
+    """The transformer's repeated blocks in order: `transformer_blocks`, then Flux's single-stream blocks."""
+    return list(model.transformer_blocks) + list(getattr(model, "single_transformer_blocks", []))
+
+
+def model_forward(model, family: str, guidance: float | None = None):
+    """The family's call signature as (noisy latents, timesteps, batch) -> prediction. `guidance`: the value of
+    Flux.1-dev's guidance embedding (models without one take none)."""
     config = getattr(model, "module", model).config  # through a DDP wrapper
 
     def fn(xt, t, batch):
         if family == "sd3":  # joint attention over all tokens, no mask; pooled CLIP projections
             return model(hidden_states=xt, encoder_hidden_states=sd3_joint_tokens(batch, config.joint_attention_dim, xt.dtype),
                          pooled_projections=batch["pooled"].to(xt.dtype), timestep=t, return_dict=False)[0]
+        if family == "flux":
+            return flux_forward(model, config, xt, t, batch, guidance)
         kwargs = {"added_cond_kwargs": {"resolution": None, "aspect_ratio": None}} if family == "pixart" else {}
         return model(hidden_states=xt, encoder_hidden_states=batch["text"].to(xt.dtype), encoder_attention_mask=batch["text_mask"].to(xt.dtype),
                      timestep=t, return_dict=False, **kwargs)[0]
     return fn
+
+
+def flux_forward(model, config, xt: torch.Tensor, t: torch.Tensor, batch: dict, guidance: float | None) -> torch.Tensor:
+    """Flux.1 as FluxPipeline calls it: the latents packed into 2 x 2 patches (B, h/2 * w/2, 4C) with their position
+    ids, every T5 token with zero ids, the pooled CLIP-L vector, the timestep as sigma (t / 1000) and, for guidance-
+    distilled models, the guidance (B,); the prediction unpacked to (B, C, h, w)."""
+    from diffusers import FluxPipeline
+
+    b, c, h, w = xt.shape
+    packed = FluxPipeline._pack_latents(xt, b, c, h, w)
+    img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, xt.device, xt.dtype)  # (h/2 * w/2, 3)
+    text = batch["text"].to(xt.dtype)  # (B, L, D): every token, padding included
+    txt_ids = torch.zeros(text.shape[1], 3, device=xt.device, dtype=xt.dtype)
+    g = None
+    if config.guidance_embeds:
+        if guidance is None:
+            raise ValueError("this Flux transformer embeds a guidance value (FLUX.1-dev): give one (--guidance-scale-train)")
+        g = torch.full((b,), float(guidance), device=xt.device, dtype=torch.float32)
+    out = model(hidden_states=packed, encoder_hidden_states=text, pooled_projections=batch["pooled"].to(xt.dtype),
+                timestep=t / 1000, img_ids=img_ids, txt_ids=txt_ids, guidance=g, return_dict=False)[0]
+    return FluxPipeline._unpack_latents(out, h, w, 1)  # sizes given in latent pixels: a scale factor of 1
 
 
 def sd3_joint_tokens(batch: dict, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 No text encoder and no second transformer: prompts come from the cache (`prompts.safetensors`), the
 null embedding drives classifier-free guidance, the family's diffusers scheduler samples (flow-match
-Euler for Sana, DPM-Solver for PixArt-Sigma), EMA weights are swapped in for the duration, and the
+Euler for Sana, SD3 and Flux, DPM-Solver for PixArt-Sigma; Flux as FluxPipeline: its sigmas and dynamic shift, no
+classifier-free guidance, FLUX.1-dev's distilled guidance through its guidance embedding), EMA weights are swapped in for the duration, and the
 latents go to `train.decode.Decoder` (a CPU process by default).
 """
 
@@ -67,6 +68,14 @@ def default_buckets(cache: Cache, n: int = 3) -> list[Bucket]:
 
 def sampling_scheduler(preset: ModelPreset, objective, pixels: int):
     """The family's inference scheduler, set up as training defined the noise."""
+    if isinstance(objective, FlowMatching) and preset.family == "flux":
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        # FLUX.1's scheduler: the dynamic (exponential) shift from mu, or a fixed shift (schnell's is 1)
+        if objective.dynamic_shift:
+            return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, use_dynamic_shifting=True,
+                                                   time_shift_type="exponential")
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=objective.shift_at(pixels))
     if isinstance(objective, FlowMatching):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -90,15 +99,28 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
     device = next(model.parameters()).device
     c, h, w = latent_shape
     scheduler = sampling_scheduler(preset, objective, pixels)
-    scheduler.set_timesteps(steps, device=device)
+    if preset.family == "flux":  # FluxPipeline's sigmas, shifted by mu of the image's sequence length when dynamic
+        import numpy as np
+
+        mu = objective.mu(pixels) if objective.dynamic_shift else None
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu, device=device)
+    else:
+        scheduler.set_timesteps(steps, device=device)
     g = torch.Generator().manual_seed(seed)
     latents = (torch.randn(1, c, h, w, generator=g) * getattr(scheduler, "init_noise_sigma", 1.0)).to(device)
     text = (layout or TextLayout()).collate([{k: v.float() for k, v in fields.items()} for fields in (null, cond)])
     if control is not None:
         text["control"] = control.float()[None].expand(2, *control.shape[-3:])
     text = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in text.items()}
-    forward = forward or model_forward(model, preset.family)
+    forward = forward or model_forward(model, preset.family, guidance=guidance)
     autocast = torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
+    if preset.family == "flux":  # guidance-distilled or timestep-distilled: one pass on the caption, no null half
+        text = {k: v[1:] if isinstance(v, torch.Tensor) else v for k, v in text.items()}
+        for t in scheduler.timesteps:
+            with autocast:
+                pred = forward(latents, t.expand(1), text).float()
+            latents = scheduler.step(pred, t, latents).prev_sample
+        return latents[0]
     for t in scheduler.timesteps:
         x = torch.cat([latents, latents])
         if hasattr(scheduler, "scale_model_input"):
