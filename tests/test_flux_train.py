@@ -1,0 +1,237 @@
+"""Flux.1 in stage two (tiny-flux): the transformer gets what FluxPipeline gives it (packed latents, ids, timestep,
+guidance), the shift is FluxPipeline's, training resumes exactly, and full and LoRA exports generate through the stock
+FluxPipeline."""
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import VALIDATION_PROMPTS
+from train.checkpoint import complete_checkpoints
+from train.config import TrainConfig
+from train.loop import train
+from train.model import build_run_objective, null_caption
+from train.presets import PRESETS, build_transformer, get_preset, model_forward
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENS = 32  # tiny-flux's T5 limit
+# FLUX.1-dev's scheduler config as released (FLUX.1-schnell's: shift 1.0, use_dynamic_shifting false)
+DEV_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                     base_image_seq_len=256, max_image_seq_len=4096)
+SCHNELL_SCHEDULER = {**DEV_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}
+
+
+@pytest.fixture(scope="module")
+def flux_cache(tmp_path_factory):
+    """A tiny-flux cache of 8 sample images built by stage one, with two validation prompts."""
+    from precompute.run import main as precompute
+    from precompute.sample_data import make_folder
+
+    root = tmp_path_factory.mktemp("flux")
+    data = make_folder(root / "data", count=8)
+    precompute(str(data), "tiny-flux", root / "cache", workers=0, progress=False, validation_prompt=VALIDATION_PROMPTS)
+    return root / "cache"
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """tiny-flux's VAE, CLIP-L and T5 with their tokenizers, saved in the diffusers layout."""
+    from precompute.presets import get_preset as encoders, save_tiny
+
+    directory = tmp_path_factory.mktemp("parts")
+    save_tiny(encoders("tiny-flux"), directory)
+    return directory
+
+
+def stock_flux(transformer, parts: Path, scheduler: dict = DEV_SCHEDULER):
+    """The stock FluxPipeline around `transformer`, its other components loaded with `from_pretrained`."""
+    import diffusers
+    from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+    return diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**scheduler), vae=diffusers.AutoencoderKL.from_pretrained(parts / "vae"),
+        text_encoder=CLIPTextModel.from_pretrained(parts / "text_encoder"), tokenizer=AutoTokenizer.from_pretrained(parts / "tokenizer"),
+        text_encoder_2=T5EncoderModel.from_pretrained(parts / "text_encoder_2"),
+        tokenizer_2=AutoTokenizer.from_pretrained(parts / "tokenizer_2"), transformer=transformer)
+
+
+def record_calls(model) -> list[dict]:
+    """Every call's keyword arguments to `model` (cloned), and what it returned under "out"."""
+    calls = []
+
+    def pre(module, args, kwargs):
+        calls.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+    def post(module, args, kwargs, out):
+        calls[-1]["out"] = out[0].clone()
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model.register_forward_hook(post, with_kwargs=True)
+    return calls
+
+
+def cfg(cache, run, **kw):
+    base = dict(model="tiny-flux", cache=cache, run=run, steps=6, batch_size=4, workers=0, progress=False, log_every=1,
+                checkpoint_every=3, lr=1e-3, validation_steps=2, precision="fp32", validate=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+
+
+@pytest.mark.parametrize("guidance_embeds", [True, False], ids=["dev", "schnell"])
+def test_the_transformer_gets_what_fluxpipeline_gives_it(parts, guidance_embeds, monkeypatch):
+    """A non-square latent through our forward: the packed latents, image and text ids, timestep, guidance (none without
+    the embedding) and text inputs equal what FluxPipeline passes the transformer, and the output is FluxPipeline's
+    unpacking of the transformer's (packing and unpacking round-trip)."""
+    from diffusers import FluxPipeline
+
+    preset = get_preset("tiny-flux")
+    monkeypatch.setitem(PRESETS, "tiny-flux", lambda: dataclasses.replace(
+        preset, config={**preset.transformer_config(), "guidance_embeds": guidance_embeds}))
+    transformer = build_transformer(get_preset("tiny-flux"), None, 0)
+    calls = record_calls(transformer)
+    pipe = stock_flux(transformer, parts)
+    pipe(VALIDATION_PROMPTS[0], height=256, width=192, num_inference_steps=2, guidance_scale=3.5, output_type="latent",
+         max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0))
+    stock = calls[-1]
+    assert stock["hidden_states"].shape == (1, 16 * 12, 64)  # (256 / 16) x (192 / 16) packed 2 x 2 patches of 16 channels
+
+    latents = FluxPipeline._unpack_latents(stock["hidden_states"], 256, 192, 8)  # (1, 16, 32, 24)
+    batch = {"text": stock["encoder_hidden_states"], "pooled": stock["pooled_projections"]}
+    with torch.no_grad():
+        ours = model_forward(transformer, "flux", guidance=3.5)(latents, stock["timestep"] * 1000, batch)
+    mine = calls[-1]
+    for name in ("hidden_states", "img_ids", "txt_ids", "timestep", "encoder_hidden_states", "pooled_projections"):
+        assert mine[name].shape == stock[name].shape and torch.equal(mine[name], stock[name]), name
+    assert torch.equal(mine["img_ids"][:, 0], torch.zeros(16 * 12)) and mine["img_ids"][-1].tolist() == [0, 15, 11]
+    if guidance_embeds:
+        assert torch.equal(mine["guidance"], stock["guidance"]) and stock["guidance"].tolist() == [3.5]
+    else:
+        assert mine["guidance"] is None and stock["guidance"] is None
+    assert ours.shape == latents.shape and torch.equal(ours, FluxPipeline._unpack_latents(mine["out"], 256, 192, 8))
+    assert torch.equal(FluxPipeline._pack_latents(ours, 1, 16, 32, 24), mine["out"])
+
+
+@pytest.mark.parametrize("bucket", [(256, 256), (512, 768), (1024, 1024), (1024, 2048), (2048, 2048)])
+def test_the_shift_is_fluxpipelines_mu(bucket):
+    """Training's shift is exp(mu) of FluxPipeline's calculate_shift at the image's sequence length; its noise levels are
+    the scheduler's exponential time shift of the drawn ones; validation samples FluxPipeline's sigmas. Schnell does not
+    shift, as its scheduler does not."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
+    from train.validate import sampling_scheduler
+
+    h, w = bucket
+    seq_len = (h // 16) * (w // 16)  # FluxPipeline's image_seq_len: latents.shape[1] after packing
+    mu = calculate_shift(seq_len, DEV_SCHEDULER["base_image_seq_len"], DEV_SCHEDULER["max_image_seq_len"],
+                         DEV_SCHEDULER["base_shift"], DEV_SCHEDULER["max_shift"])
+    dev = build_run_objective(TrainConfig(model="flux-dev"), get_preset("flux-dev"), get_preset("flux-dev").transformer_config())
+    assert dev.dynamic_shift and dev.mu(h * w) == mu and dev.shift_at(h * w) == pytest.approx(math.exp(mu), rel=1e-12)
+
+    reference = FlowMatchEulerDiscreteScheduler(**DEV_SCHEDULER)
+    drawn = dev.sigmas(256, h * w, torch.Generator().manual_seed(0))
+    u = dataclasses.replace(dev, dynamic_shift=False, shift=1.0).sigmas(256, h * w, torch.Generator().manual_seed(0))
+    assert torch.allclose(drawn, reference.time_shift(mu, 1.0, u), rtol=1e-6, atol=1e-7)
+
+    for name, config in (("flux-dev", DEV_SCHEDULER), ("flux-schnell", SCHNELL_SCHEDULER)):
+        preset = get_preset(name)
+        objective = build_run_objective(TrainConfig(model=name), preset, preset.transformer_config())
+        steps = 4 if name == "flux-schnell" else 28
+        stock = FlowMatchEulerDiscreteScheduler(**config)
+        retrieve_timesteps(stock, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        ours = sampling_scheduler(preset, objective, h * w)
+        ours.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=objective.mu(h * w) if objective.dynamic_shift else None)
+        assert torch.allclose(ours.sigmas, stock.sigmas) and torch.allclose(ours.timesteps, stock.timesteps), name
+    schnell = build_run_objective(TrainConfig(model="flux-schnell"), get_preset("flux-schnell"), {})
+    assert not schnell.dynamic_shift and schnell.shift_at(h * w) == 1.0
+
+
+def test_a_dropped_caption_is_the_cached_empty_caption(flux_cache):
+    from shards import Cache, prompt_key
+    from train.data import TextLayout, TrainingSamples
+
+    assert null_caption(cfg(flux_cache, "r"), get_preset("tiny-flux")) == "empty"
+    cache = Cache(flux_cache)
+    empty = TextLayout.of(cache).caption(cache.prompts()[prompt_key("")].fields)
+    cond = TrainingSamples(flux_cache, 0, 1.0, "empty")[(0, 0)]["cond"]
+    assert set(cond) == {"text", "pooled"} and cond["text"].shape == (TOKENS, 32) and cond["pooled"].shape == (24,)
+    assert all(torch.equal(cond[k], empty[k]) for k in cond) and cond["text"].abs().sum() > 0
+
+
+def test_tiny_flux_trains_resumes_exactly_and_its_export_generates_through_the_stock_pipeline(flux_cache, parts, tmp_path):
+    straight = train(cfg(flux_cache, tmp_path / "straight", validate=True, validation_bucket=["256x256"]))
+    train(cfg(flux_cache, tmp_path / "resumed", steps=3))
+    resumed = train(cfg(flux_cache, tmp_path / "resumed"))
+    assert straight["step"] == resumed["step"] == 6 and math.isfinite(straight["last_loss"])
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 6
+    assert (tmp_path / "straight" / "samples-step00000006.png").exists()
+
+    out = subprocess.run([sys.executable, "-m", "train", "export", str(tmp_path / "straight"), "--out", str(tmp_path / "export")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    from diffusers import FluxTransformer2DModel
+
+    exported = FluxTransformer2DModel.from_pretrained(tmp_path / "export", subfolder="transformer")
+    base = build_transformer(get_preset("tiny-flux"), None, 0)
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), base.parameters()))  # it trained
+    pipe = stock_flux(exported, parts)
+    image = pipe(VALIDATION_PROMPTS[0], height=256, width=256, num_inference_steps=2, guidance_scale=3.5, output_type="np",
+                 max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.shape == (256, 256, 3) and np.isfinite(image).all() and float(image.std()) > 0
+
+
+def test_tiny_flux_lora_trains_adapters_alone_resumes_exactly_and_loads_into_fluxpipeline(flux_cache, parts, tmp_path):
+    lora = dict(lora_rank=4, lora_alpha=8, lr=1e-2)
+    straight = train(cfg(flux_cache, tmp_path / "straight", **lora))
+    train(cfg(flux_cache, tmp_path / "resumed", **{**lora, "steps": 3}))
+    resumed = train(cfg(flux_cache, tmp_path / "resumed", **lora))
+    assert resumed["last_loss"] == straight["last_loss"]
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 6
+
+    from train.export import load_model
+
+    trained, _, _ = load_model(complete_checkpoints(tmp_path / "straight")[-1], ema=False)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in trained.named_parameters() if ".lora_A." in n}
+    # diffusers' train_dreambooth_lora_flux.py's layers: both streams' attention, the single blocks' q/k/v, the feed-forwards
+    assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.add_k_proj",
+            "transformer_blocks.0.attn.to_add_out", "transformer_blocks.0.ff.net.2", "transformer_blocks.0.ff_context.net.0.proj",
+            "single_transformer_blocks.1.attn.to_v"} <= adapted
+    assert not any(n.startswith("single_transformer_blocks") and n.endswith(("proj_mlp", "proj_out")) for n in adapted)
+    base = dict(build_transformer(get_preset("tiny-flux"), None, 0).named_parameters())
+    for name, p in trained.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(p, base[name.replace("base_layer.", "")]), name
+
+    out = subprocess.run([sys.executable, "-m", "train", "export", str(tmp_path / "straight"), "--out", str(tmp_path / "lora")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pipe = stock_flux(build_transformer(get_preset("tiny-flux"), None, 0), parts)
+
+    def generate():
+        return pipe(VALIDATION_PROMPTS[0], height=256, width=256, num_inference_steps=2, guidance_scale=3.5,
+                    output_type="latent", max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0)).images
+
+    before = generate()
+    pipe.load_lora_weights(tmp_path / "lora")
+    after = generate()
+    assert torch.isfinite(after).all() and not torch.allclose(before, after)
+
+
+def test_plan_counts_flux_dev_and_its_encoders():
+    out = subprocess.run([sys.executable, "-m", "train", "plan", "flux-dev", "--batch-size", "1", "--json"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["parameters"] == 11_901_408_320
+    # the Flux VAE (SD3's architecture), CLIP-L without a projection, T5-XXL's encoder, in bf16
+    assert result["peak_with_encoders_resident"] - result["predicted_peak"] == 2 * (83_819_683 + 123_060_480 + 4_762_310_656)
