@@ -42,11 +42,12 @@ class PrecomputeConfig:
     cache: Path | None = opt(None, "Cache directory to create or extend (default: cache/MODEL, where `make train` looks).")
     text_encoder: str | None = opt(None, f"Override the preset's text encoder: {', '.join(TEXT_ENCODERS)}.")
     pretrained: str | None = opt(None, "Local directory (diffusers layout: vae/, text_encoder/, tokenizer/; SD3 adds "
-                                       "text_encoder_2/3, tokenizer_2/3) or Hub id to load the encoders from instead of the "
-                                       "preset's.")
+                                       "text_encoder_2/3, tokenizer_2/3, Flux text_encoder_2, tokenizer_2) or Hub id to load the "
+                                       "encoders from instead of the preset's.")
     drop_t5: bool = opt(False, "SD3 presets: leave T5 out (CLIP-L + CLIP-G only), as StableDiffusion3Pipeline does with "
                                "text_encoder_3=None; its tokens are zeros in training and inference.")
-    max_length: int | None = opt(None, "Token limit of a caption (default: the preset's; SD3's T5 part: 256).")
+    max_length: int | None = opt(None, "Token limit of a caption (default: the preset's; SD3's T5 part: 256; Flux's T5: "
+                                       "512 for flux-dev, 256 for flux-schnell).")
     batch_size: int | None = opt(None, f"Images per VAE batch, one bucket per batch (default: {DEFAULT_BATCH['cuda']} on CUDA, "
                                        f"{DEFAULT_BATCH['cpu']} on CPU).")
     text_batch_size: int = opt(64, "Captions per text-encoder batch.")
@@ -120,12 +121,15 @@ class PrecomputeConfig:
         if self.text_encoder is not None and self.text_encoder not in TEXT_ENCODERS:
             raise ValueError(f"--text-encoder {self.text_encoder!r}: choose one of {', '.join(TEXT_ENCODERS)}")
         preset = self.preset()
-        if (preset.family == "sd3") != (preset.text.kind == "sd3"):
+        # SD3 and Flux each need their own set of encoders; the other families one encoder
+        joint = {"sd3": "CLIP-L + CLIP-G + T5 (clip-l-g-t5)", "flux": "CLIP-L + T5 (clip-l-t5)"}
+        if preset.text.kind != preset.family and (preset.family in joint or preset.text.kind in joint):
             raise ValueError(f"--text-encoder {preset.text.name}: the {preset.family} family needs "
-                             + ("CLIP-L + CLIP-G + T5 (clip-l-g-t5)" if preset.family == "sd3" else "a single text encoder"))
+                             + joint.get(preset.family, "a single text encoder"))
         if self.drop_t5 and preset.text.kind != "sd3":
-            raise ValueError(f"--drop-t5 applies to SD3 presets (CLIP-L + CLIP-G + T5); {preset.name} encodes captions with "
-                             f"{preset.text.name} alone")
+            why = ("Flux's text tokens are T5's alone (CLIP-L gives only the pooled vector)" if preset.text.kind == "flux"
+                   else f"{preset.name} encodes captions with {preset.text.name} alone")
+            raise ValueError(f"--drop-t5 applies to SD3 presets (CLIP-L + CLIP-G + T5); {why}")
         for name, safe, what in (("vae_dtype", preset.vae.fp16_safe, "VAE"), ("text_dtype", preset.text.fp16_safe, "text encoder")):
             if getattr(self, name) == "fp16" and not safe and not self.force_fp16:
                 raise ValueError(f"{flag(name)} fp16: the {what} overflows to NaN/Inf in fp16; use bf16 or fp32 (or pass "

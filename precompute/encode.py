@@ -12,7 +12,7 @@ import torch
 from precompute.presets import (
     Preset,
     sana_complex_human_instruction,
-    sd3_text_parts,
+    text_parts,
     tiny_text_encoder,
     tiny_tokenizer,
     tiny_vae,
@@ -32,7 +32,11 @@ def compute_dtype(requested: str | None, cuda_default: str, device: torch.device
     return torch_dtype(requested or (cuda_default if device.type == "cuda" else "fp32"))
 
 
-CLIP_TOKENS = 77  # SD3's CLIP tokenizers pad every caption to this length
+CLIP_TOKENS = 77  # SD3's and Flux's CLIP tokenizers pad every caption to this length
+# The fingerprint's `padding`. PixArt and Sana mask padding in cross-attention, so trimming it is lossless ("trimmed").
+# SD3 attends to every token without a mask: only CLIP's zero padding to the joint width is trimmed. Flux attends to
+# every T5 token without a mask: all are kept.
+PADDING = {"sd3": "clip width trimmed; all tokens kept", "flux": "all tokens kept"}
 
 
 @dataclass
@@ -41,7 +45,8 @@ class TextBatch:
 
     Masked families: `text` (L_i, D), valid tokens only. SD3: `clip` (77, D_clip) CLIP-L and CLIP-G
     side by side without the zero padding to the joint width, `pooled` (1, D_pooled), and `text`
-    (T5 tokens, D) unless T5 is dropped.
+    (T5 tokens, D) unless T5 is dropped. Flux: `text` (T5 tokens, D), padding included, and `pooled`
+    (1, D_pooled), CLIP-L's pooled output.
     """
 
     fields: list[dict[str, torch.Tensor]]
@@ -101,13 +106,12 @@ class Encoders:
         # exactly what inference computes (Sana's instruction prefix and token selection included).
         self.text_modules: dict[str, torch.nn.Module] = {}  # by subfolder, in pipeline order
         self.tokenizers: dict[str, object] = {}
-        parts = (sd3_text_parts(preset.text.drop_t5) if preset.text.kind == "sd3"
-                 else [(preset.text.kind, preset.text.subfolder, preset.text.tokenizer_subfolder)])
-        for kind, subfolder, tokenizer_subfolder in parts:
+        for kind, subfolder, tokenizer_subfolder in text_parts(preset.text):
             if text_repo:
-                from transformers import AutoTokenizer, CLIPTextModelWithProjection, Gemma2Model, T5EncoderModel
+                from transformers import AutoTokenizer, CLIPTextModel, CLIPTextModelWithProjection, Gemma2Model, T5EncoderModel
 
-                TextClass = {"t5": T5EncoderModel, "gemma2": Gemma2Model}.get(kind, CLIPTextModelWithProjection)
+                classes = {"t5": T5EncoderModel, "gemma2": Gemma2Model, "clip-l-pooled": CLIPTextModel}
+                TextClass = classes.get(kind, CLIPTextModelWithProjection)
                 tokenizer = AutoTokenizer.from_pretrained(text_repo, subfolder=tokenizer_subfolder, revision=preset.text.revision)
                 model = TextClass.from_pretrained(text_repo, subfolder=subfolder, revision=preset.text.revision, dtype=self.text_dtype)
             else:
@@ -115,7 +119,7 @@ class Encoders:
                 model = tiny_text_encoder(kind, len(tokenizer))
             self.tokenizers[tokenizer_subfolder] = tokenizer
             self.text_modules[subfolder] = model.to(device, self.text_dtype).eval().requires_grad_(False)
-        self.tokenizer = list(self.tokenizers.values())[-1]  # the caption limit's tokenizer (T5 for SD3)
+        self.tokenizer = list(self.tokenizers.values())[-1]  # the caption limit's tokenizer (T5 for SD3 and Flux)
         self.text_encoder = list(self.text_modules.values())[-1]
         modules, tokenizers = self.text_modules, self.tokenizers
         if preset.text.kind == "sd3":
@@ -129,6 +133,15 @@ class Encoders:
             )
             self.clip_dim = sum(modules[k].config.hidden_size for k in ("text_encoder", "text_encoder_2"))
             self.pooled_dim = sum(modules[k].config.projection_dim for k in ("text_encoder", "text_encoder_2"))
+        elif preset.text.kind == "flux":
+            from diffusers import FluxPipeline
+
+            self.pipeline = FluxPipeline(
+                transformer=None, scheduler=None, vae=None,
+                text_encoder=modules["text_encoder"], tokenizer=tokenizers["tokenizer"],
+                text_encoder_2=modules["text_encoder_2"], tokenizer_2=tokenizers["tokenizer_2"],
+            )
+            self.pooled_dim = modules["text_encoder"].config.hidden_size  # CLIPTextModel's pooled output
         else:
             from diffusers import PixArtSigmaPipeline, SanaPipeline
 
@@ -146,9 +159,13 @@ class Encoders:
                           "mean_std" if self.preset.vae.gaussian else "deterministic")
 
     def text_spec(self) -> TextSpec:
-        """The cached text; for SD3, how stage two joins it into the transformer's input."""
+        """The cached text; for SD3 and Flux, how stage two builds the transformer's text input from it."""
         text = self.preset.text
         width = None if text.drop_t5 else self.text_dim
+        if text.kind == "flux":
+            # encoder_hidden_states = every T5 token, padding included (Flux has no text mask); pooled = CLIP-L's
+            return TextSpec("flux", width, text.max_length, t5_tokens=text.max_length, pooled_width=self.pooled_dim,
+                            t5_width=width)
         if text.kind != "sd3":
             return TextSpec("masked", width, text.max_length)  # padded to the batch's longest caption, with a mask
         # encoder_hidden_states = cat(pad(clip, to the joint width), T5 tokens, dim=tokens); a dropped T5 is as many
@@ -177,6 +194,8 @@ class Encoders:
         names = ["text"]
         if self.preset.text.kind == "sd3":
             names = ["clip", "pooled"] + ([] if self.preset.text.drop_t5 else ["text"])
+        elif self.preset.text.kind == "flux":
+            names = ["text", "pooled"]
         return {name: Field(storage_dtype, ragged=True) for name in names}
 
     def fingerprint(self) -> dict:
@@ -207,9 +226,7 @@ class Encoders:
                 hashlib.sha256("\n".join(self.instruction).encode()).hexdigest() if self.instruction else None
             ),
             "clean_caption": False,
-            # PixArt and Sana mask padding in cross-attention, so trimming it is lossless. SD3 attends
-            # to every token without a mask: only CLIP's zero padding to the joint width is trimmed.
-            "padding": "trimmed" if self.preset.text.kind != "sd3" else "clip width trimmed; all tokens kept",
+            "padding": PADDING.get(self.preset.text.kind, "trimmed"),
         }
 
     def _text_modules_fingerprint(self) -> dict:
@@ -262,6 +279,8 @@ class Encoders:
         """
         if self.preset.text.kind == "sd3":
             return TextBatch(self._encode_sd3(captions), self.truncated(captions))
+        if self.preset.text.kind == "flux":
+            return TextBatch(self._encode_flux(captions), self.truncated(captions))
         kwargs = {"complex_human_instruction": self.instruction if instruction else None} if self.preset.text.kind == "gemma2" else {}
         embeds, mask, _, _ = self.pipeline.encode_prompt(
             captions, do_classifier_free_guidance=False, device=self.device,
@@ -292,12 +311,18 @@ class Encoders:
             out.append(fields)
         return out
 
+    def _encode_flux(self, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+        # (B, T5 tokens, D) every token, padding included; (B, D_pooled); the text ids are zeros, rebuilt in training
+        t5, pooled, _ = self.pipeline.encode_prompt(captions, None, device=self.device,
+                                                    max_sequence_length=self.preset.text.max_length)
+        return [{"text": t5[i].float().cpu(), "pooled": pooled[i : i + 1].float().cpu()} for i in range(len(captions))]
+
     def truncated(self, captions: list[str]) -> list[bool]:
         """Which captions exceed the token limit (the pipeline truncates them)."""
         limit = self.preset.text.max_length
-        if self.preset.text.kind == "sd3":
+        if self.preset.text.kind in ("sd3", "flux"):
             clip = self.tokenizers["tokenizer"]
-            t5 = self.tokenizers.get("tokenizer_3")
+            t5 = self.tokenizers.get("tokenizer_3" if self.preset.text.kind == "sd3" else "tokenizer_2")
             return [len(clip(c).input_ids) > CLIP_TOKENS or (t5 is not None and len(t5(c).input_ids) > limit) for c in captions]
         if self.instruction:
             prefix = "\n".join(self.instruction)

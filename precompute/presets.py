@@ -25,6 +25,8 @@ SANA_1600M = "Efficient-Large-Model/Sana_1600M_1024px_BF16_diffusers"
 SD3_MEDIUM = "stabilityai/stable-diffusion-3-medium-diffusers"
 SD35_MEDIUM = "stabilityai/stable-diffusion-3.5-medium"
 SD35_LARGE = "stabilityai/stable-diffusion-3.5-large"
+FLUX_DEV = "black-forest-labs/FLUX.1-dev"
+FLUX_SCHNELL = "black-forest-labs/FLUX.1-schnell"
 
 
 @dataclass(frozen=True)
@@ -33,14 +35,15 @@ class VaeSpec:
 
     Args:
         kind: "kl" for AutoencoderKL (a Gaussian posterior: mean and std are cached so training
-            can sample), "sd3" for SD3's 16-channel AutoencoderKL (the same, with a shift factor),
-            "dc" for AutoencoderDC (deterministic latent).
+            can sample), "sd3" for SD3's 16-channel AutoencoderKL (the same, with a shift factor), "flux"
+            for Flux.1's (SD3's architecture with its own shift and scaling), "dc" for AutoencoderDC
+            (deterministic latent).
         repo: Hub id or local directory; None builds the tiny model of this kind.
         fp16_safe: False for VAEs that overflow to NaN in fp16 (the SDXL VAE).
         cuda_dtype: compute dtype on CUDA by default: fp32, bf16 or fp16 (on CPU it is fp32).
     """
 
-    kind: Literal["kl", "dc", "sd3"]
+    kind: Literal["kl", "dc", "sd3", "flux"]
     repo: str | None
     subfolder: str = "vae"
     revision: str | None = None
@@ -60,10 +63,11 @@ class TextEncoderSpec:
     Args:
         name: the name `--text-encoder` selects it by.
         kind: "t5" (T5EncoderModel, encoded like PixArt-Sigma), "gemma2" (Gemma2Model, encoded
-            like Sana, with its token selection) or "sd3" (CLIP-L + CLIP-G + T5, encoded like
-            StableDiffusion3Pipeline; subfolders text_encoder{,_2,_3} and tokenizer{,_2,_3}).
+            like Sana, with its token selection), "sd3" (CLIP-L + CLIP-G + T5, encoded like
+            StableDiffusion3Pipeline; subfolders text_encoder{,_2,_3} and tokenizer{,_2,_3}) or "flux"
+            (CLIP-L's pooled output + T5, encoded like FluxPipeline; text_encoder{,_2}, tokenizer{,_2}).
         repo: Hub id or local directory; None builds the tiny model of this kind.
-        max_length: token limit of a caption (for "sd3": of the T5 part; CLIP's is 77).
+        max_length: token limit of a caption (for "sd3" and "flux": of the T5 part; CLIP's is 77).
         drop_t5: "sd3" only: leave T5 out, as StableDiffusion3Pipeline does with `text_encoder_3=None`
             (its tokens are zeros at inference, so they are not stored).
         complex_human_instruction: prepend Sana's instruction prompt, as the released Sana models
@@ -73,7 +77,7 @@ class TextEncoderSpec:
     """
 
     name: str
-    kind: Literal["t5", "gemma2", "sd3"]
+    kind: Literal["t5", "gemma2", "sd3", "flux"]
     repo: str | None
     subfolder: str = "text_encoder"
     tokenizer_subfolder: str = "tokenizer"
@@ -90,7 +94,7 @@ class Preset:
     """A model family's encoders, bucket table and the transformer stage two trains."""
 
     name: str
-    family: Literal["pixart", "sana", "sd3"]
+    family: Literal["pixart", "sana", "sd3", "flux"]
     base_resolution: int
     vae: VaeSpec
     text: TextEncoderSpec
@@ -105,6 +109,9 @@ TEXT_ENCODERS: dict[str, Callable[[], TextEncoderSpec]] = {
     # StableDiffusion3Pipeline's default T5 length is 256 tokens (SD3.5 was also trained with 256).
     "clip-l-g-t5": lambda: TextEncoderSpec("clip-l-g-t5", "sd3", SD35_LARGE, max_length=256),
     "tiny-clip-l-g-t5": lambda: TextEncoderSpec("tiny-clip-l-g-t5", "sd3", None, max_length=32),
+    # FluxPipeline's default T5 length is 512 tokens; FLUX.1-schnell was trained with 256 (the flux presets set it).
+    "clip-l-t5": lambda: TextEncoderSpec("clip-l-t5", "flux", FLUX_DEV, max_length=512),
+    "tiny-clip-l-t5": lambda: TextEncoderSpec("tiny-clip-l-t5", "flux", None, max_length=32),
 }
 
 
@@ -122,6 +129,12 @@ def _sd3(name: str, repo: str) -> Preset:
     return Preset(name, "sd3", 1024, VaeSpec("sd3", repo), replace(TEXT_ENCODERS["clip-l-g-t5"](), repo=repo), repo)
 
 
+def _flux(name: str, repo: str, max_length: int) -> Preset:
+    # The Flux VAE is SD3's architecture and has no fp16 guarantee either (force_upcast): fp32 by default.
+    text = replace(TEXT_ENCODERS["clip-l-t5"](), repo=repo, max_length=max_length)
+    return Preset(name, "flux", 1024, VaeSpec("flux", repo), text, repo)
+
+
 PRESETS: dict[str, Callable[[], Preset]] = {
     "pixart-sigma-512": lambda: _pixart("pixart-sigma-512", 512, "PixArt-alpha/PixArt-Sigma-XL-2-512-MS"),
     "pixart-sigma-1024": lambda: _pixart("pixart-sigma-1024", 1024, "PixArt-alpha/PixArt-Sigma-XL-2-1024-MS"),
@@ -130,11 +143,14 @@ PRESETS: dict[str, Callable[[], Preset]] = {
     "sd3-medium": lambda: _sd3("sd3-medium", SD3_MEDIUM),
     "sd35-medium": lambda: _sd3("sd35-medium", SD35_MEDIUM),
     "sd35-large": lambda: _sd3("sd35-large", SD35_LARGE),
+    "flux-dev": lambda: _flux("flux-dev", FLUX_DEV, 512),
+    "flux-schnell": lambda: _flux("flux-schnell", FLUX_SCHNELL, 256),
     "tiny-pixart": lambda: Preset("tiny-pixart", "pixart", 256, VaeSpec("kl", None), TEXT_ENCODERS["tiny-t5"](), None),
     "tiny-sana": lambda: Preset(
         "tiny-sana", "sana", 256, VaeSpec("dc", None, fp16_safe=True, cuda_dtype="bf16"), TEXT_ENCODERS["tiny-gemma2"](), None
     ),
     "tiny-sd3": lambda: Preset("tiny-sd3", "sd3", 256, VaeSpec("sd3", None), TEXT_ENCODERS["tiny-clip-l-g-t5"](), None),
+    "tiny-flux": lambda: Preset("tiny-flux", "flux", 256, VaeSpec("flux", None), TEXT_ENCODERS["tiny-clip-l-t5"](), None),
 }
 
 
@@ -162,6 +178,10 @@ def sana_complex_human_instruction() -> list[str]:
 # ---- tiny models: the real classes, small configs, seeded random weights -------------------------
 
 TINY_SEED = 0
+# tiny-flux's text widths, which stage two's tiny Flux transformer takes as joint_attention_dim (the tiny T5's d_model)
+# and pooled_projection_dim (the tiny CLIP-L's hidden size, its pooled output's width).
+TINY_T5_WIDTH = 32
+TINY_FLUX_POOLED_WIDTH = 24
 # Words of the bundled sample captions, so the tiny tokenizers split them into whole words.
 TINY_WORDS = (
     "a an the of on in with and at to is are small large big tiny red green blue yellow orange purple pink "
@@ -228,7 +248,7 @@ def tiny_text_encoder(kind: str, vocab_size: int) -> torch.nn.Module:
     if kind == "t5":
         from transformers import T5Config, T5EncoderModel
 
-        config = T5Config(vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        config = T5Config(vocab_size=vocab_size, d_model=TINY_T5_WIDTH, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
                           feed_forward_proj="gated-gelu", is_encoder_decoder=False, dropout_rate=0.0)
         return _seeded(lambda: T5EncoderModel(config))
     if kind == "gemma2":
@@ -238,19 +258,21 @@ def tiny_text_encoder(kind: str, vocab_size: int) -> torch.nn.Module:
                               num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=4096,
                               pad_token_id=0, bos_token_id=2, eos_token_id=1, attn_logit_softcapping=None)
         return _seeded(lambda: Gemma2Model(config))
-    if kind in ("clip-l", "clip-g"):
-        from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+    if kind in ("clip-l", "clip-g", "clip-l-pooled"):
+        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-        width = 8 if kind == "clip-l" else 16  # CLIP-L is the narrower of SD3's two (768 and 1280)
+        # CLIP-L is the narrower of SD3's two (768 and 1280). Flux's CLIP-L is a CLIPTextModel whose pooled output
+        # (hidden_size wide) is the transformer's pooled projection input: TINY_FLUX_POOLED_WIDTH.
+        width = {"clip-l": 8, "clip-g": 16, "clip-l-pooled": TINY_FLUX_POOLED_WIDTH}[kind]
         config = CLIPTextConfig(vocab_size=vocab_size, hidden_size=width, intermediate_size=2 * width, projection_dim=width,
                                 num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
                                 bos_token_id=0, eos_token_id=1, pad_token_id=1, hidden_act="gelu")
-        return _seeded(lambda: CLIPTextModelWithProjection(config))
+        return _seeded(lambda: (CLIPTextModel if kind == "clip-l-pooled" else CLIPTextModelWithProjection)(config))
     raise ValueError(kind)
 
 
 def tiny_vae(kind: str) -> torch.nn.Module:
-    """f8 autoencoders: KL with 4 latent channels (SDXL-like), SD3's KL with 16 and a shift, DC with 8."""
+    """f8 autoencoders: KL with 4 latent channels (SDXL-like), SD3's and Flux's KL with 16 and a shift, DC with 8."""
     if kind == "kl":
         from diffusers import AutoencoderKL
 
@@ -259,14 +281,15 @@ def tiny_vae(kind: str) -> torch.nn.Module:
             up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, latent_channels=4, norm_num_groups=8,
             sample_size=256, scaling_factor=0.13025,
         ))
-    if kind == "sd3":
+    if kind in ("sd3", "flux"):
         from diffusers import AutoencoderKL
 
-        # SD3's VAE: 16 channels, no quant convs, the published shift and scaling factors.
+        # SD3's and Flux's VAEs: 16 channels, no quant convs, each family's published shift and scaling factors.
+        scaling, shift = {"sd3": (1.5305, 0.0609), "flux": (0.3611, 0.1159)}[kind]
         return _seeded(lambda: AutoencoderKL(
             block_out_channels=(16, 32, 32, 32), down_block_types=("DownEncoderBlock2D",) * 4,
             up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, latent_channels=16, norm_num_groups=8,
-            sample_size=256, scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
+            sample_size=256, scaling_factor=scaling, shift_factor=shift, use_quant_conv=False, use_post_quant_conv=False,
         ))
     if kind == "dc":
         from diffusers import AutoencoderDC
@@ -289,14 +312,20 @@ def sd3_text_parts(drop_t5: bool = False) -> list[tuple[str, str, str]]:
     return parts[:2] if drop_t5 else parts
 
 
+def text_parts(text: TextEncoderSpec) -> list[tuple[str, str, str]]:
+    """(tiny kind, model subfolder, tokenizer subfolder) of a text encoder's models, in pipeline order: SD3's three,
+    Flux's CLIP-L (its pooled output) and T5, or the one model of the other families."""
+    if text.kind == "sd3":
+        return sd3_text_parts(text.drop_t5)
+    if text.kind == "flux":
+        return [("clip-l-pooled", "text_encoder", "tokenizer"), ("t5", "text_encoder_2", "tokenizer_2")]
+    return [(text.kind, text.subfolder, text.tokenizer_subfolder)]
+
+
 def save_tiny(preset: Preset, directory) -> None:
     """Write a tiny preset's components in the diffusers layout, to load back with `from_pretrained`."""
     tiny_vae(preset.vae.kind).save_pretrained(f"{directory}/{preset.vae.subfolder}")
-    if preset.text.kind == "sd3":
-        parts = sd3_text_parts()
-    else:
-        parts = [(preset.text.kind, preset.text.subfolder, preset.text.tokenizer_subfolder)]
-    for kind, model_dir, tokenizer_dir in parts:
+    for kind, model_dir, tokenizer_dir in text_parts(replace(preset.text, drop_t5=False)):
         tokenizer = tiny_tokenizer("clip" if kind.startswith("clip") else kind)
         tiny_text_encoder(kind, len(tokenizer)).save_pretrained(f"{directory}/{model_dir}")
         tokenizer.save_pretrained(f"{directory}/{tokenizer_dir}")

@@ -24,6 +24,8 @@ def estimate_bytes_per_sample(enc: Encoders, policy: ImagePolicy, storage: torch
     latents = (2 if control else 1) * len(latent.fields) * latent.channels * area
     if text.layout == "sd3_joint":  # every token is kept: CLIP's 77 and T5's whole length
         per_caption = text.clip_tokens * text.clip_width + text.pooled_width + (text.t5_tokens * text.t5_width if text.t5_stored else 0)
+    elif text.layout == "flux":  # every T5 token, padding included, and the pooled vector
+        per_caption = text.t5_tokens * text.t5_width + text.pooled_width
     else:
         per_caption = text.max_tokens // 2 * text.width
     return (latents + captions * per_caption) * storage.itemsize + 256
