@@ -235,3 +235,41 @@ def test_plan_counts_flux_dev_and_its_encoders():
     assert result["parameters"] == 11_901_408_320
     # the Flux VAE (SD3's architecture), CLIP-L without a projection, T5-XXL's encoder, in bf16
     assert result["peak_with_encoders_resident"] - result["predicted_peak"] == 2 * (83_819_683 + 123_060_480 + 4_762_310_656)
+
+
+@pytest.mark.parametrize("lora,ckpt", [(0, "off"), (4, "off"), (0, "all"), (0, "every-2")])
+def test_dry_run_measures_one_flux_step_next_to_the_plan(flux_cache, tmp_path, lora, ckpt, capsys):
+    """Checkpointing covers the single-stream blocks too (3 of tiny-flux's 1 + 2 blocks, every other: 1)."""
+    result = train(TrainConfig(model="tiny-flux", cache=flux_cache, run=tmp_path, batch_size=4, precision="fp32", progress=False,
+                               dry_run=True, validation_steps=2, lora_rank=lora, grad_checkpointing=ckpt))
+    if ckpt != "off":
+        assert f"gradient checkpointing: {3 if ckpt == 'all' else 1} of 3 transformer blocks" in capsys.readouterr().out
+    assert result["bucket"] == "256x256"
+    assert abs(result["predicted_peak"] / result["measured_peak"] - 1) <= 0.15, result
+
+
+def test_a_cache_that_cannot_feed_flux_is_refused_naming_what_differs():
+    """Before any weights load: another family's text layout, other widths, and a latent of odd size (Flux packs 2 x 2)."""
+    from types import SimpleNamespace
+
+    from shards import Bucket, CacheSpec, LatentSpec, TextSpec
+    from train.cache import check_cache
+
+    def cache(text, bucket=(256, 256), channels=16):
+        spec = CacheSpec(LatentSpec(channels, 8, 0.3611, 0.1159, "mean_std"), text, "flux", "tiny-flux", 256)
+        return SimpleNamespace(spec=spec, location="C", root="C",
+                               manifest=SimpleNamespace(buckets=lambda: {Bucket(*bucket): None}))
+
+    preset = get_preset("tiny-flux")
+    config = preset.transformer_config()
+    flux = TextSpec("flux", None, TOKENS, t5_tokens=TOKENS, pooled_width=24, t5_width=32)
+    check_cache(preset, cache(flux), config)  # fits
+    sd3 = TextSpec("sd3_joint", None, 32, 77, 32, True, 8, 24, 32)
+    with pytest.raises(ValueError, match="(?s)text layout: cache .sd3_joint., Flux takes .flux.*MODEL=tiny-flux"):
+        check_cache(preset, cache(sd3), config)
+    with pytest.raises(ValueError, match="pooled width: cache 8, model pooled_projection_dim 24"):
+        check_cache(preset, cache(dataclasses.replace(flux, pooled_width=8)), config)
+    with pytest.raises(ValueError, match="latent channels: cache 4, model in_channels / 4"):
+        check_cache(preset, cache(flux, channels=4), config)
+    with pytest.raises(ValueError, match="latent 31x32 is not a multiple of patch size 2"):
+        check_cache(preset, cache(flux, bucket=(248, 256)), config)

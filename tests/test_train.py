@@ -321,7 +321,7 @@ def test_non_finite_loss_skips_then_aborts(caches, tmp_path, caplog, monkeypatch
     import train.model as model
 
     real = model.model_forward
-    monkeypatch.setattr(model, "model_forward", lambda m, f: (lambda xt, t, b: real(m, f)(xt, t, b) * float("nan")))
+    monkeypatch.setattr(model, "model_forward", lambda m, f, **kw: (lambda xt, t, b: real(m, f, **kw)(xt, t, b) * float("nan")))
     with caplog.at_level("WARNING"), pytest.raises(RuntimeError, match="5 non-finite steps in a row.*non-finite loss"):
         train(cfg(caches["tiny-sana"], tmp_path, steps=10))
     assert "non-finite loss, skipped; samples ['" in caplog.text
@@ -383,8 +383,8 @@ def test_memory_report_on_demand(caches, tmp_path, monkeypatch):
     import train.model as model
 
     real = model.model_forward
-    def forward(m, f):
-        fn = real(m, f)
+    def forward(m, f, **kw):
+        fn = real(m, f, **kw)
         def call(xt, t, b):
             os.kill(os.getpid(), signal.SIGUSR1)  # as a user would with `kill -USR1 PID`
             return fn(xt, t, b)

@@ -76,20 +76,21 @@ def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
     if latent.channels != latent_channels(preset.family, config):
         what = "in_channels / 4 (2 x 2 packed)" if preset.family == "flux" else "in_channels"
         problems.append(f"latent channels: cache {latent.channels}, model {what} {latent_channels(preset.family, config)}")
-    if text.layout == "sd3_joint":
+    if (text.layout == "flux") != (preset.family == "flux"):
+        problems.append(f"text layout: cache {text.layout!r}, " + ("Flux takes 'flux' (every T5 token and CLIP-L's pooled vector)"
+                                                                  if preset.family == "flux" else f"model {preset.family}"))
+    elif text.layout == "flux":
+        if text.t5_width != config["joint_attention_dim"]:
+            problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {config['joint_attention_dim']}")
+        if text.pooled_width != config["pooled_projection_dim"]:
+            problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config['pooled_projection_dim']}")
+    elif text.layout == "sd3_joint":
         if text.clip_width > config["joint_attention_dim"]:
             problems.append(f"CLIP width: cache {text.clip_width}, over the model's joint width {config['joint_attention_dim']}")
         if text.pooled_width != config["pooled_projection_dim"]:
             problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config['pooled_projection_dim']}")
         if text.t5_width not in (None, config["joint_attention_dim"]):
             problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {config['joint_attention_dim']}")
-    elif text.layout == "flux":
-        if text.t5_width != config["joint_attention_dim"]:
-            problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {config['joint_attention_dim']}")
-        if text.pooled_width != config["pooled_projection_dim"]:
-            problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config['pooled_projection_dim']}")
-    elif preset.family == "flux":
-        problems.append(f"text layout: cache {text.layout!r}, Flux takes 'flux' (every T5 token and CLIP-L's pooled vector)")
     elif text.width != text_width(config):
         problems.append(f"text width: cache {text.width}, model {text_width(config)}")
     for bucket in cache.manifest.buckets():

@@ -213,6 +213,8 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     modules = [model] + ([controlnet] if controlnet is not None else [])
     weights = {p.untyped_storage()._cdata for m in modules for p in m.parameters()}  # saved, but counted as weights
 
+    start: dict[int, int] = {}  # bytes saved when each block began, in the order the blocks ran
+
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage._cdata not in saved and storage._cdata not in weights:
@@ -220,9 +222,16 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
             by_block[current[0]] = by_block.get(current[0], 0) + storage.nbytes()
         return tensor
 
+    def enter(i: int) -> None:
+        current[0] = i
+        start[i] = sum(saved.values())
+
     hooks = []
+    # the blocks `checkpoint_blocks` recomputes: every `every`-th of each module's (Flux's double- and single-stream
+    # blocks differ in size, so the one recomputed at once is the largest of these, not of all)
+    recomputed = [j % every == every - 1 if every else False for m in modules for j in range(len(transformer_blocks(m)))]
     for i, block in enumerate(b for m in modules for b in transformer_blocks(m)):
-        hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
+        hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: enter(i)))
         hooks.append(block.register_forward_hook(lambda m, a, o: current.__setitem__(0, -1)))
     if controlnet is not None:
         from train.controlnet import controlled_forward
@@ -246,6 +255,7 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     full = sum(saved.values()) + max(kept, peak)
     blocks = [v for k, v in by_block.items() if k >= 0]
     result = {"full": full, "block": max(blocks, default=0), "checkpointed": full}
+    result_blocks = dict(by_block)
     if every:
         saved.clear()
         by_block.clear()
@@ -257,8 +267,12 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
                 out = forward(x, t, text)
         finally:
             F.scaled_dot_product_attention = sdpa
-        # backward frees what the loss held before it recomputes the last block (the output's gradient stays)
-        result["checkpointed"] = sum(saved.values()) + max(kept, peak, x.numel() * 4 + result["block"] + out.numel() * 4)
+        # Backward recomputes a checkpointed block once everything saved after it is freed: then what was saved before
+        # it, its own saved inputs and its whole activations are held, with the gradient flowing through it (the
+        # output's) and the clean latents; the loss's share is freed by then.
+        recompute = max((start[k] + by_block.get(k, 0) + v for k, v in result_blocks.items() if k >= 0 and recomputed[k]),
+                        default=0)
+        result["checkpointed"] = max(sum(saved.values()) + max(kept, peak), recompute + x.numel() * 4 + out.numel() * 4)
     for hook in hooks:
         hook.remove()
     return result
