@@ -273,3 +273,24 @@ def test_a_cache_that_cannot_feed_flux_is_refused_naming_what_differs():
         check_cache(preset, cache(flux, channels=4), config)
     with pytest.raises(ValueError, match="latent 31x32 is not a multiple of patch size 2"):
         check_cache(preset, cache(flux, bucket=(248, 256)), config)
+
+
+@pytest.mark.slow
+def test_fsdp_shards_the_single_stream_blocks_too_and_matches_one_process(flux_cache, tmp_path):
+    """Two processes under FSDP (every double- and single-stream block sharded) train what one process does with the
+    same global batch."""
+    import os
+
+    def launch(run, nproc, *args):
+        runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+        out = subprocess.run([*runner, "-m", "train", "--model", "tiny-flux", "--cache", str(flux_cache), "--run-dir", str(run),
+                              "--precision", "fp32", "--log-every", "1", "--no-validate", "--no-progress", "--lr", "1e-3",
+                              "--steps", "4", *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    launch(tmp_path / "one", 1, "--batch-size", "4")
+    log = launch(tmp_path / "fsdp", 2, "--batch-size", "2", "--parallel", "fsdp")
+    assert "FSDP over 2 ranks: 3 FluxTransformerBlock blocks sharded" in log  # 1 double- and 2 single-stream blocks
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), rel=1e-4) and len(losses(tmp_path / "one")) == 4
