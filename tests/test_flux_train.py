@@ -294,3 +294,12 @@ def test_fsdp_shards_the_single_stream_blocks_too_and_matches_one_process(flux_c
     log = launch(tmp_path / "fsdp", 2, "--batch-size", "2", "--parallel", "fsdp")
     assert "FSDP over 2 ranks: 3 FluxTransformerBlock blocks sharded" in log  # 1 double- and 2 single-stream blocks
     assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), rel=1e-4) and len(losses(tmp_path / "one")) == 4
+
+
+def test_validation_samples_as_each_flux_model_was_distilled_to_unless_told():
+    dev, schnell, sana = (TrainConfig(model=m) for m in ("flux-dev", "flux-schnell", "tiny-sana"))
+    assert (dev.validation_steps, dev.guidance_scale) == (20, 3.5)  # FluxPipeline's guidance_scale
+    assert (schnell.validation_steps, schnell.guidance_scale) == (4, 0.0)
+    assert (sana.validation_steps, sana.guidance_scale) == (20, 4.5)
+    given = TrainConfig(model="flux-schnell", validation_steps=8, guidance_scale=2.0)
+    assert (given.validation_steps, given.guidance_scale) == (8, 2.0)

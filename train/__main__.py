@@ -121,7 +121,7 @@ def plan_command(
                                                    help="auto or ddp (replicated weights) or fsdp (sharded over --world-size)."),
     fsdp_cpu_offload: bool = like_train("fsdp_cpu_offload", default_of(TrainConfig, "fsdp_cpu_offload")),
     text_tokens: Optional[int] = typer.Option(None, help="Caption tokens to plan for (default: the preset's limit, e.g. 300 for "
-                                              "Sana and PixArt, 77 + 256 for SD3)."),
+                                              "Sana and PixArt, 77 + 256 for SD3, 512 for FLUX.1-dev and 256 for schnell)."),
     gpu_memory: str = typer.Option("80GB", help="Memory of one device, e.g. 48GB."),
     lora_rank: int = like_train("lora_rank", default_of(TrainConfig, "lora_rank"), help="Plan LoRA adapters of this rank on the "
                                 "frozen transformer (0: full fine-tuning); --weights-dtype is then the base's dtype."),

@@ -104,10 +104,12 @@ class TrainConfig:
                                            "--validation-prompt). Default: every prompt cached with the data.")
     validate_every: int = opt(0, "Sample a validation grid every N steps (0: only at the end).")
     validation_bucket: list[str] = opt([], "Bucket HxW to sample at (repeatable; default: the cache's 3 most populous).")
-    validation_steps: int = opt(20, "Sampler steps per validation image.")
-    guidance_scale: float = opt(4.5, "Classifier-free guidance scale (the cached empty caption is the unconditional input). "
-                                     "Flux: no classifier-free guidance; FLUX.1-dev's distilled guidance value (its guidance "
-                                     "embedding, as FluxPipeline's guidance_scale); schnell takes none.")
+    validation_steps: int | None = opt(None, "Sampler steps per validation image (default: the preset's: 20; FLUX.1-schnell 4, "
+                                             "as it was distilled for).")
+    guidance_scale: float | None = opt(None, "Classifier-free guidance scale (the cached empty caption is the unconditional "
+                                             "input); default the preset's: 4.5. Flux samples without classifier-free guidance: "
+                                             "FLUX.1-dev's distilled guidance value, fed to its guidance embedding as "
+                                             "FluxPipeline's guidance_scale (default 3.5); schnell takes none.")
     guidance_scale_train: float = opt(3.5, "Flux models with a guidance embedding (FLUX.1-dev): the guidance value fed to it "
                                            "while training, as diffusers' train_dreambooth_lora_flux.py (--guidance_scale 3.5).")
     validation_seed: int = opt(0, "Seed of the validation noise (fixed per prompt and bucket).")
@@ -158,6 +160,12 @@ class TrainConfig:
             raise ValueError(f"--cache names {self.cache[0]} twice; give each cache once (--cache-weight sets shares)")
         self.cache_weight = list(self.cache_weight)
         self.run = Path(self.run) if self.run is not None else Path("runs") / self.model
+        if self.validation_steps is None or self.guidance_scale is None:  # the preset's sampling defaults
+            from train.presets import get_preset
+
+            preset = get_preset(self.model)
+            self.validation_steps = preset.validation_steps if self.validation_steps is None else self.validation_steps
+            self.guidance_scale = preset.guidance_scale if self.guidance_scale is None else self.guidance_scale
         if self.weights_dtype == "bf16" and self.precision != "bf16":
             raise ValueError(f"--weights-dtype bf16 trains in bf16; --precision {self.precision} needs --weights-dtype fp32")
         if self.pretrained_controlnet:

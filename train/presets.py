@@ -36,6 +36,9 @@ class ModelPreset:
         latent_downsample: pixels per latent pixel of the family's VAE (for planning memory per bucket).
         encoder_parameters: parameter counts of the VAE and text encoder(s) stage one uses, by name, from the
             published configs: what a trainer without a cache keeps resident (the memory planner's comparison).
+        validation_steps, guidance_scale: how validation samples by default (`--validation-steps`, `--guidance-scale`):
+            20 steps at classifier-free guidance 4.5; FLUX.1-dev its distilled guidance 3.5 (FluxPipeline's default),
+            FLUX.1-schnell 4 steps (what it was distilled for) and no guidance.
     """
 
     name: str
@@ -52,6 +55,8 @@ class ModelPreset:
     encoder_parameters: dict = field(default_factory=dict)
     text_tokens: int = 300  # the most caption tokens it sees: stage one's limit (SD3: CLIP's 77 + T5's); the planner's default
     revision: str | None = None  # Hub revision of `repo` (None: its default branch)
+    validation_steps: int = 20
+    guidance_scale: float = 4.5
 
     @property
     def transformer_class(self):
@@ -125,10 +130,11 @@ PRESETS: dict[str, Callable[[], ModelPreset]] = {
     # schnell is timestep-distilled and samples unshifted (its scheduler: shift 1, no dynamic shifting).
     "flux-dev": lambda: ModelPreset("flux-dev", "flux", "black-forest-labs/FLUX.1-dev", "flux_dev_transformer.json", "flow",
                                     "flow", dynamic_shift=True, encoder_parameters=FLUX_ENCODERS, released_dtype="bf16",
-                                    text_tokens=512),
+                                    text_tokens=512, guidance_scale=3.5),
     "flux-schnell": lambda: ModelPreset("flux-schnell", "flux", "black-forest-labs/FLUX.1-schnell",
                                         "flux_schnell_transformer.json", "flow", "flow",
-                                        encoder_parameters=FLUX_ENCODERS, released_dtype="bf16", text_tokens=256),
+                                        encoder_parameters=FLUX_ENCODERS, released_dtype="bf16", text_tokens=256,
+                                        validation_steps=4, guidance_scale=0.0),
     "tiny-pixart": lambda: ModelPreset("tiny-pixart", "pixart", None, TINY_PIXART, "ddpm", "epsilon", base_resolution=256,
                                        text_tokens=64),
     "tiny-sana": lambda: ModelPreset("tiny-sana", "sana", None, TINY_SANA, "flow", "flow", flow_shift=3.0, base_resolution=256,
@@ -136,7 +142,7 @@ PRESETS: dict[str, Callable[[], ModelPreset]] = {
     "tiny-sd3": lambda: ModelPreset("tiny-sd3", "sd3", None, TINY_SD3, "flow", "flow", flow_shift=3.0, base_resolution=256,
                                     text_tokens=77 + 32),
     "tiny-flux": lambda: ModelPreset("tiny-flux", "flux", None, TINY_FLUX, "flow", "flow", dynamic_shift=True, base_resolution=256,
-                                     text_tokens=32),
+                                     text_tokens=32, guidance_scale=3.5),
 }
 
 
