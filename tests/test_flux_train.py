@@ -189,6 +189,12 @@ def test_tiny_flux_trains_resumes_exactly_and_its_export_generates_through_the_s
                  max_sequence_length=TOKENS, generator=torch.Generator().manual_seed(0)).images[0]
     assert image.shape == (256, 256, 3) and np.isfinite(image).all() and float(image.std()) > 0
 
+    out = subprocess.run([sys.executable, "-m", "train", "sample", str(tmp_path / "straight"), "--prompt-cache", str(flux_cache),
+                          "--validation-bucket", "256x256", "--out", str(tmp_path / "samples")], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(list((tmp_path / "samples").glob("*-256x256-seed0.png"))) == len(VALIDATION_PROMPTS)
+
 
 def test_tiny_flux_lora_trains_adapters_alone_resumes_exactly_and_loads_into_fluxpipeline(flux_cache, parts, tmp_path):
     lora = dict(lora_rank=4, lora_alpha=8, lr=1e-2)
@@ -225,6 +231,15 @@ def test_tiny_flux_lora_trains_adapters_alone_resumes_exactly_and_loads_into_flu
     pipe.load_lora_weights(tmp_path / "lora")
     after = generate()
     assert torch.isfinite(after).all() and not torch.allclose(before, after)
+
+    from train.export import export  # the adapters folded into a plain transformer generate the same
+
+    export(tmp_path / "straight", tmp_path / "merged", merge_lora=True)
+    from diffusers import FluxTransformer2DModel
+
+    pipe.unload_lora_weights()
+    pipe.transformer = FluxTransformer2DModel.from_pretrained(tmp_path / "merged", subfolder="transformer")
+    assert torch.allclose(generate(), after, rtol=1e-4, atol=1e-4)
 
 
 def test_plan_counts_flux_dev_and_its_encoders():
