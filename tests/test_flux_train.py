@@ -313,7 +313,7 @@ def test_fsdp_shards_the_single_stream_blocks_too_and_matches_one_process(flux_c
 
 def test_validation_samples_as_each_flux_model_was_distilled_to_unless_told():
     dev, schnell, sana = (TrainConfig(model=m) for m in ("flux-dev", "flux-schnell", "tiny-sana"))
-    assert (dev.validation_steps, dev.guidance_scale) == (20, 3.5)  # FluxPipeline's guidance_scale
+    assert (dev.validation_steps, dev.guidance_scale) == (28, 3.5)  # FluxPipeline's num_inference_steps and guidance_scale
     assert (schnell.validation_steps, schnell.guidance_scale) == (4, 0.0)
     assert (sana.validation_steps, sana.guidance_scale) == (20, 4.5)
     given = TrainConfig(model="flux-schnell", validation_steps=8, guidance_scale=2.0)

@@ -130,7 +130,7 @@ PRESETS: dict[str, Callable[[], ModelPreset]] = {
     # schnell is timestep-distilled and samples unshifted (its scheduler: shift 1, no dynamic shifting).
     "flux-dev": lambda: ModelPreset("flux-dev", "flux", "black-forest-labs/FLUX.1-dev", "flux_dev_transformer.json", "flow",
                                     "flow", dynamic_shift=True, encoder_parameters=FLUX_ENCODERS, released_dtype="bf16",
-                                    text_tokens=512, guidance_scale=3.5),
+                                    text_tokens=512, validation_steps=28, guidance_scale=3.5),  # FluxPipeline's defaults
     "flux-schnell": lambda: ModelPreset("flux-schnell", "flux", "black-forest-labs/FLUX.1-schnell",
                                         "flux_schnell_transformer.json", "flow", "flow",
                                         encoder_parameters=FLUX_ENCODERS, released_dtype="bf16", text_tokens=256,
