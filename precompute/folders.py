@@ -202,7 +202,7 @@ def _metadata_path(root: Path, name: str, inside: dict[str, bool], column: str =
 
 
 def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, inside: dict[str, bool],
-                    control_column: str | None) -> FolderEntry:
+                    control_column: str | None, listed: dict | None = None) -> FolderEntry:
     """A metadata row as an entry; a row that is not a sample raises _BadRow. With `control_column`, its control
     image is the file that column names, or else the sidecar beside the image (`x.control.png`)."""
     name = row.get("file_name")
@@ -215,6 +215,7 @@ def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, 
                       "not a string or a list of strings", name)
     if control_column is None:
         return FolderEntry(name, path, captions=captions)
+    listed = {} if listed is None else listed
     control = row.get(control_column)
     if control is not None and (not isinstance(control, str) or "\x00" in control):
         raise _BadRow("bad_metadata_row", f"{control_column} {control!r} is not a path", name)
@@ -225,19 +226,32 @@ def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, 
             raise _BadRow(e.reason, str(e), name) from None
         return FolderEntry(name, path, captions=captions, control=control_path, control_looked=f"{control_column} {control!r}")
     stem = os.path.splitext(path)[0] + CONTROL_SUFFIX
-    found = [stem + ext for ext in IMAGE_EXTENSIONS if os.path.lexists(stem + ext)]
+    found = _sidecars(stem, listed)
     return FolderEntry(name, path, captions=captions, control=pick_control(found, path) if found else None,
                        control_looked=f"no {control_column} and no {Path(stem).name}.<image extension> beside the image")
 
 
+def _sidecars(stem: str, listed: dict[str, dict[str, str]]) -> list[str]:
+    """Paths of `stem` + any image extension (in any case, as the folder walk matches them), from one listing per
+    directory (`listed`: directory -> lower-cased name -> name, filled on first use) instead of a stat per extension."""
+    folder, base = os.path.split(stem)
+    if folder not in listed:
+        try:
+            listed[folder] = {n.lower(): n for n in os.listdir(folder or ".")}
+        except OSError:  # a missing or unreadable folder holds no sidecar; the image's own read reports it
+            listed[folder] = {}
+    names = listed[folder]
+    return [os.path.join(folder, names[key]) for ext in IMAGE_EXTENSIONS if (key := (base + ext).lower()) in names]
+
+
 def _list_metadata(root: Path, path: Path, caption_column: str, control_column: str | None) -> Listing:
     text, from_csv = _read_utf8(path), path.suffix == ".csv"
-    entries, failures, complete, inside = [], [], True, {}
+    entries, failures, complete, inside, listed = [], [], True, {}, {}
     for n, row in _csv_rows(text, path) if from_csv else _jsonl_rows(text):
         try:
             if isinstance(row, _BadRow):
                 raise row
-            entries.append(_metadata_entry(root, row, caption_column, from_csv, inside, control_column))
+            entries.append(_metadata_entry(root, row, caption_column, from_csv, inside, control_column, listed))
         except _BadRow as e:
             # a row naming no file may be a cached sample's: the listing cannot say it is gone
             complete = complete and e.source is not None
@@ -310,7 +324,8 @@ def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN, c
 def with_control_folder(entries: list[FolderEntry], folder: str | os.PathLike) -> list[FolderEntry]:
     """The entries with their control images in `folder`, under the same relative names as the images, with any
     image extension (kohya's conditioning_data_dir): `folder/a/x.png` for the image `a/x.jpg`. Sidecars are not
-    looked at. The folder is listed once (names only); symlinks to files are followed, to directories not.
+    looked at. The folder is listed once (names only); symlinks to files are followed, to directories not. A control
+    folder inside the images' folder is not a folder of images: its files are dropped from the entries.
 
     Raises:
         FileNotFoundError: `folder` is not a directory.
@@ -326,7 +341,10 @@ def with_control_folder(entries: list[FolderEntry], folder: str | os.PathLike) -
             if ext.lower() in IMAGE_EXTENSIONS:
                 found.setdefault((Path(dirpath) / stem).relative_to(folder).as_posix(), []).append(str(Path(dirpath) / name))
     out = []
+    within = os.path.abspath(folder) + os.sep
     for e in entries:
+        if os.path.abspath(e.image).startswith(within):  # the control folder inside the source's: its files are controls
+            continue
         stem = os.path.splitext(PurePosixPath(e.source).as_posix())[0]
         candidates = found.get(stem)
         out.append(replace(e, control=pick_control(candidates, e.image) if candidates else None,

@@ -310,6 +310,34 @@ def test_a_dataset_file_control_folder_holds_control_images_by_relative_name(tmp
     assert len(Cache(tmp_path / "cache")) == 3  # a sample whose input fails to read is kept, as for every failure
 
 
+def test_a_sidecar_in_another_case_and_a_control_folder_inside_the_images_folder(tmp_path, items, control_latents):
+    # a metadata row's sidecar is matched as the folder walk matches files: the extension in any case
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, (img, control, caption) in enumerate(items):
+        img.save(data / f"{i}.png")
+        control.save(data / f"{i}.control.PNG", format="PNG")
+    (data / "metadata.jsonl").write_text("".join(json.dumps({"file_name": f"{i}.png", "text": c}) + "\n"
+                                                 for i, (_, _, c) in enumerate(items)))
+    summary = precompute(str(data), "tiny-sana", tmp_path / "cache", control=True, **RUN)
+    assert summary["new"] == len(items) and summary["failed"] == 0
+    caption_of = {f"{i}.png": caption for i, (_, _, caption) in enumerate(items)}
+    check_pairs(tmp_path / "cache", items, control_latents, lambda s: caption_of[bytes(s["source"].tolist()).decode()])
+
+    # a source's control folder inside its own folder holds controls, not images
+    photos = tmp_path / "photos"
+    (photos / "edges").mkdir(parents=True)
+    for i, (img, control, caption) in enumerate(items):
+        img.save(photos / f"{i}.png")
+        (photos / f"{i}.txt").write_text(caption)
+        control.save(photos / "edges" / f"{i}.png")
+    file = tmp_path / "data.toml"
+    file.write_text('[[source]]\npath = "photos"\ncontrol = "photos/edges"\n')
+    summary = precompute(str(file), "tiny-sana", tmp_path / "cache-2", control=True, **RUN)
+    assert summary["new"] == len(items) and summary["failed"] == 0
+    check_pairs(tmp_path / "cache-2", items, control_latents, lambda s: caption_of[bytes(s["source"].tolist()).decode()])
+
+
 def test_control_keys_and_flip_are_checked_against_control(tmp_path):
     file = tmp_path / "data.toml"
     file.write_text('[[source]]\npath = "photos"\ncontrol = "edges"\n')
