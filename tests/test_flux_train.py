@@ -318,3 +318,41 @@ def test_validation_samples_as_each_flux_model_was_distilled_to_unless_told():
     assert (sana.validation_steps, sana.guidance_scale) == (20, 4.5)
     given = TrainConfig(model="flux-schnell", validation_steps=8, guidance_scale=2.0)
     assert (given.validation_steps, given.guidance_scale) == (8, 2.0)
+
+
+@pytest.mark.parametrize("variant", ["dev", "schnell"])
+def test_validation_samples_what_the_stock_pipeline_samples(variant):
+    """`validate.generate` against `FluxPipeline.__call__` from the same noise, caption and transformer, at a non-square
+    bucket: dev with its dynamic shift and guidance embedding (no classifier-free guidance), schnell unshifted."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+    from shards import TextSpec
+    from train.data import TextLayout
+    from train.validate import generate
+
+    dev = variant == "dev"
+    preset = get_preset("tiny-flux")
+    config = {**preset.transformer_config(), "guidance_embeds": dev}
+    preset = dataclasses.replace(preset, config=config, dynamic_shift=dev)
+    transformer = build_transformer(preset, None, 0).eval()
+    objective = build_run_objective(TrainConfig(model="tiny-flux"), preset, config)
+    g = torch.Generator().manual_seed(1)
+    cond, null = ({"text": torch.randn(32, 32, generator=g), "pooled": torch.randn(24, generator=g)} for _ in range(2))
+    layout = TextLayout(TextSpec("flux", None, 32, t5_tokens=32, pooled_width=24, t5_width=32))
+    height, width, steps, c = 256, 384, 4, 16
+    with torch.no_grad():
+        ours = generate(transformer, preset, objective, cond, null, (c, height // 8, width // 8), height * width, steps=steps,
+                        guidance=3.5, seed=7, precision=torch.float32, layout=layout)
+    # the scheduler configs the released repositories ship
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0 if dev else 1.0, use_dynamic_shifting=dev,
+                                                base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = FluxPipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+                        transformer=transformer)
+    noise = torch.randn(1, c, height // 8, width // 8, generator=torch.Generator().manual_seed(7))  # generate's draw
+    with torch.no_grad():
+        out = pipe(prompt_embeds=cond["text"][None], pooled_prompt_embeds=cond["pooled"][None], height=height, width=width,
+                   latents=FluxPipeline._pack_latents(noise, 1, c, height // 8, width // 8), num_inference_steps=steps,
+                   guidance_scale=3.5, output_type="latent").images
+    stock = FluxPipeline._unpack_latents(out, height, width, 8)[0]
+    assert ours.shape == stock.shape and torch.allclose(ours, stock, atol=1e-5)
+    assert not torch.allclose(ours, noise[0], atol=1e-2)  # it sampled
