@@ -21,7 +21,7 @@ from train.validate import Validator, add_prompts_command
 
 def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
     """(transformer, preset, training state) of a checkpoint; with `ema`, the EMA weights. A ControlNet run's
-    checkpoint is refused: its transformer is the frozen base (`load_controlnet_run` loads both)."""
+    checkpoint is refused: its transformer is the frozen base (`export_controlnet` writes what it trained)."""
     state = checkpoint.load_state(ckpt)
     preset = get_preset(state["model"])
     cls = preset.transformer_class
@@ -33,7 +33,7 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
         model = build_transformer(preset, base_weights(preset, state), cfg["seed"], dtype or DTYPES[cfg["weights_dtype"]])
         lora.add_lora(model, adapter_config(state))
         lora.load_adapter_state(model, lora.read_adapter(ckpt / checkpoint.ADAPTER_DIR), ckpt / checkpoint.ADAPTER_DIR)
-        ema_state = checkpoint.load_tensors(ckpt, "ema") if ema else None
+        ema_state = saved_ema(ckpt) if ema else None
     elif checkpoint.is_sharded(ckpt):  # an FSDP run: assemble full tensors from every rank's shards
         model = cls.from_config(cls.load_config(ckpt / "transformer"))
         weights = model.state_dict()
@@ -48,26 +48,14 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
             model.to(dtype)
     else:
         model = cls.from_pretrained(ckpt / "transformer", torch_dtype=dtype)
-        ema_state = checkpoint.load_tensors(ckpt, "ema") if ema else None
+        ema_state = saved_ema(ckpt) if ema else None
     if ema:
-        if ema_state is None:
-            raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
         load_shadow(model, ema_state, ckpt)
     return model, preset, state
 
 
-def load_controlnet_run(ckpt: Path, ema: bool = False, dtype: torch.dtype | None = None):
-    """(transformer, ControlNet, preset, training state) of a ControlNet run's checkpoint: the frozen transformer
-    the run was trained on (rebuilt from its recorded source) and the ControlNet (its EMA weights with `ema`)."""
-    state = checkpoint.load_state(ckpt)
-    preset = get_preset(state["model"])
-    cfg = state["config"]
-    transformer = build_transformer(preset, base_weights(preset, state), cfg["seed"], dtype or DTYPES[cfg["weights_dtype"]])
-    net = controlnet.load_checkpoint(ckpt, preset.family, _ema_state(ckpt, state) if ema else None, dtype)
-    return transformer, net, preset, state
-
-
-def _ema_state(ckpt: Path, state: dict) -> dict:
+def saved_ema(ckpt: Path) -> dict:
+    """A checkpoint's EMA state; refused, saying so, when the run kept none."""
     ema_state = checkpoint.load_tensors(ckpt, "ema")
     if ema_state is None:
         raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
@@ -79,7 +67,7 @@ def export_controlnet(ckpt: Path, out: Path, ema: bool, dtype: str | None = None
     ControlNet pipeline loads; the frozen transformer is the run's base, named in training.json, not written."""
     state = checkpoint.load_state(ckpt)
     preset = get_preset(state["model"])
-    net = controlnet.load_checkpoint(ckpt, preset.family, _ema_state(ckpt, state) if ema else None,
+    net = controlnet.load_checkpoint(ckpt, preset.family, saved_ema(ckpt) if ema else None,
                                      DTYPES[dtype] if dtype else None)
     target = Path(out) / controlnet.CONTROLNET_DIR
     tmp = target.with_name(f".tmp-{target.name}")
@@ -125,9 +113,7 @@ def export_adapter(ckpt: Path, out: Path, ema: bool) -> Path:
     preset, config = get_preset(state["model"]), adapter_config(state)
     weights = lora.read_adapter(ckpt / checkpoint.ADAPTER_DIR)
     if ema:
-        ema_state = checkpoint.load_tensors(ckpt, "ema")
-        if ema_state is None:
-            raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
+        ema_state = saved_ema(ckpt)
         # the EMA follows the trainable parameters in model order: their names, from the architecture on the meta device
         with torch.device("meta"):
             model = preset.transformer_class.from_config(preset.transformer_class.load_config(ckpt / "transformer"))
