@@ -130,6 +130,8 @@ def plan_command(
                                   "gradients, optimizer states and EMA alone, fp32; --weights-dtype is the transformer's dtype); "
                                   "activations are traced through both models."),
     controlnet_layers: Optional[int] = like_train("controlnet_layers", None),
+    base_quant: Literal["none", "int8", "fp8", "nf4"] = like_train("base_quant", default_of(TrainConfig, "base_quant")),
+    blocks_to_swap: int = like_train("blocks_to_swap", default_of(TrainConfig, "blocks_to_swap")),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ) -> None:
     """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
@@ -146,7 +148,7 @@ def plan_command(
                                  parallel="fsdp" if parallel == "fsdp" else "ddp",
                                  fsdp_cpu_offload=fsdp_cpu_offload, text_tokens=text_tokens, gpu_memory=parse_bytes(gpu_memory),
                                  lora_rank=lora_rank, lora_targets=tuple(lora_targets), controlnet=controlnet,
-                                 controlnet_layers=controlnet_layers))
+                                 controlnet_layers=controlnet_layers, base_quant=base_quant, blocks_to_swap=blocks_to_swap))
         print(json.dumps(result, indent=1) if as_json else format_plan(result))
     _run(go)
 

@@ -144,6 +144,16 @@ class TrainConfig:
                                               "transformer cannot take that many residuals).")
     pretrained_controlnet: str | None = opt(None, "Continue training this ControlNet instead of a new one: a directory or Hub "
                                                   "id (its controlnet/ subfolder if it has one). Implies --controlnet.")
+    base_quant: Literal["none", "int8", "fp8", "nf4"] = opt(
+        "none", "Keep the frozen transformer of a LoRA or ControlNet run quantized: its Linear weights in int8 or fp8 (torchao "
+                "weight-only, on any device) or nf4 (bitsandbytes 4-bit, CUDA: pip install 'cachedit[8bit]'); norms, biases "
+                "and embeddings in bf16 (whatever --weights-dtype says). The adapters or ControlNet train in fp32 as usual and "
+                "export unchanged. Pair it with --grad-checkpointing: the quantized layers keep a bf16 copy of each weight "
+                "for the backward pass (python -m train plan shows both).")
+    blocks_to_swap: int = opt(0, "Keep the frozen weights of this many transformer blocks (the last ones) in pinned CPU memory "
+                                 "and bring each to the device just ahead of its use, forward and backward (a side CUDA "
+                                 "stream, one block ahead); those blocks are recomputed in backward (gradient checkpointing). "
+                                 "LoRA and ControlNet runs. Losses are identical to a run without it.")
     controlnet_conditioning_scale: float = opt(1.0, "Scale of the ControlNet's residuals in training (the pipelines' "
                                                     "controlnet_conditioning_scale; applied on resume when changed).")
 
@@ -197,6 +207,19 @@ class TrainConfig:
                              f"to the nearest bf16 value, so updates smaller than half a bf16 step (lr x 1 against weights "
                              f"around 1 lose everything below 2^-9) vanish and training silently stalls. Use --optimizer "
                              f"adamw-bf16 (stochastic rounding keeps them in expectation) or --weights-dtype fp32.")
+        if self.base_quant != "none" or self.blocks_to_swap:
+            what = "--base-quant" if self.base_quant != "none" else "--blocks-to-swap"
+            if not frozen_base:
+                raise ValueError(f"{what} applies to a frozen transformer: train LoRA adapters (--lora-rank) or a ControlNet "
+                                 f"(--controlnet) on it; full fine-tuning updates every weight, which must stay on the device")
+        if self.base_quant != "none" and self.precision != "bf16":
+            raise ValueError(f"--base-quant {self.base_quant} computes in bf16 (its kernels' dtype): use --precision bf16")
+        if self.blocks_to_swap < 0:
+            raise ValueError(f"--blocks-to-swap {self.blocks_to_swap}: choose 0 (off) or a number of blocks")
+        if self.blocks_to_swap and self.base_quant == "nf4":
+            raise ValueError("--blocks-to-swap with --base-quant nf4: bitsandbytes' 4-bit weights keep their quantization "
+                             "state beside the tensor, which the swap does not carry; use --base-quant int8 or fp8 with "
+                             "block swapping, or nf4 alone")
         self.checkpoint_every_k()  # validates the spelling
         if self.lora_rank < 0:
             raise ValueError(f"LoRA rank {self.lora_rank}: choose 0 (full fine-tuning) or a positive rank")

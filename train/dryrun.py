@@ -31,7 +31,8 @@ def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: in
                            ema=ema, world_size=world, parallel="fsdp" if parallel == "fsdp" else "ddp",
                            fsdp_cpu_offload=cfg.fsdp_cpu_offload, text_tokens=cache.spec.text.tokens,
                            gpu_memory=device_memory(device), lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets),
-                           controlnet=cfg.controlnet, controlnet_layers=controlnet_layers or cfg.controlnet_layers),
+                           controlnet=cfg.controlnet, controlnet_layers=controlnet_layers or cfg.controlnet_layers,
+                           base_quant=cfg.base_quant, blocks_to_swap=cfg.blocks_to_swap),
                 objective)
 
 

@@ -14,6 +14,7 @@ stock pipeline loads:
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -52,7 +53,10 @@ def add_lora(model: torch.nn.Module, config, adapter_dtype: torch.dtype = torch.
 
     model.requires_grad_(False)
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # on a torchao-quantized base peft warns that it could not merge into the quantized weights; nothing
+            # merges into them (an export merges onto the unquantized base)
+            warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass")
             torch.manual_seed(seed)
             inject_adapter_in_model(config, model, adapter_name="default")
     except ValueError as e:  # no module matched the targets

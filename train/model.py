@@ -14,11 +14,12 @@ import torch.utils.checkpoint
 
 from shards import LatentSpec
 from shards.options import DTYPES
-from train import checkpoint, controlnet, distributed, lora
+from train import checkpoint, controlnet, distributed, lora, quant
 from train.config import TrainConfig
 from train.ema import EMA
 from train.objectives import build_objective
 from train.presets import ModelPreset, build_transformer, model_forward, resolve_weights, transformer_blocks
+from train.swap import BlockSwap
 
 log = logging.getLogger("train")
 
@@ -40,6 +41,7 @@ class Model:
     adapter: object | None
     weights: dict | None
     controlnet: torch.nn.Module | None = None
+    swap: BlockSwap | None = None
 
 
 def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int, device: torch.device, *, resume_from: Path | None,
@@ -49,6 +51,8 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
     the adapters or the ControlNet), checkpointed, on the device, wrapped for DDP or sharded for FSDP. Optimizer
     states and the rest of the state come in `restore`. `latent`: the cache's latent spec (a ControlNet's input)."""
     weights_dtype = DTYPES[cfg.weights_dtype]
+    if base_quant(cfg):
+        quant.check_supported(cfg.base_quant, device)
     weights = None
     if not resume_from or cfg.lora_rank or cfg.controlnet:
         weights = resolve_weights(preset, cfg.pretrained, cfg.revision, cfg.from_scratch, cfg.seed)
@@ -65,7 +69,7 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
     if cfg.lora_rank:
         if weights.kind == "fresh" and preset.repo is not None:
             raise ValueError("LoRA on random weights adapts nothing: start from the preset's released weights or --pretrained")
-        model = build_transformer(preset, weights, cfg.seed, weights_dtype)
+        model = build_transformer(preset, weights, cfg.seed, weights_dtype, quant=base_quant(cfg))
         adapter = lora.lora_config(preset.family, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
         layers = lora.add_lora(model, adapter, seed=cfg.seed)
         if resume_from:
@@ -73,7 +77,8 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
             lora.load_adapter_state(model, lora.read_adapter(adapters), adapters)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         say(f"LoRA rank {cfg.lora_rank}, alpha {adapter.lora_alpha:g} on {layers} layers ({', '.join(sorted(adapter.target_modules))}): "
-            f"{trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters; base frozen in {cfg.weights_dtype}")
+            f"{trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters; base frozen "
+            f"{frozen_base(cfg, model)}")
     elif resume_from and not checkpoint.is_sharded(resume_from):
         model = preset.transformer_class.from_pretrained(resume_from / "transformer", torch_dtype=weights_dtype)
     elif resume_from:  # FSDP: the architecture now, the weights after sharding
@@ -82,15 +87,14 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
         model = build_transformer(preset, weights, cfg.seed, weights_dtype)
     if weights is not None and weights.kind != "fresh" and preset.released_dtype not in (None, cfg.precision):
         log.warning("%s weights were released for %s training; this run uses %s", preset.name, preset.released_dtype, cfg.precision)
-    if cfg.checkpoint_every_k():
-        n = checkpoint_blocks(model, cfg.checkpoint_every_k())
-        say(f"gradient checkpointing: {n} of {len(transformer_blocks(model))} transformer blocks recomputed in backward")
+    swap = build_swap(cfg, model, device, say)
+    checkpoint_run(cfg, model, swap, "transformer", say)
     model.train()
-    net = distribute(cfg, model, parallel, world, device, say)
+    net = distribute(cfg, model, parallel, world, device, say, swap=swap)
     # a resumed run keeps the record of the weights it started from (a LoRA base re-resolved now may name a newer commit)
     record = state.get("weights") if resume_from else weights.to_json()
     return Model(model, net, model_forward(net, preset.family, guidance=cfg.guidance_scale_train),
-                 [p for p in model.parameters() if p.requires_grad], adapter, record)
+                 [p for p in model.parameters() if p.requires_grad], adapter, record, swap=swap)
 
 
 def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, parallel: str, world: int, device: torch.device, *,
@@ -101,7 +105,9 @@ def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, paral
     still keep activations: the ControlNet's residuals enter them)."""
     if weights.kind == "fresh" and preset.repo is not None:
         raise ValueError("a ControlNet on a random transformer steers nothing: start from the preset's released weights or --pretrained")
-    transformer = build_transformer(preset, weights, cfg.seed, DTYPES[cfg.weights_dtype])
+    # a new ControlNet copies the transformer's first blocks: from its weights as released, before the base is quantized
+    new = not resume_from and not cfg.pretrained_controlnet
+    transformer = build_transformer(preset, weights, cfg.seed, DTYPES[cfg.weights_dtype], quant=None if new else base_quant(cfg))
     transformer.requires_grad_(False)
     if resume_from:
         if not checkpoint.is_controlnet(resume_from):
@@ -112,30 +118,38 @@ def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, paral
     else:
         net = controlnet.build_controlnet(transformer, preset.family, layers=cfg.controlnet_layers,
                                           pretrained=cfg.pretrained_controlnet, seed=cfg.seed)
+    if new and base_quant(cfg):
+        del transformer
+        transformer = build_transformer(preset, weights, cfg.seed, DTYPES[cfg.weights_dtype], quant=base_quant(cfg))
+        transformer.requires_grad_(False)
     origin = f"from {resume_from.name}" if resume_from else (cfg.pretrained_controlnet or "new from the transformer's first blocks")
     trained = sum(p.numel() for p in net.parameters())
     say(f"{type(net).__name__} ({origin}): {net.config.num_layers} blocks, {trained:,} trainable parameters; transformer "
-        f"({sum(p.numel() for p in transformer.parameters()):,}) frozen in {cfg.weights_dtype}, conditioning scale "
+        f"({sum(p.numel() for p in transformer.parameters()):,}) frozen {frozen_base(cfg, transformer)}, conditioning scale "
         f"{cfg.controlnet_conditioning_scale:g}")
     if cfg.checkpoint_every_k():
-        n, m = (checkpoint_blocks(x, cfg.checkpoint_every_k()) for x in (net, transformer))
-        say(f"gradient checkpointing: {n} of {len(net.transformer_blocks)} ControlNet blocks and {m} of "
-            f"{len(transformer.transformer_blocks)} transformer blocks recomputed in backward")
+        n = checkpoint_blocks(net, cfg.checkpoint_every_k())
+        say(f"gradient checkpointing: {n} of {len(net.transformer_blocks)} ControlNet blocks recomputed in backward")
+    swap = build_swap(cfg, transformer, device, say)
+    checkpoint_run(cfg, transformer, swap, "transformer", say)
     net.train()
-    transformer.eval().to(device)
+    transformer.eval()
+    place(transformer, device, swap)
     # SD3: the ControlNet's last block computes a text stream that nothing reads, so some of its parameters get no
     # gradient; DDP must be told
     wrapped = distribute(cfg, net, parallel, world, device, say, find_unused=preset.family == "sd3")
     forward = controlnet.controlled_forward(transformer, wrapped, preset.family, scale=cfg.controlnet_conditioning_scale,
                                             latent=latent)
     record = state.get("weights") if resume_from else weights.to_json()
-    return Model(transformer, wrapped, forward, [p for p in net.parameters() if p.requires_grad], None, record, controlnet=net)
+    return Model(transformer, wrapped, forward, [p for p in net.parameters() if p.requires_grad], None, record, controlnet=net,
+                 swap=swap)
 
 
 def distribute(cfg: TrainConfig, model: torch.nn.Module, parallel: str, world: int, device: torch.device,
-               say: Callable, find_unused: bool = False) -> torch.nn.Module:
-    """Place the model: shard it per block (FSDP2), or on the device and wrapped in DDP, or just on the device.
-    Returns what a step calls. `find_unused`: some trained parameters may get no gradient in a step (DDP)."""
+               say: Callable, find_unused: bool = False, swap: BlockSwap | None = None) -> torch.nn.Module:
+    """Place the model: shard it per block (FSDP2), or on the device and wrapped in DDP, or just on the device
+    (the swapped blocks' frozen weights stay in CPU memory). Returns what a step calls. `find_unused`: some trained
+    parameters may get no gradient in a step (DDP)."""
     if parallel == "fsdp":
         blocks = distributed.find_blocks(model, cfg.fsdp_block)
         distributed.shard(model, blocks, reshard_after_forward=cfg.fsdp_reshard, cpu_offload=cfg.fsdp_cpu_offload,
@@ -145,36 +159,96 @@ def distribute(cfg: TrainConfig, model: torch.nn.Module, parallel: str, world: i
         say(f"FSDP over {world} ranks: {len(blocks)} {type(blocks[0]).__name__.removeprefix('FSDP')} blocks sharded, "
             f"reshard after forward {cfg.fsdp_reshard}, CPU offload {cfg.fsdp_cpu_offload}")
         return model
-    model.to(device)
+    place(model, device, swap)
     if parallel != "ddp":
         return model
     from torch.nn.parallel import DistributedDataParallel
 
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        # A frozen base is loaded alike on every rank: DDP neither broadcasts it at start (gigabytes, and quantized or
+        # swapped weights it cannot send) nor its buffers before every forward; it reduces the trained parameters alone.
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen + [n for n, _ in model.named_buffers()])
     say(f"DDP over {world} ranks")
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                    find_unused_parameters=find_unused)
 
 
-def checkpoint_blocks(model: torch.nn.Module, every: int) -> int:
-    """Recompute every `every`-th transformer block in the backward pass; returns how many blocks.
+def checkpoint_blocks(model: torch.nn.Module, every: int, skip=()) -> int:
+    """Recompute every `every`-th transformer block in the backward pass, but those in `skip` (recomputed by the
+    block swap already); returns how many blocks.
 
     diffusers' `enable_gradient_checkpointing()` covers all blocks; this trades memory for compute
     in finer steps by wrapping chosen blocks' forward in `torch.utils.checkpoint`.
     """
-    if every == 1:
+    if every == 1 and not skip:
         model.enable_gradient_checkpointing()
         return len(transformer_blocks(model))
-    chosen = transformer_blocks(model)[every - 1 :: every]
+    skipped = {id(b) for b in skip}
+    chosen = [b for b in transformer_blocks(model)[every - 1 :: every] if id(b) not in skipped]
     for block in chosen:
-        block.forward = _checkpointed(block.forward)
+        block.forward = checkpointed_forward(block.forward)
     return len(chosen)
 
 
-def _checkpointed(forward):
+def base_quant(cfg: TrainConfig) -> str | None:
+    """The frozen base's quantization (None: none)."""
+    return None if cfg.base_quant == "none" else cfg.base_quant
+
+
+def frozen_base(cfg: TrainConfig, model: torch.nn.Module) -> str:
+    """How the frozen transformer is held, for the start-up log."""
+    if not base_quant(cfg):
+        return f"in {cfg.weights_dtype}"
+    return f"with {quant.quantized_linears(model)} Linear layers in {cfg.base_quant}, the rest in bf16"
+
+
+def build_swap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, say: Callable) -> BlockSwap | None:
+    """The block swap of the frozen transformer `model` (None without --blocks-to-swap); installed before any
+    checkpointing wraps its blocks, since it checkpoints the blocks it swaps itself."""
+    if not cfg.blocks_to_swap:
+        return None
+    blocks = transformer_blocks(model)
+    if cfg.blocks_to_swap > len(blocks):
+        raise ValueError(f"--blocks-to-swap {cfg.blocks_to_swap}: the transformer has {len(blocks)} blocks; choose at most that")
+    swap = BlockSwap(blocks, cfg.blocks_to_swap, device)
+    say(swap.describe())
+    return swap
+
+
+def checkpoint_run(cfg: TrainConfig, model: torch.nn.Module, swap: BlockSwap | None, what: str, say: Callable) -> None:
+    """The run's gradient checkpointing of `model`'s blocks, beside the swapped ones (always recomputed)."""
+    if not cfg.checkpoint_every_k():
+        if base_quant(cfg) and (swap is None or len(swap.swapped) < len(transformer_blocks(model))):
+            log.warning("--base-quant %s without --grad-checkpointing: each quantized layer of a block that is not recomputed "
+                        "keeps a bf16 copy of its weight for the backward pass, more memory than an unquantized base; add "
+                        "--grad-checkpointing all", cfg.base_quant)
+        return
+    skip = swap.swapped if swap is not None else ()
+    n = checkpoint_blocks(model, cfg.checkpoint_every_k(), skip=skip)
+    extra = f" (and the {len(skip)} swapped ones)" if skip else ""
+    say(f"gradient checkpointing: {n} of {len(transformer_blocks(model)) - len(skip)} {what} blocks recomputed in backward{extra}")
+
+
+def place(model: torch.nn.Module, device: torch.device, swap: BlockSwap | None) -> None:
+    """The model on the device, but the swapped blocks' frozen weights (kept in CPU memory)."""
+    if swap is not None:
+        swap.place(model, device)
+    else:
+        model.to(device)
+
+
+def checkpointed_forward(forward):
+    """`forward` recomputed in backward. Its keyword arguments go in as a positional dict: checkpoint finds the
+    devices whose RNG state it saves (LoRA dropout must draw the same masks again) in positional tensors only, and
+    diffusers calls blocks with keywords."""
+    def run(args: tuple, kwargs: dict):
+        return forward(*args, **kwargs)
+
     def wrapped(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return torch.utils.checkpoint.checkpoint(run, args, kwargs, use_reentrant=False)
     return wrapped
 
 

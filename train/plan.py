@@ -21,7 +21,8 @@ import torch
 from shards import Bucket, bucket_table
 from shards.options import DTYPE_BYTES, DTYPES, default_of
 from train.config import TrainConfig, parse_checkpointing
-from train.model import build_run_objective, checkpoint_blocks
+from train.model import checkpointed_forward, build_run_objective
+from train import quant as quantization
 from train.presets import get_preset, latent_channels, model_forward, text_width, transformer_blocks
 
 GiB = 2**30
@@ -53,6 +54,8 @@ class PlanConfig:
     lora_targets: tuple[str, ...] = ()  # default: the family's
     controlnet: bool = _train("controlnet")  # a ControlNet trains beside the frozen transformer (fp32, its states alone)
     controlnet_layers: int | None = None  # the ControlNet's blocks (default: the family's, as the trainer builds it)
+    base_quant: str = _train("base_quant")  # none | int8 | fp8 | nf4: the frozen base's Linear weights
+    blocks_to_swap: int = _train("blocks_to_swap")  # the last N blocks' frozen weights in CPU memory, recomputed in backward
 
 
 def optimizer_state_bytes(params: list[torch.Tensor], optimizer: str, weight_bytes: int) -> int:
@@ -84,13 +87,16 @@ def optimizer_state_bytes(params: list[torch.Tensor], optimizer: str, weight_byt
 
 
 def meta_model(name: str, dtype: torch.dtype = torch.float32, lora_rank: int = 0, lora_targets=(),
-               adapter_dtype: torch.dtype = torch.float32):
-    """The preset's transformer on the meta device; with `lora_rank`, frozen, with adapters in `adapter_dtype`."""
+               adapter_dtype: torch.dtype = torch.float32, quant: str = "none"):
+    """The preset's transformer on the meta device; with `lora_rank`, frozen, with adapters in `adapter_dtype`;
+    with `quant`, its Linear weights quantized first (the rest in bf16), as the trainer loads them."""
     preset = get_preset(name)
     with _quiet_diffusers():
         with torch.device("meta"):
             model = preset.transformer_class.from_config(preset.transformer_config())
-        model = model.to(dtype)
+        model = model.to(dtype if quant == "none" else quantization.BASE_DTYPE)
+        if quant != "none":
+            quantization.quantize_meta(model, quant)
         if lora_rank:
             from train import lora
 
@@ -180,14 +186,16 @@ def objective_bytes(objective, in_channels: int, out_channels: int) -> tuple[flo
 
 
 def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype,
-                      every: int = 0, objective_per_element: tuple[float, float] | None = None, controlnet=None) -> dict:
+                      every: int = 0, objective_per_element: tuple[float, float] | None = None, controlnet=None,
+                      swapped: int = 0) -> dict:
     """Bytes autograd saves for backward in one forward pass (meta tensors, no memory used).
 
     Returns the total, the largest block's share (what a checkpointed block recomputes at once), and
     the total with every `every`-th block checkpointed (0: none). `objective_per_element`: what the loss holds per
     latent element, at the end of the forward pass and at its peak (`objective_bytes`; default: the output in fp32
     and the clean latents). `controlnet`: traced with a ControlNet beside the (frozen) transformer, as
-    `train.controlnet.controlled_forward` runs them; its blocks count as blocks too."""
+    `train.controlnet.controlled_forward` runs them; its blocks count as blocks too. `swapped`: the transformer's last
+    blocks are swapped, which recomputes them in backward whatever `every` says."""
     cfg = model.config
     down = preset.latent_downsample
     c, h, w = latent_channels(preset.family, cfg), bucket[0] // down, bucket[1] // down
@@ -211,7 +219,7 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     by_block: dict[int, int] = {}
     current = [-1]
     modules = [model] + ([controlnet] if controlnet is not None else [])
-    weights = {p.untyped_storage()._cdata for m in modules for p in m.parameters()}  # saved, but counted as weights
+    weights = {st._cdata for m in modules for p in m.parameters() for st in _storages(p)}  # saved, but counted as weights
 
     start: dict[int, int] = {}  # bytes saved when each block began, in the order the blocks ran
 
@@ -228,8 +236,10 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
 
     hooks = []
     # the blocks `checkpoint_blocks` recomputes: every `every`-th of each module's (Flux's double- and single-stream
-    # blocks differ in size, so the one recomputed at once is the largest of these, not of all)
-    recomputed = [j % every == every - 1 if every else False for m in modules for j in range(len(transformer_blocks(m)))]
+    # blocks differ in size, so the one recomputed at once is the largest of these, not of all), and the swapped ones
+    counts = [len(transformer_blocks(m)) for m in modules]
+    recomputed = [bool(every and j % every == every - 1) or (m is model and j >= counts[0] - swapped)
+                  for m, n in zip(modules, counts) for j in range(n)]
     for i, block in enumerate(b for m in modules for b in transformer_blocks(m)):
         hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: enter(i)))
         hooks.append(block.register_forward_hook(lambda m, a, o: current.__setitem__(0, -1)))
@@ -256,11 +266,14 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     blocks = [v for k, v in by_block.items() if k >= 0]
     result = {"full": full, "block": max(blocks, default=0), "checkpointed": full}
     result_blocks = dict(by_block)
-    if every:
+    if any(recomputed):
         saved.clear()
         by_block.clear()
-        for m in modules:
-            checkpoint_blocks(m, every)
+        for block, again in zip([b for m in modules for b in transformer_blocks(m)], recomputed):
+            if again:
+                block.forward = checkpointed_forward(block.forward)
+                # the checkpoint holds the block's inputs for its recomputation, outside autograd's saved tensors
+                hooks.append(block.register_forward_pre_hook(_hold_inputs(pack), with_kwargs=True))
         F.scaled_dot_product_attention = _fused_sdpa
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -276,6 +289,31 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     for hook in hooks:
         hook.remove()
     return result
+
+
+def _hold_inputs(pack):
+    """A forward pre-hook that counts a checkpointed block's tensor inputs as saved."""
+    def hook(module, args, kwargs):
+        for value in (*args, *kwargs.values()):
+            for tensor in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(tensor, torch.Tensor):
+                    pack(tensor)
+    return hook
+
+
+def _storages(tensor: torch.Tensor) -> list:
+    """The storages holding a tensor's data: its own, or a quantized tensor subclass's inner tensors'."""
+    if hasattr(tensor, "__tensor_flatten__") and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+        names, _ = tensor.__tensor_flatten__()
+        return [st for name in names for st in _storages(getattr(tensor, name))]
+    return [tensor.untyped_storage()]
+
+
+def frozen_bytes(module: torch.nn.Module, quant: str, dtype_bytes: int) -> float:
+    """Bytes of `module`'s frozen parameters: quantized Linear weights at their kind's size, the rest at `dtype_bytes`."""
+    linear_weights = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Linear)} if quant != "none" else set()
+    return sum(quantization.weight_bytes(quant, tuple(p.shape)) if id(p) in linear_weights else p.numel() * dtype_bytes
+               for p in module.parameters() if not p.requires_grad)
 
 
 def ema_placement(decay: float, device: str) -> str:
@@ -294,11 +332,22 @@ def plan(pc: PlanConfig, objective=None) -> dict:
         raise ValueError(f"{what} with the frozen base replicated on every GPU: plan it with --parallel ddp")
     if pc.lora_rank and pc.controlnet:
         raise ValueError("plan LoRA or a ControlNet, not both: the trainer trains one or the other")
-    preset, model = meta_model(pc.model, DTYPES[pc.weights_dtype], pc.lora_rank, pc.lora_targets)
+    if (pc.base_quant != "none" or pc.blocks_to_swap) and not (pc.lora_rank or pc.controlnet):
+        raise ValueError("--base-quant and --blocks-to-swap apply to the frozen base of a LoRA or ControlNet run: add "
+                         "--lora-rank or --controlnet")
+    # a ControlNet is built from the unquantized transformer, which is quantized after (as the trainer does)
+    preset, model = meta_model(pc.model, DTYPES[pc.weights_dtype], pc.lora_rank, pc.lora_targets,
+                               quant="none" if pc.controlnet else pc.base_quant)
     modules = [model]
     if pc.controlnet:  # the transformer frozen in the weights dtype; the ControlNet trains in fp32
         model.requires_grad_(False)
         modules.append(meta_controlnet(preset, model, pc.controlnet_layers))
+        if pc.base_quant != "none":
+            model.to(quantization.BASE_DTYPE)
+            quantization.quantize_meta(model, pc.base_quant)
+    blocks = transformer_blocks(model)
+    if not 0 <= pc.blocks_to_swap <= len(blocks):
+        raise ValueError(f"--blocks-to-swap {pc.blocks_to_swap}: {pc.model} has {len(blocks)} blocks")
     params = [p for m in modules for p in m.parameters()]
     trainable = [p for p in params if p.requires_grad]
     n_params = sum(p.numel() for p in params)
@@ -310,12 +359,18 @@ def plan(pc: PlanConfig, objective=None) -> dict:
     # Full fine-tuning: every weight trains in the weights dtype. LoRA (ControlNet): the base is frozen in the weights
     # dtype and the adapters (the ControlNet: the only gradients, optimizer states and EMA) are fp32.
     tb = 4 if pc.lora_rank or pc.controlnet else wb
+    # the frozen base: quantized Linear weights at their kind's size, the rest in bf16 (or in the weights dtype)
+    fb = DTYPE_BYTES["bf16"] if pc.base_quant != "none" else wb
+    swapped = [frozen_bytes(b, pc.base_quant, fb) for b in blocks[len(blocks) - pc.blocks_to_swap:]]
+    frozen = sum(frozen_bytes(m, pc.base_quant, fb) for m in modules) - sum(swapped)
     components = {
-        "weights": on_device * ((n_params - n_trainable) * wb + n_trainable * tb) / shard + n_buffers * wb,
+        "weights": on_device * (frozen + n_trainable * tb) / shard + n_buffers * (fb if pc.base_quant != "none" else wb),
         "gradients": on_device * n_trainable * tb / shard,
         "optimizer states": on_device * optimizer_state_bytes(trainable, pc.optimizer, tb) / shard,
         "ema": n_trainable * 4 / shard if pc.ema == "device" else 0.0,
     }
+    if swapped:  # the block in use and the next one arriving (one alone when a single block is swapped)
+        components["swapped blocks in flight"] = max((a + b for a, b in zip(swapped, swapped[1:])), default=swapped[0])
     if pc.parallel == "fsdp" and pc.world_size > 1:
         # one block's full parameters gathered in the compute dtype, and the next prefetched
         block_params = max(sum(p.numel() for p in b.parameters()) for b in transformer_blocks(model))
@@ -328,14 +383,17 @@ def plan(pc: PlanConfig, objective=None) -> dict:
     per_element = objective_bytes(objective, channels, channels if preset.family == "flux" else config.get("out_channels") or channels)
 
     def activations(batch: int) -> float:
-        _, m = meta_model(pc.model, compute, pc.lora_rank, pc.lora_targets, adapter_dtype=compute)
+        _, m = meta_model(pc.model, compute, pc.lora_rank, pc.lora_targets, adapter_dtype=compute,
+                          quant="none" if pc.controlnet else pc.base_quant)
         net = None
         if pc.controlnet:
             m.requires_grad_(False)
             net = meta_controlnet(preset, m, pc.controlnet_layers, compute)
+            if pc.base_quant != "none":
+                quantization.quantize_meta(m.to(quantization.BASE_DTYPE), pc.base_quant)
         a = trace_activations(m, preset, batch, pc.bucket, pc.text_tokens or preset.text_tokens, compute, every,
-                              per_element, controlnet=net)
-        return a["checkpointed"] if every else a["full"]
+                              per_element, controlnet=net, swapped=pc.blocks_to_swap)
+        return a["checkpointed"] if every or pc.blocks_to_swap else a["full"]
 
     act = activations(pc.batch_size)
     # activations grow linearly with the batch: the slope from two traces gives the largest batch
@@ -371,6 +429,7 @@ def plan(pc: PlanConfig, objective=None) -> dict:
         "encoders_resident": encoders,
         "peak_with_encoders_resident": peak + sum(encoders.values()),
         "parameters": n_params,
+        "host_bytes": sum(swapped),
         "trainable_parameters": n_trainable,
         **({"controlnet_layers": modules[1].config.num_layers} if pc.controlnet else {}),
         "buffers": n_buffers,
@@ -392,13 +451,17 @@ def format_plan(result: dict) -> str:
         + (f", ControlNet of {result['controlnet_layers']} blocks: {result['trainable_parameters']:,} trainable, the "
            f"transformer frozen" if cfg["controlnet"] else "")
         + f"; batch {cfg['batch_size']} at "
-        f"{cfg['bucket']}, {cfg['precision']} compute, {cfg['weights_dtype']} weights, {cfg['optimizer']}, checkpointing "
+        f"{cfg['bucket']}, {cfg['precision']} compute, "
+        f"{cfg['weights_dtype'] + ' weights' if cfg['base_quant'] == 'none' else 'frozen base in ' + cfg['base_quant'] + ' (the rest bf16)'}"
+        f"{', last ' + str(cfg['blocks_to_swap']) + ' blocks swapped' if cfg['blocks_to_swap'] else ''}, {cfg['optimizer']}, checkpointing "
         f"{cfg['grad_checkpointing']}, EMA {cfg['ema']}, {cfg['world_size']} rank(s) {cfg['parallel'] if cfg['world_size'] > 1 else ''}"
         f"{' + CPU offload' if cfg['fsdp_cpu_offload'] else ''}",
     ]
     for name, value in result["bytes"].items():
         lines.append(f"  {name:<24} {value / GiB:9.2f} GiB")
     lines.append(f"  {'predicted peak':<24} {result['predicted_peak'] / GiB:9.2f} GiB per device")
+    if result["host_bytes"]:
+        lines.append(f"  {'in pinned CPU memory':<24} {result['host_bytes'] / GiB:9.2f} GiB (the swapped blocks' frozen weights)")
     verdict = "fits" if result["fits"] else "does NOT fit"
     lines.append(f"  {verdict} in {cfg['gpu_memory'] / GiB:.0f} GiB; largest batch at {cfg['bucket']}: {result['largest_batch']}")
     per_bucket = result["largest_batch_per_bucket"]

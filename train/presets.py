@@ -221,19 +221,26 @@ def resolve_weights(preset: "ModelPreset", pretrained: str | None = None, revisi
 
 
 def build_transformer(preset: ModelPreset, weights: Weights | str | None, seed: int,
-                      dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+                      dtype: torch.dtype = torch.float32, quant: str | None = None) -> torch.nn.Module:
     """The transformer in `dtype`: from `weights` (a `resolve_weights` result, or a directory or Hub id),
-    or fresh seeded weights from the preset's config when `weights` is None or fresh."""
+    or fresh seeded weights from the preset's config when `weights` is None or fresh. `quant` ("int8", "fp8",
+    "nf4"; None: none): its Linear weights quantized as they load (`train.quant`), the rest in bf16."""
+    from train import quant as quantization
+
     cls = preset.transformer_class
     if isinstance(weights, str):
         weights = resolve_weights(preset, weights)
     if weights is not None and weights.kind != "fresh":
         path = Path(weights.path)
         subfolder = "transformer" if (path / "transformer").is_dir() or not (path / "config.json").exists() else None
+        if quant:
+            return quantization.load(cls, path, subfolder, quant)
         return cls.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls.from_config(preset.transformer_config())
+    if quant:
+        return quantization.quantize_fresh(model, quant)
     return model if dtype == torch.float32 else model.to(dtype)
 
 
