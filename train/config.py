@@ -146,7 +146,7 @@ class TrainConfig:
                                                   "id (its controlnet/ subfolder if it has one). Implies --controlnet.")
     base_quant: Literal["none", "int8", "fp8", "nf4"] = opt(
         "none", "Keep the frozen transformer of a LoRA or ControlNet run quantized: its Linear weights in int8 or fp8 (torchao "
-                "weight-only, on any device) or nf4 (bitsandbytes 4-bit, CUDA: pip install 'cachedit[8bit]'); norms, biases "
+                "weight-only, on any device) or nf4 (bitsandbytes 4-bit, CUDA); pip install 'cachedit[quant]'; norms, biases "
                 "and embeddings in bf16 (whatever --weights-dtype says). The adapters or ControlNet train in fp32 as usual and "
                 "export unchanged. Pair it with --grad-checkpointing: the quantized layers keep a bf16 copy of each weight "
                 "for the backward pass (python -m train plan shows both).")

@@ -226,8 +226,11 @@ def checkpoint_run(cfg: TrainConfig, model: torch.nn.Module, swap: BlockSwap | N
         return
     skip = swap.swapped if swap is not None else ()
     n = checkpoint_blocks(model, cfg.checkpoint_every_k(), skip=skip)
-    extra = f" (and the {len(skip)} swapped ones)" if skip else ""
-    say(f"gradient checkpointing: {n} of {len(transformer_blocks(model)) - len(skip)} {what} blocks recomputed in backward{extra}")
+    if skip:
+        say(f"gradient checkpointing: {n} of the {len(transformer_blocks(model)) - len(skip)} resident {what} blocks recomputed in "
+            f"backward, and the {len(skip)} swapped")
+    else:
+        say(f"gradient checkpointing: {n} of {len(transformer_blocks(model))} {what} blocks recomputed in backward")
 
 
 def place(model: torch.nn.Module, device: torch.device, swap: BlockSwap | None) -> None:

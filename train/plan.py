@@ -438,6 +438,8 @@ def plan(pc: PlanConfig, objective=None) -> dict:
         "fits": peak <= pc.gpu_memory,
         "largest_batch": largest_batch(pc.gpu_memory),
         "largest_batch_with_encoders_resident": largest_batch(pc.gpu_memory - sum(encoders.values())),
+        # the same setup on the cards people train on (GiB as GPU memory is quoted)
+        "largest_batch_by_card": {f"{g}GB": largest_batch(g * GiB) for g in (16, 24, 32, 40, 48, 80)},
         "largest_batch_per_bucket": by_bucket,
         "activation_bytes_per_sample": per_sample,
     }
@@ -453,7 +455,7 @@ def format_plan(result: dict) -> str:
         + f"; batch {cfg['batch_size']} at "
         f"{cfg['bucket']}, {cfg['precision']} compute, "
         f"{cfg['weights_dtype'] + ' weights' if cfg['base_quant'] == 'none' else 'frozen base in ' + cfg['base_quant'] + ' (the rest bf16)'}"
-        f"{', last ' + str(cfg['blocks_to_swap']) + ' blocks swapped' if cfg['blocks_to_swap'] else ''}, {cfg['optimizer']}, checkpointing "
+        f"{', blocks swapped: the last ' + str(cfg['blocks_to_swap']) if cfg['blocks_to_swap'] else ''}, {cfg['optimizer']}, checkpointing "
         f"{cfg['grad_checkpointing']}, EMA {cfg['ema']}, {cfg['world_size']} rank(s) {cfg['parallel'] if cfg['world_size'] > 1 else ''}"
         f"{' + CPU offload' if cfg['fsdp_cpu_offload'] else ''}",
     ]

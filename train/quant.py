@@ -35,6 +35,15 @@ def check_supported(kind: str, device: torch.device) -> None:
     if kind not in KINDS:
         raise ValueError(f"--base-quant {kind}: choose none, {', '.join(KINDS)}")
     if kind != "nf4":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("torchao")
+        except PackageNotFoundError:
+            found = None
+        if found is None or tuple(int(x) for x in found.split(".")[:2] if x.isdigit()) < (0, 15):
+            raise ValueError(f"--base-quant {kind} needs torchao 0.15 or later (found {found or 'none'}): "
+                             f"pip install 'cachedit[quant]'")
         return
     if device.type != "cuda":
         raise ValueError("--base-quant nf4 runs bitsandbytes' 4-bit kernels, which need a CUDA GPU; on this machine use "
@@ -42,7 +51,7 @@ def check_supported(kind: str, device: torch.device) -> None:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise ValueError("--base-quant nf4 needs bitsandbytes: pip install 'cachedit[8bit]'") from None
+        raise ValueError("--base-quant nf4 needs bitsandbytes: pip install 'cachedit[quant]'") from None
 
 
 def quantization_config(kind: str):
