@@ -10,6 +10,7 @@ keeps its own references to the copies a recomputation used until backward is do
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
@@ -29,6 +30,26 @@ def _inner(t: Tensor) -> list[Tensor]:
         return [t]
     names, _ = t.__tensor_flatten__()
     return [x for name in names if (inner := getattr(t, name)) is not None for x in _inner(inner)]
+
+
+@contextlib.contextmanager
+def exact_pinned_sizes() -> Iterator[None]:
+    """PyTorch's pinned-memory allocator rounds each allocation up to a power of two, to reuse freed blocks: weights
+    pinned once for the whole run would take ~1.5 times their size (a 36 MiB projection takes 64). Its setting
+    `pinned_max_round_threshold_mb` turns that off above a size; it is set to 0 while the host copies are pinned and
+    put back after (unset, its default is no threshold), so other pinned memory (batches) keeps the rounding."""
+    settings = getattr(torch._C, "_accelerator_getAllocatorSettings", None), getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if None in settings:  # an older torch: rounded
+        yield
+        return
+    get, set_ = settings
+    before = get()
+    set_("pinned_max_round_threshold_mb:0")
+    try:
+        yield
+    finally:
+        # the getter gives back what was set, not the defaults: an unset threshold is restored as no threshold
+        set_(before if "pinned_max_round_threshold_mb" in before else "pinned_max_round_threshold_mb:1073741824")
 
 
 def _as_parameter(t: Tensor) -> nn.Parameter:
@@ -52,6 +73,13 @@ class Transfer:
     def wait(self, handle: Any) -> list[Tensor]:
         """The device copies, in the order `start` was given, ready for the current stream to use."""
         return handle
+
+    def mark(self) -> Any:
+        """A mark of the work queued on the device so far, for `wait_for` (synchronous copies need none)."""
+        return None
+
+    def wait_for(self, mark: Any) -> None:
+        """Return once the device has done the work queued before `mark`."""
 
 
 class CudaTransfer(Transfer):
@@ -84,6 +112,14 @@ class CudaTransfer(Transfer):
             for inner in _inner(copy):
                 inner.record_stream(compute)
         return copies
+
+    def mark(self) -> torch.cuda.Event:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
+
+    def wait_for(self, mark: torch.cuda.Event) -> None:
+        mark.synchronize()
 
 
 class BlockSwap:
@@ -141,6 +177,10 @@ class BlockSwap:
             self._host.append(host)
             self._slots.append(slots)
         self._pending: dict[int, Any] = {}  # transfers started, not yet placed
+        # marks of the device's work at the start of the last two block uses: the CPU runs ahead of the GPU, and a
+        # dropped block's memory is only free once the GPU is done with it, so a transfer waits for the GPU to have
+        # finished the block two uses back (at most three blocks' copies on the device: finishing, in use, arriving)
+        self._marks: collections.deque = collections.deque(maxlen=2)
         self._placed: set[int] = set()  # blocks whose modules hold device copies
         self._phase = "forward"
         self._forwards = [block.__dict__.get("forward") for block in self.swapped]
@@ -153,7 +193,10 @@ class BlockSwap:
         if not self.pinned and p.device.type == "cpu":
             return p
         host = p.detach().cpu()
-        return nn.Parameter(host.pin_memory() if self.pinned else host, requires_grad=False)
+        if self.pinned:
+            with exact_pinned_sizes():
+                host = host.pin_memory()
+        return nn.Parameter(host, requires_grad=False)
 
     def place(self, model: nn.Module, device: torch.device | str | None = None) -> None:
         """Move every parameter and buffer of `model` to `device` (default: the swapper's), except the swapped
@@ -197,9 +240,10 @@ class BlockSwap:
         return sum(self._block_bytes(k) for k in range(len(self.swapped)))
 
     def window_bytes(self) -> int:
-        """The most the swapper holds on the device at once: the largest two consecutive swapped blocks."""
+        """The most swapped weights on the device at once: three consecutive swapped blocks (the one the GPU is
+        finishing, the one in use, the one arriving; two hold references here)."""
         sizes = [self._block_bytes(k) for k in range(len(self.swapped))]
-        return max(a + b for a, b in zip(sizes, sizes[1:])) if len(sizes) > 1 else sizes[0]
+        return max(sum(sizes[i:i + 3]) for i in range(max(1, len(sizes) - 2)))
 
     def describe(self) -> str:
         """One line for the start-up log."""
@@ -207,7 +251,7 @@ class BlockSwap:
         where = "pinned CPU memory" if self.pinned else "CPU memory"
         how = "on a side stream" if isinstance(self.transfer, CudaTransfer) else "synchronously"
         return (f"block swapping: {len(self.swapped)} of {self.total} blocks' frozen weights ({self.host_bytes() / gib:.1f} GiB) "
-                f"in {where}, {min(2, len(self.swapped))} on the device at a time ({self.window_bytes() / gib:.1f} GiB), "
+                f"in {where}, at most {min(3, len(self.swapped))} on the device at a time ({self.window_bytes() / gib:.1f} GiB), "
                 f"prefetched one block ahead {how}")
 
     def remove(self) -> None:
@@ -272,7 +316,10 @@ class BlockSwap:
             if j != k:
                 self._drop(j)
         self._ensure(k)
+        self._marks.append(self.transfer.mark())
         if 0 <= following < len(self.swapped):
+            if len(self._marks) == 2 and following not in self._placed and following not in self._pending:
+                self.transfer.wait_for(self._marks[0])
             self._start(following)
         assert len(self.resident()) <= 2, f"block swapping holds blocks {self.resident()} on the device"
 
