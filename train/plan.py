@@ -2,9 +2,11 @@
 
 The transformer is built on the meta device from the preset's config: parameters are counted
 exactly, and one forward pass at the requested bucket and batch is traced with saved-tensor hooks,
-so activation memory is what autograd actually keeps for the backward pass (deduplicated by storage),
-with and without gradient checkpointing. Weights, gradients, optimizer states (per optimizer, from
-the parameter shapes) and the EMA are accounted per rank, with FSDP sharding and CPU offload.
+so activation memory is what autograd actually keeps for the backward pass (deduplicated by storage);
+with gradient checkpointing the backward runs too, recomputations included, and its peak of live
+tensors counts. Weights (quantized ones at their kind's size, swapped blocks off the device),
+gradients, optimizer states (per optimizer, from the parameter shapes) and the EMA are accounted per
+rank, with FSDP sharding and CPU offload.
 """
 
 from __future__ import annotations
@@ -14,18 +16,24 @@ import math
 import os
 import sys
 import warnings
+import weakref
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
 
 from shards import Bucket, bucket_table
 from shards.options import DTYPE_BYTES, DTYPES, default_of
 from train.config import TrainConfig, parse_checkpointing
-from train.model import checkpointed_forward, build_run_objective
 from train import quant as quantization
+from train.model import build_run_objective, checkpointed_forward
 from train.presets import get_preset, latent_channels, model_forward, text_width, transformer_blocks
 
 GiB = 2**30
+# What a card loses before the first tensor: the CUDA context (~0.3-0.5 GiB with torch's kernels), cuBLAS and cuDNN
+# workspaces, and the caching allocator's rounding and fragmentation (`largest_batch_by_card`)
+CARD_RESERVED = 0.75 * GiB
 
 
 def _train(name: str):
@@ -188,14 +196,15 @@ def objective_bytes(objective, in_channels: int, out_channels: int) -> tuple[flo
 def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype,
                       every: int = 0, objective_per_element: tuple[float, float] | None = None, controlnet=None,
                       swapped: int = 0) -> dict:
-    """Bytes autograd saves for backward in one forward pass (meta tensors, no memory used).
+    """Bytes autograd saves for backward in one forward pass (meta tensors, no memory used), and with checkpointing
+    the peak of the backward pass that recomputes the checkpointed blocks, run on the meta device too.
 
-    Returns the total, the largest block's share (what a checkpointed block recomputes at once), and
-    the total with every `every`-th block checkpointed (0: none). `objective_per_element`: what the loss holds per
-    latent element, at the end of the forward pass and at its peak (`objective_bytes`; default: the output in fp32
-    and the clean latents). `controlnet`: traced with a ControlNet beside the (frozen) transformer, as
-    `train.controlnet.controlled_forward` runs them; its blocks count as blocks too. `swapped`: the transformer's last
-    blocks are swapped, which recomputes them in backward whatever `every` says."""
+    Returns the total, the largest block's share, and the peak with every `every`-th block checkpointed (0: none).
+    `objective_per_element`: what the loss holds per latent element, at the end of the forward pass and at its peak
+    (`objective_bytes`; default: the output in fp32 and the clean latents). `controlnet`: traced with a ControlNet
+    beside the (frozen) transformer, as `train.controlnet.controlled_forward` runs them; its blocks count as blocks too.
+    `swapped`: the transformer's last blocks are swapped, which recomputes them in backward whatever `every` says.
+    Below fp32, matrix products run in `dtype` and LoRA layers copy their inputs as under the trainer's autocast."""
     cfg = model.config
     down = preset.latent_downsample
     c, h, w = latent_channels(preset.family, cfg), bucket[0] // down, bucket[1] // down
@@ -221,8 +230,6 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     modules = [model] + ([controlnet] if controlnet is not None else [])
     weights = {st._cdata for m in modules for p in m.parameters() for st in _storages(p)}  # saved, but counted as weights
 
-    start: dict[int, int] = {}  # bytes saved when each block began, in the order the blocks ran
-
     def pack(tensor):
         storage = tensor.untyped_storage()
         if storage._cdata not in saved and storage._cdata not in weights:
@@ -230,19 +237,16 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
             by_block[current[0]] = by_block.get(current[0], 0) + storage.nbytes()
         return tensor
 
-    def enter(i: int) -> None:
-        current[0] = i
-        start[i] = sum(saved.values())
-
     hooks = []
-    # the blocks `checkpoint_blocks` recomputes: every `every`-th of each module's (Flux's double- and single-stream
-    # blocks differ in size, so the one recomputed at once is the largest of these, not of all), and the swapped ones
+    # the blocks `checkpoint_blocks` recomputes: every `every`-th of each module's, and the swapped ones
     counts = [len(transformer_blocks(m)) for m in modules]
     recomputed = [bool(every and j % every == every - 1) or (m is model and j >= counts[0] - swapped)
                   for m, n in zip(modules, counts) for j in range(n)]
     for i, block in enumerate(b for m in modules for b in transformer_blocks(m)):
-        hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: enter(i)))
+        hooks.append(block.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
         hooks.append(block.register_forward_hook(lambda m, a, o: current.__setitem__(0, -1)))
+    autocast = _LowPrecisionMatmuls(dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    adapters = _fp32_adapters(model) if dtype != torch.float32 else []
     if controlnet is not None:
         from train.controlnet import controlled_forward
 
@@ -254,7 +258,7 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     sdpa = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = _fused_sdpa  # the kernels training runs with on GPUs
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = forward(x, t, text)
     finally:
         F.scaled_dot_product_attention = sdpa
@@ -265,30 +269,144 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     full = sum(saved.values()) + max(kept, peak)
     blocks = [v for k, v in by_block.items() if k >= 0]
     result = {"full": full, "block": max(blocks, default=0), "checkpointed": full}
-    result_blocks = dict(by_block)
     if any(recomputed):
         saved.clear()
-        by_block.clear()
         for block, again in zip([b for m in modules for b in transformer_blocks(m)], recomputed):
             if again:
-                block.forward = checkpointed_forward(block.forward)
+                block.forward = checkpointed_forward(_within(autocast, block.forward))  # recomputed as it ran
                 # the checkpoint holds the block's inputs for its recomputation, outside autograd's saved tensors
                 hooks.append(block.register_forward_pre_hook(_hold_inputs(pack), with_kwargs=True))
+        # Backward recomputes a checkpointed block once everything saved after it is freed, and then holds more than
+        # what was saved before it, its inputs and its saved activations: its forward's temporaries (the residual
+        # sums, gated and modulated tensors its Python locals keep until it returns, LoRA's fp32 input copies) at
+        # the end of the recomputation, and the gradients of its intermediates as its backward runs. Rather than
+        # model those per architecture, the backward runs here, recomputations and all, and every tensor created
+        # since the forward began counts while it is alive: the peak of that, with the clean latents beside it.
+        # Trained parameters' gradients count as gradients, apart, from the moment they are accumulated.
+        live = _Lifetimes(weights | {st._cdata for v in (x, t, *text.values()) for st in _storages(v)})
         F.scaled_dot_product_attention = _fused_sdpa
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with autocast, live, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = forward(x, t, text)
+            for hook in hooks:  # the counting of saved tensors is over; recomputations run the blocks again
+                hook.remove()
+            hooks = []
+            backward_peak = 0
+            if out.requires_grad:
+                live.forget(out)  # the loss's backward frees the output: its gradient flows from there
+                accumulated = [p.register_post_accumulate_grad_hook(lambda p: live.forget(p.grad))
+                               for m in modules for p in m.parameters() if p.requires_grad]
+                with live:
+                    live.peak = live.bytes
+                    torch.autograd.backward(out.sum())  # a sum's gradient is a broadcast scalar: no latent-sized seed
+                backward_peak = live.peak
+                for hook in accumulated:
+                    hook.remove()
         finally:
             F.scaled_dot_product_attention = sdpa
-        # Backward recomputes a checkpointed block once everything saved after it is freed: then what was saved before
-        # it, its own saved inputs and its whole activations are held, with the gradient flowing through it (the
-        # output's) and the clean latents; the loss's share is freed by then.
-        recompute = max((start[k] + by_block.get(k, 0) + v for k, v in result_blocks.items() if k >= 0 and recomputed[k]),
-                        default=0)
-        result["checkpointed"] = max(sum(saved.values()) + max(kept, peak), recompute + x.numel() * 4 + out.numel() * 4)
-    for hook in hooks:
+        result["checkpointed"] = max(sum(saved.values()) + max(kept, peak), backward_peak + x.numel() * 4)
+    for hook in hooks + adapters:
         hook.remove()
     return result
+
+
+class _LowPrecisionMatmuls(torch.overrides.TorchFunctionMode):
+    """Autocast's rule for matrix products, the same on every device: their inputs cast to the compute dtype. The
+    trace runs on the meta device, which autocast does not cover; code that computes in fp32 on purpose (Sana's
+    linear attention) then saves the compute-dtype copies that training saves, not its fp32 tensors. (Which other
+    ops autocast runs in fp32 differs between devices: they keep the trace's dtype.)"""
+
+    PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "addmm", "addbmm", "linear", "einsum",
+                "conv1d", "conv2d", "conv3d"}
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in self.PRODUCTS:
+            def cast(v):
+                return v.to(self.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != self.dtype else v
+
+            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
+        return func(*args, **kwargs)
+
+
+def _fp32_adapters(model: torch.nn.Module) -> list:
+    """Hooks that make the traced LoRA layers copy their input as the trainer's fp32 adapters do under autocast: peft
+    casts each adapted layer's input to the adapters' fp32, alive while they run, and autocast casts that back for
+    lora_A, which saves the copy (with `_LowPrecisionMatmuls`). One copy per layer, then: the trace's adapters, in
+    the compute dtype, would have q, k and v save their one shared input."""
+    held: dict[torch.nn.Module, torch.Tensor] = {}
+
+    def enter(layer, args):
+        held[layer] = args[0].float()
+
+    def leave(layer, args, out):
+        del held[layer]
+
+    hooks = []
+    for layer in model.modules():
+        lora_a = getattr(layer, "lora_A", None)
+        if isinstance(lora_a, torch.nn.ModuleDict) and len(lora_a):
+            hooks += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
+            hooks += [a.register_forward_pre_hook(lambda a, args, layer=layer: (held[layer],)) for a in lora_a.values()]
+    return hooks
+
+
+class _Lifetimes(TorchDispatchMode):
+    """Bytes of the tensors alive, and their peak, over the ops run inside it: a storage an op creates counts from
+    then until its last tensor is gone. Storages in `ignored` (weights, inputs) never count."""
+
+    def __init__(self, ignored: set):
+        super().__init__()
+        self.ignored = ignored
+        self.alive: dict[int, list[int]] = {}  # storage -> [bytes, tensors on it]
+        self.bytes = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.ignored:
+            return
+        entry = self.alive.get(key)
+        if entry is None:
+            entry = self.alive[key] = [storage.nbytes(), 0]
+            self.bytes += entry[0]
+            self.peak = max(self.peak, self.bytes)
+        entry[1] += 1
+        weakref.finalize(tensor, self._release, key).atexit = False
+
+    def _release(self, key: int) -> None:
+        entry = self.alive.get(key)
+        if entry is not None:  # else forgotten
+            entry[1] -= 1
+            if not entry[1]:
+                del self.alive[key]
+                self.bytes -= entry[0]
+
+    def forget(self, tensor: torch.Tensor) -> None:
+        """`tensor`'s storage counts no longer."""
+        entry = self.alive.pop(tensor.untyped_storage()._cdata, None)
+        if entry is not None:
+            self.bytes -= entry[0]
+
+
+def _within(context, forward):
+    """`forward` run inside `context`, also when its block is recomputed in backward (outside the trace's `with`)."""
+    def run(*args, **kwargs):
+        with context:
+            return forward(*args, **kwargs)
+    return run
 
 
 def _hold_inputs(pack):
@@ -332,6 +450,9 @@ def plan(pc: PlanConfig, objective=None) -> dict:
         raise ValueError(f"{what} with the frozen base replicated on every GPU: plan it with --parallel ddp")
     if pc.lora_rank and pc.controlnet:
         raise ValueError("plan LoRA or a ControlNet, not both: the trainer trains one or the other")
+    if pc.base_quant == "nf4" and pc.blocks_to_swap:
+        raise ValueError("--blocks-to-swap with --base-quant nf4 is refused by the trainer (bitsandbytes' 4-bit weights carry "
+                         "state the swap does not); plan one or the other")
     if (pc.base_quant != "none" or pc.blocks_to_swap) and not (pc.lora_rank or pc.controlnet):
         raise ValueError("--base-quant and --blocks-to-swap apply to the frozen base of a LoRA or ControlNet run: add "
                          "--lora-rank or --controlnet")
@@ -369,8 +490,8 @@ def plan(pc: PlanConfig, objective=None) -> dict:
         "optimizer states": on_device * optimizer_state_bytes(trainable, pc.optimizer, tb) / shard,
         "ema": n_trainable * 4 / shard if pc.ema == "device" else 0.0,
     }
-    if swapped:  # the block in use and the next one arriving (one alone when a single block is swapped)
-        components["swapped blocks in flight"] = max((a + b for a, b in zip(swapped, swapped[1:])), default=swapped[0])
+    if swapped:  # the block the GPU is finishing, the one in use and the one arriving (`train.swap.BlockSwap`)
+        components["swapped blocks in flight"] = max(sum(swapped[i:i + 3]) for i in range(max(1, len(swapped) - 2)))
     if pc.parallel == "fsdp" and pc.world_size > 1:
         # one block's full parameters gathered in the compute dtype, and the next prefetched
         block_params = max(sum(p.numel() for p in b.parameters()) for b in transformer_blocks(model))
@@ -438,8 +559,9 @@ def plan(pc: PlanConfig, objective=None) -> dict:
         "fits": peak <= pc.gpu_memory,
         "largest_batch": largest_batch(pc.gpu_memory),
         "largest_batch_with_encoders_resident": largest_batch(pc.gpu_memory - sum(encoders.values())),
-        # the same setup on the cards people train on (GiB as GPU memory is quoted)
-        "largest_batch_by_card": {f"{g}GB": largest_batch(g * GiB) for g in (16, 24, 32, 40, 48, 80)},
+        # the same setup on the cards people train on (GiB as GPU memory is quoted), less what the CUDA context,
+        # cuBLAS's workspace and the allocator's slack take before any tensor
+        "largest_batch_by_card": {f"{g}GB": largest_batch(g * GiB - CARD_RESERVED) for g in (16, 24, 32, 40, 48, 80)},
         "largest_batch_per_bucket": by_bucket,
         "activation_bytes_per_sample": per_sample,
     }
@@ -478,8 +600,8 @@ def format_plan(result: dict) -> str:
         lines.append(f"  with the encoders resident in bf16, as trainers without a cache run ({names}): "
                      f"{result['peak_with_encoders_resident'] / GiB:.2f} GiB, largest batch "
                      f"{result['largest_batch_with_encoders_resident']}; the cache saves {resident / GiB:.2f} GiB per device")
-    lines.append("  (activations traced at one forward on the meta device; backward frees them as it makes gradients, "
-                 "so the peak counts the larger of the two)")
+    lines.append("  (activations traced at one forward on the meta device, and with checkpointing its backward's recomputations "
+                 "too; backward frees activations as it makes gradients, so the peak counts the larger of the two)")
     return "\n".join(lines)
 
 
