@@ -102,3 +102,16 @@ def pipeline_kwargs(model: str) -> dict:
     """Generation options of the tiny presets: their token limits, no Sana instruction prompt."""
     return {"tiny-sana": {"complex_human_instruction": None, "max_sequence_length": 64},
             "tiny-pixart": {"max_sequence_length": 64}, "tiny-sd3": {"max_sequence_length": 32}}[model]
+
+
+def train_processes(nproc: int, run, *args: str):
+    """`python -m train *args --run-dir RUN` in one process, or in `nproc` under torchrun (one compute thread each);
+    fails the test with the trainer's stderr when it fails."""
+    import subprocess
+
+    runner = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  "--nproc_per_node", str(nproc)]
+    out = subprocess.run([*runner, "-m", "train", *args, "--run-dir", str(run)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out

@@ -2,7 +2,6 @@
 resumes exactly, exports to what the stock ControlNet pipelines load, and computes what they compute."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFilter, ImageOps
 
-from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline
+from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline, train_processes
 from shards import Cache, LatentSpec
 from train import controlnet
 from train.checkpoint import complete_checkpoints
@@ -344,13 +343,8 @@ def test_two_processes_train_the_controlnet_as_one(caches, tmp_path):
     process at batch 2 does."""
     args = ["--model", "tiny-sd3", "--cache", str(caches["tiny-sd3"]), "--controlnet", "--precision", "fp32", "--no-validate",
             "--no-progress", "--log-every", "1", "--steps", "3", "--lr", "5e-3", "--checkpoint-every", "3"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for nproc, batch in ((1, 2), (2, 1)):
-        runner = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                      "--nproc_per_node", str(nproc)]
-        out = subprocess.run([*runner, "-m", "train", *args, "--batch-size", str(batch), "--run-dir", str(tmp_path / str(nproc))],
-                             cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-        assert out.returncode == 0, out.stderr[-3000:]
+        train_processes(nproc, tmp_path / str(nproc), *args, "--batch-size", str(batch))
     assert losses(tmp_path / "2") == pytest.approx(losses(tmp_path / "1"), rel=1e-4)
     assert (complete_checkpoints(tmp_path / "2")[-1] / "controlnet" / "diffusion_pytorch_model.safetensors").exists()
 

@@ -41,7 +41,6 @@ class Model:
     adapter: object | None
     weights: dict | None
     controlnet: torch.nn.Module | None = None
-    swap: BlockSwap | None = None
 
 
 def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int, device: torch.device, *, resume_from: Path | None,
@@ -94,7 +93,7 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
     # a resumed run keeps the record of the weights it started from (a LoRA base re-resolved now may name a newer commit)
     record = state.get("weights") if resume_from else weights.to_json()
     return Model(model, net, model_forward(net, preset.family, guidance=cfg.guidance_scale_train),
-                 [p for p in model.parameters() if p.requires_grad], adapter, record, swap=swap)
+                 [p for p in model.parameters() if p.requires_grad], adapter, record)
 
 
 def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, parallel: str, world: int, device: torch.device, *,
@@ -107,7 +106,10 @@ def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, paral
         raise ValueError("a ControlNet on a random transformer steers nothing: start from the preset's released weights or --pretrained")
     # a new ControlNet copies the transformer's first blocks: from its weights as released, before the base is quantized
     new = not resume_from and not cfg.pretrained_controlnet
-    transformer = build_transformer(preset, weights, cfg.seed, DTYPES[cfg.weights_dtype], quant=None if new else base_quant(cfg))
+    if new and base_quant(cfg):  # the copy's source in the quantized base's own dtype, not a 4-byte --weights-dtype
+        transformer = build_transformer(preset, weights, cfg.seed, quant.BASE_DTYPE)
+    else:
+        transformer = build_transformer(preset, weights, cfg.seed, DTYPES[cfg.weights_dtype], quant=base_quant(cfg))
     transformer.requires_grad_(False)
     if resume_from:
         if not checkpoint.is_controlnet(resume_from):
@@ -141,8 +143,7 @@ def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, paral
     forward = controlnet.controlled_forward(transformer, wrapped, preset.family, scale=cfg.controlnet_conditioning_scale,
                                             latent=latent)
     record = state.get("weights") if resume_from else weights.to_json()
-    return Model(transformer, wrapped, forward, [p for p in net.parameters() if p.requires_grad], None, record, controlnet=net,
-                 swap=swap)
+    return Model(transformer, wrapped, forward, [p for p in net.parameters() if p.requires_grad], None, record, controlnet=net)
 
 
 def distribute(cfg: TrainConfig, model: torch.nn.Module, parallel: str, world: int, device: torch.device,
@@ -213,6 +214,9 @@ def build_swap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, s
         raise ValueError(f"--blocks-to-swap {cfg.blocks_to_swap}: the transformer has {len(blocks)} blocks; choose at most that")
     swap = BlockSwap(blocks, cfg.blocks_to_swap, device)
     say(swap.describe())
+    if device.type == "cpu":
+        log.warning("--blocks-to-swap on the CPU: the weights are in CPU memory already, so swapping saves nothing and the "
+                    "swapped blocks are recomputed in backward")
     return swap
 
 

@@ -77,12 +77,13 @@ def load(cls, path: str | Path, subfolder: str | None, kind: str) -> torch.nn.Mo
 
 
 def cast_inputs_as_autocast(model: torch.nn.Module) -> int:
-    """Make torchao's quantized Linear layers take the input autocast would give them; returns how many.
+    """Make the quantized Linear layers take the input autocast would give them; returns how many.
 
     Their linear is a `__torch_function__` override, which runs before autocast sees the call, and computes in the
     input's dtype: after a LayerNorm (an fp32 op under autocast) that is fp32, so the layer would compute and output
     fp32, twice the activation memory of the bf16 layer it replaces. Under autocast each such layer's input is cast to
-    the autocast dtype, as autocast casts a Linear's. bitsandbytes' layers cast to their compute dtype themselves."""
+    the autocast dtype, as autocast casts a Linear's. bitsandbytes' 4-bit layers compute in their compute dtype but
+    return (and cast their bias to) the input's dtype: the same cast keeps them bf16 too."""
     def cast(module, args):
         x = args[0]
         kind = x.device.type
@@ -90,8 +91,7 @@ def cast_inputs_as_autocast(model: torch.nn.Module) -> int:
             return (x.to(torch.get_autocast_dtype(kind)), *args[1:])
         return None
 
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and is_quantized(m.weight)
-              and type(m.weight).__name__ != "Params4bit"]
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and is_quantized(m.weight)]
     for layer in layers:
         layer.register_forward_pre_hook(cast)
     return len(layers)
