@@ -34,7 +34,12 @@ class TrainConfig:
     grad_accum: int = opt(1, "Micro-batches per optimizer step.")
     lr: float = opt(1e-4, "Peak learning rate. A resumed run given another value applies it from its step (logged).")
     warmup_steps: int = opt(0, "Linear warm-up steps (applied on resume when changed).")
-    lr_schedule: Literal["constant", "cosine"] = opt("constant", "After warm-up: constant or cosine decay to 0 at --steps.")
+    lr_schedule: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = opt(
+        "constant", "After warm-up (diffusers.optimization.get_scheduler): constant; linear, cosine or polynomial decay to 0 at "
+                    "--steps (polynomial: to --lr-end with power --lr-power); cosine_with_restarts: --lr-cycles hard restarts.")
+    lr_cycles: int = opt(1, "cosine_with_restarts: how many cosine cycles (hard restarts) over the run.")
+    lr_power: float = opt(1.0, "polynomial: the decay's power (1: linear).")
+    lr_end: float = opt(1e-7, "polynomial: the learning rate at --steps.")
     weight_decay: float = opt(0.0, "Weight decay (applied on resume when changed).")
     optimizer: Optimizer = opt("adamw", "adamw (fused on CUDA); adamw-bf16: bf16 moments with stochastic rounding, for "
                                         "--weights-dtype bf16 (torchao); came (Sana's); adafactor; adamw-8bit (CUDA, bitsandbytes: "
@@ -100,6 +105,12 @@ class TrainConfig:
     log_every: int = opt(10, "Write metrics every N steps.")
     max_bad_steps: int = opt(5, "Abort after this many non-finite steps in a row.")
     progress: bool = opt(True, "Show the progress bar.")
+    report_to: list[str] = opt([], "Send the logged scalars, the validation grids and the run's config to a tracker: tensorboard "
+                                   "(RUN/tensorboard; pip install 'cachedit[tensorboard]') or wandb (pip install "
+                                   "'cachedit[wandb]'; WANDB_MODE=offline works without an account). Repeatable; none: "
+                                   "metrics.jsonl alone (the default; it is always written).")
+    tracker_project: str = opt("cachedit", "The tracker's project (wandb's project).")
+    tracker_run_name: str | None = opt(None, "The run's name in the tracker (default: the run directory's name).")
     validation_prompt: list[str] = opt([], "Validation prompt (repeatable); its embedding must be in the cache (precompute "
                                            "--validation-prompt). Default: every prompt cached with the data.")
     validate_every: int = opt(0, "Sample a validation grid every N steps (0: only at the end).")
@@ -239,6 +250,12 @@ class TrainConfig:
             raise ValueError("steps, batch size and gradient accumulation must be at least 1")
         if self.workers < 0 or self.prefetch < 1 or self.readahead < 0 or self.shuffle_shards < 1:
             raise ValueError("--workers and --readahead must be at least 0; --prefetch and --shuffle-shards at least 1")
+        self.report_to = [r for r in self.report_to if r != "none"]
+        unknown = sorted(set(self.report_to) - {"tensorboard", "wandb"})
+        if unknown:
+            raise ValueError(f"--report-to {', '.join(unknown)}: choose none, tensorboard or wandb (repeatable)")
+        if self.lr_cycles < 1 or self.lr_power <= 0 or self.lr_end < 0:
+            raise ValueError("--lr-cycles must be at least 1, --lr-power above 0 and --lr-end at least 0")
         if self.ema_every < 1 or not 0 <= self.ema_decay < 1:
             raise ValueError(f"--ema-decay {self.ema_decay} must be in [0, 1) and --ema-every {self.ema_every} at least 1")
 
