@@ -106,8 +106,9 @@ def test_resume_applies_a_new_schedule_and_refuses_a_new_seed(caches, tmp_path, 
                  "warmup-steps 0 -> 10 from step 2"):
         assert line in out
     rows = metrics(tmp_path)
-    # the warm-up of the new peak, as at steps 3 and 4 of a run started with it (the logged lr is the next step's)
-    assert [r["lr"] for r in rows[2:]] == pytest.approx([5e-4 * 4 / 10, 5e-4 * 5 / 10])
+    # the warm-up of the new peak, as at steps 3 and 4 of a run started with it (the logged lr is the next step's; the
+    # warm-up starts from 0 at step 0, as diffusers' schedules do)
+    assert [r["lr"] for r in rows[2:]] == pytest.approx([5e-4 * 3 / 10, 5e-4 * 4 / 10])
     ckpt = complete_checkpoints(tmp_path)[-1]
     groups = torch.load(ckpt / "optimizer.pt", weights_only=True)["param_groups"]
     assert {g["weight_decay"] for g in groups} == {0.01}

@@ -4,7 +4,6 @@ the learning-rate schedule, the EMA and the objective, built from the run's conf
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -289,28 +288,30 @@ def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.opt
     return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
-def lr_lambda(cfg: TrainConfig):
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.lr_schedule == "cosine":
-            progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-    return f
-
-
 def build_schedule(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    """The learning-rate schedule, as diffusers' training scripts build it (`diffusers.optimization.get_scheduler`): a
+    linear warm-up from 0 over --warmup-steps, then constant, linear, cosine (with --lr-cycles restarts) or polynomial
+    decay to --steps. A LambdaLR: its state is the step count, and the lambda is rebuilt from this run's options on
+    resume (`apply_schedule`)."""
+    from diffusers.optimization import get_polynomial_decay_schedule_with_warmup, get_scheduler
+
+    if cfg.lr_schedule == "polynomial":  # get_scheduler does not pass lr_end through
+        if cfg.lr_end >= cfg.lr:
+            raise ValueError(f"--lr-end {cfg.lr_end:g} must be below --lr {cfg.lr:g} for a polynomial decay")
+        return get_polynomial_decay_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps, lr_end=cfg.lr_end,
+                                                         power=cfg.lr_power)
+    name = "constant_with_warmup" if cfg.lr_schedule == "constant" and cfg.warmup_steps else cfg.lr_schedule
+    return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps,
+                         num_cycles=cfg.lr_cycles)
 
 
 def apply_schedule(cfg: TrainConfig, optimizer: torch.optim.Optimizer, scheduler) -> None:
     """Make a resumed schedule this run's: its peak lr, warm-up, schedule and weight decay at the saved step.
 
-    A loaded optimizer and scheduler carry the checkpoint's lr and weight decay; LambdaLR's lambda is this
-    run's already, so only the base values and the current lr need setting."""
+    A loaded LambdaLR keeps this run's lambda (a function is not part of its state) and the checkpoint's base lrs, and
+    the optimizer the checkpoint's lr and weight decay: the base values and the current lr are set here."""
     scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
-    factor = lr_lambda(cfg)(scheduler.last_epoch)
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
     for group in optimizer.param_groups:
         group["initial_lr"], group["weight_decay"] = cfg.lr, cfg.weight_decay
         if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers keep lr in a tensor
