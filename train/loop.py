@@ -129,12 +129,14 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         return dry_run(cfg, cache, dataset, step, validator, preset, planned, device, say)
 
     # 4. the loop
+    # trackers open before the signal handlers are swapped: one that fails to start leaves them as they were
+    metrics = Metrics(cfg.run, progress.step, progress.smoothed, is_main=is_main, device=device, precision=cfg.precision,
+                      drawn=progress.drawn, report_to=cfg.report_to, project=cfg.tracker_project,
+                      run_name=cfg.tracker_run_name, run_config=run_config)
     stop = {"signal": None, "memory": False}
     handlers = {s: signal.signal(s, lambda signum, frame: stop.update(signal=signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     # `kill -USR1 PID` writes RUN/memory.txt at the next step
     handlers[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: stop.update(memory=True))
-    metrics = Metrics(cfg.run, progress.step, progress.smoothed, is_main=is_main, device=device, precision=cfg.precision,
-                      drawn=progress.drawn)
     validated_at = None
 
     def validate() -> None:

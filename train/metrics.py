@@ -1,5 +1,5 @@
-"""What a run reports: `metrics.jsonl` (the record; a resumed run rewrites it from its step), TensorBoard when
-installed, validation grids, `loss.png` at the end, and memory reports on request."""
+"""What a run reports: `metrics.jsonl` (the record; a resumed run rewrites it from its step), the trackers asked for
+(TensorBoard, wandb), validation grids, `loss.png` at the end, and memory reports on request."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from tqdm import tqdm
 from shards.atomic import atomic_write_bytes
 from train import distributed
 from train.objectives import TIMESTEP_BINS
+from train.trackers import Trackers, require
 
 log = logging.getLogger("train")
 SCALARS = ("loss", "smoothed_loss", "lr", "grad_norm", "samples_per_s", "data_wait", "peak_memory")
@@ -29,25 +30,29 @@ class Metrics:
         run: the run directory.
         step: the step the run starts at (a resumed run's metrics after it are dropped: they are redone).
         smoothed: the debiased moving average of the loss as (sum, n), carried across resumes.
+        report_to: the trackers rank 0 also reports to (`--report-to`); every rank checks they are installed.
+        project: the trackers' project (wandb's).
+        run_name: the run's name in the trackers (default: the run directory's name).
+        run_config: the run's options, sent to the trackers.
     """
 
     def __init__(self, run: Path, step: int, smoothed: list, *, is_main: bool, device: torch.device,
-                 precision: str, data_wait: float = 0.0, drawn: dict | None = None):
+                 precision: str, data_wait: float = 0.0, drawn: dict | None = None, report_to: list[str] | None = None,
+                 project: str = "cachedit", run_name: str | None = None, run_config: dict | None = None):
+        report_to = list(report_to or [])
+        require(report_to)  # on every rank, so that all stop together
         self.run, self.is_main, self.device, self.precision = run, is_main, device, precision
         self.smooth_sum, self.smooth_n = smoothed
         self.drawn: Counter[str] = Counter(drawn or {})  # samples trained on per source, over the whole run
         self.losses: list[tuple[int, float]] = []
         self.grids: list[str] = []
-        self.file = self.tensorboard = None
+        self.file = self.trackers = None
         if is_main:
+            if report_to:  # opened first: a tracker that fails to start leaves metrics.jsonl as it was
+                self.trackers = Trackers(report_to, run, step, project=project, config=run_config or {},
+                                         name=run_name or run.resolve().name)
             truncate_metrics(run / "metrics.jsonl", step)
             self.file = open(run / "metrics.jsonl", "a")
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tensorboard = SummaryWriter(str(run / "tensorboard"))
-            except ImportError:  # TensorBoard is optional
-                pass
         self._new_window(data_wait)
 
     def _new_window(self, data_wait: float) -> None:
@@ -96,9 +101,8 @@ class Metrics:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
-        if self.tensorboard is not None:
-            for name in SCALARS:
-                self.tensorboard.add_scalar(f"train/{name}", record[name], step)
+        if self.trackers is not None:
+            self.trackers.log({name: record[name] for name in SCALARS}, step)
         self.losses.append((step, mean))
         self._new_window(data_wait)
         return record
@@ -111,20 +115,16 @@ class Metrics:
                 continue
             self.grids.append(message)
             tqdm.write(f"validation samples: {message}")
-            if self.tensorboard is not None:
-                import numpy as np
-                from PIL import Image
-
-                self.tensorboard.add_image("validation", np.asarray(Image.open(message).convert("RGB")),
-                                           int(Path(message).stem.removeprefix("samples-step")), dataformats="HWC")
+            if self.trackers is not None:
+                self.trackers.image(message, int(Path(message).stem.removeprefix("samples-step")))
 
     def close(self, plot: bool = True) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-            self.tensorboard = None
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
         if plot and self.is_main:
             plot_losses(self.run)
 
