@@ -110,7 +110,9 @@ class TrainState:
         adapter_files = None
         if self.model.adapter is not None:  # the adapters alone, as the family's pipeline loads them
             module, adapter, family = self.model.module, self.model.adapter, self.family
-            adapter_files = (checkpoint.ADAPTER_DIR, lambda d: lora.save_adapter(d, family, lora.adapter_state(module), adapter))
+            # as trained (alpha not folded into lora_B): dividing a fold back out is not exact, and resuming must be
+            adapter_files = (checkpoint.ADAPTER_DIR,
+                             lambda d: lora.save_adapter(d, family, lora.adapter_state(module), adapter, fold=False))
         elif self.model.controlnet is not None:  # the ControlNet alone, as the family's ControlNet pipeline loads it
             controlnet = self.model.controlnet
             adapter_files = (checkpoint.CONTROLNET_DIR, lambda d: controlnet.save_pretrained(d, safe_serialization=True))
