@@ -36,6 +36,8 @@ command.__signature__ = inspect.Signature([config_file_parameter(TrainConfig),
 # Exit codes (README): 0 done (or already finished); 2 bad options, cache or checkpoint, refused resume; 3 the cache's
 # files are missing or a sample failed its digest (a checkpoint was written first; the message says how to repair).
 EXIT_INPUT, EXIT_DAMAGED = 2, 3
+# export --push-to-hub: the export was written, its upload failed (the message says how to push it again)
+EXIT_UPLOAD = 4
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 app.command(help=__doc__)(command)
@@ -54,20 +56,42 @@ def like_train(name: str, default=None, help: str | None = None):
 @tools.command("export")
 def export_command(
     run: Path = typer.Argument(..., help="Run directory (its newest complete checkpoint) or one checkpoint directory."),
-    out: Path = typer.Option(..., help="Output directory; the transformer goes to OUT/transformer in the diffusers layout. "
-                             "A LoRA run's adapters go to OUT (pipe.load_lora_weights(OUT); PixArt: PeftModel.from_pretrained). "
+    out: Path = typer.Option(..., help="Output directory, replaced whole; the transformer goes to OUT/transformer in the diffusers "
+                             "layout. A LoRA run's adapters go to OUT (pipe.load_lora_weights(OUT); PixArt: PeftModel.from_pretrained). "
                              "A ControlNet run's ControlNet goes to OUT/controlnet (the family's ControlNet model class: "
-                             "from_pretrained(OUT, subfolder=\"controlnet\"))."),
+                             "from_pretrained(OUT, subfolder=\"controlnet\")). Every export has a model card, OUT/README.md."),
     ema: bool = typer.Option(False, help="Export the EMA weights instead of the trained ones."),
     dtype: Optional[Dtype] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
     merge_lora: bool = typer.Option(False, help="A LoRA run: fold the adapters into the base weights and write the whole "
                                     "transformer to OUT/transformer (for pipelines without a LoRA loader, e.g. PixArt-Sigma's)."),
+    lora_format: Literal["diffusers", "kohya"] = typer.Option("diffusers", help="A LoRA run's adapter format: diffusers (what "
+                                                               "the family's pipeline writes) or kohya (Flux only; ComfyUI and "
+                                                               "kohya's tools load it, and so does load_lora_weights)."),
+    push_to_hub: Optional[str] = typer.Option(None, metavar="REPO", help="After exporting, upload OUT to this Hub model "
+                                              "repository (owner/name; created if missing). Needs a login (hf auth login, "
+                                              "formerly huggingface-cli login) or HF_TOKEN."),
+    private: bool = typer.Option(False, help="With --push-to-hub: create the repository private."),
 ) -> None:
     """Write a checkpoint's transformer in the diffusers format (load it with `from_pretrained(OUT, subfolder="transformer")`),
-    a LoRA run's adapters in the format its family's pipeline loads, or a ControlNet run's ControlNet (OUT/controlnet)."""
-    from train.export import export
+    a LoRA run's adapters in the format its family's pipeline loads, or a ControlNet run's ControlNet (OUT/controlnet),
+    with a model card; optionally push OUT to the Hub."""
+    from train.export import UploadError, export
+    from train.export import push_to_hub as push
 
-    _run(lambda: print(f"exported {export(run, out, ema=ema, dtype=dtype, merge_lora=merge_lora)}"))
+    if private and not push_to_hub:
+        raise typer.BadParameter("--private applies to --push-to-hub REPO", param_hint="--private")
+
+    def go():
+        written = export(run, out, ema=ema, dtype=dtype, merge_lora=merge_lora, lora_format=lora_format, hub_repo=push_to_hub)
+        print(f"exported {written}")
+        if push_to_hub:
+            try:
+                repo = push(out, push_to_hub, private=private)
+            except UploadError as e:
+                typer.echo(f"error: {e}", err=True)
+                raise typer.Exit(EXIT_UPLOAD) from None
+            print(f"pushed {out} to https://huggingface.co/{repo}")
+    _run(go)
 
 
 RUNS_OWN = " Default: the run's own setting."

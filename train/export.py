@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from shards import Cache
 from shards.atomic import publish_directory
 from shards.options import DTYPES
-from train import checkpoint, controlnet, lora
+from train import card, checkpoint, controlnet, lora
 from train.ema import load_shadow
 from train.model import flow_shift_kind
 from train.objectives import build_objective
 from train.presets import Weights, build_transformer, get_preset, resolve_weights
 from train.validate import Validator, add_prompts_command
 
+LoraFormat = Literal["diffusers", "kohya"]
+
 
 def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
     """(transformer, preset, training state) of a checkpoint; with `ema`, the EMA weights. A ControlNet run's
-    checkpoint is refused: its transformer is the frozen base (`export_controlnet` writes what it trained)."""
+    checkpoint is refused: its transformer is the frozen base (`write_controlnet` writes what it trained)."""
     state = checkpoint.load_state(ckpt)
     preset = get_preset(state["model"])
     cls = preset.transformer_class
@@ -62,23 +66,20 @@ def saved_ema(ckpt: Path) -> dict:
     return ema_state
 
 
-def export_controlnet(ckpt: Path, out: Path, ema: bool, dtype: str | None = None) -> Path:
-    """A ControlNet run's ControlNet (trained or EMA) into OUT/controlnet in diffusers layout, which the family's
+def write_controlnet(ckpt: Path, directory: Path, ema: bool, dtype: str | None = None) -> Path:
+    """A ControlNet run's ControlNet (trained or EMA) into DIRECTORY/controlnet in diffusers layout, which the family's
     ControlNet pipeline loads; the frozen transformer is the run's base, named in training.json, not written."""
     state = checkpoint.load_state(ckpt)
     preset = get_preset(state["model"])
     net = controlnet.load_checkpoint(ckpt, preset.family, saved_ema(ckpt) if ema else None,
                                      DTYPES[dtype] if dtype else None)
-    target = Path(out) / controlnet.CONTROLNET_DIR
-    tmp = target.with_name(f".tmp-{target.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    net.save_pretrained(tmp, safe_serialization=True)
+    target = Path(directory) / controlnet.CONTROLNET_DIR
+    net.save_pretrained(target, safe_serialization=True)
     cfg = state["config"]
     started = cfg.get("pretrained_controlnet") or "the base's first blocks"
-    write_provenance(tmp, ckpt, state, ema, base=base_weights(preset, state).describe(),
+    write_provenance(target, ckpt, state, ema, base=recorded_base(preset, state),
                      controlnet={"class": type(net).__name__, "started_from": started,
                                  "conditioning_scale": cfg.get("controlnet_conditioning_scale", 1.0)})
-    publish_directory(tmp, target)
     return target
 
 
@@ -90,6 +91,15 @@ def base_weights(preset, state: dict):
     if record["kind"] == "fresh":
         return Weights("fresh", record["source"])
     return resolve_weights(preset, record["source"], record.get("revision"), seed=cfg["seed"])
+
+
+def recorded_base(preset, state: dict) -> str:
+    """The weights a run started from, as its checkpoint records them: an export of what trained beside a frozen base
+    needs no Hub lookup (checkpoints from before runs recorded it: resolved as the run resolved them)."""
+    record = state.get("weights")
+    if record is None:
+        return base_weights(preset, state).describe()
+    return Weights(record["kind"], record["source"], record.get("revision"), record.get("commit")).describe()
 
 
 def write_provenance(directory: Path, ckpt: Path, state: dict, ema: bool, **extra) -> None:
@@ -106,9 +116,9 @@ def adapter_config(state: dict):
                             cfg["lora_dropout"])
 
 
-def export_adapter(ckpt: Path, out: Path, ema: bool) -> Path:
-    """A LoRA run's adapters (trained or EMA) into OUT, in the format the family's pipeline loads; the base
-    weights are the ones the run started from, not written again."""
+def write_adapter(ckpt: Path, directory: Path, ema: bool, lora_format: LoraFormat = "diffusers") -> Path:
+    """A LoRA run's adapters (trained or EMA) into DIRECTORY, in the format the family's pipeline loads (or kohya's,
+    for Flux); the base weights are the ones the run started from, not written again. Returns the adapter file."""
     state = checkpoint.load_state(ckpt)
     preset, config = get_preset(state["model"]), adapter_config(state)
     weights = lora.read_adapter(ckpt / checkpoint.ADAPTER_DIR)
@@ -123,42 +133,118 @@ def export_adapter(ckpt: Path, out: Path, ema: bool) -> Path:
         if sorted(names) != sorted(weights) or len(shadow) != len(names):
             raise ValueError(f"{ckpt}: the EMA weights do not match the adapters")
         weights = {n: s.to(weights[n].dtype) for n, s in zip(names, shadow)}
-    tmp = Path(out).with_name(f".tmp-{Path(out).name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    written = lora.save_adapter(tmp, preset.family, weights, config)
-    write_provenance(tmp, ckpt, state, ema, base=base_weights(preset, state).describe())
-    publish_directory(tmp, out)
-    return Path(out) / written.name
+    if "lora_format" not in inspect.signature(lora.save_adapter).parameters:  # kohya's format arrives with train/lora.py
+        if lora_format != "diffusers":
+            raise ValueError(f"--lora-format {lora_format}: this version writes LoRA adapters in the diffusers format only; "
+                             f"export without --lora-format")
+        written = lora.save_adapter(directory, preset.family, weights, config)
+    else:
+        written = lora.save_adapter(directory, preset.family, weights, config, lora_format=lora_format)
+    write_provenance(Path(directory), ckpt, state, ema, base=recorded_base(preset, state),
+                     **({"lora_format": lora_format} if lora_format != "diffusers" else {}))
+    return Path(written)
 
 
-def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, merge_lora: bool = False) -> Path:
-    """Write the transformer of a run's newest checkpoint (or of a given checkpoint) to OUT/transformer in
-    the diffusers layout, with a note of where it came from. Returns OUT/transformer. A LoRA run's
-    adapters go to OUT itself (`export_adapter`), or with `merge_lora` are folded into the base weights
-    and the whole transformer is written. A ControlNet run's ControlNet goes to OUT/controlnet
-    (`export_controlnet`)."""
-    ckpt = checkpoint.find(run)
-    if checkpoint.is_controlnet(ckpt):
-        if merge_lora:
-            raise ValueError(f"{ckpt} is a ControlNet checkpoint, not a LoRA one; export it without --merge-lora")
-        return export_controlnet(ckpt, out, ema, dtype)
-    if checkpoint.is_lora(ckpt) and not merge_lora:
-        return export_adapter(ckpt, out, ema)
-    if merge_lora and not checkpoint.is_lora(ckpt):
-        raise ValueError(f"{ckpt} is not a LoRA checkpoint; export it without --merge-lora")
+def write_transformer(ckpt: Path, directory: Path, ema: bool, dtype: str | None, merge_lora: bool) -> Path:
+    """The run's transformer (trained or EMA; a LoRA run's with its adapters merged) into DIRECTORY/transformer in the
+    diffusers layout."""
     torch_dtype = DTYPES[dtype] if dtype else None
     model, _, state = load_model(ckpt, ema, torch_dtype)
     if merge_lora:
         lora.merge_adapters(model)
         if torch_dtype is None:  # the adapters were fp32: the merged weights take the base's dtype
             model.to(DTYPES[state["config"]["weights_dtype"]])
-    target = Path(out) / "transformer"
-    tmp = target.with_name(".tmp-transformer")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    write_provenance(tmp, ckpt, state, ema, **({"lora": "merged"} if merge_lora else {}))
-    publish_directory(tmp, target)
+    target = Path(directory) / "transformer"
+    model.save_pretrained(target, safe_serialization=True)
+    write_provenance(target, ckpt, state, ema, **({"lora": "merged"} if merge_lora else {}))
     return target
+
+
+def check_replaceable(out: Path) -> None:
+    """An export replaces OUT whole: refuse a directory that holds anything but an earlier export."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {out} is a file; choose a new directory")
+    earlier = any((out / place / "training.json").exists() for place in ("", "transformer", controlnet.CONTROLNET_DIR))
+    if any(out.iterdir()) and not earlier:
+        raise ValueError(f"--out {out} holds files that are not an export, and an export replaces its directory whole; "
+                         f"choose a new or empty directory")
+
+
+def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, merge_lora: bool = False,
+           lora_format: LoraFormat = "diffusers", hub_repo: str | None = None) -> Path:
+    """Export a run's newest checkpoint (or a given checkpoint) to OUT, with a model card (OUT/README.md, the last
+    validation grid in OUT/images) and a note of where the weights came from (training.json):
+
+    - full fine-tuning: the transformer to OUT/transformer in the diffusers layout;
+    - LoRA: the adapters to OUT itself (`lora_format` "kohya": kohya's layout, Flux only), or with `merge_lora` folded
+      into the base weights and the whole transformer written to OUT/transformer;
+    - ControlNet: the ControlNet to OUT/controlnet.
+
+    The export is built beside OUT and renamed over it, so OUT is a complete export or the earlier one, never
+    partial. `hub_repo`: the Hub repository it will be pushed to, which the card's loading code names. Returns the
+    weights written (OUT/transformer, the adapter file or OUT/controlnet)."""
+    ckpt = checkpoint.find(run)
+    is_lora, is_controlnet = checkpoint.is_lora(ckpt), checkpoint.is_controlnet(ckpt)
+    if is_controlnet and merge_lora:
+        raise ValueError(f"{ckpt} is a ControlNet checkpoint, not a LoRA one; export it without --merge-lora")
+    if merge_lora and not is_lora:
+        raise ValueError(f"{ckpt} is not a LoRA checkpoint; export it without --merge-lora")
+    if lora_format != "diffusers" and (not is_lora or merge_lora):
+        raise ValueError(f"--lora-format {lora_format} applies to LoRA adapters; {ckpt} exports "
+                         f"{'a merged transformer' if merge_lora else 'no adapters'}: drop --lora-format")
+    out = Path(out).resolve()
+    check_replaceable(out)
+    state = checkpoint.load_state(ckpt)
+    tmp = out.with_name(f".tmp-{out.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if is_controlnet:
+            kind, written = "controlnet", write_controlnet(ckpt, tmp, ema, dtype)
+        elif is_lora and not merge_lora:
+            kind, written = "lora", write_adapter(ckpt, tmp, ema, lora_format)
+        else:
+            kind, written = "full", write_transformer(ckpt, tmp, ema, dtype, merge_lora)
+        default_names = (lora.DIFFUSERS_FILE, lora.PEFT_FILE)
+        card.write_card(tmp, ckpt, state, kind, ema=ema, location=hub_repo or str(out), merged=merge_lora,
+                        weight_name=written.name if kind == "lora" and written.name not in default_names else None)
+        publish_directory(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out / written.relative_to(tmp)
+
+
+class UploadError(RuntimeError):
+    """Pushing an export to the Hub failed; the export on disk is intact."""
+
+
+def push_to_hub(out: Path, repo: str, private: bool = False, commit_message: str | None = None) -> str:
+    """Upload exactly the export directory OUT to the Hub model repository `repo` (created if missing, `private` then).
+
+    Returns:
+        The repository's id as the Hub names it.
+
+    Raises:
+        UploadError: not logged in, no network, no permission...; the message says how to retry without exporting again.
+    """
+    from huggingface_hub import HfApi
+
+    out = Path(out)
+    api = HfApi()
+    try:
+        repo_id = api.create_repo(repo, private=private, exist_ok=True, repo_type="model").repo_id
+        api.upload_folder(folder_path=out, repo_id=repo_id, repo_type="model",
+                          commit_message=commit_message or f"Upload {out.name} (cachedit export)")
+    except Exception as e:  # the Hub client's errors (auth, HTTP, offline mode, connection) all end here, reported
+        raise UploadError(
+            f"pushing {out} to the Hub repository {repo} failed ({type(e).__name__}: {e}). The export in {out} is complete "
+            f"and intact. Log in with `huggingface-cli login` (now `hf auth login`) or set HF_TOKEN to a token with write "
+            f"access, check the network, then push it without exporting again: hf upload {repo} {out} . --repo-type model"
+            + (" --private" if private else "")) from e
+    return repo_id
 
 
 def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: list[str] = (), buckets: list[str] = (),
