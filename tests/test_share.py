@@ -1,7 +1,6 @@
 """Sharing a run: every export carries a model card (OUT/README.md with the last validation grid), and
 `export --push-to-hub` uploads exactly the export folder (the Hub stubbed at HfApi's two calls; nothing else)."""
 
-import inspect
 import json
 import re
 import shutil
@@ -238,20 +237,10 @@ def test_export_options_are_checked_before_anything_is_written(runs, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_lora_format_without_a_writer_for_it_is_refused_naming_the_option(runs, tmp_path, monkeypatch):
-    def diffusers_only(directory, family, state, config):  # train/lora.py's writer before it took lora_format
-        raise AssertionError("not reached")
-    monkeypatch.setattr(lora, "save_adapter", diffusers_only)
-    with pytest.raises(ValueError, match="--lora-format kohya: this version writes LoRA adapters in the diffusers format only"):
-        export(runs / "lora", tmp_path / "out", lora_format="kohya")
-    assert not (tmp_path / "out").exists() and not list(tmp_path.iterdir())
-
-
-@pytest.mark.skipif("lora_format" not in inspect.signature(lora.save_adapter).parameters,
-                    reason="kohya's LoRA format is not in train/lora.py yet")
-def test_lora_format_kohya_reaches_the_adapter_writer_and_the_card_names_the_file(tmp_path):
+def test_lora_format_kohya_reaches_the_adapter_writer_and_the_card_names_the_file(runs, tmp_path):
     from precompute.run import main as precompute
     from precompute.sample_data import make_folder
+    from safetensors.torch import load_file
 
     precompute(str(make_folder(tmp_path / "data", count=8)), "tiny-flux", tmp_path / "cache", workers=0, progress=False,
                validation_prompt=list(VALIDATION_PROMPTS))
@@ -262,3 +251,7 @@ def test_lora_format_kohya_reaches_the_adapter_writer_and_the_card_names_the_fil
     assert card.data.get("widget") is None and "left no validation grid" in card.text
     assert f'pipe.load_lora_weights("{(tmp_path / "out").resolve()}", weight_name="{written.name}")' in snippet(card.text)
     assert json.loads((tmp_path / "out" / "training.json").read_text())["lora_format"] == "kohya"
+    assert written.name == lora.KOHYA_FILE and "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in load_file(written)
+    with pytest.raises(ValueError, match="sana adapters are written as diffusers"):  # kohya's layout is Flux's alone
+        export(runs / "lora", tmp_path / "sana", lora_format="kohya")
+    assert not (tmp_path / "sana").exists()

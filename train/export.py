@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import shutil
 from pathlib import Path
@@ -133,13 +132,7 @@ def write_adapter(ckpt: Path, directory: Path, ema: bool, lora_format: LoraForma
         if sorted(names) != sorted(weights) or len(shadow) != len(names):
             raise ValueError(f"{ckpt}: the EMA weights do not match the adapters")
         weights = {n: s.to(weights[n].dtype) for n, s in zip(names, shadow)}
-    if "lora_format" not in inspect.signature(lora.save_adapter).parameters:  # kohya's format arrives with train/lora.py
-        if lora_format != "diffusers":
-            raise ValueError(f"--lora-format {lora_format}: this version writes LoRA adapters in the diffusers format only; "
-                             f"export without --lora-format")
-        written = lora.save_adapter(directory, preset.family, weights, config)
-    else:
-        written = lora.save_adapter(directory, preset.family, weights, config, lora_format=lora_format)
+    written = lora.save_adapter(directory, preset.family, weights, config, lora_format=lora_format)
     write_provenance(Path(directory), ckpt, state, ema, base=recorded_base(preset, state),
                      **({"lora_format": lora_format} if lora_format != "diffusers" else {}))
     return Path(written)
