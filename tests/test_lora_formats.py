@@ -170,3 +170,30 @@ def test_unfolded_files_are_diffusers_own_bytes(tmp_path, alpha, fold):
         assert lora.FOLDED not in f.metadata()
     back = lora.read_adapter(tmp_path / "ours")
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_a_run_whose_alpha_is_not_a_power_of_two_of_its_rank_resumes_exactly(tiny_caches, tmp_path):
+    """Checkpoints keep the adapters as trained: with alpha / rank = 1.5 (a fold would not divide back out exactly),
+    the steps after a resume have the losses of the uninterrupted run."""
+    import json
+
+    from train.config import TrainConfig
+    from train.loop import train
+
+    common = dict(model="tiny-sd3", cache=tiny_caches["tiny-sd3"], batch_size=4, progress=False, log_every=1, workers=0,
+                  checkpoint_every=3, lr=1e-3, validate=False, steps=6, lora_rank=RANK, lora_alpha=6.0, precision="fp32")
+    train(TrainConfig(run=tmp_path / "straight", **common))
+    train(TrainConfig(run=tmp_path / "resumed", resume=str(tmp_path / "straight" / "checkpoints" / "step-00000003"), **common))
+
+    def losses(run):
+        return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert sorted(resumed) == [4, 5, 6] and resumed == {step: straight[step] for step in resumed}
+    # what makes it exact: the checkpoint's file holds lora_B as trained, its alpha as configured
+    from train.checkpoint import ADAPTER_DIR
+
+    with safe_open(str(tmp_path / "straight" / "checkpoints" / "step-00000003" / ADAPTER_DIR / lora.DIFFUSERS_FILE), "pt") as f:
+        metadata = f.metadata()
+    assert "cachedit_lora_scale_folded" not in metadata
+    assert json.loads(metadata["lora_adapter_metadata"])["transformer.lora_alpha"] == 6.0
