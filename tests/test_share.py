@@ -4,6 +4,7 @@
 import json
 import re
 import shutil
+import types
 from pathlib import Path
 
 import pytest
@@ -161,9 +162,17 @@ def test_an_export_is_complete_or_absent_and_never_replaces_a_directory_that_is_
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match="not an export"):
+    with pytest.raises(ValueError, match="files an export does not write"):
         export(runs / "lora", mine)
     assert files(mine) == ["notes.txt"]
+    # a pipeline's folder holding an exported transformer is not a bare export: its other parts would go
+    pipeline = tmp_path / "pipeline"
+    shutil.copytree(out / "transformer", pipeline / "transformer")
+    (pipeline / "vae").mkdir()
+    (pipeline / "model_index.json").write_text("{}")
+    with pytest.raises(ValueError, match="model_index.json, vae"):
+        export(runs / "full", pipeline)
+    assert (pipeline / "vae").is_dir() and (pipeline / "model_index.json").exists()
 
 
 @pytest.fixture
@@ -181,8 +190,13 @@ def hub(monkeypatch):
     def upload_folder(self, **kwargs):
         calls["upload_folder"] = {**kwargs, "files": files(Path(kwargs["folder_path"]))}
 
+    def repo_info(self, repo_id, **kwargs):
+        calls["repo_info"] = repo_id
+        return types.SimpleNamespace(private=calls.get("existing_private", calls["create_repo"]["private"] is True))
+
     monkeypatch.setattr(HfApi, "create_repo", create_repo)
     monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
+    monkeypatch.setattr(HfApi, "repo_info", repo_info)
     return calls
 
 
@@ -199,12 +213,20 @@ def test_push_to_hub_uploads_exactly_the_export_folder(runs, tmp_path, hub):
     upload = hub["upload_folder"]
     assert Path(upload["folder_path"]) == out.resolve() and upload["repo_id"] == "me/tiny-lora" and upload["repo_type"] == "model"
     assert upload["files"] == files(out) and "README.md" in upload["files"] and upload["commit_message"]
+    assert upload["delete_patterns"] == "*"  # what earlier pushes left and this export lacks goes
     assert 'pipe.load_lora_weights("me/tiny-lora")' in (out / "README.md").read_text()
     assert "https://huggingface.co/me/tiny-lora" in result.output
 
     public = CliRunner().invoke(tools, ["export", str(runs / "full"), "--out", str(tmp_path / "public"), "--push-to-hub", "me/full"],
                                 env=WIDE)
-    assert public.exit_code == 0 and hub["create_repo"]["private"] is False
+    # no --private: a new repository takes its owner's default visibility, an existing one keeps its own
+    assert public.exit_code == 0 and hub["create_repo"]["private"] is None
+    # --private onto an existing public repository is refused, not uploaded
+    hub["existing_private"] = False
+    del hub["upload_folder"]
+    refused = CliRunner().invoke(tools, ["export", str(runs / "full"), "--out", str(tmp_path / "p2"), "--push-to-hub", "me/full",
+                                         "--private"], env=WIDE)
+    assert refused.exit_code != 0 and "is public" in refused.output and "upload_folder" not in hub
 
 
 def test_a_failed_upload_says_how_to_log_in_and_leaves_the_export_intact(runs, tmp_path, monkeypatch):

@@ -159,10 +159,15 @@ def check_replaceable(out: Path) -> None:
         return
     if not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a new directory")
-    earlier = any((out / place / "training.json").exists() for place in ("", "transformer", controlnet.CONTROLNET_DIR))
-    if any(out.iterdir()) and not earlier:
-        raise ValueError(f"--out {out} holds files that are not an export, and an export replaces its directory whole; "
-                         f"choose a new or empty directory")
+    # only what an export writes: a diffusers pipeline folder holding an exported transformer/ is not replaced (its
+    # vae/, text encoders and scheduler would go with it)
+    written = {"README.md", "training.json", "images", "transformer", controlnet.CONTROLNET_DIR, lora.DIFFUSERS_FILE,
+               lora.KOHYA_FILE, lora.PEFT_FILE, "adapter_config.json", ".gitattributes"}
+    others = sorted(p.name for p in out.iterdir() if p.name not in written)
+    if others:
+        raise ValueError(f"--out {out} holds files an export does not write ({', '.join(others[:5])}), and an export replaces "
+                         f"its directory whole: export to a new directory (and copy, e.g., its transformer/ into a "
+                         f"pipeline's folder)")
 
 
 def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, merge_lora: bool = False,
@@ -228,8 +233,13 @@ def push_to_hub(out: Path, repo: str, private: bool = False, commit_message: str
     out = Path(out)
     api = HfApi()
     try:
-        repo_id = api.create_repo(repo, private=private, exist_ok=True, repo_type="model").repo_id
-        api.upload_folder(folder_path=out, repo_id=repo_id, repo_type="model",
+        # None: a new repository takes its owner's default visibility; an existing one keeps its own
+        repo_id = api.create_repo(repo, private=True if private else None, exist_ok=True, repo_type="model").repo_id
+        if private and not api.repo_info(repo_id, repo_type="model").private:
+            raise ValueError(f"{repo_id} exists and is public; --private would not make it private (change it on the Hub "
+                             f"or push to another repository)")
+        # the repository holds exactly the export: files of earlier pushes it no longer has are deleted
+        api.upload_folder(folder_path=out, repo_id=repo_id, repo_type="model", delete_patterns="*",
                           commit_message=commit_message or f"Upload {out.name} (cachedit export)")
     except Exception as e:  # the Hub client's errors (auth, HTTP, offline mode, connection) all end here, reported
         raise UploadError(

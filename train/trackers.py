@@ -45,7 +45,7 @@ class Trackers:
             from torch.utils.tensorboard import SummaryWriter
 
             # a resumed run redoes the steps after its checkpoint: TensorBoard hides what it had logged for them
-            self.tensorboard = SummaryWriter(str(run / "tensorboard"), purge_step=step + 1 if step else None)
+            self.tensorboard = SummaryWriter(str(run / "tensorboard"), purge_step=step + 1)
             self.tensorboard.add_text("config", "```json\n" + json.dumps(config, indent=2) + "\n```", step)
         if "wandb" in names:
             import wandb
