@@ -252,6 +252,8 @@ def test_export_options_are_checked_before_anything_is_written(runs, tmp_path):
 
     from train.__main__ import tools
 
+    bare = CliRunner().invoke(tools, ["export", str(runs / "lora"), "--out", str(tmp_path / "b"), "--push-to-hub", "tiny"], env=WIDE)
+    assert bare.exit_code == 2 and "owner/name" in bare.output and not (tmp_path / "b").exists()
     private = CliRunner().invoke(tools, ["export", str(runs / "lora"), "--out", str(tmp_path / "a"), "--private"], env=WIDE)
     assert private.exit_code == 2 and "--push-to-hub" in private.output
     kohya = CliRunner().invoke(tools, ["export", str(runs / "full"), "--out", str(tmp_path / "b"), "--lora-format", "kohya"], env=WIDE)

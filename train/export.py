@@ -183,6 +183,8 @@ def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, me
     The export is built beside OUT and renamed over it, so OUT is a complete export or the earlier one, never
     partial. `hub_repo`: the Hub repository it will be pushed to, which the card's loading code names. Returns the
     weights written (OUT/transformer, the adapter file or OUT/controlnet)."""
+    if hub_repo is not None and hub_repo.count("/") != 1:  # the card's loading code names the repository as given
+        raise ValueError(f"--push-to-hub {hub_repo}: give the repository as owner/name (your user or organisation)")
     ckpt = checkpoint.find(run)
     is_lora, is_controlnet = checkpoint.is_lora(ckpt), checkpoint.is_controlnet(ckpt)
     if is_controlnet and merge_lora:
