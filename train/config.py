@@ -256,6 +256,8 @@ class TrainConfig:
             raise ValueError(f"--report-to {', '.join(unknown)}: choose none, tensorboard or wandb (repeatable)")
         if self.lr_cycles < 1 or self.lr_power <= 0 or self.lr_end < 0:
             raise ValueError("--lr-cycles must be at least 1, --lr-power above 0 and --lr-end at least 0")
+        if self.lr_schedule == "polynomial" and self.lr_end >= self.lr:
+            raise ValueError(f"--lr-end {self.lr_end:g} must be below --lr {self.lr:g} for a polynomial decay")
         if self.ema_every < 1 or not 0 <= self.ema_decay < 1:
             raise ValueError(f"--ema-decay {self.ema_decay} must be in [0, 1) and --ema-every {self.ema_every} at least 1")
 

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from shards import CorruptSample
 from shards.options import DTYPES
-from train import checkpoint, controlnet, distributed
+from train import checkpoint, controlnet, distributed, trackers
 from train.cache import check_cache, check_cache_files, check_same_encoders, open_generation, saved_generations, until_damaged
 from train.config import TrainConfig
 from train.data import BatchPlan, BatchStream, CacheSamples, Epoch, Prefetcher, TrainingSamples
@@ -44,6 +44,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     say = print if is_main else (lambda *a, **k: None)  # one voice for all ranks
     parallel = parallelism(cfg, world, device)
     preset = get_preset(cfg.model)
+    trackers.require(cfg.report_to)  # a tracker asked for but not installed stops the run before any weights load
     if preset.objective != "flow" and cfg.weighting_scheme != "logit_normal":
         raise ValueError(f"--weighting-scheme {cfg.weighting_scheme} sets flow matching timesteps; {cfg.model} trains with DDPM")
     cfg.run.mkdir(parents=True, exist_ok=True)

@@ -295,9 +295,7 @@ def build_schedule(cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> torch.
     resume (`apply_schedule`)."""
     from diffusers.optimization import get_polynomial_decay_schedule_with_warmup, get_scheduler
 
-    if cfg.lr_schedule == "polynomial":  # get_scheduler does not pass lr_end through
-        if cfg.lr_end >= cfg.lr:
-            raise ValueError(f"--lr-end {cfg.lr_end:g} must be below --lr {cfg.lr:g} for a polynomial decay")
+    if cfg.lr_schedule == "polynomial":  # get_scheduler does not pass lr_end through (--lr-end < --lr: TrainConfig)
         return get_polynomial_decay_schedule_with_warmup(optimizer, cfg.warmup_steps, cfg.steps, lr_end=cfg.lr_end,
                                                          power=cfg.lr_power)
     name = "constant_with_warmup" if cfg.lr_schedule == "constant" and cfg.warmup_steps else cfg.lr_schedule
