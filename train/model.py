@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.utils.checkpoint
 
 from shards import LatentSpec
 from shards.options import DTYPES
@@ -18,7 +17,7 @@ from train.config import TrainConfig
 from train.ema import EMA
 from train.objectives import build_objective
 from train.presets import ModelPreset, build_transformer, model_forward, resolve_weights, transformer_blocks
-from train.swap import BlockSwap
+from train.swap import BlockSwap, checkpointed_forward
 
 log = logging.getLogger("train")
 
@@ -242,20 +241,6 @@ def place(model: torch.nn.Module, device: torch.device, swap: BlockSwap | None) 
         swap.place(model, device)
     else:
         model.to(device)
-
-
-def checkpointed_forward(forward):
-    """`forward` recomputed in backward. Its keyword arguments go in as a positional dict: checkpoint finds the
-    devices whose RNG state it saves (LoRA dropout must draw the same masks again) in positional tensors only, and
-    diffusers calls blocks with keywords."""
-    def run(args: tuple, kwargs: dict):
-        return forward(*args, **kwargs)
-
-    def wrapped(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(run, args, kwargs, use_reentrant=False)
-    return wrapped
 
 
 def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.optim.Optimizer:

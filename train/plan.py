@@ -27,8 +27,9 @@ from shards import Bucket, bucket_table
 from shards.options import DTYPE_BYTES, DTYPES, default_of
 from train.config import TrainConfig, parse_checkpointing
 from train import quant as quantization
-from train.model import build_run_objective, checkpointed_forward
+from train.model import build_run_objective
 from train.presets import get_preset, latent_channels, model_forward, text_width, transformer_blocks
+from train.swap import checkpointed_forward, inner_tensors
 
 GiB = 2**30
 # What a card loses before the first tensor: the CUDA context (~0.3-0.5 GiB with torch's kernels), cuBLAS and cuDNN
@@ -436,10 +437,7 @@ def _hold_inputs(pack):
 
 def _storages(tensor: torch.Tensor) -> list:
     """The storages holding a tensor's data: its own, or a quantized tensor subclass's inner tensors'."""
-    if hasattr(tensor, "__tensor_flatten__") and type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        names, _ = tensor.__tensor_flatten__()
-        return [st for name in names for st in _storages(getattr(tensor, name))]
-    return [tensor.untyped_storage()]
+    return [t.untyped_storage() for t in inner_tensors(tensor)]
 
 
 def frozen_bytes(module: torch.nn.Module, quant: str, dtype_bytes: int) -> float:

@@ -21,15 +21,15 @@ from torch import Tensor, nn
 
 def tensor_bytes(t: Tensor) -> int:
     """Bytes `t` holds; a wrapper subclass (torchao's Int8Tensor) holds its inner tensors' bytes."""
-    return sum(x.numel() * x.element_size() for x in _inner(t))
+    return sum(x.numel() * x.element_size() for x in inner_tensors(t))
 
 
-def _inner(t: Tensor) -> list[Tensor]:
+def inner_tensors(t: Tensor) -> list[Tensor]:
     """The plain tensors that hold `t`'s data: `t` itself, or a wrapper subclass's inner tensors."""
     if type(t) in (Tensor, nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
         return [t]
     names, _ = t.__tensor_flatten__()
-    return [x for name in names if (inner := getattr(t, name)) is not None for x in _inner(inner)]
+    return [x for name in names if (inner := getattr(t, name)) is not None for x in inner_tensors(inner)]
 
 
 @contextlib.contextmanager
@@ -50,6 +50,22 @@ def exact_pinned_sizes() -> Iterator[None]:
     finally:
         # the getter gives back what was set, not the defaults: an unset threshold is restored as no threshold
         set_(before if "pinned_max_round_threshold_mb" in before else "pinned_max_round_threshold_mb:1073741824")
+
+
+def checkpointed_forward(forward: Callable, context_fn: Callable | None = None) -> Callable:
+    """`forward` recomputed in backward (non-reentrant checkpointing) when grad is enabled, run directly otherwise.
+    Its keyword arguments go in as a positional dict: checkpoint finds the devices whose RNG state it saves (LoRA
+    dropout must draw the same masks again) in positional tensors only, and diffusers calls blocks with keywords.
+    `context_fn`: checkpoint's, two context managers entered around the forward and around the recomputation."""
+    def run(args: tuple, kwargs: dict):
+        return forward(*args, **kwargs)
+
+    def wrapped(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        return torch.utils.checkpoint.checkpoint(run, args, kwargs, use_reentrant=False, **extra)
+    return wrapped
 
 
 def _as_parameter(t: Tensor) -> nn.Parameter:
@@ -109,7 +125,7 @@ class CudaTransfer(Transfer):
         # The copies were allocated on the side stream: without this, freeing them (when the block is dropped)
         # would let the allocator reuse their memory while the compute stream still reads it.
         for copy in copies:
-            for inner in _inner(copy):
+            for inner in inner_tensors(copy):
                 inner.record_stream(compute)
         return copies
 
@@ -185,7 +201,7 @@ class BlockSwap:
         self._phase = "forward"
         self._forwards = [block.__dict__.get("forward") for block in self.swapped]
         for k, block in enumerate(self.swapped):
-            block.forward = self._checkpointed(self._swapped(k, block.forward))
+            block.forward = checkpointed_forward(self._swapped(k, block.forward), self._phases)
         first = len(blocks) - count
         self._hooks = [blocks[first - 1].register_forward_pre_hook(self._prefetch_first)] if first > 0 else []
 
@@ -269,18 +285,6 @@ class BlockSwap:
 
     def _block_bytes(self, k: int) -> int:
         return sum(tensor_bytes(h) for h in self._host[k])
-
-    def _checkpointed(self, fn: Callable) -> Callable:
-        def run(args: tuple, kwargs: dict):
-            return fn(*args, **kwargs)
-
-        def forward(*args, **kwargs):
-            if not torch.is_grad_enabled():
-                return fn(*args, **kwargs)
-            # kwargs go in as a positional dict: checkpoint infers the device and saves its RNG state (for dropout
-            # in LoRA layers) from positional tensors only, and diffusers calls blocks with keywords.
-            return torch.utils.checkpoint.checkpoint(run, args, kwargs, use_reentrant=False, context_fn=self._phases)
-        return forward
 
     def _phases(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         return self._phase_is("forward"), self._phase_is("backward")
