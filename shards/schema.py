@@ -43,7 +43,12 @@ class CacheBusy(RuntimeError):
     """Another process is writing the cache."""
 
 
-class CorruptSample(FormatError):
+class DamagedCache(FormatError):
+    """A cache file that is there but fails its checks or is missing where the log says it must be (a commit, a
+    snapshot, a shard, the prompts file); the message names it and says how to repair or restore it."""
+
+
+class CorruptSample(DamagedCache):
     """A sample whose bytes do not match the digest stored with it."""
 
 

@@ -15,7 +15,7 @@ from typing import List, Literal, Optional
 
 import typer
 
-from shards import CorruptSample
+from shards import DamagedCache
 from shards.options import Dtype, config_file_parameter, default_of, help_of, typer_parameters
 from train.config import Optimizer, TrainConfig
 from train.presets import PRESETS
@@ -181,9 +181,9 @@ def _run(fn) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         fn()
-    except (ValueError, FileNotFoundError) as e:  # CorruptSample is a ValueError: exit 3, the repair is in the message
+    except (ValueError, FileNotFoundError) as e:  # DamagedCache is a ValueError: exit 3, the repair is in the message
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(EXIT_DAMAGED if isinstance(e, CorruptSample) else EXIT_INPUT)
+        raise typer.Exit(EXIT_DAMAGED if isinstance(e, DamagedCache) else EXIT_INPUT)
 
 
 def main() -> None:
