@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
+import tarfile
 from glob import has_magic
 from pathlib import Path
 from typing import Iterator
@@ -140,66 +142,135 @@ def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = Fal
                                                                           f"(or another image extension) in the tar")
 
 
-def tar_ends_properly(url: str) -> bool:
-    """Whether a tar ends with the end-of-archive marker (two zero blocks, padded to 512-byte blocks). A tar
-    cut at a member boundary reads without an error in tarfile, its last members silently missing; only the
-    marker tells. Local tars and tars in object storage are checked (their last 1024 bytes are read); `pipe:` and
-    http(s) streams cannot be without reading them twice, and pass, as does what is not a readable file (reading
-    it reports why)."""
-    if url.startswith(STREAMED):
-        return True
-    from fsspec.core import url_to_fs
+RECORD = tarfile.RECORDSIZE  # 10240 bytes: tarfile, GNU tar and bsdtar pad an archive to a whole record of 20 blocks
+META = re.compile(r"__[^/]*__($|/)")  # webdataset's metadata members, never a sample's
 
-    fs, path = url_to_fs(url)
-    try:
-        info = fs.info(path)
-        if info["type"] != "file":
-            return True
-        size = info["size"]
-        return size >= 1024 and not size % 512 and fs.cat_file(path, start=size - 1024, end=size) == bytes(1024)
-    except OSError:
-        return True
+
+class TarCutShort(ValueError):
+    """A tar whose members do not end with the end-of-archive blocks at the end of the file: cut short, or zeros (a
+    preallocated partial download) or other data where members should be. `end` is where its members end and
+    `size` the file's size (None for a stream): what is missing can be estimated from them."""
+
+    def __init__(self, message: str, end: int, size: int | None):
+        super().__init__(message)
+        self.end, self.size = end, size
+
+
+class _Header(tarfile.TarInfo):
+    """A member header that records on its archive why the archive ended: tarfile ends a stream without an error at
+    a zero block, at the end of the data and at a block that is not a header, and only the first is the marker."""
+
+    @classmethod
+    def fromtarfile(cls, tar):
+        try:
+            return super().fromtarfile(tar)
+        except tarfile.HeaderError as e:
+            tar.ended_at = e
+            raise
+
+
+def check_end(tar: tarfile.TarFile, size: int | None) -> None:
+    """After a tar's last member: the end-of-archive marker (two zero blocks) must follow it, and nothing but the
+    zeros padding the archive to a whole record after that, up to the end of the file.
+
+    Raises:
+        TarCutShort: the marker is missing, or more than one record of zeros (a preallocated file not downloaded
+            whole) or other data follows the members; the message says which.
+    """
+    end, reason = tar.offset, getattr(tar, "ended_at", None)  # where the members end, and why tarfile stopped
+    if isinstance(reason, (tarfile.EmptyHeaderError, tarfile.TruncatedHeaderError)):
+        raise TarCutShort(f"ends at byte {tar.fileobj.tell()} after its members, without the "
+                          f"end-of-archive blocks: a partial download or copy?", end, size)
+    if not isinstance(reason, tarfile.EOFHeaderError):
+        raise TarCutShort(f"the block at byte {end} after the members is not a tar header ({reason}): the tar is damaged "
+                          f"from there on", end, size)
+    boundary = -(-(end + 2 * tarfile.BLOCKSIZE) // RECORD) * RECORD  # the padding may reach the record's end, no further
+    rest = tar.fileobj.read(boundary - tar.fileobj.tell() + 1)
+    stop = tar.fileobj.tell()
+    if stop < end + 2 * tarfile.BLOCKSIZE:
+        raise TarCutShort(f"ends at byte {stop}, inside the end-of-archive blocks: a partial download or copy?", end, size)
+    if rest.count(0) != len(rest) or stop > boundary:
+        zeros = rest.count(0) == len(rest)
+        what = ("zeros" if zeros else "data") + f" from byte {end} to " + (f"byte {size}" if size else "past the record's end")
+        raise TarCutShort(f"its members end at byte {end} but the file holds {what}, where only the end-of-archive "
+                          f"blocks padded to {RECORD} bytes belong: " + ("a preallocated file not downloaded whole?" if zeros
+                          else "a damaged tar, or tars joined end to end (read each on its own)"), end, size)
 
 
 def tar_samples(url: str) -> Iterator[dict]:
-    """webdataset's sample dicts (`__key__`, `__url__`, raw bytes per extension) of one tar, read as a stream."""
+    """webdataset's sample dicts (`__key__`, `__url__`, raw bytes per extension) of one tar, read as a stream. The last
+    sample is yielded only once the end-of-archive marker is found where the file ends (`check_end`): a tar cut
+    between members reads without an error in tarfile, its last sample possibly missing members.
+
+    Raises:
+        TarCutShort: the tar does not end as a whole tar does.
+        Exception: tarfile, gopen or fsspec errors of a damaged or unreachable tar.
+    """
     import fsspec
     from webdataset.gopen import gopen
-    from webdataset.tariterators import group_by_keys, tar_file_expander
+    from webdataset.tariterators import group_by_keys
 
-    with gopen(url) if url.startswith(STREAMED) else fsspec.open(url, "rb") as stream:
-        yield from group_by_keys(tar_file_expander([{"url": url, "stream": stream}]))
+    if url.startswith(STREAMED):
+        opened, size = gopen(url), None
+    else:
+        opened = fsspec.open(url, "rb")
+        size = opened.fs.size(opened.path)
+
+    def members(stream) -> Iterator[dict]:  # webdataset's tar_file_iterator, with the end checked
+        tar = tarfile.open(fileobj=stream, mode="r|*", tarinfo=_Header)
+        for info in tar:
+            if info.isreg() and not META.match(info.name):
+                yield {"fname": info.name, "data": tar.extractfile(info).read(), "__url__": url}
+            tar.members = []
+        check_end(tar, size)
+        yield {}  # the end of the shard: group_by_keys yields its last sample
+
+    with opened as stream:
+        yield from group_by_keys(members(stream))
+
+
+def missing_estimate(error: Exception, read: int, cached: int) -> int:
+    """About how many samples of a tar that failed after `read` samples were not read: those cached from it before,
+    or, when zeros fill the rest of the file, its unread bytes at the mean size of the samples read; at least one."""
+    estimate = cached - read
+    if isinstance(error, TarCutShort) and error.size and error.end and read:
+        estimate = max(estimate, round((error.size - error.end) * read / error.end))
+    return max(estimate, 1)
 
 
 class TarDataset(torch.utils.data.IterableDataset):
     """This rank's tar shards, split further over DataLoader workers; yields `prepare`'s output with
     `stamp` 0 (unknown: a tar's samples are always read).
 
-    A tar that cannot be read is reported once as a `corrupt_tar` failure whose source is the tar's URL,
-    after the samples read before the error, and the run goes on; a tar that lacks its end-of-archive marker
-    (cut short) is reported without reading any of it.
+    A tar that cannot be read, or does not end as a whole tar does (`check_end`), is reported once as a
+    `corrupt_tar` failure whose source is the tar's URL, after the samples read before the error, and the run goes
+    on. The failure's `samples` is how many of the tar's samples it stands for: those not read (`missing_estimate`),
+    which `known` (input name -> (key, stamp) of the source's cached samples, as `tar_name(url)/KEY`) makes exact
+    for a tar cached whole before.
     """
 
-    def __init__(self, urls: list[str], policy: ImagePolicy, skip_keys: frozenset[str], caption_keys: tuple[str, ...]):
+    def __init__(self, urls: list[str], policy: ImagePolicy, skip_keys: frozenset[str], caption_keys: tuple[str, ...],
+                 known: dict[str, tuple[str, int]] | None = None):
         self.urls, self.policy, self.skip_keys, self.caption_keys = urls, policy, skip_keys, caption_keys
+        self.known = known or {}
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
         urls = self.urls[info.id :: info.num_workers] if info else self.urls
         for url in urls:
-            if not tar_ends_properly(url):  # read nothing of it: its last sample may have lost members too
-                yield {"status": "failed", "source": url, "reason": "corrupt_tar", "stamp": 0,
-                       "detail": "ends without the end-of-archive blocks: a partial download or copy?"}
-                continue
-            stream = tar_samples(url)
+            stream, read = tar_samples(url), 0
             while True:
                 try:
                     sample = next(stream)
                 except StopIteration:
                     break
                 except Exception as e:  # tarfile, gopen or fsspec errors: the shard is unreadable from here on
-                    yield {"status": "failed", "source": url, "reason": "corrupt_tar", "detail": f"{type(e).__name__}: {e}",
-                           "stamp": 0}
+                    prefix = tar_name(url) + "/"
+                    missing = missing_estimate(e, read, sum(name.startswith(prefix) for name in self.known))
+                    yield {"status": "failed", "source": url, "reason": "corrupt_tar", "stamp": 0, "samples": missing,
+                           "detail": f"{type(e).__name__}: {e}; truncated after {read} samples, about {missing} "
+                                     f"sample(s) missing"}
                     break
+                read += 1
                 record = tar_records(sample, self.caption_keys, self.policy.control)
                 yield {**prepare(record, self.policy, self.skip_keys), "stamp": 0}

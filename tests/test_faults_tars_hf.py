@@ -1,0 +1,128 @@
+"""Damaged tars and Hugging Face datasets as stage one meets them: a tar that does not end as a whole tar does is a
+named failure counted by the samples it lost, and its cached samples stay; a dataset's bad file or cell is a named
+failure of its own, the rest is read."""
+
+import json
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from precompute.config import PrecomputeConfig
+from precompute.run import main as precompute
+from precompute.sample_data import make_tars
+from precompute.tars import TarDataset
+from shards import Cache
+
+POLICY = PrecomputeConfig("unused").policy()
+
+
+def run(data, cache, **kw):
+    return precompute(str(data), "tiny-sana", Path(cache), workers=0, progress=False, **kw)
+
+
+def keys(cache) -> list[str]:
+    return sorted(k for k, _ in Cache(cache).keys())
+
+
+def read(urls, known=None) -> list[dict]:
+    return list(TarDataset([str(u) for u in urls], POLICY, frozenset(), ("caption",), **({"known": known} if known else {})))
+
+
+def failures(items) -> list[tuple[str, str]]:
+    return [(Path(it["source"]).name, it["reason"]) for it in items if it["status"] == "failed"]
+
+
+def zero_from(path: Path, cut: int) -> None:
+    """Zeros from byte `cut` to the end, the file's size unchanged: a preallocated file whose download stopped."""
+    data = path.read_bytes()
+    path.write_bytes(data[:cut] + bytes(len(data) - cut))
+
+
+def members_end(path: Path) -> int:
+    with tarfile.open(path) as tar:
+        last = tar.getmembers()[-1]
+    return last.offset_data + -(-last.size // 512) * 512
+
+
+# ---- the end of a tar ------------------------------------------------------------------------------
+
+def test_a_tar_whose_second_half_is_zeros_is_a_failure_and_its_samples_stay(tmp_path):
+    tars = make_tars(tmp_path / "tars", count=12, per_tar=4)
+    run(tmp_path / "tars", tmp_path / "cache")
+    before = keys(tmp_path / "cache")
+    zero_from(tars[1], tars[1].stat().st_size // 2)
+    s = run(tmp_path / "tars", tmp_path / "cache")
+    assert s["failed_by_reason"] == {"corrupt_tar": 1}
+    assert s["removed"] == 0 and s["unchanged"] + s["kept_unreadable"] == 12  # read before the zeros, or kept
+    assert keys(tmp_path / "cache") == before
+    (failure,) = map(json.loads, (tmp_path / "cache" / "failures.jsonl").read_text().splitlines())
+    assert failure["source"] == str(tars[1]) and "zeros" in failure["detail"] and "preallocated" in failure["detail"]
+
+
+def test_zeros_where_members_should_be_fail_the_tar_and_count_what_is_missing(tmp_path):
+    (path,) = make_tars(tmp_path, count=8, per_tar=8)
+    with tarfile.open(path) as tar:
+        cut = tar.getmembers()[12].offset  # the fifth sample's header: members end here, zeros follow
+    zero_from(path, cut)
+    items = read([path])
+    assert [it["source"] for it in items if it["status"] == "ok"] == [f"data-0000.tar/{i:08d}" for i in range(3)]
+    (failed,) = [it for it in items if it["status"] == "failed"]
+    assert failed["reason"] == "corrupt_tar" and "zeros" in failed["detail"]
+    assert "truncated after 3 samples" in failed["detail"]  # the fourth is held back: its members may be cut
+    assert 4 <= failed["samples"] <= 7  # estimated from the unread bytes at the mean sample size
+    cached = {f"data-0000.tar/{i:08d}": (f"k{i}", 0) for i in range(8)}
+    assert read([path], known=cached)[-1]["samples"] == 5  # a tar cached whole before: exactly what was not read
+
+
+@pytest.mark.parametrize("tail", ["one zero block", "a record and a block of zeros", "data after the marker"])
+def test_a_tar_must_end_at_its_end_of_archive_blocks(tmp_path, tail):
+    (path,) = make_tars(tmp_path, count=2, per_tar=2)
+    end = members_end(path)
+    data = path.read_bytes()
+    assert len(data) % tarfile.RECORDSIZE == 0 and not any(data[end:])
+    if tail == "one zero block":
+        path.write_bytes(data[: end + 512])
+    elif tail == "a record and a block of zeros":
+        path.write_bytes(data + bytes(512))
+    else:
+        path.write_bytes(data + data)  # two tars joined: tarfile would stop at the first marker
+    assert failures(read([path])) == [("data-0000.tar", "corrupt_tar")]
+
+
+def test_whole_tars_of_every_common_writer_read_whole(tmp_path):
+    (path,) = make_tars(tmp_path / "tarfile", count=3, per_tar=3)  # padded to a record of 10240 bytes
+    end = members_end(path)
+    bare = tmp_path / "bare" / "data-0000.tar"  # the two zero blocks alone (Go's archive/tar, tar-stream)
+    bare.parent.mkdir()
+    bare.write_bytes(path.read_bytes()[: end + 1024])
+    empty = tmp_path / "empty.tar"
+    tarfile.open(empty, "w").close()
+    paths = [path, bare, empty]
+    if shutil.which("tar"):
+        gnu = tmp_path / "gnu" / "data-0000.tar"
+        gnu.parent.mkdir()
+        with tarfile.open(path) as tar:
+            tar.extractall(tmp_path / "members", filter="data")
+        subprocess.run(["tar", "-cf", str(gnu), "-C", str(tmp_path / "members"), *sorted(p.name for p in (tmp_path / "members").iterdir())],
+                       check=True)
+        paths.append(gnu)
+    items = read(paths)
+    assert failures(items) == []
+    assert len(items) == 3 * (len(paths) - 1)
+
+
+def test_a_tar_in_object_storage_with_zeros_for_members_fails(tmp_path):
+    (path,) = make_tars(tmp_path, count=4, per_tar=4)
+    zero_from(path, path.stat().st_size // 2)
+    fs, url = fsspec.filesystem("memory"), f"memory://tars-{tmp_path.name}/data-0000.tar"
+    fs.pipe_file(url, path.read_bytes())
+    try:
+        items = read([url])
+    finally:
+        fs.rm(url)
+    assert failures(items) == [("data-0000.tar", "corrupt_tar")]
+    assert "zeros" in items[-1]["detail"]
