@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
 import warnings
 from dataclasses import dataclass, field
 
@@ -168,21 +169,42 @@ def to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
+def allow_pixels(max_pixels: int) -> None:
+    """Let Pillow open images of up to `max_pixels`, so that the run's limit is the one that decides.
+
+    Pillow's decompression-bomb guard (`Image.MAX_IMAGE_PIXELS`: a warning above it, an error above twice it)
+    would otherwise refuse a 100-megapixel photo that --max-pixels allows. The guard is one value per process,
+    so it is only ever raised, under a lock: a thread deciding with a lower limit keeps its own check in
+    `decode_image`, and Pillow's warning (an error there) still stops anything above every limit in use.
+    """
+    with _PILLOW_GUARD:
+        if Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS < max_pixels:
+            Image.MAX_IMAGE_PIXELS = max_pixels
+
+
+_PILLOW_GUARD = threading.Lock()
+
+
 def decode_image(data: bytes, max_pixels: int) -> tuple[Image.Image | None, str | None, str]:
-    """Image bytes as 8-bit RGB (`to_rgb`), or (None, reason, detail): not_an_image, too_many_pixels or corrupt_image."""
+    """Image bytes as 8-bit RGB (`to_rgb`), or (None, reason, detail): not_an_image, too_many_pixels or corrupt_image.
+    Images of more than `max_pixels` are refused from their header, before any pixel is decoded."""
+    allow_pixels(max_pixels)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the header's size is checked below
             img = Image.open(io.BytesIO(data))
-            w, h = img.size
-            if w * h > max_pixels:
-                return None, "too_many_pixels", f"{w}x{h}"
+        w, h = img.size
+        if w * h > max_pixels:
+            return None, "too_many_pixels", f"{w}x{h} = {w * h} pixels, over the limit of {max_pixels} (--max-pixels)"
+        with warnings.catch_warnings():
+            # Pillow's guard is at or above max_pixels now: its warning (a frame or tile over the limit) refuses the image
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.load()
             return to_rgb(img), None, ""
     except UnidentifiedImageError as e:
         return None, "not_an_image", str(e)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        return None, "too_many_pixels", str(e)
+        return None, "too_many_pixels", f"{e} (--max-pixels {max_pixels})"
     except (OSError, ValueError, SyntaxError, EOFError) as e:
         return None, "corrupt_image", f"{type(e).__name__}: {e}"
 
