@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import math
+import os
 import re
 import tomllib
 from dataclasses import dataclass, fields
-from pathlib import Path, PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 from urllib.parse import urlsplit
 
 
@@ -138,11 +140,17 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         OSError: the file cannot be read.
     """
     file = Path(file)
-    text = file.read_text(encoding="utf-8")
+    data = file.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{file}:{line}: not valid UTF-8 ({e.reason}); save the dataset file "
+                         f"as UTF-8") from None
     try:
         doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{file}: not valid TOML: {e}") from None
+    except (ValueError, RecursionError) as e:  # TOMLDecodeError, an integer of too many digits, arrays nested too deep
+        raise ValueError(f"{file}: not valid TOML: {str(e) or type(e).__name__}") from None
     lines = text.split("\n")
 
     def where(index: int, key: str | None = None) -> str:
@@ -153,11 +161,17 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         raise ValueError(f"{file}:{_top_level_line(lines, extra[0])}: unknown table or key {extra[0]!r}; a dataset file "
                          f"lists [[source]] tables only")
     tables = doc.get("source")
+    if isinstance(tables, dict):
+        raise ValueError(f"{file}:{_top_level_line(lines, 'source')}: [source] is one table; write each source as "
+                         f"[[source]] (two brackets), a table of the list of sources")
     if not isinstance(tables, list) or not tables:
         raise ValueError(f"{file}: lists no source; add one [[source]] table per folder or shard set (see "
                          f"`python -m precompute --help`)")
     sources: list[Source] = []
     for i, table in enumerate(tables):
+        if not isinstance(table, dict):
+            raise ValueError(f"{where(i)}: source holds {table!r}, not a table; write each source as a [[source]] table "
+                             "of keys (path = '...')")
         for key in table:
             if key not in KEYS:
                 close = difflib.get_close_matches(key, sorted(KEYS), n=1)
@@ -185,6 +199,16 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         if "control" in values and "://" not in values["control"] and not Path(values["control"]).is_absolute():
             values["control"] = str(file.parent / values["control"])
         sources.append(Source(**values, from_file=True))
+        overlap = _overlap(sources[:-1], sources[-1])
+        if overlap is not None:
+            other, how = overlap
+            j = sources.index(other)
+            raise ValueError(
+                f"{where(i, 'path')}: source {values['name']!r} ({sources[-1].path}) {how} source {other.name!r} "
+                f"({other.path}, {where(j, 'path')}): every input there would be read by both, and a cached sample "
+                f"belongs to one source, so one of them would get only duplicates (or the images twice, under two "
+                f"captions). List each folder once: give it the repeats or weight it should have, and move a subfolder "
+                f"that needs its own share or captions beside the other folder, not inside it")
     weighted = {s.weight is not None for s in sources}
     if len(weighted) > 1:
         first = next(i for i, s in enumerate(sources) if s.weight is not None)
@@ -203,12 +227,39 @@ def _check(key: str, value) -> str | None:
             return "must be a string"
         if key != "caption_prefix" and not value.strip():
             return "must not be empty"
+        if "\x00" in value:  # no path, column or caption holds one (a caption's NUL would also blur its sample's key)
+            return "must not hold a NUL character"
         return None
     if key == "repeats":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a whole number ≥ 1"
     if key == "weight":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
-        return None if ok else "must be a number above 0"
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
+        return None if ok else "must be a finite number above 0"
+    return None
+
+
+def _location(source: Source) -> tuple[str, PurePath]:
+    """Where a source reads: (scheme and host of a URL, or "" for a local path resolved through symlinks, its path)."""
+    if "://" in source.path or source.path.startswith("pipe:"):
+        url = urlsplit(source.path)
+        return f"{url.scheme}://{url.netloc}", PurePosixPath(url.path or "/")
+    return "", Path(os.path.realpath(source.path))  # realpath, unlike Path.resolve, never raises (a symlink loop)
+
+
+def _overlap(earlier: list[Source], source: Source) -> tuple[Source, str] | None:
+    """The earlier source whose inputs `source` would read too, and how: the same path, or one inside the other.
+    Splits of one Hugging Face dataset are distinct inputs (`split` names them)."""
+    where, path = _location(source)
+    for other in earlier:
+        there, other_path = _location(other)
+        if there != where or other.split != source.split:
+            continue
+        if path == other_path:
+            return other, "reads the same path as"
+        if path.is_relative_to(other_path):
+            return other, "lies inside"
+        if other_path.is_relative_to(path):
+            return other, "holds"
     return None
 
 
