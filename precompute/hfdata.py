@@ -21,12 +21,12 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 import torch
 
-from precompute.folders import METADATA_FILES, metadata_captions, os_reason, read_regular
+from precompute.folders import METADATA_FILES, _BadRow, _metadata_path, metadata_captions, os_reason, read_regular
 from precompute.images import ImagePolicy, Record, prepare
 
 SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")  # as Hub file names spell them
@@ -103,6 +103,7 @@ class HFListing:
     image_column: str
     caption_column: str
     control_column: str | None = None  # read only for ControlNet caches
+    unreadable: dict[int, str] = field(default_factory=dict)  # file -> why its header or footer could not be read
 
     @property
     def rows(self) -> int:
@@ -189,27 +190,49 @@ def _check_column(schema, column: str, role: str, file: str) -> None:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"{file}: no {role} column {column!r}{hint}; its columns are {', '.join(schema.names)}: "
                          f"set {role}_column = \"...\" in the dataset file")
+    if role == "caption":
+        return
+    pa = _pyarrow()
+    kind = schema.field(column).type
+    if pa.types.is_struct(kind):
+        fits = any(kind.field(i).name in ("bytes", "path") for i in range(kind.num_fields))
+    else:
+        fits = any(is_kind(kind) for is_kind in (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_fixed_size_binary,
+                                                 pa.types.is_string, pa.types.is_large_string, pa.types.is_null))
+    if not fits:
+        raise ValueError(f"{file}: the {role} column {column!r} is of type {kind}; an image column holds an image's bytes "
+                         f"(binary), its path (string) or an Image feature's struct {{bytes, path}}: set {role}_column = "
+                         f"\"...\" in the dataset file to the column of the images")
 
 
 def list_hf(data: str, split: str = "train", image_column: str = "image", caption_column: str = "text",
             control_column: str | None = None) -> HFListing:
     """The rows of DATA's split, in parts, after checking that every file has the columns (the control column too,
-    when one is given). Only file headers and parquet footers are read.
+    when one is given) and that the image columns hold images. Only file headers and parquet footers are read. A
+    file whose header or footer cannot be read (corrupt, empty) is listed as unreadable, with one part of no rows:
+    its reader reports it, and the other files are read.
 
     Raises:
         FileNotFoundError: no data file found.
-        ValueError: the split is missing, or a file lacks a column; the message names the file and the fix.
+        ValueError: the split is missing, or a file lacks a column or has one of the wrong type; the message names
+            the file and the fix.
     """
+    pa = _pyarrow()
     root, files = _data_files(data, split)
-    parts = []
+    parts, unreadable = [], {}
     for i, (name, path, kind) in enumerate(files):
-        schema, found = _schema_and_parts(path, kind, i)
+        try:
+            schema, found = _schema_and_parts(path, kind, i)
+        except (OSError, ValueError, pa.ArrowException) as e:
+            unreadable[i] = f"{type(e).__name__}: {e}"
+            parts.append(Part(i, -1, 0, 0))
+            continue
         _check_column(schema, image_column, "image", path)
         _check_column(schema, caption_column, "caption", path)
         if control_column is not None:
             _check_column(schema, control_column, "control", path)
         parts += found
-    return HFListing(root, files, parts, image_column, caption_column, control_column)
+    return HFListing(root, files, parts, image_column, caption_column, control_column, unreadable)
 
 
 def _file_stamp(path: str) -> bytes:
@@ -228,12 +251,14 @@ def row_stamp(file_stamp: bytes, row: int, referenced: str | None = None, contro
     return int.from_bytes(h.digest(), "big") >> 1 or 1
 
 
-def _image_of(value, root: Path) -> tuple[bytes | None, str | None]:
-    """(image bytes, path read) of an image cell: an `Image` feature's {bytes, path}, raw bytes, or a path
-    (relative: to the dataset's folder). (None, None) for a row without an image.
+def _image_of(value, root: Path, column: str, inside: dict[str, bool]) -> tuple[bytes | None, str | None]:
+    """(image bytes, path read) of an image cell: an `Image` feature's {bytes, path}, raw bytes, or a path inside
+    the dataset's folder (relative to it, or absolute), as a folder's metadata may name one. (None, None) for a row
+    without an image.
 
     Raises:
         OSError: a named image file cannot be read.
+        ValueError: (precompute.folders' _BadRow) the path leads outside the dataset's folder, or is not a path.
     """
     if isinstance(value, dict):
         if value.get("bytes"):
@@ -242,7 +267,15 @@ def _image_of(value, root: Path) -> tuple[bytes | None, str | None]:
     if isinstance(value, (bytes, bytearray)):
         return bytes(value) or None, None
     if isinstance(value, str) and value:
-        path = value if os.path.isabs(value) else str(root / value)
+        if "\x00" in value:
+            raise _BadRow("unreadable", f"{column} {value!r} holds a NUL character: not a path")
+        name = os.path.relpath(value, root) if os.path.isabs(value) else value
+        try:
+            path = _metadata_path(root, name, inside, column)
+        except _BadRow as e:
+            raise _BadRow(e.reason, f"{column} {value!r} is outside the dataset's folder {root}: images are read from "
+                                    f"inside it only; move them there and name them relative to it, or embed their bytes "
+                                    f"in the dataset") from None
         return read_regular(path), path
     return None, None
 
@@ -265,6 +298,7 @@ class HFDataset(torch.utils.data.IterableDataset):
                  known: dict[str, tuple[str, int]] | None = None, only: set[str] | None = None):
         self.listing, self.parts, self.policy, self.skip_keys = listing, parts, policy, skip_keys
         self.known, self.only = known or {}, only
+        self._inside: dict[str, bool] = {}  # directory -> inside the dataset's folder (resolved once each)
         self._batches: tuple[str | None, list] = (None, [])  # the Arrow file read last, as record batches
 
     def __len__(self) -> int:
@@ -280,6 +314,12 @@ class HFDataset(torch.utils.data.IterableDataset):
         name, path, kind = self.listing.files[part.file]
         names = self.listing.names(part)
         wanted = [self.only is None or n in self.only for n in names]
+        if part.file in self.listing.unreadable:  # its cached rows failed to read this time: they stay cached
+            cached = [n for n in self.known if n.startswith(f"{name}:") and (self.only is None or n in self.only)]
+            for n in cached or ([name] if self.only is None else []):
+                yield {"status": "failed", "source": n, "reason": "unreadable", "stamp": 0,
+                       "detail": f"{path} cannot be read: {self.listing.unreadable[part.file]}"}
+            return
         try:
             stamp = _file_stamp(path)
         except OSError as e:
@@ -324,13 +364,17 @@ class HFDataset(torch.utils.data.IterableDataset):
 
     def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None) -> dict:
         try:
-            data, referenced = _image_of(image, self.listing.root)
+            data, referenced = _image_of(image, self.listing.root, self.listing.image_column, self._inside)
+        except _BadRow as e:
+            return {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
         except OSError as e:
             return {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
         control, control_path, control_error = None, None, None
         if self.listing.control_column:
             try:
-                control, control_path = _image_of(control_cell, self.listing.root)
+                control, control_path = _image_of(control_cell, self.listing.root, self.listing.control_column, self._inside)
+            except _BadRow as e:
+                return {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
             except OSError as e:
                 control_error = e
         try:

@@ -2,6 +2,7 @@
 named failure counted by the samples it lost, and its cached samples stay; a dataset's bad file or cell is a named
 failure of its own, the rest is read."""
 
+import io
 import json
 import shutil
 import subprocess
@@ -126,3 +127,88 @@ def test_a_tar_in_object_storage_with_zeros_for_members_fails(tmp_path):
         fs.rm(url)
     assert failures(items) == [("data-0000.tar", "corrupt_tar")]
     assert "zeros" in items[-1]["detail"]
+
+
+# ---- Hugging Face datasets --------------------------------------------------------------------------
+
+def png() -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (256, 256), (200, 40, 40)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def hf_items(data, **kw) -> list[dict]:
+    from precompute.hfdata import HFDataset, list_hf
+
+    listing = list_hf(str(data), **kw)
+    return list(HFDataset(listing, listing.parts, POLICY, frozenset()))
+
+
+def test_image_paths_outside_the_dataset_folder_are_failures_of_their_rows(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    (tmp_path / "secret.png").write_bytes(png())
+    root = tmp_path / "ds"
+    (root / "images").mkdir(parents=True)
+    (root / "images" / "a.png").write_bytes(png())
+    (root / "linked").symlink_to(tmp_path, target_is_directory=True)
+    paths = ["images/a.png", str(root / "images" / "a.png"), str(tmp_path / "secret.png"), "../secret.png",
+             "images/../../secret.png", "linked/secret.png"]
+    pq.write_table(pa.table({"image": [{"bytes": None, "path": p} for p in paths], "text": ["x"] * len(paths)}),
+                   root / "train.parquet")
+    items = hf_items(root / "train.parquet")
+    assert [it["status"] for it in items[:2]] == ["ok", "ok"]  # inside the folder, relative or absolute
+    for it, path in zip(items[2:], paths[2:]):
+        assert (it["status"], it["reason"]) == ("failed", "outside_root"), path
+        assert repr(path) in it["detail"] and "outside the dataset's folder" in it["detail"]
+
+
+def test_a_corrupt_or_empty_parquet_file_is_a_named_failure_and_the_others_are_read(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    root = tmp_path / "ds"
+    root.mkdir()
+    for i in range(3):
+        pq.write_table(pa.table({"image": [png()], "text": [f"row {i}"]}), root / f"part-{i}.parquet")
+    (root / "part-1.parquet").write_bytes(b"PAR1 not a parquet file at all")
+    (root / "part-3.parquet").write_bytes(b"")
+    items = hf_items(root)
+    assert sorted(it["source"] for it in items if it["status"] == "ok") == ["part-0.parquet:0", "part-2.parquet:0"]
+    bad = {it["source"]: it for it in items if it["status"] == "failed"}
+    assert sorted(bad) == ["part-1.parquet", "part-3.parquet"]
+    assert all(it["reason"] == "unreadable" and str(root / it["source"]) in it["detail"] for it in bad.values())
+
+
+def test_a_corrupt_parquet_file_keeps_its_cached_rows(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    from precompute.sample_data import make_folder
+
+    folder = make_folder(tmp_path / "images", count=4)
+    images = sorted(folder.glob("*.png"))
+    root = tmp_path / "ds"
+    root.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"image": [p.read_bytes() for p in images[2 * i: 2 * i + 2]], "text": ["a", "b"]}),
+                       root / f"part-{i}.parquet")
+    assert run(root, tmp_path / "cache")["new"] == 4
+    before = keys(tmp_path / "cache")
+    (root / "part-1.parquet").write_bytes(b"")
+    s = run(root, tmp_path / "cache", max_removal_fraction=1.0)
+    assert (s["unchanged"], s["failed"], s["removed"], s["kept_unreadable"]) == (2, 2, 0, 2)
+    assert keys(tmp_path / "cache") == before
+    lines = [json.loads(line) for line in (tmp_path / "cache" / "failures.jsonl").read_text().splitlines()]
+    assert sorted(f["source"] for f in lines) == ["part-1.parquet:0", "part-1.parquet:1"]
+
+
+@pytest.mark.parametrize("cells", ["int", "struct"])
+def test_an_image_column_of_the_wrong_type_is_named_with_its_type(tmp_path, cells):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    image = [7] if cells == "int" else [{"width": 7, "height": 9}]
+    pq.write_table(pa.table({"image": image, "text": ["x"]}), tmp_path / "train.parquet")
+    with pytest.raises(ValueError, match=r"train.parquet: the image column 'image' is of type (int64|struct<width: int64, "
+                                         r"height: int64>); an image column holds .*bytes.*path.*image_column"):
+        hf_items(tmp_path / "train.parquet")
