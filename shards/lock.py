@@ -2,17 +2,23 @@
 
 A run holds `.lock`, each writer its rank's lock, and every writer shares `WRITERS_LOCK`, which `gc` and
 `upgrade` take exclusively so that they never work beside a writer.
+
+A lock lives exactly as long as the process that took it. An `flock` belongs to the open file, which a forked
+child shares: a DataLoader worker that outlived a killed run would hold the cache's lock forever. So every
+forked child closes its copy of each lock's file at once, and only the taker's own descriptor keeps the lock.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import weakref
 from pathlib import Path
 
 from shards.schema import CacheBusy
 
 WRITERS_LOCK = ".lock-writers"  # every writer holds it shared; gc and upgrade exclusively
+_HELD: weakref.WeakSet[CacheLock] = weakref.WeakSet()  # this process's locks, which its forked children let go
 
 
 class CacheLock:
@@ -38,10 +44,21 @@ class CacheLock:
             self._file.truncate(0)
             self._file.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
             self._file.flush()
+        _HELD.add(self)
 
     def release(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+def _let_go_in_child() -> None:
+    # closing the child's descriptor drops its share of the open file; the parent's lock stays held
+    for lock in list(_HELD):
+        lock.release()
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_in_child)
 
 
 def writers_lock(root: Path) -> CacheLock:
