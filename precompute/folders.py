@@ -4,8 +4,8 @@ Captions are sidecar files (`x.jpg` + `x.txt`) or a `metadata.jsonl` / `metadata
 imagefolder convention. A control image (ControlNet caches) is the sidecar `x.control.png` (any image
 extension; such files are never images of their own), a metadata row's `control_file_name`, or the file of the
 same relative name in a separate folder (`with_control_folder`). Only regular files are opened, and metadata
-cannot name a path outside DATA. An entry's stamp (size and mtime of its files) lets an incremental run skip an
-unchanged input without reading it.
+cannot name a path outside DATA (`confined`). An entry's stamp (size and mtime of its files) lets an incremental
+run skip an unchanged input without reading it.
 """
 
 from __future__ import annotations
@@ -148,6 +148,9 @@ def _jsonl_rows(text: str) -> Iterator[tuple[int, dict | _BadRow]]:
         except json.JSONDecodeError as e:
             yield n, _BadRow("bad_metadata_row", f"not valid JSON ({e.msg} at column {e.colno})")
             continue
+        except (ValueError, RecursionError) as e:  # an integer of too many digits, arrays nested too deep
+            yield n, _BadRow("bad_metadata_row", f"not readable JSON ({str(e) or type(e).__name__})")
+            continue
         yield n, row if isinstance(row, dict) else _BadRow("bad_metadata_row", f"a JSON {type(row).__name__}, not an object")
 
 
@@ -172,7 +175,7 @@ def metadata_captions(value: object, from_csv: bool) -> tuple[str, ...] | None:
     if from_csv and isinstance(value, str) and value.startswith("["):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON after all (or too deep to be a list of captions): the text
             pass
     if isinstance(value, str):
         return (value,)
@@ -181,24 +184,56 @@ def metadata_captions(value: object, from_csv: bool) -> tuple[str, ...] | None:
     return None
 
 
-def _metadata_path(root: Path, name: str, inside: dict[str, bool], column: str = "file_name") -> str:
-    """The path a metadata `file_name` (or control column) names under root.
+class OutsideRoot(ValueError):
+    """A path read from a user's file (a metadata row, a dataset cell) that names something outside its root."""
 
-    The name must be relative, without `..`, and its directory must resolve inside root. The file itself
-    may be a symlink, followed as in a folder listing (the Hugging Face hub cache stores a snapshot's files
-    as symlinks into ../../blobs): the text of a row reaches nothing a folder listing would not.
-    `inside` caches the answer per directory.
+
+def confined(root: str | os.PathLike, name: str, what: str = "file_name", inside: dict[str, bool] | None = None) -> str:
+    """The path that `name`, a relative path written in a user's file, names under `root`, refusing any other.
+
+    The name must be relative, without `..`, and its directory must resolve inside root. The file itself may be a
+    symlink, followed as in a folder listing (the Hugging Face hub cache stores a snapshot's files as symlinks into
+    ../../blobs): the text of a row reaches nothing a folder listing would not. Nothing is opened.
+
+    Args:
+        root: the folder the names are relative to (DATA, or the dataset's folder).
+        name: the path as written.
+        what: how messages name the field (`file_name`, a column).
+        inside: a cache of the answer per directory, shared by the calls of one listing.
+
+    Raises:
+        OutsideRoot: the name is absolute, holds `..`, or its directory leads out of root through a symlink.
+        ValueError: the name is not a file name (empty, a NUL, text the file system cannot encode, root itself).
     """
+    if not isinstance(name, str) or not name.strip() or "\x00" in name:
+        raise ValueError(f"{what} {name!r} is not a non-empty string without NUL")
+    try:
+        os.fsencode(name)
+    except UnicodeEncodeError:  # a lone surrogate from JSON's \ud800: no file has that name
+        raise ValueError(f"{what} {name!r} is not a file name the file system can hold") from None
     if os.path.isabs(name) or ".." in PurePosixPath(name).parts:
-        raise _BadRow("outside_root", f"{column} {name!r} is not a relative path inside DATA", name)
-    path = root / name
+        raise OutsideRoot(f"{what} {name!r} is not a relative path inside DATA")
+    if not PurePosixPath(name).name:
+        raise ValueError(f"{what} {name!r} names the folder itself, not a file in it")
+    path = Path(root) / name
     parent = str(path.parent)
+    inside = {} if inside is None else inside
     if parent not in inside:
         real_root, real_parent = os.path.realpath(root), os.path.realpath(parent)
         inside[parent] = os.path.commonpath([real_root, real_parent]) == real_root
     if not inside[parent]:
-        raise _BadRow("outside_root", f"{column} {name!r} leads outside DATA through a symlinked directory", name)
+        raise OutsideRoot(f"{what} {name!r} leads outside DATA through a symlinked directory")
     return str(path)
+
+
+def _metadata_path(root: Path, name: str, inside: dict[str, bool], column: str = "file_name") -> str:
+    """`confined`, refusing with the failure of a metadata row."""
+    try:
+        return confined(root, name, column, inside)
+    except OutsideRoot as e:
+        raise _BadRow("outside_root", str(e), name) from None
+    except ValueError as e:
+        raise _BadRow("bad_metadata_row", str(e), name) from None  # a name no file has: no cached sample's
 
 
 def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, inside: dict[str, bool],
