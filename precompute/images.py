@@ -197,7 +197,7 @@ def decode_image(data: bytes, max_pixels: int) -> tuple[Image.Image | None, str 
         if w * h > max_pixels:
             return None, "too_many_pixels", f"{w}x{h} = {w * h} pixels, over the limit of {max_pixels} (--max-pixels)"
         with warnings.catch_warnings():
-            # Pillow's guard is at or above max_pixels now: its warning (a frame or tile over the limit) refuses the image
+            # Pillow's guard is at or above max_pixels now: its warning (a frame or tile over it) refuses the image
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.load()
             return to_rgb(img), None, ""

@@ -170,8 +170,8 @@ def read_dataset_file(file: str | Path) -> list[Source]:
     sources: list[Source] = []
     for i, table in enumerate(tables):
         if not isinstance(table, dict):
-            raise ValueError(f"{where(i)}: source holds {table!r}, not a table; write each source as a [[source]] table "
-                             "of keys (path = '...')")
+            raise ValueError(f"{where(i)}: source holds {table!r}, not a table; write each source as a [[source]] "
+                             "table of keys (path = '...')")
         for key in table:
             if key not in KEYS:
                 close = difflib.get_close_matches(key, sorted(KEYS), n=1)

@@ -98,7 +98,8 @@ def write(path, text: str):
 def test_two_sources_over_the_same_folder_are_refused_naming_both(tmp_path, second, how):
     make_folder(tmp_path / "photos" / "dogs", count=1)
     (tmp_path / "alias").symlink_to(tmp_path / "photos")
-    file = write(tmp_path / "data.toml", f'[[source]]\nname = "all"\npath = "photos"\n\n[[source]]\nname = "more"\n{second}')
+    file = write(tmp_path / "data.toml", f'[[source]]\nname = "all"\npath = "photos"\n\n'
+                                         f'[[source]]\nname = "more"\n{second}')
     with pytest.raises(ValueError) as e:
         read_dataset_file(file)
     message = str(e.value)
@@ -119,7 +120,8 @@ def test_sources_that_read_different_inputs_are_kept(tmp_path):
                                          '[[source]]\nname = "val"\npath = "hub"\nsplit = "validation"\n\n'
                                          '[[source]]\nname = "s3"\npath = "s3://bucket/photos/{0..9}.tar"\n\n'
                                          '[[source]]\nname = "gs"\npath = "gs://bucket/photos/{0..9}.tar"\n')
-    assert [s.name for s in read_dataset_file(file)] == ["photos", "photos-2", "tars-a", "tars-b", "train", "val", "s3", "gs"]
+    names = [s.name for s in read_dataset_file(file)]
+    assert names == ["photos", "photos-2", "tars-a", "tars-b", "train", "val", "s3", "gs"]
     file = write(tmp_path / "data.toml", '[[source]]\nname = "a"\npath = "s3://bucket/photos"\n\n'
                                          '[[source]]\nname = "b"\npath = "s3://bucket/photos/{0..9}.tar"\n')
     with pytest.raises(ValueError, match="'b' .* lies inside source 'a'"):
