@@ -1,7 +1,8 @@
 """Every option of a stage-one run, in one typed dataclass: its default, its choices and its help.
 
 `python -m precompute --help` is built from these fields (a `Literal` type is the list of valid values) and
-`__post_init__` is where every value is checked, so a run built in code refuses what the command line refuses.
+`__post_init__` is where every value is checked (a number against the range declared with it, which --help shows),
+so a run built in code refuses what the command line refuses.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from precompute.images import ImagePolicy
 from precompute.presets import PRESETS, TEXT_ENCODERS, Preset, get_preset, get_text_encoder
 from precompute.sources import Source, sources_of
 from shards import bucket_table
-from shards.options import Dtype, check_choices, flag, opt
+from shards.options import Dtype, check_options, flag, opt
 
 # Images per VAE batch. Large batches pay on GPUs; on CPUs a batch's activations fall out of the caches
 # and every image costs more (make bench: tiny-pixart 42 img/s at batch 1, 31 at 4, 21 at 8).
@@ -47,21 +48,23 @@ class PrecomputeConfig:
     drop_t5: bool = opt(False, "SD3 presets: leave T5 out (CLIP-L + CLIP-G only), as StableDiffusion3Pipeline does with "
                                "text_encoder_3=None; its tokens are zeros in training and inference.")
     max_length: int | None = opt(None, "Token limit of a caption (default: the preset's; SD3's T5 part: 256; Flux's T5: "
-                                       "512 for flux-dev, 256 for flux-schnell).")
+                                       "512 for flux-dev, 256 for flux-schnell).", at_least=1)
     batch_size: int | None = opt(None, f"Images per VAE batch, one bucket per batch (default: {DEFAULT_BATCH['cuda']} on CUDA, "
-                                       f"{DEFAULT_BATCH['cpu']} on CPU).")
-    text_batch_size: int = opt(64, "Captions per text-encoder batch.")
-    workers: int = opt(2, "DataLoader worker processes that read, decode and resize images.")
+                                       f"{DEFAULT_BATCH['cpu']} on CPU).", at_least=1)
+    text_batch_size: int = opt(64, "Captions per text-encoder batch.", at_least=1)
+    workers: int = opt(2, "DataLoader worker processes that read, decode and resize images (0: in the main process).",
+                       at_least=0)
     storage_dtype: DtypeOption = opt("bf16", f"Dtype of cached latents and embeddings: {DTYPE_HELP}.")
     vae_dtype: DtypeOption | None = opt(None, f"VAE compute dtype: {DTYPE_HELP} (default: fp32 on CPU; the preset's on CUDA).")
     text_dtype: DtypeOption | None = opt(None, f"Text-encoder compute dtype: {DTYPE_HELP} (default: fp32 on CPU; bf16 on CUDA).")
     force_fp16: bool = opt(False, "Allow fp16 for encoders that overflow in it (SDXL VAE, T5); only for fp16-fixed weights.")
-    max_upscale: float = opt(2.0, "Skip images needing more upscaling than this to cover their bucket (reason too_small).")
+    max_upscale: float = opt(2.0, "Skip images needing more upscaling than this to cover their bucket (reason too_small; "
+                                  "1: never upscale).", at_least=1)
     allow_upscale: bool = opt(False, "Never skip small images; upscale them.")
     extreme_aspect: Literal["skip", "clamp"] = opt("skip", "Images whose aspect ratio lies beyond the bucket table: skip or "
                                                            "clamp (crop into the extreme bucket).")
     max_pixels: int = opt(178_956_970, "Refuse images with more pixels than this (decompression bombs; twice Pillow's "
-                                       "warning limit).")
+                                       "warning limit).", at_least=1)
     caption_column: str = opt(CAPTION_COLUMN, "Caption column of metadata.jsonl/.csv (a string or a list of captions).")
     caption_key: list[str] = opt(["caption", "text", "prompt"], "Keys of a tar sample's .json whose values are captions "
                                                                 "(repeatable); all found are encoded.")
@@ -81,12 +84,13 @@ class PrecomputeConfig:
                                      "--max-removal-fraction of the cache would go. Samples whose input failed to read, or "
                                      "whose tar or folder could not be listed completely, are never removed.")
     max_removal_fraction: float = opt(0.5, "Refuse (exit 4) to remove more than this share of the cache's samples in one run "
-                                           "without --allow-removal; what was encoded is kept.")
+                                           "without --allow-removal; what was encoded is kept.",
+                                           at_least=0, at_most=1)
     max_failure_fraction: float = opt(0.1, "Exit non-zero (1) when more than this fraction of inputs was skipped; what was "
-                                           "encoded is kept.")
+                                           "encoded is kept.", at_least=0, at_most=1)
     remove_source: list[str] = opt([], "Remove every sample of this source (a name `python -m shards inspect CACHE` lists) from "
                                        "the cache before encoding DATA (repeatable); DATA must not list it.")
-    max_shard_mb: int = opt(128, "Target shard size in MiB.")
+    max_shard_mb: int = opt(128, "Target shard size in MiB (0: a shard per sample).", at_least=0)
     check_disk: bool = opt(True, "Estimate the cache size first and refuse if the disk is short.")
     repair: bool = opt(False, "Re-encode exactly the samples of shards that are missing or fail their checks (python -m "
                               "shards verify lists them), from the same DATA and options that built the cache; each "
@@ -97,7 +101,7 @@ class PrecomputeConfig:
         for name in ("storage_dtype", "vae_dtype", "text_dtype"):
             value = getattr(self, name)
             setattr(self, name, LONG_DTYPES.get(value, value))
-        check_choices(self)
+        check_options(self)
         self.cache = Path(self.cache) if self.cache is not None else Path("cache") / self.model
         self.caption_key = list(self.caption_key)
         if self.validation_file is not None:
@@ -134,17 +138,6 @@ class PrecomputeConfig:
             if getattr(self, name) == "fp16" and not safe and not self.force_fp16:
                 raise ValueError(f"{flag(name)} fp16: the {what} overflows to NaN/Inf in fp16; use bf16 or fp32 (or pass "
                                  f"--force-fp16 with an fp16-safe checkpoint such as the fp16-fix SDXL VAE)")
-        for name in ("max_length", "batch_size"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{flag(name)} {getattr(self, name)}: must be at least 1 (or left out for the default)")
-        for name, least in (("text_batch_size", 1), ("workers", 0), ("max_pixels", 1), ("max_shard_mb", 0)):
-            if getattr(self, name) < least:
-                raise ValueError(f"{flag(name)} {getattr(self, name)}: must be at least {least}")
-        if not self.max_upscale > 0:
-            raise ValueError(f"--max-upscale {self.max_upscale}: must be above 0 (--allow-upscale: no limit)")
-        for name in ("max_removal_fraction", "max_failure_fraction"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{flag(name)} {getattr(self, name)}: a fraction, from 0 to 1")
         for source in self.sources():
             where = f"source {source.name!r}" if source.from_file else f"DATA={self.data}"
             if self.control and source.flip:

@@ -10,16 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from shards.options import Dtype, check_choices, opt
+from shards.options import SEED_MAX, Dtype, check_options, opt
 
 Optimizer = Literal["adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit"]
 # diffusers' SD3 trainers' `--weighting_scheme`: it sets the timestep density and the loss weight together
 WeightingScheme = Literal["logit_normal", "mode", "sigma_sqrt", "cosmap", "none"]
+# SD3's mode density maps [0, 1] onto itself monotonically only for scales in [-1, 2 / (pi - 2) = 1.752...]
+MODE_SCALE_MAX = 1.75
 
 
 @dataclass
 class TrainConfig:
-    """Every option of a training run; the CLI is built from it (see `python -m train --help`)."""
+    """Every option of a training run; the CLI is built from it (see `python -m train --help`). A number's range is
+    declared with it (`opt(..., at_least=1)`), shown in --help and checked before anything else."""
 
     model: str = opt("tiny-sana", "Preset (see the README's table; python -m train plan --help lists them).")
     cache: list[str] = opt([], "Cache built by `make precompute` for this model: a directory (default: cache/MODEL) or a URL "
@@ -27,20 +30,21 @@ class TrainConfig:
                                "--local-cache ahead of need). Repeat it to train from several caches of the same family "
                                "and encoders (e.g. a 512 and a 1024 cache); the first one's prompts validate.")
     cache_weight: list[float] = opt([], "With several --cache: each one's share of every epoch, in their order (default: "
-                                        "every cache's samples drawn as its sources' repeats and weights say).")
+                                        "every cache's samples drawn as its sources' repeats and weights say).", above=0)
     run: Path | None = opt(None, "Run directory: checkpoints, metrics.jsonl, loss.png (default: runs/MODEL).")
-    steps: int = opt(200, "Total optimizer steps of the run; a resumed run continues until it.")
-    batch_size: int = opt(8, "Samples per batch on each process (all from one bucket).")
-    grad_accum: int = opt(1, "Micro-batches per optimizer step.")
-    lr: float = opt(1e-4, "Peak learning rate. A resumed run given another value applies it from its step (logged).")
-    warmup_steps: int = opt(0, "Linear warm-up steps (applied on resume when changed).")
+    steps: int = opt(200, "Total optimizer steps of the run; a resumed run continues until it.", at_least=1)
+    batch_size: int = opt(8, "Samples per batch on each process (all from one bucket).", at_least=1)
+    grad_accum: int = opt(1, "Micro-batches per optimizer step.", at_least=1)
+    lr: float = opt(1e-4, "Peak learning rate. A resumed run given another value applies it from its step (logged).",
+                          above=0)
+    warmup_steps: int = opt(0, "Linear warm-up steps (applied on resume when changed).", at_least=0)
     lr_schedule: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = opt(
         "constant", "After warm-up (diffusers.optimization.get_scheduler): constant; linear, cosine or polynomial decay to 0 at "
                     "--steps (polynomial: to --lr-end with power --lr-power); cosine_with_restarts: --lr-cycles hard restarts.")
-    lr_cycles: int = opt(1, "cosine_with_restarts: how many cosine cycles (hard restarts) over the run.")
-    lr_power: float = opt(1.0, "polynomial: the decay's power (1: linear).")
-    lr_end: float = opt(1e-7, "polynomial: the learning rate at --steps.")
-    weight_decay: float = opt(0.0, "Weight decay (applied on resume when changed).")
+    lr_cycles: int = opt(1, "cosine_with_restarts: how many cosine cycles (hard restarts) over the run.", at_least=1)
+    lr_power: float = opt(1.0, "polynomial: the decay's power (1: linear).", above=0)
+    lr_end: float = opt(1e-7, "polynomial: the learning rate at --steps.", at_least=0)
+    weight_decay: float = opt(0.0, "Weight decay (applied on resume when changed).", at_least=0)
     optimizer: Optimizer = opt("adamw", "adamw (fused on CUDA); adamw-bf16: bf16 moments with stochastic rounding, for "
                                         "--weights-dtype bf16 (torchao); came (Sana's); adafactor; adamw-8bit (CUDA, bitsandbytes: "
                                         "pip install 'cachedit[8bit]').")
@@ -50,15 +54,16 @@ class TrainConfig:
                                                          "moment memory; full fine-tuning needs --optimizer adamw-bf16, whose "
                                                          "stochastic rounding keeps updates smaller than bf16's step). LoRA: the "
                                                          "frozen base's dtype. The EMA stays fp32.")
-    grad_clip: float = opt(1.0, "Clip the gradient norm to this (0: off).")
+    grad_clip: float = opt(1.0, "Clip the gradient norm to this (0: off).", at_least=0)
     grad_checkpointing: str = opt("off", "Recompute activations in the backward pass to save memory: off, all, or every-K "
                                          "(every K-th transformer block).")
     pretrained: str | None = opt(None, "Weights to start from: a Hub id or a directory with a transformer/ subfolder (default: "
                                        "the preset's released weights; tiny presets: seeded random weights).")
     revision: str | None = opt(None, "Hub revision (branch, tag or commit) of the weights (default: the preset's).")
     from_scratch: bool = opt(False, "Train the preset's architecture from random initialisation instead of released weights.")
-    seed: int = opt(0, "Seed of fresh weights, data order and noise.")
-    caption_dropout: float = opt(0.1, "Probability of dropping the caption (see --caption-dropout-embedding).")
+    seed: int = opt(0, "Seed of fresh weights, data order and noise.", at_least=0, at_most=SEED_MAX)
+    caption_dropout: float = opt(0.1, "Probability of dropping the caption (see --caption-dropout-embedding).",
+                                      at_least=0, at_most=1)
     caption_dropout_embedding: Literal["auto", "empty", "zeros"] = opt(
         "auto", "What a dropped caption becomes: auto (zeroed embeddings for SD3, as it was trained; the cached empty caption "
                 "for PixArt and Sana), empty or zeros.")
@@ -69,41 +74,45 @@ class TrainConfig:
                         "logit_normal (SD3's default) and mode draw timesteps from those densities with unit weights; sigma_sqrt "
                         "(weight 1/sigma^2) and cosmap draw them uniformly and weight the loss; none: uniform, unit weights.")
     logit_mean: float = opt(0.0, "Mean of the logit_normal timestep density.")
-    logit_std: float = opt(1.0, "Standard deviation of the logit_normal timestep density.")
-    mode_scale: float = opt(1.29, "Scale of the mode timestep density.")
+    logit_std: float = opt(1.0, "Standard deviation of the logit_normal timestep density.", above=0)
+    mode_scale: float = opt(1.29, "Scale of the mode timestep density.", at_least=-1, at_most=MODE_SCALE_MAX)
     precondition_outputs: bool | None = opt(
         None, "Flow matching: turn the prediction into an x0 estimate (x_t - sigma * v) and take the loss against the clean "
               "latent, as diffusers' SD3 trainers do (default: on for SD3, off for Sana). Without it sigma_sqrt is refused: "
               "1/sigma^2 on the velocity loss lets a few low-noise samples outweigh the rest a million-fold.")
-    flow_shift: float | None = opt(None, "Flow matching timestep shift (default: the preset's).")
+    flow_shift: float | None = opt(None, "Flow matching timestep shift (default: the preset's).", above=0)
     resolution_shift: bool = opt(False, "Scale the shift with each bucket's resolution.")
     learned_variance: bool | None = opt(
         None, "DDPM models with variance channels (PixArt-Sigma): train them with the VLB term as PixArt-Sigma's trainer does "
               "(learned-range sigma, mean detached). Default: on for full fine-tuning, off for LoRA (an epsilon-only loss).")
-    ema_decay: float = opt(0.0, "EMA decay of the trained weights (0: no EMA; applied on resume when changed).")
-    ema_every: int = opt(1, "Update the EMA every N steps.")
+    ema_decay: float = opt(0.0, "EMA decay of the trained weights (0: no EMA; applied on resume when changed).",
+                                at_least=0, below=1)
+    ema_every: int = opt(1, "Update the EMA every N steps.", at_least=1)
     ema_device: Literal["device", "cpu"] = opt("device", "Keep the EMA on the training device, or on the CPU (pinned; each update "
                                                          "copies the weights there first).")
     workers: int = opt(1, "Background threads that read, collate and pin batches ahead of the step, for the whole run; 0 "
-                          "builds each batch in the training thread (the same batches, synchronously).")
-    prefetch: int = opt(4, "Batches kept ready ahead of the step (a bound on the data path's memory).")
+                          "builds each batch in the training thread (the same batches, synchronously).", at_least=0)
+    prefetch: int = opt(4, "Batches kept ready ahead of the step (a bound on the data path's memory).", at_least=1)
     readahead: int = opt(64, "Batches of the data order looked ahead by an I/O thread, which reads the shard ranges they need "
-                             "(downloads their shards, for a remote cache) before the batch is built; 0: off.")
+                             "(downloads their shards, for a remote cache) before the batch is built; 0: off.",
+                             at_least=0)
     shuffle_shards: int = opt(4, "Shards whose samples are shuffled together: each epoch shuffles a bucket's shards and groups "
                                  "them by this many, so a batch reads from a few shards and every shard is read whole, once "
                                  "per epoch, ahead of need (cold or remote storage). Larger: closer to a full shuffle, more "
-                                 "read ahead per bucket.")
+                                 "read ahead per bucket.", at_least=1)
     local_cache: Path | None = opt(None, "Where the shards of a remote --cache are kept (default: ~/.cache/cachedit/<bucket and "
                                          "path of the URL>).")
-    local_cache_gb: float = opt(100.0, "Disk space the shards in --local-cache may take; least recently used are removed first.")
+    local_cache_gb: float = opt(100.0, "Disk space the shards in --local-cache may take; least recently used are removed first.",
+                                       above=0)
     check_digests: bool = opt(True, "Check every sample read against the digest stored with it; a mismatch stops the run "
                                     "after a checkpoint, naming the shard and the repair command.")
-    checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT; 0: only then).")
-    keep_checkpoints: int = opt(3, "Keep the newest K checkpoints.")
+    checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT; 0: only then).",
+                                     at_least=0)
+    keep_checkpoints: int = opt(3, "Keep the newest K checkpoints.", at_least=1)
     resume: str | None = opt("auto", "auto (newest complete checkpoint of the run, if any), a checkpoint directory (or "
                                      "another run's directory: its newest), or '' to start over.")
-    log_every: int = opt(10, "Write metrics every N steps.")
-    max_bad_steps: int = opt(5, "Abort after this many non-finite steps in a row.")
+    log_every: int = opt(10, "Write metrics every N steps.", at_least=1)
+    max_bad_steps: int = opt(5, "Abort after this many non-finite steps in a row.", at_least=1)
     progress: bool = opt(True, "Show the progress bar.")
     report_to: list[str] = opt([], "Send the logged scalars, the validation grids and the run's config to a tracker: tensorboard "
                                    "(RUN/tensorboard; pip install 'cachedit[tensorboard]') or wandb (pip install "
@@ -113,20 +122,23 @@ class TrainConfig:
     tracker_run_name: str | None = opt(None, "The run's name in the tracker (default: the run directory's name).")
     validation_prompt: list[str] = opt([], "Validation prompt (repeatable); its embedding must be in the cache (precompute "
                                            "--validation-prompt). Default: every prompt cached with the data.")
-    validate_every: int = opt(0, "Sample a validation grid every N steps (0: only at the end).")
+    validate_every: int = opt(0, "Sample a validation grid every N steps (0: only at the end).", at_least=0)
     validation_bucket: list[str] = opt([], "Bucket HxW to sample at (repeatable; default: the cache's 3 most populous).")
     validation_steps: int | None = opt(None, "Sampler steps per validation image (default: the preset's: 20; FLUX.1-schnell 4, "
-                                             "as it was distilled for).")
+                                             "as it was distilled for).", at_least=1)
     guidance_scale: float | None = opt(None, "Classifier-free guidance scale (the cached empty caption is the unconditional "
                                              "input); default the preset's: 4.5. Flux samples without classifier-free guidance: "
                                              "FLUX.1-dev's distilled guidance value, fed to its guidance embedding as "
-                                             "FluxPipeline's guidance_scale (default 3.5); schnell takes none.")
+                                             "FluxPipeline's guidance_scale (default 3.5); schnell takes none.",
+                                             at_least=0)
     guidance_scale_train: float = opt(3.5, "Flux models with a guidance embedding (FLUX.1-dev): the guidance value fed to it "
-                                           "while training, as diffusers' train_dreambooth_lora_flux.py (--guidance_scale 3.5).")
-    validation_seed: int = opt(0, "Seed of the validation noise (fixed per prompt and bucket).")
+                                           "while training, as diffusers' train_dreambooth_lora_flux.py (--guidance_scale 3.5).",
+                                           at_least=0)
+    validation_seed: int = opt(0, "Seed of the validation noise (fixed per prompt and bucket).",
+                                  at_least=0, at_most=SEED_MAX)
     validation_items: int = opt(4, "ControlNet runs: validate on this many cached dataset items, spread evenly over the cache "
                                    "(a grid row each: control image, image generated from its control latent and caption, "
-                                   "ground truth); 0: no grids.")
+                                   "ground truth); 0: no grids.", at_least=0)
     decode_device: Literal["cpu", "device"] = opt("cpu", "Decode validation latents in a background CPU process (cpu) or on the "
                                                          "training device after releasing memory (device).")
     validate: bool = opt(True, "Sample validation grids (--no-validate: never).")
@@ -141,18 +153,20 @@ class TrainConfig:
                                         "CPUOffloadPolicy; CUDA only).")
     lora_rank: int = opt(0, "Train LoRA adapters of this rank on the frozen transformer instead of every weight (0: full "
                             "fine-tuning). Only the adapters get gradients and optimizer states; checkpoints hold the adapters "
-                            "alone, in the format the family's pipeline loads. --weights-dtype bf16 halves the frozen base.")
-    lora_alpha: float | None = opt(None, "LoRA alpha (the adapters' output is scaled by alpha / rank; default: the rank).")
+                            "alone, in the format the family's pipeline loads. --weights-dtype bf16 halves the frozen base.",
+                            at_least=0)
+    lora_alpha: float | None = opt(None, "LoRA alpha (the adapters' output is scaled by alpha / rank; default: the rank).",
+                                         above=0)
     lora_targets: list[str] = opt([], "Module names to adapt (repeatable, matched by suffix; default: attention q/k/v/out, and "
                                       "SD3's text-stream projections).")
-    lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input.")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input.", at_least=0, below=1)
     controlnet: bool = opt(False, "Train a ControlNet (SD3 / SD3.5, Sana) on the cache's control latents (stage one's "
                                   "--control) beside the frozen transformer: only the ControlNet gets gradients, optimizer "
                                   "states and EMA; checkpoints and export hold it alone, in diffusers layout (controlnet/). "
                                   "--weights-dtype sets the frozen transformer's dtype; the ControlNet trains in fp32.")
     controlnet_layers: int | None = opt(None, "Transformer blocks a new ControlNet copies (default: 12 for SD3, as diffusers' "
                                               "train_controlnet_sd3.py; 7 for Sana, as Sana's ControlNet; fewer where the "
-                                              "transformer cannot take that many residuals).")
+                                              "transformer cannot take that many residuals).", at_least=1)
     pretrained_controlnet: str | None = opt(None, "Continue training this ControlNet instead of a new one: a directory or Hub "
                                                   "id (its controlnet/ subfolder if it has one). Implies --controlnet.")
     base_quant: Literal["none", "int8", "fp8", "nf4"] = opt(
@@ -164,19 +178,18 @@ class TrainConfig:
     blocks_to_swap: int = opt(0, "Keep the frozen weights of this many transformer blocks (the last ones) in pinned CPU memory "
                                  "and bring each to the device just ahead of its use, forward and backward (a side CUDA "
                                  "stream, one block ahead); those blocks are recomputed in backward (gradient checkpointing). "
-                                 "LoRA and ControlNet runs. Losses are identical to a run without it.")
+                                 "LoRA and ControlNet runs. Losses are identical to a run without it.", at_least=0)
     controlnet_conditioning_scale: float = opt(1.0, "Scale of the ControlNet's residuals in training (the pipelines' "
-                                                    "controlnet_conditioning_scale; applied on resume when changed).")
+                                                    "controlnet_conditioning_scale; applied on resume when changed).",
+                                                    at_least=0)
 
     def __post_init__(self) -> None:
-        check_choices(self)
+        check_options(self)
         given = [self.cache] if isinstance(self.cache, (str, Path)) else list(self.cache or [])
         # a URL stays a string (Path would fold its "//")
         self.cache = [c if "://" in str(c) else Path(c) for c in given] or [Path("cache") / self.model]
         if self.cache_weight and len(self.cache_weight) != len(self.cache):
             raise ValueError(f"--cache-weight: {len(self.cache_weight)} weights for {len(self.cache)} caches; give one per --cache")
-        if any(not w > 0 for w in self.cache_weight):
-            raise ValueError(f"--cache-weight {self.cache_weight}: every weight must be above 0")
         if len({str(c) for c in self.cache}) != len(self.cache):
             raise ValueError(f"--cache names {self.cache[0]} twice; give each cache once (--cache-weight sets shares)")
         self.cache_weight = list(self.cache_weight)
@@ -206,8 +219,8 @@ class TrainConfig:
         if self.controlnet and self.from_scratch:
             raise ValueError("a ControlNet steers a trained transformer; with --from-scratch the frozen transformer would be "
                              "random. Drop --from-scratch (the preset's released weights load by default).")
-        if self.controlnet_layers is not None and (self.controlnet_layers < 1 or not self.controlnet or self.pretrained_controlnet):
-            raise ValueError(f"--controlnet-layers {self.controlnet_layers}: the depth (at least 1) of a new ControlNet, with "
+        if self.controlnet_layers is not None and (not self.controlnet or self.pretrained_controlnet):
+            raise ValueError(f"--controlnet-layers {self.controlnet_layers}: the depth of a new ControlNet, with "
                              f"--controlnet and without --pretrained-controlnet (which has its own)")
         frozen_base = bool(self.lora_rank or self.controlnet)  # --weights-dtype is then the frozen transformer's
         if self.optimizer == "adamw-bf16" and self.weights_dtype != "bf16" and not self.lora_rank:
@@ -225,15 +238,11 @@ class TrainConfig:
                                  f"(--controlnet) on it; full fine-tuning updates every weight, which must stay on the device")
         if self.base_quant != "none" and self.precision != "bf16":
             raise ValueError(f"--base-quant {self.base_quant} computes in bf16 (its kernels' dtype): use --precision bf16")
-        if self.blocks_to_swap < 0:
-            raise ValueError(f"--blocks-to-swap {self.blocks_to_swap}: choose 0 (off) or a number of blocks")
         if self.blocks_to_swap and self.base_quant == "nf4":
             raise ValueError("--blocks-to-swap with --base-quant nf4: bitsandbytes' 4-bit weights keep their quantization "
                              "state beside the tensor, which the swap does not carry; use --base-quant int8 or fp8 with "
                              "block swapping, or nf4 alone")
         self.checkpoint_every_k()  # validates the spelling
-        if self.lora_rank < 0:
-            raise ValueError(f"LoRA rank {self.lora_rank}: choose 0 (full fine-tuning) or a positive rank")
         if self.lora_rank and self.optimizer == "adamw-bf16":
             raise ValueError("LoRA adapters train in fp32 (--weights-dtype sets the frozen base's dtype); choose adamw, came or adafactor")
         if self.lora_rank and self.from_scratch:
@@ -241,25 +250,15 @@ class TrainConfig:
                              "--from-scratch (the preset's released weights load by default) or train every weight (--lora-rank 0).")
         if self.from_scratch and self.pretrained:
             raise ValueError("--from-scratch and --pretrained contradict each other: choose one")
-        if self.checkpoint_every < 0 or self.validate_every < 0 or self.validation_items < 0:
-            raise ValueError("--checkpoint-every, --validate-every and --validation-items must be at least 0")
         if self.controlnet and (self.validation_prompt or self.validation_bucket):
             raise ValueError("a ControlNet run validates on cached dataset items (--validation-items: their control images, "
                              "captions and buckets), not on --validation-prompt / --validation-bucket: leave those out")
-        if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError("steps, batch size and gradient accumulation must be at least 1")
-        if self.workers < 0 or self.prefetch < 1 or self.readahead < 0 or self.shuffle_shards < 1:
-            raise ValueError("--workers and --readahead must be at least 0; --prefetch and --shuffle-shards at least 1")
         self.report_to = [r for r in self.report_to if r != "none"]
         unknown = sorted(set(self.report_to) - {"tensorboard", "wandb"})
         if unknown:
             raise ValueError(f"--report-to {', '.join(unknown)}: choose none, tensorboard or wandb (repeatable)")
-        if self.lr_cycles < 1 or self.lr_power <= 0 or self.lr_end < 0:
-            raise ValueError("--lr-cycles must be at least 1, --lr-power above 0 and --lr-end at least 0")
         if self.lr_schedule == "polynomial" and self.lr_end >= self.lr:
             raise ValueError(f"--lr-end {self.lr_end:g} must be below --lr {self.lr:g} for a polynomial decay")
-        if self.ema_every < 1 or not 0 <= self.ema_decay < 1:
-            raise ValueError(f"--ema-decay {self.ema_decay} must be in [0, 1) and --ema-every {self.ema_every} at least 1")
 
     def checkpoint_every_k(self) -> int:
         """0: no gradient checkpointing; 1: every block; K: every K-th block."""
