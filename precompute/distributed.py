@@ -1,8 +1,12 @@
-"""Ranks under torchrun: each encodes a disjoint part of DATA into its own shards; rank 0 holds the cache's lock."""
+"""Ranks under torchrun: each encodes a disjoint part of DATA into its own shards; rank 0 holds the cache's lock.
+And the loader's workers, which die with the process that forked them."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -40,3 +44,20 @@ def lock_cache(cache: Path, rank: int, world: int) -> CacheLock | None:
     if busy:
         raise CacheBusy(busy)
     return lock
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int, worker_id: int | None = None) -> None:
+    """A DataLoader worker's `worker_init_fn`: the worker is killed when `parent` (the run that forked it) dies.
+
+    A worker whose run was killed otherwise lingers, blocked on a queue no one reads; it holds nothing of the
+    cache (`shards.lock` lets go of the locks in forked children), but it keeps reading DATA. Linux only; other
+    systems rely on the loader's own check of its parent.
+    """
+    if sys.platform != "linux":
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the run died before the request was in place
+        os._exit(1)

@@ -1,5 +1,5 @@
-"""What leaves the cache, and when: samples whose inputs are gone (on evidence only), and damaged shards
-re-encoded in place (`--repair`).
+"""What leaves the cache, and when: samples whose inputs are gone (on evidence only), damaged shards
+re-encoded in place (`--repair`), and the directory of a new cache whose run was refused.
 
 A sample leaves the cache only on evidence: its input was listed completely, without error, and is gone
 (or changed, and its new content was encoded). Inputs that fail to read never remove anything.
@@ -7,6 +7,7 @@ A sample leaves the cache only on evidence: its input was listed completely, wit
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -15,7 +16,10 @@ from precompute.inputs import where
 from precompute.sources import Source
 from precompute.tars import tar_name
 from shards import ShardWriter, verify
+from shards.lock import WRITERS_LOCK
 from shards.reader import stat_problems
+
+LOCK_FILE = re.compile(rf"\.lock(-r\d{{5}})?|{re.escape(WRITERS_LOCK)}")  # the lock files of a run, its ranks and its writers
 
 
 class RemovalRefused(ValueError):
@@ -70,12 +74,14 @@ def damaged_shards(cache: Path, manifest) -> dict[str, list[str]]:
             for j, entry in zip(manifest.shards.rows, manifest.shards) if (cache / entry.path).resolve() in bad}
 
 
-def replace_damaged(writer: ShardWriter, damaged: dict[str, list[str]], encoded: dict, previous: dict[str, str], cache: Path) -> dict:
+def replace_damaged(writer: ShardWriter, damaged: dict[str, list[str]], encoded: dict, inputs: dict[str, str],
+                    cache: Path) -> dict:
     """Commit a re-encoded copy of every damaged shard whose samples were all encoded again, in their order:
-    a training run of any generation reads the copy at the same global indices."""
+    a training run of any generation reads the copy at the same global indices. A shard with a sample whose input
+    is gone or changed is left as it is, and named with every such input (`inputs`: key -> where it was read)."""
     repaired, unrepairable = [], []
     for path, keys in damaged.items():
-        missing = [previous[k] for k in keys if k not in encoded]
+        missing = [inputs.get(k, k) for k in keys if k not in encoded]
         if missing:
             unrepairable.append({"shard": path, "inputs_missing_or_changed": missing})
         else:
@@ -84,6 +90,30 @@ def replace_damaged(writer: ShardWriter, damaged: dict[str, list[str]], encoded:
     samples = sum(len(damaged[p]) for p in repaired)
     print(f"\n{cache}: repaired {len(repaired)} of {len(damaged)} damaged shard(s), {samples} samples re-encoded", file=sys.stderr)
     for u in unrepairable:
-        print(f"  not repaired: {u['shard']}: inputs missing or changed since they were cached: "
-              f"{', '.join(u['inputs_missing_or_changed'][:3])}; restore them and run --repair again", file=sys.stderr)
+        print(f"  not repaired: {u['shard']}: {len(u['inputs_missing_or_changed'])} input(s) missing or changed since they "
+              f"were cached: {', '.join(u['inputs_missing_or_changed'])}; restore them and run --repair again", file=sys.stderr)
     return {"repaired_shards": len(repaired), "repaired_samples": samples, "unrepairable": unrepairable}
+
+
+def forget_created(created: list[Path]) -> None:
+    """Leave no trace of a refused run in the cache directory it created (`created`: it and the parents it made,
+    deepest first): removed only while it holds nothing but the lock files of this run, before the lock is let go."""
+    cache = created[0]
+    entries = list(cache.iterdir())
+    if not all(LOCK_FILE.fullmatch(e.name) and e.is_file() and not e.is_symlink() for e in entries):
+        return  # something was committed, or someone else's file: the directory stays
+    for entry in entries:
+        entry.unlink()
+    for directory in created:
+        try:
+            directory.rmdir()
+        except OSError:
+            return
+
+
+def cached_inputs(manifest, sources: list) -> dict[str, str]:
+    """key -> where its input was read from, for messages: the file under its source's path, or the source's
+    name when this run does not list it."""
+    paths = {s.name: s.path for s in sources}
+    return {key: f"{paths[name].rstrip('/')}/{src}" if name in paths else f"{src} (source {name!r}, which DATA does not list)"
+            for name in manifest.datasets() for key, src, *_ in manifest.samples(name)}

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import time
 from collections import Counter, defaultdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +24,12 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from precompute.config import DEFAULT_BATCH, PrecomputeConfig
-from precompute.distributed import gather, lock_cache, setup_distributed
+from precompute.distributed import die_with_parent, gather, lock_cache, setup_distributed
 from precompute.encode import Encoders, best_device
 from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
 from precompute.presets import Preset
-from precompute.removal import RemovalRefused, damaged_shards, removal_refused, removals, replace_damaged, warn_damaged
+from precompute.removal import (RemovalRefused, cached_inputs, damaged_shards, forget_created, removal_refused, removals,
+                                replace_damaged, warn_damaged)
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
 from shards import CONTROL_PREFIX, FLIP_PREFIX, CacheSpec, Prompt, ShardWriter, exists, load, prompt_key
 from shards.atomic import atomic_write_bytes
@@ -52,6 +55,7 @@ def run(config: PrecomputeConfig) -> dict:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
 
+    created = [d for d in (config.cache, *config.cache.parents) if not d.exists()]  # deepest first
     config.cache.mkdir(parents=True, exist_ok=True)
     lock = lock_cache(config.cache, rank, world)
     try:
@@ -60,6 +64,10 @@ def run(config: PrecomputeConfig) -> dict:
         if world > 1:
             dist.barrier()  # every rank scopes its inputs by the names rank 0 committed
         summary = _run(config, device, rank, world, t_start)
+    except BaseException:
+        if lock is not None and created:
+            forget_created(created)
+        raise
     finally:
         if lock is not None:
             lock.release()
@@ -102,6 +110,9 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         known = {} if repair else unsalted(manifest.by_source(source.name), source) if manifest else {}
         only = {mine[k] for k in needed if k in mine} if repair else None
         inputs = open_inputs(config, source, policy, known, skip, rank=rank, world=world, only=only)
+        if inputs.listed == 0 and not repair and not (manifest and manifest.num_samples):
+            raise RemovalRefused(f"{where(source)}={source.path} lists no input, and the cache at {cache} holds no sample: "
+                                 f"DATA lists nothing to encode. Is the folder empty or unmounted?")
         if inputs.listed == 0 and mine and not config.allow_removal and not repair:
             raise RemovalRefused(f"{where(source)}={source.path} lists no input, and the cache at {cache} holds {len(mine)} samples "
                                  f"of source {source.name!r}: a re-run would remove them all. Is the folder empty or unmounted? "
@@ -110,8 +121,9 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         listings[source.name] = inputs
     total = sum(i.total for i in listings.values()) if all(i.total is not None for i in listings.values()) else None
     workers = max(i.workers for i in listings.values())
-    # forks the workers before any encoder weights exist in this process
-    batches = iter(build_loader(SourcesDataset(parts), workers, device))
+    loader = build_loader(SourcesDataset(parts), workers, device)
+    loader.worker_init_fn = partial(die_with_parent, os.getpid())  # no worker outlives a killed run
+    batches = iter(loader)  # forks the workers before any encoder weights exist in this process
 
     # 2. encoders and the fingerprint of everything that determines the cached values; a cache built
     # differently is refused before anything is encoded
@@ -241,7 +253,7 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
             encode_and_write(pending.pop(bucket))
         writer.restamp(restamps)
         if repair:
-            summary = replace_damaged(writer, damaged, repaired, previous, cache)
+            summary = replace_damaged(writer, damaged, repaired, cached_inputs(manifest, sources), cache)
         writer.finish()
         loop_s = time.perf_counter() - t_loop
     except BaseException:
