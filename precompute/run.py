@@ -110,7 +110,7 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         known = {} if repair else unsalted(manifest.by_source(source.name), source) if manifest else {}
         only = {mine[k] for k in needed if k in mine} if repair else None
         inputs = open_inputs(config, source, policy, known, skip, rank=rank, world=world, only=only)
-        if inputs.listed == 0 and not repair and not (manifest and manifest.num_samples):
+        if inputs.listed == 0 and not inputs.failures and not repair and not (manifest and manifest.num_samples):
             raise RemovalRefused(f"{where(source)}={source.path} lists no input, and the cache at {cache} holds no sample: "
                                  f"DATA lists nothing to encode. Is the folder empty or unmounted?")
         if inputs.listed == 0 and mine and not config.allow_removal and not repair:
