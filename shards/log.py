@@ -2,23 +2,30 @@
 snapshots there are, the check of the `index.json` pointer, and reading and creating commits. A commit or a
 snapshot file is created once ("create if absent"), so writers never overwrite each other.
 
+Writers claim generation numbers in order, so the log never has a gap: a commit missing while later ones are
+there was lost, and the log must not be taken to end before it (a writer would delete the shards the later
+commits list as uncommitted, and publish others under their names).
+
 `shards.manifest` builds on this: it loads and compacts the `Manifest` these files describe.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
-from shards.atomic import TMP_SUFFIX, fsync_dir
-from shards.layout import LOG_DIR, LOG_NAME, MANIFEST, SHARD_FILE, SNAPSHOT_DIR
-from shards.schema import FORMAT_NAME, FORMAT_VERSION, FormatError, check_version
+import torch
+
+from shards.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir
+from shards.layout import LOG_DIR, LOG_NAME, MANIFEST, SHARD_FILE, SNAPSHOT_DIR, SNAPSHOT_NAME
+from shards.schema import FORMAT_NAME, FORMAT_VERSION, DamagedLog, FormatError, check_version
 
 
 def committed(root: Path) -> bool:
     """Whether the log or a snapshot holds a generation (gc may have collected the first commits)."""
-    return (root / LOG_DIR / LOG_NAME.format(0)).exists() or bool(snapshots(root))
+    return (root / LOG_DIR / LOG_NAME.format(0)).exists() or bool(snapshots(root)) or bool(commit_numbers(root))
 
 
 def exists(root: str | os.PathLike) -> bool:
@@ -63,6 +70,64 @@ def snapshots(root: Path) -> list[int]:
     return sorted(int(p.stem) for p in (root / SNAPSHOT_DIR).glob("*.safetensors") if p.stem.isdigit())
 
 
+def commit_numbers(root: Path) -> list[int]:
+    """Generations with a commit file, in order (temp files of commits being written are not listed)."""
+    try:
+        names = os.listdir(root / LOG_DIR)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(name[:-5]) for name in names if name.endswith(".json") and name[:-5].isdigit())
+
+
+def check_log_end(root: Path, generation: int) -> None:
+    """Called when commit `generation` is missing: the log ends there unless later commits exist.
+
+    Raises:
+        DamagedLog: later commits exist; the message names the missing file and the later ones.
+    """
+    later = [g for g in commit_numbers(root) if g > generation]
+    if later:
+        raise DamagedLog(root / LOG_DIR / LOG_NAME.format(generation), gap_message(root, generation, later))
+
+
+def gaps(root: Path) -> list[tuple[int, list[int]]]:
+    """Every commit missing from the log while later ones exist, with those later ones. The log starts at commit 0,
+    or after the oldest snapshot once gc collected its beginning (gc deletes the log oldest first, so an
+    interrupted gc leaves no gap above the snapshot it kept)."""
+    numbers = commit_numbers(root)
+    if not numbers:
+        return []
+    have, kept = set(numbers), snapshots(root)
+    start = kept[0] + 1 if kept and 0 not in have else 0
+    return [(g, [n for n in numbers if n > g]) for g in range(start, numbers[-1]) if g not in have]
+
+
+def gap_message(root: Path | str, generation: int, later: list[int]) -> str:
+    """What to say of commit `generation` missing before `later` ones; `root` is a directory or a cache's URL."""
+    name = LOG_NAME.format(generation)
+    names = ", ".join(LOG_NAME.format(g) for g in later[:3]) + (f" ... {LOG_NAME.format(later[-1])}" if len(later) > 3 else "")
+    return (f"{root}/{LOG_DIR}/{name} is missing, but {len(later)} later commit(s) are there ({names}): the file was "
+            f"lost, so generation {generation} and every later one cannot be read, and the shards those commits list "
+            f"are not at fault (--repair cannot help). Restore {name} into {root}/{LOG_DIR}/ from a backup of the "
+            f"cache; without one, build the cache again into a new directory (`make precompute DATA=... CACHE=NEW`). "
+            f"Nothing was deleted: stage one and `python -m shards gc` refuse to work on the cache until it is restored.")
+
+
+def damaged_commit(path: Path, why: str) -> DamagedLog:
+    """The error of a commit file that is there but fails its checks."""
+    return DamagedLog(path, f"{path} is damaged ({why}): the commit log of the cache cannot be read past it, and the "
+                            f"shards it lists are not at fault (--repair cannot help). Restore {path.name} from a "
+                            f"backup of the cache; without one, build the cache again into a new directory "
+                            f"(`make precompute DATA=... CACHE=NEW`).")
+
+
+def commit_digest(commit: dict) -> str:
+    """sha256 of a commit's canonical JSON without its own `sha256`: a flipped bit in a listed digest or size would
+    otherwise blame a healthy shard."""
+    body = {k: v for k, v in commit.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def first_generation(root: Path) -> int | None:
     """The oldest generation that can still be loaded (gc collects the log before the oldest one needed)."""
     if (root / LOG_DIR / LOG_NAME.format(0)).exists():
@@ -89,18 +154,27 @@ def read_pointer(root: Path) -> int | None:
 
 
 def read_commit(path: Path) -> dict | None:
-    """The commit at `path`, None when that generation was not committed (yet)."""
+    """The commit at `path`, None when that generation was not committed (yet).
+
+    Raises:
+        DamagedLog: the file is there but is not a whole commit of this format, or fails its digest.
+        FormatError: a commit of another format version.
+    """
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
     try:
-        commit = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise FormatError(f"{path} is not valid JSON ({e}): the commit log is damaged; run `python -m shards verify`") from e
+        commit = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise damaged_commit(path, f"not valid JSON: {e}") from None
     if not isinstance(commit, dict) or commit.get("format") != FORMAT_NAME:
-        raise FormatError(f"{path} is not a {FORMAT_NAME} commit")
+        raise damaged_commit(path, f"not a {FORMAT_NAME} commit")
     check_version(commit.get("format_version"), str(path))
+    if "sha256" in commit and commit["sha256"] != commit_digest(commit):
+        raise damaged_commit(path, "its content does not match the sha256 written with it")
+    if not isinstance(commit.get("generation"), int) or LOG_NAME.format(commit["generation"]) != path.name:
+        raise damaged_commit(path, f"it names generation {commit.get('generation')!r}")
     return commit
 
 
@@ -129,4 +203,66 @@ def write_commit(root: Path, commit: dict, rank: int = 0) -> bool:
         log.mkdir(parents=True, exist_ok=True)
         fsync_dir(root)
     body = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **commit}
+    body["sha256"] = commit_digest(body)
     return create_if_absent(log / LOG_NAME.format(commit["generation"]), json.dumps(body, separators=(",", ":")).encode(), rank)
+
+
+def snapshot_digest(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of a snapshot's metadata (but this digest) and tensors: a flipped bit in its table of shard sizes and
+    digests would otherwise blame healthy shards."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "sha256"}, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def damaged_snapshot(path: Path, why: str) -> DamagedLog:
+    """The error of a snapshot file that is there but fails its checks, with the way back: a backup, or the log
+    it compacts when that is all there."""
+    root, generation = path.parent.parent, int(path.stem)
+    have = set(commit_numbers(root))
+    older = [g for g in snapshots(root) if g < generation]
+    base = older[-1] if older else (-1 if 0 in have else None)
+    if base is not None and all(g in have for g in range(base + 1, generation + 1)):
+        start = f"snapshot {base}" if base >= 0 else "commit 0"
+        other = (f"or move it out of the cache: generation {generation} is then replayed from {start} and the commits "
+                 f"after it, which are all there")
+    else:
+        other = ("without one, build the cache again into a new directory (`make precompute DATA=... CACHE=NEW`): gc "
+                 "collected the commits it compacts")
+    return DamagedLog(path, f"{path} is damaged ({why}): the cache's state at generation {generation} cannot be read "
+                            f"from it, and the shards it lists are not at fault (--repair cannot help). Restore it from "
+                            f"a backup of the cache, {other}.")
+
+
+def write_snapshot(root: Path, generation: int, data: bytes, rank: int = 0) -> None:
+    """Create the snapshot file of `generation` (`Manifest.encode_snapshot`) unless another writer did."""
+    directory = root / SNAPSHOT_DIR
+    if not directory.is_dir():
+        directory.mkdir(exist_ok=True)
+        fsync_dir(root)
+    create_if_absent(directory / SNAPSHOT_NAME.format(generation), data, rank)
+
+
+def prune_snapshots(root: Path) -> None:
+    """Delete the snapshots between the oldest and the two newest. Every generation stays loadable: the log is
+    kept until `gc`, and the oldest snapshot is where it starts once `gc` collected its beginning; the
+    previous newest is kept for a reader that listed it a moment ago. Without this a million-shard cache
+    would keep a hundred snapshots of growing size."""
+    if (root / SNAPSHOT_DIR).is_symlink():  # nothing outside the cache is deleted
+        return
+    for generation in snapshots(root)[1:-2]:
+        (root / SNAPSHOT_DIR / SNAPSHOT_NAME.format(generation)).unlink(missing_ok=True)
+
+
+def write_pointer(root: Path, manifest) -> None:
+    """Point `index.json` at the newest snapshot (none yet: null). Concurrent writers may leave it one snapshot
+    behind; readers list `_snapshots/` and never depend on it."""
+    newest = snapshots(root)
+    atomic_write_json(root / MANIFEST, {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "fingerprint_sha256": manifest.fingerprint_sha256,
+        "snapshot_generation": newest[-1] if newest else None,
+        "note": f"the cache's state is {SNAPSHOT_DIR}/<snapshot_generation>.safetensors plus the commits after it in {LOG_DIR}/",
+    })

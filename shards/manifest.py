@@ -27,7 +27,6 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from shards.atomic import atomic_write_json, fsync_dir
 from shards.buckets import Bucket
 from shards.fingerprint import fingerprint_hash, normalize
 from shards.layout import (
@@ -42,19 +41,26 @@ from shards.layout import (
     shard_name,
 )
 from shards.log import (
+    check_log_end,
     committed,
-    create_if_absent,
+    damaged_commit,
+    damaged_snapshot,
     exists,
     first_generation,
     missing_manifest,
+    prune_snapshots,
     read_commit,
     read_pointer,
+    snapshot_digest,
     snapshots,
     write_commit,
+    write_pointer,
+    write_snapshot,
 )
 from shards.schema import (
     FORMAT_NAME,
     FORMAT_VERSION,
+    DamagedLog,
     FingerprintMismatch,
     FormatError,
     Schema,
@@ -70,7 +76,7 @@ __all__ = [  # the library imports these from here, the moved ones included
     "BucketStats", "Manifest", "ShardEntry", "ShardTable",
     "compact", "compaction_due", "confined", "exists", "first_generation", "load", "missing_manifest", "newest_copy",
     "parse_shard_name", "prune_snapshots", "read_commit", "replacements", "replay", "shard_name", "snapshot_replacements",
-    "snapshots", "write_commit", "write_pointer",
+    "snapshots", "write_commit", "write_pointer", "write_snapshot",
 ]
 
 # Compact the log into a snapshot once this many commits follow the last one: readers replay at most this
@@ -230,6 +236,7 @@ class Manifest:
             "files": json.dumps(self.files, sort_keys=True), "extra": json.dumps(self.extra, sort_keys=True),
             "next_seq": json.dumps(self.next_seq, sort_keys=True), "replaced": json.dumps(self.replaced, sort_keys=True),
         }
+        metadata["sha256"] = snapshot_digest(metadata, tensors)
         return serialize(tensors, metadata)
 
     @classmethod
@@ -238,14 +245,38 @@ class Manifest:
         init = commit.get("init")
         if init is None:
             raise FormatError(f"{where}: the first commit of a cache must carry its fingerprint and schema")
-        m = cls(init["fingerprint"], schema_from_json(init["fields"]))
+        try:
+            m = cls(init["fingerprint"], schema_from_json(init["fields"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise damaged_commit(Path(where), f"its init is incomplete: {e}") from None
         if m.fingerprint_sha256 != init["fingerprint_sha256"]:
-            raise FormatError(f"{where}: fingerprint_sha256 does not match its fingerprint; the log was edited or damaged")
+            raise damaged_commit(Path(where), "fingerprint_sha256 does not match its fingerprint")
         return m
 
     @classmethod
     def from_snapshot(cls, path: Path) -> "Manifest":
-        meta, tensors = open_file(path, kind="snapshot")
+        """The manifest a snapshot file holds.
+
+        Raises:
+            FileNotFoundError: no such snapshot (a writer pruned it a moment ago).
+            DamagedLog: the file is there but is not a whole snapshot, or fails its digest.
+            FormatError: a snapshot of another format version.
+        """
+        try:
+            meta, tensors = open_file(path, kind="snapshot")
+        except FormatError as e:
+            if "format version" in str(e):
+                raise
+            raise damaged_snapshot(path, str(e)) from None
+        if "sha256" in meta and meta["sha256"] != snapshot_digest(meta, tensors):
+            raise damaged_snapshot(path, "its content does not match the sha256 written with it")
+        try:
+            return cls._from_snapshot(path, meta, tensors)
+        except (FormatError, KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:  # tables that do not fit
+            raise damaged_snapshot(path, str(e)) from None
+
+    @classmethod
+    def _from_snapshot(cls, path: Path, meta: dict[str, str], tensors: dict) -> "Manifest":
         try:
             schema = schema_from_json(json.loads(meta["fields"]))
             m = cls(json.loads(meta["fingerprint"]), schema, generation=int(meta["generation"]))
@@ -286,7 +317,8 @@ def load(root: str | os.PathLike, generation: int | None = None) -> Manifest:
 
     Raises:
         FileNotFoundError: nothing was ever committed here; the message says what the directory is.
-        FormatError: another format version, a damaged log or snapshot, or a generation gc collected.
+        DamagedLog: a damaged commit or snapshot, or a commit missing before later ones; the message names it.
+        FormatError: another format version, or a generation gc collected.
     """
     root = Path(root)
     read_pointer(root)
@@ -294,18 +326,35 @@ def load(root: str | os.PathLike, generation: int | None = None) -> Manifest:
         raise FileNotFoundError(missing_manifest(root)[1])
     if generation is not None and generation < 0:
         raise ValueError(f"generation {generation} is negative; the first generation is 0")
+    for attempt in range(3):
+        listed = snapshots(root)
+        try:
+            manifest = _start(root, generation)
+            replay(root, manifest, generation)
+            break
+        except DamagedLog:
+            # gc deletes the log before the snapshot it keeps, oldest first: a load that started from an older
+            # snapshot meanwhile finds a gap, and loads again from the new oldest one
+            if attempt == 2 or snapshots(root) == listed:
+                raise
+    if generation is not None and manifest.generation != generation:
+        raise FormatError(f"{root} has no generation {generation} (the newest is {manifest.generation}); the run that "
+                          f"recorded it belongs to another cache")
+    return manifest
+
+
+def _start(root: Path, generation: int | None) -> Manifest:
+    """The manifest a load of `generation` starts from: the newest snapshot at or before it, or commit 0's init."""
     first = root / LOG_DIR / LOG_NAME.format(0)
     manifest = _snapshot_at_or_before(root, generation)
     if manifest is None and (commit := read_commit(first)) is not None:
         manifest = Manifest.from_init(commit, str(first))
     if manifest is None:
+        if not snapshots(root):  # gc always keeps a snapshot where it collected the log
+            check_log_end(root, 0)
         raise FormatError(f"{root} has no generation {generation} any more (the oldest kept is "
                           f"{first_generation(root)}): `python -m shards gc` collected it, since no registered run "
                           f"needed it")
-    replay(root, manifest, generation)
-    if generation is not None and manifest.generation != generation:
-        raise FormatError(f"{root} has no generation {generation} (the newest is {manifest.generation}); the run that "
-                          f"recorded it belongs to another cache")
     return manifest
 
 
@@ -323,15 +372,31 @@ def _snapshot_at_or_before(root: Path, generation: int | None) -> Manifest | Non
     raise FormatError(f"{root}: the snapshots under {SNAPSHOT_DIR}/ kept disappearing while loading; retry")
 
 
-def replay(root: Path, manifest: Manifest, upto: int | None = None) -> list[dict]:
-    """Apply the commits after `manifest.generation` up to `upto` (default: every one there is); returns them."""
+def replay(root: Path, manifest: Manifest, upto: int | None = None, check_end: bool = True) -> list[dict]:
+    """Apply the commits after `manifest.generation` up to `upto` (default: every one there is); returns them.
+
+    The log ends at the first missing commit only when no later one exists (`check_end`: one listing of the log;
+    a writer that checked it at its start passes False, since writers never leave a gap).
+
+    Raises:
+        DamagedLog: a commit fails its checks or cannot follow the one before, or one is missing before later ones.
+    """
     applied = []
     while upto is None or manifest.generation < upto:
         path = root / LOG_DIR / LOG_NAME.format(manifest.generation + 1)
         commit = read_commit(path)
         if commit is None:
+            if check_end:
+                check_log_end(root, manifest.generation + 1)
             break
-        manifest.apply(commit, str(path))
+        try:
+            manifest.apply(commit, str(path))
+        except DamagedLog:
+            raise
+        except (FormatError, KeyError, TypeError, ValueError) as e:
+            if isinstance(e, FingerprintMismatch):  # another cache's commit: not damage, said as it is
+                raise
+            raise damaged_commit(path, str(e)) from None
         applied.append(commit)
     return applied
 
@@ -350,6 +415,7 @@ def replacements(root: Path, manifest: Manifest) -> dict[str, str]:
         for old, new in commit.get("replace", []):
             replaced[confined(old, str(path))] = confined(new["path"], str(path))
         generation += 1
+    check_log_end(root, generation + 1)
     return replaced
 
 
@@ -369,34 +435,10 @@ def compact(root: Path, manifest: Manifest, rank: int = 0, prune: bool = True) -
     """Write `manifest` as the snapshot of its generation (unless another writer did), point `index.json` at the
     newest snapshot and, with `prune`, delete the snapshots no reader needs (`prune_snapshots`). `gc` compacts
     without pruning: its snapshot becomes the oldest once it has deleted the ones before it."""
-    directory = root / SNAPSHOT_DIR
-    if not directory.is_dir():
-        directory.mkdir(exist_ok=True)
-        fsync_dir(root)
-    create_if_absent(directory / SNAPSHOT_NAME.format(manifest.generation), manifest.encode_snapshot(), rank)
+    write_snapshot(root, manifest.generation, manifest.encode_snapshot(), rank)
     write_pointer(root, manifest)
     if prune:
         prune_snapshots(root)
-
-
-def prune_snapshots(root: Path) -> None:
-    """Delete the snapshots between the oldest and the two newest. Every generation stays loadable: the log is
-    kept until `gc`, and the oldest snapshot is where it starts once `gc` collected its beginning; the
-    previous newest is kept for a reader that listed it a moment ago. Without this a million-shard cache
-    would keep a hundred snapshots of growing size."""
-    for generation in snapshots(root)[1:-2]:
-        (root / SNAPSHOT_DIR / SNAPSHOT_NAME.format(generation)).unlink(missing_ok=True)
-
-
-def write_pointer(root: Path, manifest: Manifest) -> None:
-    """Point `index.json` at the newest snapshot (none yet: null). Concurrent writers may leave it one snapshot
-    behind; readers list `_snapshots/` and never depend on it."""
-    newest = snapshots(root)
-    atomic_write_json(root / MANIFEST, {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "fingerprint_sha256": manifest.fingerprint_sha256,
-        "snapshot_generation": newest[-1] if newest else None,
-        "note": f"the cache's state is {SNAPSHOT_DIR}/<snapshot_generation>.safetensors plus the commits after it in {LOG_DIR}/",
-    })
 
 
 def compaction_due(root: Path, generation: int) -> bool:

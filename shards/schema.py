@@ -48,6 +48,18 @@ class DamagedCache(FormatError):
     snapshot, a shard, the prompts file); the message names it and says how to repair or restore it."""
 
 
+class DamagedLog(DamagedCache):
+    """A commit or snapshot file that fails its checks, or a commit missing from the middle of the log: the shards
+    may be intact. `path` is the file to restore."""
+
+    def __init__(self, path, message: str):
+        self.path = str(path)
+        super().__init__(message)
+
+    def __reduce__(self):  # pickled between processes with both arguments
+        return type(self), (self.path, str(self))
+
+
 class CorruptSample(DamagedCache):
     """A sample whose bytes do not match the digest stored with it."""
 

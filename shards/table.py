@@ -5,6 +5,7 @@ in columns), with the table's form in a snapshot: columns of tensors, the sample
 from __future__ import annotations
 
 from array import array
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -13,6 +14,7 @@ import torch
 
 from shards.buckets import Bucket
 from shards.layout import confined
+from shards.log import damaged_snapshot
 from shards.schema import FormatError
 
 
@@ -318,8 +320,7 @@ class _SnapshotSamples:
         # the samples of shard j are rows bounds[j]:bounds[j + 1]
         bounds = np.searchsorted(t["samples.shard"].numpy(), np.arange(len(self.samples) + 1))
         if not np.array_equal(np.diff(bounds), self.samples) or bounds[-1] != len(t["samples.stamp"]):
-            raise FormatError(f"{self.where}: the sample index does not match the shards' sample counts; the "
-                              f"snapshot is damaged")
+            raise damaged_snapshot(Path(self.where), "its sample index does not match the shards' sample counts")
         return (bounds, _Strings(t["samples.key"], t["samples.key.offsets"]),
                 _Strings(t["samples.source"], t["samples.source.offsets"]), t["samples.stamp"].numpy())
 
