@@ -8,27 +8,31 @@ log and snapshots before the oldest generation still needed. It runs alone: no w
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import re
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from shards.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir
+from shards.layout import cache_files
 from shards.manifest import (
     LOG_DIR,
     READERS_DIR,
     SNAPSHOT_DIR,
     Manifest,
-    compact,
     first_generation,
     load,
     newest_copy,
     parse_shard_name,
     replay,
     snapshots,
+    write_pointer,
+    write_snapshot,
 )
 from shards.schema import CacheBusy
 from shards.writer import WRITERS_LOCK, CacheLock
@@ -57,6 +61,7 @@ class GcReport:
     deleted: list[str] = field(default_factory=list)
     bytes: int = 0
     stale_readers: list[str] = field(default_factory=list)
+    links: list[str] = field(default_factory=list)  # symbolic links in the cache: never entered, nothing behind them deleted
 
 
 def needed_generations(root: Path) -> tuple[set[int], list[Path]]:
@@ -88,12 +93,23 @@ def exclusive(root: Path) -> list[CacheLock]:
     Raises:
         CacheBusy: a run or a writer uses the cache.
     """
-    run = CacheLock(root)
+    try:
+        run = CacheLock(root)
+    except PermissionError as e:
+        raise read_only(root, e) from None
     try:
         return [run, CacheLock(root, WRITERS_LOCK)]
     except CacheBusy:
         run.release()
         raise CacheBusy(f"a writer is writing the cache at {root}; run this when it has finished") from None
+    except PermissionError as e:
+        run.release()
+        raise read_only(root, e) from None
+
+
+def read_only(path: Path, e: OSError) -> PermissionError:
+    return PermissionError(e.errno, f"cannot change {path} ({e.strerror}: {e.filename or path}); nothing was deleted. "
+                                    f"Run this as a user who may write the cache, on a writable mount")
 
 
 def gc(root: str | os.PathLike, dry_run: bool = False) -> GcReport:
@@ -105,6 +121,8 @@ def gc(root: str | os.PathLike, dry_run: bool = False) -> GcReport:
 
     Raises:
         CacheBusy: a run or a writer uses the cache; nothing was deleted.
+        DamagedCache: a commit or snapshot is damaged, or missing before later ones; nothing was deleted.
+        PermissionError: the cache (or a folder of it) cannot be changed; nothing was deleted.
     """
     root = Path(root)
     locks = exclusive(root)
@@ -116,22 +134,49 @@ def gc(root: str | os.PathLike, dry_run: bool = False) -> GcReport:
         report = GcReport(generations=sorted(needed), stale_readers=[str(p) for p in stale])
         oldest = min(needed | {current.generation})
         base = current if oldest == current.generation else load(root, oldest)
-        if not dry_run and oldest not in snapshots(root):
-            compact(root, base, prune=False)  # the log and snapshots before `oldest` become redundant
+        # the snapshot of `oldest` makes the log and snapshots before it redundant; encoded before the replay below
+        snapshot = base.encode_snapshot() if oldest not in snapshots(root) else None
+        compacting = snapshot is not None
         keep = _files_needed(root, base, sorted(needed | {current.generation}), current.replaced)
-        for path in sorted([*root.glob("*"), *root.glob("*/*")]):
-            if path.is_file() and _collectable(root, path, keep, oldest, stale):
-                report.deleted.append(path.relative_to(root).as_posix())
-                report.bytes += path.stat().st_size
-                if not dry_run:
-                    path.unlink()
-        if not dry_run:
-            for directory in {root} | {p.parent for p in root.glob("*/*")}:
-                fsync_dir(directory)
+        links: list[Path] = []
+        doomed = [p for p in cache_files(root, links=links) if _collectable(root, p, keep, oldest, stale)]
+        # snapshots first, then the log oldest first: an interrupted gc never leaves a gap in the log
+        doomed.sort(key=lambda p: (p.parent.name != SNAPSHOT_DIR, p.parent.name != LOG_DIR, p.as_posix()))
+        report.links = sorted(p.relative_to(root).as_posix() for p in links)
+        for path in doomed:
+            report.deleted.append(path.relative_to(root).as_posix())
+            report.bytes += path.stat().st_size
+        if dry_run:
+            return report
+        for directory in sorted({p.parent for p in doomed} | ({root, root / SNAPSHOT_DIR} if compacting else set())):
+            _check_writable(directory)
+        if compacting:
+            write_snapshot(root, oldest, snapshot)
+            write_pointer(root, current)
+        for path in doomed:
+            path.unlink()
+        for directory in {root} | {p.parent for p in doomed}:
+            fsync_dir(directory)
         return report
     finally:
         for lock in reversed(locks):
             lock.release()
+
+
+def _check_writable(directory: Path) -> None:
+    """Fail before anything is deleted when `directory` cannot be changed (a read-only cache or mount)."""
+    if not directory.is_dir():
+        return  # `_snapshots/` not there yet: compacting creates it in the root, checked too
+    try:
+        fd, name = tempfile.mkstemp(dir=directory, prefix=".gc-", suffix=TMP_SUFFIX)
+        os.close(fd)
+        os.unlink(name)
+    except PermissionError as e:
+        raise read_only(directory, e) from None
+    except OSError as e:
+        if e.errno == errno.EROFS:
+            raise read_only(directory, e) from None
+        raise
 
 
 def _files_needed(root: Path, manifest: Manifest, generations: list[int], replaced: dict[str, str]) -> set[str]:
@@ -146,7 +191,7 @@ def _files_needed(root: Path, manifest: Manifest, generations: list[int], replac
 
 
 def _collectable(root: Path, path: Path, keep: set[str], oldest: int, stale: list[Path]) -> bool:
-    """Whether gc deletes `path`; never a file this library did not write."""
+    """Whether gc deletes `path`; never a file this library did not write, nor one outside the cache."""
     name, parent = path.name, path.parent.name
     if path.parent != root and parent == READERS_DIR:
         return path in stale  # runs register without a lock: their temp files may be in use

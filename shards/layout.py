@@ -7,8 +7,9 @@ shard named after the rank that wrote it and its sequence number. See FORMAT.md.
 
 from __future__ import annotations
 
+import os
 import re
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from shards.schema import FormatError
 
@@ -43,3 +44,24 @@ def confined(path: str, where: str = "manifest") -> str:
     if not parts or parts[0] == "/" or ".." in parts or "\\" in path or "\0" in path or path.startswith("~"):
         raise FormatError(f"{where} lists {path!r}, a path outside the cache; the manifest was edited or damaged")
     return path
+
+
+def cache_files(root: Path, depth: int = 2, links: list[Path] | None = None) -> list[Path]:
+    """The regular files in `root` (depth 1) or also one folder down (depth 2: bucket folders, `_log/`...), sorted,
+    never through a symbolic link: whoever deletes what this lists deletes nothing outside the cache. The
+    links met (to folders or files) are appended to `links`."""
+    out: list[Path] = []
+
+    def scan(directory: Path, level: int) -> None:
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    if links is not None:
+                        links.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    out.append(Path(entry.path))
+                elif level < depth and entry.is_dir(follow_symlinks=False):
+                    scan(Path(entry.path), level + 1)
+
+    scan(root, 1)
+    return sorted(out)

@@ -26,9 +26,10 @@ from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
 from shards.atomic import TMP_SUFFIX, atomic_write_bytes, publish
-from shards.layout import LOG_DIR, MANIFEST, READERS_DIR, SNAPSHOT_DIR, parse_shard_name
+from shards.layout import LOG_DIR, LOG_NAME, MANIFEST, READERS_DIR, SNAPSHOT_DIR, parse_shard_name
+from shards.log import gap_message
 from shards.reader import REPAIR, Cache, ShardReader
-from shards.schema import CorruptSample
+from shards.schema import CorruptSample, DamagedLog
 from shards.verify import file_sha256
 
 DEFAULT_LOCAL_ROOT = Path("~/.cache/cachedit")
@@ -262,11 +263,13 @@ class RemoteCache(Cache):
         """((mtime, access order), path, bytes) of every shard file in the local directory, of any generation."""
         out = []
         with os.scandir(self.root) as top:
-            directories = [d.name for d in top if d.is_dir() and d.name not in (LOG_DIR, SNAPSHOT_DIR, READERS_DIR, DOWNLOAD_LOCKS)]
+            # a symbolic link to a folder elsewhere is not entered: eviction deletes nothing outside the directory
+            directories = [d.name for d in top if d.is_dir(follow_symlinks=False)
+                           and d.name not in (LOG_DIR, SNAPSHOT_DIR, READERS_DIR, DOWNLOAD_LOCKS)]
         for directory in directories:
             with os.scandir(self.root / directory) as entries:
                 for entry in entries:
-                    if parse_shard_name(entry.name) is None:
+                    if parse_shard_name(entry.name) is None or entry.is_symlink():
                         continue
                     try:
                         st = entry.stat()
@@ -301,6 +304,7 @@ def mirror_manifest(fs, base: str, root: Path, generation: int | None, location:
 
     Raises:
         FileNotFoundError: the URL holds no commit log or snapshot.
+        DamagedLog: a commit the reader needs is missing from the bucket while later ones are there.
     """
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -320,13 +324,22 @@ def mirror_manifest(fs, base: str, root: Path, generation: int | None, location:
                                 f"sync DIR {location}`)")
     generations = sorted(int(name.split(".")[0]) for name in snapshots)
     start = max((g for g in generations if generation is None or g <= generation), default=-1)
+    numbers = sorted(int(name.split(".")[0]) for name in logs)
+    first = start + 1 if start >= 0 or 0 in numbers else None  # None: gc collected the generation asked for
+    have = set(numbers)
+    missing = [g for g in range(first, numbers[-1]) if g not in have] if numbers and first is not None else []
+    if missing:  # the log does not end there: a commit was lost (or is not copied yet)
+        later = [g for g in numbers if g > missing[0]]
+        raise DamagedLog(f"{location}/{LOG_DIR}/{LOG_NAME.format(missing[0])}", gap_message(location, missing[0], later))
     wanted = {f"{SNAPSHOT_DIR}/{name}": size for name, size in snapshots.items()
               if int(name.split(".")[0]) in (start, generations[-1] if generations else -1)}
     wanted |= {f"{LOG_DIR}/{name}": size for name, size in logs.items() if int(name.split(".")[0]) > start}
     for directory, listed in ((LOG_DIR, logs), (SNAPSHOT_DIR, snapshots)):
         (root / directory).mkdir(exist_ok=True)
+        if (root / directory).is_symlink():  # nothing outside the local directory is deleted
+            continue
         for path in (root / directory).iterdir():
-            if path.name not in listed and not path.name.startswith("."):
+            if path.name not in listed and not path.name.startswith(".") and not path.is_symlink():
                 path.unlink(missing_ok=True)
     stale = [rel for rel, size in wanted.items() if not (root / rel).is_file() or (root / rel).stat().st_size != size]
     if not stale:

@@ -40,6 +40,9 @@ def upgrade(root: str | os.PathLike) -> Manifest:
             raise FormatError(f"{root} has unmerged per-rank manifests of an unfinished version 1 run; finish it with the "
                               f"version that started it first")
         for leftover in (root / LOG_DIR, root / SNAPSHOT_DIR):  # an interrupted earlier attempt
+            if leftover.is_symlink():  # nothing outside the cache is deleted, nor written through a link
+                raise FormatError(f"{leftover} is a symbolic link; a version 1 cache has none. Remove the link (what it "
+                                  f"points at is not part of the cache) and upgrade again")
             shutil.rmtree(leftover, ignore_errors=True)
         manifest = Manifest(obj["fingerprint"], schema_from_json(obj["fields"]))
         commit = {"generation": 0, "rank": 0, "init": {"fingerprint": manifest.fingerprint,

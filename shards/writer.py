@@ -18,6 +18,7 @@ import torch
 from shards.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir
 from shards.buckets import Bucket
 from shards.encode import Item, check_sample, check_stamp, encode_shard
+from shards.layout import cache_files
 from shards.lock import WRITERS_LOCK, CacheLock, writers_lock
 from shards.manifest import (
     LOG_DIR,
@@ -127,8 +128,10 @@ class ShardWriter:
         """Delete this rank's temp files and the shards a crash left uncommitted (sequence numbers past the
         last committed one); retired shards of earlier generations are kept."""
         prefix = f"r{self.rank:05d}-"
-        for path in self.root.glob("*/*"):
+        for path in cache_files(self.root):  # a symbolic link to a folder outside the cache is not entered
             name = path.name
+            if path.parent == self.root:
+                continue
             if path.parent.name in (LOG_DIR, SNAPSHOT_DIR):
                 if name.endswith(TMP_SUFFIX) and f".r{self.rank:05d}." in name:
                     path.unlink()
@@ -262,7 +265,7 @@ class ShardWriter:
     def _catch_up(self) -> None:
         """Apply the commits other writers made since this one last looked (the first one checks that they
         started the same cache)."""
-        for commit in replay(self.root, self.manifest):
+        for commit in replay(self.root, self.manifest, check_end=False):  # the log was checked whole at the start
             for obj in commit.get("add", []) + [new for _, new in commit.get("replace", [])]:
                 self._listed.update(obj.get("keys") or [])
 
