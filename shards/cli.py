@@ -1,8 +1,9 @@
 """`python -m shards`: look into a cache (inspect, ls), check it (verify), delete what no reader needs (gc),
 convert a version 1 cache (upgrade).
 
-Exit codes: 0 done; 1 verify found damage; 2 not a cache (yet), or one this library cannot read; 3 busy (a
-run or a writer holds the cache).
+Exit codes: 0 done; 1 the cache is damaged (verify found damage, or a command stopped at a damaged or missing
+file, which the message names with what to do); 2 not a cache (yet), one this library cannot read (another
+format version), or one this user cannot change (gc, upgrade); 3 busy (a run or a writer holds the cache).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import typer
 
 from shards.reader import Cache
-from shards.schema import CacheBusy, FormatError
+from shards.schema import CacheBusy, DamagedCache, FormatError
 from shards.verify import verify as verify_cache
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
@@ -23,13 +24,13 @@ CacheDir = typer.Argument(..., exists=True, file_okay=False, help="The cache dir
 
 def _fail(e: Exception) -> typer.Exit:
     typer.echo(f"error: {e}", err=True)
-    return typer.Exit(3 if isinstance(e, CacheBusy) else 2)
+    return typer.Exit(3 if isinstance(e, CacheBusy) else 1 if isinstance(e, DamagedCache) else 2)
 
 
 def _open(root: Path) -> Cache:
     try:
         return Cache(root)
-    except (FileNotFoundError, FormatError) as e:
+    except (OSError, FormatError) as e:
         raise _fail(e) from None
 
 
@@ -102,8 +103,11 @@ def ls(root: Path = CacheDir) -> None:
     read from) and source (the dataset file's name for it; empty for samples cached without one)."""
     cache = _open(root)
     for j, entry in enumerate(cache.shards):
-        reader = cache.shard(j)
-        keys, sources, _ = cache.shards.samples_of(int(cache.shards.rows[j]))
+        try:
+            reader = cache.shard(j)
+            keys, sources, _ = cache.shards.samples_of(int(cache.shards.rows[j]))
+        except DamagedCache as e:  # names the shard and the repair, or the snapshot to restore
+            raise _fail(e) from None
         for i, (key, source) in enumerate(zip(keys, sources)):
             typer.echo(f"{key}\t{entry.bucket.name}\t{entry.path}\t{reader.digest(i).hex()}\t{source}\t{entry.dataset}")
 
@@ -115,7 +119,10 @@ def verify(
     deep: bool = typer.Option(True, help="Check offsets, shapes, dtypes, per-sample digests, duplicate keys; scan for NaN/Inf."),
 ) -> None:
     """Check every shard against the manifest; exit 1 naming every bad file, 2 when ROOT is not a cache (yet)."""
-    report = verify_cache(root, checksums=checksums, deep=deep)
+    try:
+        report = verify_cache(root, checksums=checksums, deep=deep)
+    except OSError as e:  # a file this user may not read
+        raise _fail(e) from None
     if report.not_a_cache:
         typer.echo(f"error: {report.not_a_cache}", err=True)
         raise typer.Exit(2)
@@ -125,7 +132,8 @@ def verify(
         typer.echo(f"BAD {path}: {msg}")
     typer.echo(f"checked {report.shards} shards, {report.samples} samples, {_human(report.bytes)} of generation "
                f"{report.generation}: " + ("ok" if report.ok else f"{len(report.bad_files)} bad files")
-               + (f"; {report.retired} retired files kept for readers of earlier generations (python -m shards gc)" if report.retired else ""))
+               + (f"; {report.retired} retired files kept for readers of earlier generations (python -m shards gc)" if report.retired else "")
+               + (f"; {report.in_progress} files of a running writer" if report.in_progress else ""))
     if not report.ok:
         raise typer.Exit(1)
 
@@ -137,15 +145,18 @@ def gc(
 ) -> None:
     """Delete shards and log entries that neither the newest generation nor a resumable training run needs
     (retired by removals, left by interrupted writers). Runs register the generation they read; a run whose
-    directory is gone no longer counts. Exits 3, deleting nothing, while a run or a writer holds the cache."""
+    directory is gone no longer counts. Deleting nothing, exits 3 while a run or a writer holds the cache, 1 when the
+    log is damaged, 2 when this user cannot change the cache. Symbolic links in the cache are never followed."""
     from shards.gc import gc as collect
 
     try:
         report = collect(root, dry_run=dry_run)
-    except (CacheBusy, FileNotFoundError, FormatError) as e:
+    except (CacheBusy, OSError, FormatError) as e:  # OSError: a read-only cache, nothing deleted
         raise _fail(e) from None
     for path in report.deleted:
         typer.echo(("would delete " if dry_run else "deleted ") + path)
+    for path in report.links:
+        typer.echo(f"not entered: {path} is a symbolic link (nothing behind it is deleted)")
     for path in report.stale_readers:
         typer.echo(f"dropped the registration of a run that is gone: {path}")
     typer.echo(f"{'would free' if dry_run else 'freed'} {_human(report.bytes)} in {len(report.deleted)} files; generations kept "
@@ -159,6 +170,6 @@ def upgrade(root: Path = CacheDir) -> None:
 
     try:
         m = convert(root)
-    except (CacheBusy, FileNotFoundError, FormatError) as e:
+    except (CacheBusy, OSError, FormatError) as e:
         raise _fail(e) from None
     typer.echo(f"{root}: upgraded, {m.num_samples} samples in {len(m.shards)} shards (the old index is index.v1.json)")

@@ -10,9 +10,11 @@ from pathlib import Path
 import torch
 
 from shards.atomic import TMP_SUFFIX
+from shards.layout import LOG_NAME, SHARD_FILE, cache_files
+from shards.log import commit_numbers, gap_message, gaps, read_commit, snapshots
 from shards.manifest import LOG_DIR, READERS_DIR, SNAPSHOT_DIR, Manifest, exists, load, missing_manifest, parse_shard_name
 from shards.reader import ShardReader
-from shards.schema import DIGEST, KEY, OFFSETS_SUFFIX, FormatError, sample_digest
+from shards.schema import DIGEST, KEY, OFFSETS_SUFFIX, DamagedLog, FormatError, sample_digest
 
 
 @dataclass
@@ -28,6 +30,7 @@ class Report:
     bytes: int = 0
     generation: int = -1
     retired: int = 0  # files of earlier generations, kept for their readers
+    in_progress: int = 0  # files a running writer is writing or has not committed yet
 
     @property
     def ok(self) -> bool:
@@ -68,12 +71,28 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
             else:
                 report.problems.append((str(root / LOG_DIR), message))
             return report
+        log_problems = _check_log(root)
         manifest = load(root)
+    except DamagedLog as e:  # the file to restore, not the shards it lists
+        report.problems += log_problems
+        if e.path not in report.bad_files:
+            report.problems.append((e.path, str(e)))
+        return report
     except (FileNotFoundError, FormatError) as e:
         report.problems.append((str(root / LOG_DIR), str(e)))
         return report
+    report.problems += log_problems  # older generations' commits: the newest one loads without them
     report.generation = manifest.generation
 
+    try:
+        _check_shards(root, manifest, report, checksums, deep)
+    except DamagedLog as e:  # the snapshot's sample index, decoded on demand
+        report.problems.append((e.path, str(e)))
+    return report
+
+
+def _check_shards(root: Path, manifest: Manifest, report: Report, checksums: bool, deep: bool) -> None:
+    """Every listed file against the manifest, then the files nobody lists, into `report`."""
     listed = set()
     seen_keys: dict[str, str] = {}
     rows = manifest.shards.rows
@@ -118,16 +137,89 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
         elif path.stat().st_size != entry["bytes"] or (checksums and file_sha256(path) != entry["sha256"]):
             report.problems.append((str(path), f"{role} file differs from the manifest (size or sha256)"))
 
-    for path in sorted(root.glob("*/*")):
-        if not path.is_file() or path.resolve() in listed or path.parent.name in (LOG_DIR, SNAPSHOT_DIR, READERS_DIR):
+    links: list[Path] = []
+    live = _live_ranks(root)
+    for path in cache_files(root, links=links):
+        if path.parent == root or path.resolve() in listed or path.parent.name in (LOG_DIR, SNAPSHOT_DIR, READERS_DIR):
             continue
         parsed = parse_shard_name(path.name)
+        temp = SHARD_FILE.fullmatch(path.name)
+        rank = int(temp.group(1)[1:]) if temp else None
         if parsed and parsed[1] < manifest.next_seq.get(f"r{parsed[0]:05d}/{path.parent.name}", 0):
             report.retired += 1  # listed by an earlier generation: kept for its readers until `shards gc`
+        elif (path.name.endswith(TMP_SUFFIX) or parsed) and (rank in live or (rank is None and live)):
+            report.in_progress += 1  # a running writer's work: its temp file, or a shard it is about to commit
         elif path.suffix == ".safetensors" or path.name.endswith(TMP_SUFFIX):
             report.problems.append((str(path), "orphan: never committed (left by an interrupted run; the next run of its "
                                                "rank deletes it)"))
-    return report
+    for link in links:
+        report.warnings.append((str(link), "a symbolic link: not checked, and gc and writers delete nothing behind it"))
+
+
+def _check_log(root: Path) -> list[tuple[str, str]]:
+    """Every commit file of the log read and checked, and every gap: (file, problem). Generations before the
+    newest snapshot need them too (a run resuming an earlier epoch, gc keeping what it needs)."""
+    problems = [(str(root / LOG_DIR / LOG_NAME.format(g)), gap_message(root, g, later)) for g, later in gaps(root)]
+    for g in commit_numbers(root):
+        try:
+            read_commit(root / LOG_DIR / LOG_NAME.format(g))
+        except DamagedLog as e:
+            problems.append((e.path, str(e)))
+    for g in snapshots(root):
+        path = root / SNAPSHOT_DIR / f"{g:012d}.safetensors"
+        try:
+            Manifest.from_snapshot(path)
+        except FileNotFoundError:
+            continue  # pruned by a writer meanwhile
+        except DamagedLog as e:
+            problems.append((e.path, str(e)))
+    return problems
+
+
+def _live_ranks(root: Path) -> set[int]:
+    """Ranks whose writer is running now, from their locks (`.lock-rRRRRR`) without taking them, which would make
+    a writer starting that instant fail: the kernel's table of locks held, or the holder the file names when it
+    is a live process of this machine."""
+    live = set()
+    held = _held_locks()
+    for path in root.glob(".lock-r[0-9][0-9][0-9][0-9][0-9]"):
+        try:
+            st = path.stat()
+            holder = path.read_text().split()
+        except OSError:
+            continue
+        mine = len(holder) == 4 and holder[0] == "pid" and holder[3] == os.uname().nodename and holder[1].isdigit()
+        if (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino) in held or (mine and _alive(int(holder[1]))):
+            live.add(int(path.name[-5:]))
+    return live
+
+
+def _held_locks() -> set[tuple[int, int, int]]:
+    """(device major, minor, inode) of every file an flock is held on (Linux: /proc/locks), empty elsewhere."""
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return set()
+    out = set()
+    for line in lines:
+        parts = line.split()
+        if len(parts) > 5 and parts[1] == "FLOCK":
+            try:
+                major, minor, inode = parts[5].split(":")
+                out.add((int(major, 16), int(minor, 16), int(inode)))
+            except ValueError:
+                continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool, sample_digests: bool = True) -> list[str]:
