@@ -1,0 +1,299 @@
+"""Faults of the cache's own files: a commit lost from the middle of the log, damaged commits and snapshots,
+symbolic links out of the cache, a read-only cache, a missing shard, and verify beside a running writer. Each
+stops with a message naming the file and what to do; nothing is deleted on the way."""
+
+import builtins
+import errno
+import io
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import FINGERPRINT, SCHEMA, make_sample, write_cache
+from typer.testing import CliRunner
+
+import shards
+from shards import Cache, FormatError, ShardWriter, gc, open_cache, verify
+from shards.cli import app
+
+
+class _NeverRaised(Exception):
+    pass
+
+
+DamagedCache = getattr(shards, "DamagedCache", _NeverRaised)  # the error of a damaged cache file (stage two exits 3)
+HERE = Path(__file__).resolve().parent
+REPAIR_HINT = "Re-encode the damaged samples"  # the start of the shard repair the reader recommends
+
+
+def files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (not following links) and its bytes, lock files aside."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and not p.name.startswith(".lock")}
+
+
+def commit_path(root: Path, generation: int) -> Path:
+    return root / "_log" / f"{generation:012d}.json"
+
+
+def cli(*args):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_a_commit_missing_mid_log_is_damage_and_nothing_is_deleted(tmp_path):
+    root = tmp_path / "cache"
+    write_cache(root, range(12), max_shard_samples=1)  # one shard and one commit per sample: generations 0..11
+    lost = commit_path(root, 5)
+    backup = lost.read_bytes()
+    lost.unlink()
+    before = files(root)
+    for open_it in (lambda: Cache(root), lambda: Cache(root, generation=2), lambda: open_cache(f"file://{root}")):
+        with pytest.raises(DamagedCache, match=r"000000000005\.json is missing, but 6 later commit\(s\) are there "
+                                               r"\(000000000006\.json.* 000000000011\.json\).*backup"):
+            open_it()
+    with pytest.raises(DamagedCache, match="000000000005.json is missing"):
+        ShardWriter(root, FINGERPRINT, SCHEMA)  # would delete the shards of commits 5..11 as never committed
+    with pytest.raises(DamagedCache, match="000000000005.json is missing"):
+        gc(root)
+    assert files(root) == before  # nothing deleted, nothing re-published under the names the later commits list
+    report = verify(root)
+    assert not report.ok and report.bad_files == [str(lost)]
+    for command in ("verify", "ls", "inspect", "gc"):
+        result = cli(command, root)
+        assert result.exit_code == 1 and str(lost) in result.output, (command, result.output)
+        assert isinstance(result.exception, SystemExit) and REPAIR_HINT not in result.output
+    assert files(root) == before
+    lost.write_bytes(backup)  # restored from a backup: the cache is whole again
+    assert len(Cache(root)) == 12 and verify(root).ok
+
+
+def test_a_commit_missing_before_the_newest_snapshot_is_reported(tmp_path, monkeypatch):
+    import shards.manifest as m
+
+    monkeypatch.setattr(m, "COMPACT_MIN", 4)
+    write_cache(tmp_path, range(12), max_shard_samples=1)
+    assert m.snapshots(tmp_path)[-1] == 11
+    commit_path(tmp_path, 5).unlink()
+    assert len(Cache(tmp_path)) == 12  # the newest generation comes from its snapshot
+    report = verify(tmp_path)  # generations 5..10 cannot be read any more
+    assert report.bad_files == [str(commit_path(tmp_path, 5))] and "backup" in report.problems[0][1]
+
+
+def flip_in_snapshot(path: Path, tensor: str) -> None:
+    """Flip one byte of a tensor of a snapshot, as a bad disk would: the file still opens."""
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    begin, _ = json.loads(raw[8 : 8 + n])[tensor]["data_offsets"]
+    raw[8 + n + begin] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["flipped digest", "flipped size", "truncated"])
+def test_a_damaged_snapshot_is_named_and_healthy_shards_are_not_blamed(tmp_path, monkeypatch, damage):
+    import shards.manifest as m
+
+    monkeypatch.setattr(m, "COMPACT_MIN", 4)
+    write_cache(tmp_path, range(12), max_shard_samples=1)
+    newest = tmp_path / "_snapshots" / "000000000011.safetensors"
+    expected = [k for k, _ in Cache(tmp_path).keys()]
+    if damage == "truncated":
+        os.truncate(newest, newest.stat().st_size - 40)
+    else:
+        flip_in_snapshot(newest, "shards.sha256" if damage == "flipped digest" else "shards.bytes")
+    report = verify(tmp_path)
+    assert report.bad_files == [str(newest)]
+    assert "restore it from a backup" in report.problems[0][1].lower() and REPAIR_HINT not in report.problems[0][1]
+    with pytest.raises(DamagedCache, match=r"000000000011\.safetensors is damaged.*move it out of the cache"):
+        Cache(tmp_path)
+    for command in ("verify", "ls", "inspect"):
+        result = cli(command, tmp_path)
+        assert result.exit_code == 1 and str(newest) in result.output, (command, result.output)
+        assert isinstance(result.exception, SystemExit) and REPAIR_HINT not in result.output
+    newest.rename(tmp_path.parent / "aside.safetensors")  # what the message offers: the log replays it exactly
+    assert [k for k, _ in Cache(tmp_path).keys()] == expected and verify(tmp_path).ok
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped digest"])
+def test_a_damaged_commit_is_a_damaged_cache_naming_the_commit(tmp_path, damage):
+    write_cache(tmp_path, range(6), max_shard_samples=1)
+    last = commit_path(tmp_path, 5)
+    text = last.read_text()
+    if damage == "truncated":
+        last.write_text(text[: len(text) // 2])
+    else:  # still valid JSON: the shard's listed sha256 differs in one digit
+        commit = json.loads(text)
+        digest = commit["add"][0]["sha256"]
+        last.write_text(text.replace(digest, ("1" if digest[0] == "0" else "0") + digest[1:]))
+    for open_it in (lambda: Cache(tmp_path), lambda: ShardWriter(tmp_path, FINGERPRINT, SCHEMA), lambda: gc(tmp_path)):
+        with pytest.raises(DamagedCache, match=r"000000000005\.json is damaged.*backup"):
+            open_it()
+    report = verify(tmp_path)
+    assert report.bad_files == [str(last)] and REPAIR_HINT not in report.problems[0][1]
+    result = cli("verify", tmp_path)
+    assert result.exit_code == 1 and f"BAD {last}" in result.output
+
+
+def test_gc_and_writers_never_delete_through_a_symbolic_link(tmp_path):
+    root, outside = tmp_path / "cache", tmp_path / "outside"
+    write_cache(root, range(6), max_shard_samples=2)
+    outside.mkdir()
+    names = ["r00000-000000.safetensors", "r00000-000099.safetensors", ".r00000-000007.safetensors.123.tmp", ".x.1.tmp",
+             "prompts-0123456789abcdef.safetensors"]
+    for name in names:
+        (outside / name).write_bytes(b"not the cache's")
+    (root / "96x96").symlink_to(outside, target_is_directory=True)  # a folder named like a bucket
+    (root / "elsewhere").symlink_to(outside, target_is_directory=True)
+    (root / "64x64" / "r00000-000042.safetensors").symlink_to(outside / "r00000-000099.safetensors")
+    with ShardWriter(root, FINGERPRINT, SCHEMA, max_shard_samples=2) as w:  # clears its rank's leftovers at the start
+        for i in range(6, 9):
+            w.write(*make_sample(i))
+        assert w.remove({"key00000"}) == 1  # retires a shard: gc deletes it
+    report = gc(root)
+    assert report.deleted and not [p for p in report.deleted if "96x96" in p or "elsewhere" in p or "000042" in p]
+    assert sorted(p.name for p in outside.iterdir()) == sorted(names)
+    assert (root / "64x64" / "r00000-000042.safetensors").is_symlink()
+    assert {"96x96", "elsewhere", "64x64/r00000-000042.safetensors"} <= set(getattr(report, "links", []))
+    result = cli("gc", root)
+    assert result.exit_code == 0 and "96x96 is a symbolic link" in result.output
+    assert sorted(p.name for p in outside.iterdir()) == sorted(names) and len(Cache(root)) == 8
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """Make the folders under a root read-only, as `chmod a-w` does for their owner: no file is created, renamed,
+    linked or deleted there; files already there open for writing (a lock file the user owns)."""
+
+    def apply(root: Path):
+        top = str(root.resolve())
+
+        def inside(path) -> bool:
+            return isinstance(path, (str, bytes, os.PathLike)) and os.path.abspath(os.fsdecode(path)).startswith(top)
+
+        def deny(path):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(path))
+
+        real_open, real_os_open = builtins.open, os.open
+
+        def fake_open(file, mode="r", *args, **kwargs):
+            if inside(file) and any(c in mode for c in "wax+") and not os.path.exists(file):
+                deny(file)
+            return real_open(file, mode, *args, **kwargs)
+
+        def fake_os_open(path, flags, *args, **kwargs):
+            if inside(path) and flags & os.O_CREAT and not os.path.exists(path):
+                deny(path)
+            return real_os_open(path, flags, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", fake_open)
+        monkeypatch.setattr(io, "open", fake_open)
+        monkeypatch.setattr(os, "open", fake_os_open)
+        for name in ("unlink", "remove", "rename", "replace", "link", "mkdir", "rmdir"):
+            def fake(src, *args, _real=getattr(os, name), **kwargs):
+                if inside(src) or (args and inside(args[0])):
+                    deny(src)
+                return _real(src, *args, **kwargs)
+
+            monkeypatch.setattr(os, name, fake)
+
+    return apply
+
+
+@pytest.mark.parametrize("lock_file", [False, True], ids=["no lock file", "a run's lock file"])
+def test_gc_on_a_read_only_cache_names_it_and_deletes_nothing(tmp_path, read_only, lock_file):
+    write_cache(tmp_path, range(6), max_shard_samples=2)
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
+        w.remove({"key00000"})  # a retired shard for gc to delete
+    if lock_file:
+        (tmp_path / ".lock").touch()
+    before = files(tmp_path)
+    read_only(tmp_path)
+    result = cli("gc", tmp_path)
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), result.output
+    assert "Permission denied" in result.output and str(tmp_path) in result.output and "nothing was deleted" in result.output
+    assert files(tmp_path) == before
+    dry = cli("gc", tmp_path, "--dry-run")  # reading needs no write: the dry run still says what would go
+    assert dry.exit_code == (0 if lock_file else 2) and files(tmp_path) == before
+
+
+def test_ls_on_a_missing_shard_names_it_and_the_repair(tmp_path):
+    manifest = write_cache(tmp_path, range(6), max_shard_samples=2)
+    missing = tmp_path / manifest.shards[1].path
+    missing.unlink()
+    result = cli("ls", tmp_path)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert f"{missing} is listed" in result.output and "--repair" in result.output
+
+
+# A writer that stops twice (at its first shard) and says so: with a shard's temp file written (before its rename), and with the shard
+# renamed but not committed yet (before the link of its commit); a line on stdin lets it go on.
+WRITER = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from conftest import FINGERPRINT, SCHEMA, make_sample
+    import shards.atomic
+    from shards import ShardWriter
+
+    real_publish, real_link = shards.atomic.publish, os.link
+    paused = set()
+
+    def pause(what):
+        if what not in paused:
+            paused.add(what)
+            print(what, flush=True)
+            sys.stdin.readline()
+
+    def publish(tmp, path):
+        if Path(path).suffix == ".safetensors":
+            pause("temp")
+        real_publish(tmp, path)
+
+    def link(tmp, path, **kwargs):
+        if Path(path).parent.name == "_log":
+            pause("uncommitted")
+        real_link(tmp, path, **kwargs)
+
+    shards.atomic.publish, os.link = publish, link
+    with ShardWriter(sys.argv[1], FINGERPRINT, SCHEMA, max_shard_samples=2) as w:
+        for i in range(6, 8):
+            w.write(*make_sample(i))
+    print("done", flush=True)
+    """
+)
+
+
+def test_verify_beside_a_running_writer_finds_no_damage(tmp_path):
+    write_cache(tmp_path, range(6), max_shard_samples=2)
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}"}
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for moment in ("temp", "uncommitted"):
+            assert child.stdout.readline().strip() == moment, child.stderr.read()
+            if moment == "temp":
+                assert list(tmp_path.glob("*/.r00000-*.tmp"))
+            report = verify(tmp_path)
+            assert report.ok and report.problems == [], (moment, report.problems)
+            result = cli("verify", tmp_path)
+            assert result.exit_code == 0 and "BAD" not in result.output, result.output
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        assert child.stdout.readline().strip() == "done"
+    finally:
+        child.stdin.close()
+        child.wait(timeout=120)
+    assert child.returncode == 0 and verify(tmp_path).ok and len(Cache(tmp_path)) == 8
+
+
+def test_a_writer_refuses_a_log_whose_first_commit_is_lost(tmp_path):
+    write_cache(tmp_path, range(6), max_shard_samples=1)
+    commit_path(tmp_path, 0).unlink()
+    before = files(tmp_path)
+    with pytest.raises((DamagedCache, FileNotFoundError, FormatError)) as caught:
+        ShardWriter(tmp_path, FINGERPRINT, SCHEMA)
+    assert isinstance(caught.value, DamagedCache) and "000000000000.json is missing" in str(caught.value)
+    assert files(tmp_path) == before
