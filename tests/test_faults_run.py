@@ -207,3 +207,19 @@ def test_every_stop_has_its_exit_code(monkeypatch, tmp_path, raised, code, messa
     assert out.exit_code == code and out.output.startswith(message) and len(out.output.splitlines()) == 1, out.output
     if isinstance(raised, OSError):  # disk full, permission denied: the path and what happened
         assert "/cache/r00000-000001.safetensors" in out.output and "No space left on device" in out.output
+
+
+def test_a_damaged_cache_exits_2(tmp_path):
+    """A cache file that fails its checks is a bad cache for stage one and for `prompts`: exit 2, naming the file."""
+    from conftest import write_cache
+
+    from precompute.__main__ import prompts_app
+
+    write_cache(tmp_path / "cache", range(4))
+    newest = sorted((tmp_path / "cache" / "_log").glob("*.json"))[-1]
+    newest.write_text('{"broken')
+    data = make_folder(tmp_path / "data", count=1)
+    out = cli(data, *TINY, "--cache", tmp_path / "cache", "--workers", "0")
+    assert out.exit_code == 2 and out.output.startswith("error: ") and newest.name in out.output, out.output
+    out = CliRunner().invoke(prompts_app, [str(tmp_path / "cache"), "--prompt", "a prompt"])
+    assert out.exit_code == 2 and out.output.startswith("error: ") and newest.name in out.output, out.output
