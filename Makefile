@@ -43,7 +43,7 @@ option = $(if $(2),$(1) $(2))
 # Cache sizes of the scale benchmark (make bench); SCALE_SIZES=10000,100000,1000000 adds the 1M-sample cache (~9 min more).
 SCALE_SIZES ?= 10000,100000
 
-.PHONY: install test bench precompute train plan demo clean
+.PHONY: install test fuzz bench precompute train plan demo clean
 
 install: $(VENV)/.installed
 
@@ -55,6 +55,14 @@ $(VENV)/.installed: pyproject.toml
 
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# Random operations on a cache checked against a model of every generation (tests/format_fuzz.py); prints each
+# failing seed with its trace and replay command. FUZZ_KINDS=all adds the kinds of damage left out of `make test`.
+FUZZ_CASES ?= 3000
+FUZZ_SEED ?= 0
+FUZZ_KINDS ?=
+fuzz: install
+	$(PY) -m tests.format_fuzz --cases $(FUZZ_CASES) --seed $(FUZZ_SEED) --keep-going $(call option,--kinds,$(FUZZ_KINDS))
 
 bench: install
 	$(PY) bench/shards_read.py
