@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shards.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir
@@ -214,7 +215,7 @@ def snapshot_digest(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) 
     for name in sorted(tensors):
         t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+        h.update(np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8))  # empty tables too
     return h.hexdigest()
 
 
