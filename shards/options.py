@@ -228,6 +228,8 @@ def _json_value(annotation, field: dataclasses.Field, value):
         raise AssertionError(f"no JSON reading for {kind}")
     if not isinstance(value, wanted[0]) or (isinstance(value, bool) and kind is not bool):
         raise ValueError(f"{_shown(value)}: must be {wanted[1]}")
+    if kind is Path and "\0" in value:
+        raise ValueError(f"{_shown(value)}: a path holds no NUL character")
     if kind is float:
         try:
             value = float(value)

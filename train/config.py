@@ -185,6 +185,10 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_options(self)
+        from train.presets import PRESETS, get_preset
+
+        if self.model not in PRESETS:
+            raise ValueError(f"--model {self.model!r}: choose one of {', '.join(PRESETS)}")
         given = [self.cache] if isinstance(self.cache, (str, Path)) else list(self.cache or [])
         # a URL stays a string (Path would fold its "//")
         self.cache = [c if "://" in str(c) else Path(c) for c in given] or [Path("cache") / self.model]
@@ -195,8 +199,6 @@ class TrainConfig:
         self.cache_weight = list(self.cache_weight)
         self.run = Path(self.run) if self.run is not None else Path("runs") / self.model
         if self.validation_steps is None or self.guidance_scale is None:  # the preset's sampling defaults
-            from train.presets import get_preset
-
             preset = get_preset(self.model)
             self.validation_steps = preset.validation_steps if self.validation_steps is None else self.validation_steps
             self.guidance_scale = preset.guidance_scale if self.guidance_scale is None else self.guidance_scale
@@ -206,7 +208,6 @@ class TrainConfig:
             self.controlnet = True
         if self.controlnet:
             from train.controlnet import controlnet_class
-            from train.presets import get_preset
 
             controlnet_class(get_preset(self.model).family)  # refuses a family without a ControlNet, saying why
         if self.controlnet and self.lora_rank:
