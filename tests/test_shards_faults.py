@@ -297,3 +297,14 @@ def test_a_writer_refuses_a_log_whose_first_commit_is_lost(tmp_path):
         ShardWriter(tmp_path, FINGERPRINT, SCHEMA)
     assert isinstance(caught.value, DamagedCache) and "000000000000.json is missing" in str(caught.value)
     assert files(tmp_path) == before
+
+
+def test_a_snapshot_of_an_empty_cache_loads(tmp_path, monkeypatch):
+    import shards.manifest as m
+
+    monkeypatch.setattr(m, "COMPACT_MIN", 1)  # a snapshot after every commit
+    write_cache(tmp_path, range(3))
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
+        assert w.remove({"key00000", "key00001", "key00002"}) == 3
+    assert m.snapshots(tmp_path)[-1] == Cache(tmp_path).generation and len(Cache(tmp_path)) == 0
+    assert verify(tmp_path).ok
