@@ -50,23 +50,26 @@ class Range:
 
     def __contains__(self, value) -> bool:
         if isinstance(value, float) and not math.isfinite(value):
-            return False  # NaN compares false with every bound; inf means nothing an option counts
+            return False  # NaN compares false with every bound, and no option means anything by infinity
         return ((self.low is None or (value > self.low if self.low_open else value >= self.low))
                 and (self.high is None or (value < self.high if self.high_open else value <= self.high)))
 
     def __str__(self) -> str:
         low, high = _number(self.low), _number(self.high)
-        if self.low is not None and self.high is not None:
+        if low and high:
             return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
-        if self.low is not None:
+        if low:
             return f"{'above' if self.low_open else 'at least'} {low}"
-        if self.high is not None:
+        if high:
             return f"{'below' if self.high_open else 'at most'} {high}"
         return "a finite number"
 
 
-def _number(x) -> str:
-    return "" if x is None else str(int(x)) if isinstance(x, int) or float(x).is_integer() else f"{x:g}"
+def _number(x: float | None) -> str:
+    """`1.0` -> "1", `1e-07` -> "1e-07", None -> "" (no bound)."""
+    if x is None:
+        return ""
+    return str(int(x)) if isinstance(x, int) or float(x).is_integer() else f"{x:g}"
 
 
 def opt(default, help: str, *, at_least=None, above=None, at_most=None, below=None):
