@@ -28,16 +28,23 @@ def command(**options) -> None:
     from train.loop import train
 
     options.pop("config", None)
-    _run(lambda: train(TrainConfig(**options)))
+    summaries = []
+    _run(lambda: summaries.append(train(TrainConfig(**options))))
+    signum = (summaries[0] or {}).get("signal") if summaries else None
+    if signum:  # stopped early, its checkpoint written: a scheduler must not read "finished"
+        raise typer.Exit(128 + signum)
 
 
 command.__signature__ = inspect.Signature([config_file_parameter(TrainConfig),
                                            *typer_parameters(TrainConfig, aliases=OPTION_NAMES)])
 # Exit codes (README): 0 done (or already finished); 2 bad options, cache or checkpoint, refused resume; 3 the cache's
-# files are missing or a sample failed its digest (a checkpoint was written first; the message says how to repair).
+# files are missing or damaged, or a sample failed its digest (a checkpoint was written first; the message says how to
+# repair); 5 another process owns the run directory; 6 training diverged (non-finite steps in a row, or non-finite
+# weights: nothing saved); 128 + N stopped by signal N after writing a checkpoint (143 SIGTERM, 130 SIGINT).
 EXIT_INPUT, EXIT_DAMAGED = 2, 3
 # export --push-to-hub: the export was written, its upload failed (the message says how to push it again)
 EXIT_UPLOAD = 4
+EXIT_BUSY, EXIT_DIVERGED = 5, 6
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 app.command(help=__doc__)(command)
@@ -178,12 +185,17 @@ def plan_command(
 
 
 def _run(fn) -> None:
+    from train.state import RunBusy
+    from train.step import Diverged
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         fn()
-    except (ValueError, FileNotFoundError) as e:  # DamagedCache is a ValueError: exit 3, the repair is in the message
+    except (ValueError, FileNotFoundError, RunBusy, Diverged) as e:  # the message says what to do; no traceback
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(EXIT_DAMAGED if isinstance(e, DamagedCache) else EXIT_INPUT)
+        # DamagedCache is a ValueError: exit 3, the repair is in the message
+        raise typer.Exit(EXIT_DAMAGED if isinstance(e, DamagedCache) else EXIT_BUSY if isinstance(e, RunBusy)
+                         else EXIT_DIVERGED if isinstance(e, Diverged) else EXIT_INPUT)
 
 
 def main() -> None:

@@ -4,12 +4,15 @@ A cache in object storage (`--cache s3://...`) is read through a local directory
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import weakref
 from pathlib import Path
 
-from shards import Bucket, Cache, CorruptSample, FormatError, RemoteCache, open_cache, register_reader
+from shards import Bucket, Cache, CorruptSample, DamagedCache, FormatError, RemoteCache, open_cache, register_reader
 from shards.reader import REPAIR
 from shards.remote import repair_hint
+from shards.verify import file_sha256
 from train import distributed
 from train.presets import ModelPreset, latent_channels, latent_patch, text_width
 
@@ -24,8 +27,15 @@ def open_generation(cache_root: Path | str, run: Path, is_main: bool, generation
     def open_at(gen: int | None) -> Cache:
         return open_cache(cache_root, gen, local_dir=local_cache, limit_bytes=int(local_cache_gb * 2**30))
 
-    cache = open_at(generation) if is_main else None
-    generation = distributed.rank0_value(cache.generation if is_main else None)
+    cache, error = None, None
+    if is_main:
+        try:
+            cache = open_at(generation)
+        except (FormatError, FileNotFoundError) as e:  # every rank stops with rank 0's reason, none waits for it
+            error = e
+    generation, error = distributed.rank0_value((cache.generation if cache is not None else None, error))
+    if error is not None:
+        raise error
     if is_main and isinstance(cache, RemoteCache):  # nothing is written to a bucket
         log.info("%s is in object storage: `python -m shards gc` on it cannot see that %s reads generation %d",
                  cache_root, run, generation)
@@ -62,10 +72,20 @@ def repair_command(cache: Cache) -> str:
     return repair_hint(cache.location) if isinstance(cache, RemoteCache) else REPAIR.format(root=cache.root)
 
 
+# The text layout each family's transformer takes (`shards.TextSpec.layout`), and what a user would call it.
+TEXT_LAYOUTS = {"pixart": "masked", "sana": "masked", "sd3": "sd3_joint", "flux": "flux"}
+LAYOUT_NAMES = {"masked": "one encoder's tokens with a mask (PixArt, Sana)",
+                "sd3_joint": "CLIP-L/G tokens, their pooled vector and T5 tokens (SD3)",
+                "flux": "every T5 token and CLIP-L's pooled vector (Flux)"}
+
+
 def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
-    """Stop before loading weights when the cache cannot feed this model, naming the fields."""
+    """Stop before loading weights when the cache cannot feed this model, naming the fields: the cache's
+    family, latent and text layout against what the preset's transformer config takes."""
     try:
         spec = cache.spec
+    except DamagedCache:  # a damaged file says how to restore it
+        raise
     except FormatError as e:  # not written by stage one: say which model to build it for
         raise FormatError(f"{e} MODEL={preset.name}") from None
     latent, text = spec.latent, spec.text
@@ -76,21 +96,23 @@ def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
     if latent.channels != latent_channels(preset.family, config):
         what = "in_channels / 4 (2 x 2 packed)" if preset.family == "flux" else "in_channels"
         problems.append(f"latent channels: cache {latent.channels}, model {what} {latent_channels(preset.family, config)}")
-    if (text.layout == "flux") != (preset.family == "flux"):
-        problems.append(f"text layout: cache {text.layout!r}, " + ("Flux takes 'flux' (every T5 token and CLIP-L's pooled vector)"
-                                                                  if preset.family == "flux" else f"model {preset.family}"))
-    elif text.layout == "flux":
-        if text.t5_width != config["joint_attention_dim"]:
-            problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {config['joint_attention_dim']}")
-        if text.pooled_width != config["pooled_projection_dim"]:
-            problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config['pooled_projection_dim']}")
-    elif text.layout == "sd3_joint":
-        if text.clip_width > config["joint_attention_dim"]:
-            problems.append(f"CLIP width: cache {text.clip_width}, over the model's joint width {config['joint_attention_dim']}")
-        if text.pooled_width != config["pooled_projection_dim"]:
-            problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config['pooled_projection_dim']}")
-        if text.t5_width not in (None, config["joint_attention_dim"]):
-            problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {config['joint_attention_dim']}")
+    needed = TEXT_LAYOUTS[preset.family]
+    if text.layout != needed:  # widths of another layout mean nothing to this model: not compared
+        problems.append(f"text layout: cache {text.layout!r} ({LAYOUT_NAMES.get(text.layout, 'unknown')}), model "
+                        f"{preset.family} takes {needed!r} ({LAYOUT_NAMES[needed]})")
+    elif needed == "flux":
+        if text.t5_width != config.get("joint_attention_dim"):
+            problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {config.get('joint_attention_dim')}")
+        if text.pooled_width != config.get("pooled_projection_dim"):
+            problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config.get('pooled_projection_dim')}")
+    elif needed == "sd3_joint":
+        joint = config.get("joint_attention_dim")
+        if text.clip_width is None or joint is None or text.clip_width > joint:
+            problems.append(f"CLIP width: cache {text.clip_width}, over the model's joint width {joint}")
+        if text.pooled_width != config.get("pooled_projection_dim"):
+            problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config.get('pooled_projection_dim')}")
+        if text.t5_width not in (None, joint):
+            problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {joint}")
     elif text.width != text_width(config):
         problems.append(f"text width: cache {text.width}, model {text_width(config)}")
     for bucket in cache.manifest.buckets():
@@ -98,29 +120,104 @@ def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
         if h % patch or w % patch:
             problems.append(f"bucket {bucket}: latent {h}x{w} is not a multiple of patch size {patch}")
     if problems:
+        built = f" (built for {spec.preset})" if spec.preset else ""
         raise ValueError(
-            f"the cache {cache.location} does not fit model {preset.name}:\n  " + "\n  ".join(problems)
-            + f"\nBuild a matching cache: make precompute DATA=... MODEL={preset.name} CACHE={cache.root}-{preset.name}"
+            f"the cache {cache.location}{built} does not fit model {preset.name}:\n  " + "\n  ".join(problems)
+            + f"\nBuild a cache for it with --model {preset.name}: python -m precompute DATA --model {preset.name} --cache "
+            f"{cache.root}-{preset.name} (make precompute DATA=... MODEL={preset.name} CACHE={cache.root}-{preset.name})"
+            + (f", or train the model it was built for: --model {spec.preset}" if spec.preset and spec.preset != preset.name else "")
         )
 
 
-def check_cache_files(cache: Cache, is_main: bool) -> None:
+def check_cache_files(cache: Cache, is_main: bool, files: tuple[str, ...] = ()) -> None:
     """Every shard of the generation exists with its listed size: rank 0 stats each once, or lists the bucket's
     directories for a cache in object storage (ranks share the storage, so one pass serves all), and every rank
-    stops alike."""
+    stops alike. `files`: roles of the cache's other files (`"prompts"`, `"decoder"` for all of the decoder's)
+    about to be read, checked against the size and sha256 the manifest lists (a bucket's were when mirrored)."""
     problems = distributed.rank0_value(cache.check_files() if is_main else None)
     if problems:
         listed = "; ".join(f"{path}: {what}" for path, what in problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise CorruptSample(f"{len(problems)} shard(s) of {cache.location} (generation "
                             f"{cache.generation}) are missing or damaged: {listed}. {repair_command(cache)}")
+    damaged = distributed.rank0_value(damaged_files(cache, files) if is_main and not isinstance(cache, RemoteCache) else None)
+    if damaged:
+        raise DamagedCache(damaged)
+
+
+_checked: set = set()  # (path, sha256) of auxiliary files this process found sound: each is hashed once
+
+
+def damaged_files(cache: Cache, roles: tuple[str, ...]) -> str | None:
+    """What is wrong with the cache's files of these roles (None: nothing), with how to restore them."""
+    wanted = [(role, entry) for role, entry in sorted(cache.manifest.files.items())
+              if role in roles or ("decoder" in roles and role.startswith("decoder:"))]
+    problems = []
+    for role, entry in wanted:
+        path = cache.root / entry["path"]
+        if (str(path), entry["sha256"]) in _checked:
+            continue
+        if not path.is_file():
+            problems.append((role, f"{path} is missing"))
+        elif path.stat().st_size != entry["bytes"]:
+            problems.append((role, f"{path} is {path.stat().st_size} bytes, the manifest lists {entry['bytes']}"))
+        elif file_sha256(path) != entry["sha256"]:
+            problems.append((role, f"{path} does not match the sha256 the manifest lists (modified or damaged)"))
+        else:
+            _checked.add((str(path), entry["sha256"]))
+    if not problems:
+        return None
+    restore = []
+    if any(role == "prompts" for role, _ in problems):
+        restore.append(f"the prompt embeddings (the empty caption and the validation prompts) are re-encoded by "
+                       f"`python -m precompute prompts {cache.root} --prompt TEXT ...` (every validation prompt) or by "
+                       f"re-running stage one on the cache with the DATA and options that built it")
+    if any(role.startswith("decoder:") for role, _ in problems):
+        restore.append(f"the VAE decoder's weights are stored again by re-running stage one on the cache "
+                       f"(`python -m precompute DATA --model {cache.spec.preset or 'MODEL'} --cache {cache.root}`, the DATA "
+                       f"and options that built it; nothing already encoded is encoded again), or train with --no-validate")
+    return (f"{'; '.join(what for _, what in problems)}. To restore: {'; '.join(restore)}. `python -m shards verify "
+            f"{cache.root}` lists every damaged file.")
+
+
+# A cache's content at one generation, for the checkpoints of the runs that read it (see `cache_identity`).
+_identities: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cache_identity(cache: Cache) -> str:
+    """The sha256 of the generation's shard table (every shard's path and sha256, in order): which samples a data
+    cursor counts through. A later generation of the same cache keeps the one it was read at; another dataset
+    encoded with the same models (the same fingerprint) has another."""
+    if cache not in _identities:
+        h = hashlib.sha256()
+        for entry in cache.manifest.shards:
+            h.update(f"{entry.path}\0{entry.sha256}\n".encode())
+        _identities[cache] = h.hexdigest()
+    return _identities[cache]
+
+
+def check_same_caches(path: Path, saved: dict, caches: list[Cache]) -> None:
+    """Refuse to continue checkpoint `path`'s data cursor over other samples than it counted: each cache, opened
+    at the generation the checkpoint read, must hold the shards it held then (a cache grown by later commits
+    does; those join at the next epoch)."""
+    for k, (entry, cache) in enumerate(zip(saved.get("caches") or [saved], caches)):
+        was = entry.get("cache_shards_sha256")
+        if was is None or was == cache_identity(cache):  # checkpoints written before it was recorded are not checked
+            continue
+        where = entry.get("cache_root") or entry.get("cache_url") or "another cache"
+        number = f" (--cache number {k + 1})" if len(caches) > 1 else ""
+        raise ValueError(
+            f"{path} was trained from {where} at generation {entry.get('cache_generation')}; {cache.location}{number} holds "
+            f"other shards at that generation: another dataset encoded with the same models, or the cache rebuilt. Its "
+            f"data position means nothing here. Resume with the cache it was trained from (--cache {where}), or start a "
+            f"new run from this cache (another --run-dir, or --resume '').")
 
 
 def until_damaged(batches, damaged: list):
-    """The batches, until one holds a sample that fails its digest: the error goes into `damaged` and the
-    iteration ends (the caller checkpoints and stops)."""
+    """The batches, until one holds a sample that fails its digest (or a cache file turns out damaged): the error
+    goes into `damaged` and the iteration ends (the caller checkpoints and stops)."""
     try:
         yield from batches
-    except CorruptSample as e:
+    except DamagedCache as e:
         damaged.append(e)
 
 

@@ -20,7 +20,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from shards import CONTROL_PREFIX, FLIP_PREFIX, Cache, CorruptSample, TextSpec, prompt_key
+from shards import CONTROL_PREFIX, FLIP_PREFIX, Cache, DamagedCache, TextSpec, prompt_key
 from train.order import BATCH_SAMPLER_VERSION, BatchPlan, PlannedBatch, _generator, derived_seed  # noqa: F401
 
 log = logging.getLogger("train")
@@ -220,7 +220,7 @@ class BatchStream:
     thread when it is taken: the same batches, synchronously, nothing read ahead.
 
     A batch is `TrainingSamples.collate`'s dict plus `epoch` and `cursor` (batches of that epoch done once
-    it is taken). A damaged sample raises `CorruptSample` where its batch is taken; any other failure of
+    it is taken). A damaged sample or cache file raises its `DamagedCache` where its batch is taken; any other failure of
     a builder raises a RuntimeError there naming the batch, with the cause chained.
 
     Threads rather than DataLoader worker processes: building a batch is copies out of memory-mapped
@@ -276,7 +276,7 @@ class BatchStream:
             self.wait_s += time.perf_counter() - t0
         if isinstance(item, _Failed):
             self.close()
-            if isinstance(item.error, CorruptSample):
+            if isinstance(item.error, DamagedCache):  # the message names the file and its repair
                 raise item.error
             raise RuntimeError(f"the data reader failed on batch {item.cursor} of epoch {item.epoch}: "
                                f"{type(item.error).__name__}: {item.error}") from item.error

@@ -6,6 +6,7 @@ weights load), the model, optimizer and state, the data, then the loop, and the 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from dataclasses import asdict
@@ -14,10 +15,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shards import CorruptSample
+from shards import CorruptSample, DamagedCache
 from shards.options import DTYPES
 from train import checkpoint, controlnet, distributed, trackers
-from train.cache import check_cache, check_cache_files, check_same_encoders, open_generation, saved_generations, until_damaged
+from train.cache import (check_cache, check_cache_files, check_same_caches, check_same_encoders, open_generation,
+                         saved_generations, until_damaged)
 from train.config import TrainConfig
 from train.data import BatchPlan, BatchStream, CacheSamples, Epoch, Prefetcher, TrainingSamples
 from train.dryrun import dry_run, startup_plan
@@ -25,8 +27,8 @@ from train.metrics import Metrics, write_memory_report
 from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption
 from train.plan import format_plan
 from train.presets import get_preset
-from train.state import TrainState
-from train.step import TrainStep
+from train.state import TrainState, own_run
+from train.step import Diverged, TrainStep
 from train.validate import Validator, add_prompts_command
 
 
@@ -34,12 +36,13 @@ def train(cfg: TrainConfig) -> dict:
     t_start = time.perf_counter()
     rank, world, _, device = distributed.setup()
     try:
-        return _train(cfg, rank, world, device, t_start)
+        with contextlib.ExitStack() as held:  # the run directory's lock, until the run ends however it ends
+            return _train(cfg, rank, world, device, t_start, held)
     finally:
         distributed.teardown()
 
 
-def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_start: float) -> dict:
+def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_start: float, held: contextlib.ExitStack) -> dict:
     is_main = rank == 0
     say = print if is_main else (lambda *a, **k: None)  # one voice for all ranks
     parallel = parallelism(cfg, world, device)
@@ -48,13 +51,26 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     if preset.objective != "flow" and cfg.weighting_scheme != "logit_normal":
         raise ValueError(f"--weighting-scheme {cfg.weighting_scheme} sets flow matching timesteps; {cfg.model} trains with DDPM")
     cfg.run.mkdir(parents=True, exist_ok=True)
-    resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)
-    saved = checkpoint.load_state(resume_from) if resume_from else {}
-    if saved and saved["step"] >= cfg.steps and not cfg.dry_run:
+
+    def finished() -> dict | None:
+        if not saved or saved["step"] < cfg.steps or cfg.dry_run:
+            return None
         say(f"{cfg.run} already finished: {resume_from.name} is at step {saved['step']} of --steps {cfg.steps}. Nothing to do; "
             f"pass a larger --steps to train further.")
         return {"step": saved["step"], "epoch": saved["epoch"], "elapsed_s": time.perf_counter() - t_start, "grids": [],
                 "last_loss": None, "checkpoint": str(resume_from), "finished": True}
+
+    resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)
+    saved = checkpoint.load_state(resume_from) if resume_from else {}
+    if done := finished():  # nothing to do writes nothing, not even the name of the run directory's owner
+        return done
+    lock = own_run(cfg.run, is_main)  # one process owns the run directory (under torchrun: rank 0 for all)
+    if lock is not None:
+        held.callback(lock.release)
+    resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)  # again as its owner: another run may have saved since
+    saved = checkpoint.load_state(resume_from) if resume_from else {}
+    if done := finished():
+        return done
 
     # 1. the cache must fit the model, checked before any weights load. Every rank reads the generation rank 0
     # opened (or the one the checkpoint's epoch was reading), registered for `shards gc` at once. With several
@@ -71,15 +87,18 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         if cfg.controlnet:  # a family with a ControlNet, a cache with control latents
             controlnet.check_cache(preset, c.spec, c.location)
     check_same_encoders(group)
+    for c in group:  # every listed shard exists with its size; the empty caption and validation prompts are sound
+        check_cache_files(c, is_main, ("prompts",))
     objective = build_run_objective(cfg, preset, config)
     validator = build_validator(cfg, cache, preset, objective, device, say)  # missing prompts stop the run here
+    if validator is not None:
+        check_cache_files(cache, is_main, ("decoder",))  # the VAE decoder's weights the cache stores, before they load
     run_config = {k: [str(c) for c in v] if k == "cache" else str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
-    for c in group:
-        check_cache_files(c, is_main)  # every listed shard exists with its size
     if saved:
         for change in checkpoint.check_resumable(resume_from, saved, run_config, world, parallel,
                                                  [c.manifest.fingerprint_sha256 for c in group]):
             say(f"applied on resume: {change} from step {saved['step']}")
+        check_same_caches(resume_from, saved, group)  # the data cursor continues over the samples it counted
 
     # 2. the transformer and only it, then what trains it; resumed from the checkpoint when there is one
     model = build_model(cfg, preset, parallel, world, device, resume_from=resume_from, state=saved, say=say, latent=cache.spec.latent)
@@ -101,8 +120,14 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         plan = BatchPlan.of(cs, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world, remainder=cfg.remainder,
                             shuffle_shards=cfg.shuffle_shards, weights=cfg.cache_weight or None)
         if not plan.batches_per_epoch():
-            raise ValueError(f"{', '.join(c.location for c in cs)} holds no full batch of {cfg.batch_size} x {world} sample(s) "
-                             f"in any bucket with --remainder drop; use a smaller --batch-size or --remainder repeat")
+            where = ", ".join(f"{c.location} (generation {c.generation})" for c in cs)
+            if not sum(len(c) for c in cs):
+                raise ValueError(f"{where} holds no samples: nothing to train on. Encode a dataset into it with python -m "
+                                 f"precompute DATA --model {cfg.model} --cache {cs[0].location}, or point --cache at a "
+                                 f"cache that holds one")
+            raise ValueError(f"{where} holds no full batch of {cfg.batch_size} x {world} sample(s) in any bucket with "
+                             f"--remainder {cfg.remainder}; use a smaller --batch-size"
+                             + (" or --remainder repeat" if cfg.remainder != "repeat" else ""))
         parts, offset = [], 0
         for c in cs:
             parts.append(TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset),
@@ -138,6 +163,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     handlers = {s: signal.signal(s, lambda signum, frame: stop.update(signal=signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     # `kill -USR1 PID` writes RUN/memory.txt at the next step
     handlers[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: stop.update(memory=True))
+    held.callback(restore_handlers, handlers)  # also when the run stops with an error
     validated_at = None
 
     def validate() -> None:
@@ -151,10 +177,14 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         metrics.exclude(time.perf_counter() - t0)
 
     def save() -> None:
+        if not finite_weights(model.params, device):  # a checkpoint of non-finite weights resumes nothing
+            raise Diverged(f"the weights became non-finite by step {progress.step}; no checkpoint was written. "
+                           f"{resume_hint(cfg)} To try: a lower --lr (this run: {cfg.lr:g}), a smaller --grad-clip "
+                           f"(this run: {cfg.grad_clip:g}), --precision bf16 or fp32 (this run: {cfg.precision}).")
         progress.smoothed, progress.drawn = metrics.smoothed, dict(metrics.drawn)
         state.save(progress, group, run_config)
 
-    damaged: list[CorruptSample] = []
+    damaged: list[DamagedCache] = []
     bar = tqdm(total=cfg.steps, initial=progress.step, unit="step", disable=not cfg.progress or not is_main, dynamic_ncols=True)
     caches = {progress.epoch: group}  # the generations each epoch in flight reads
     stream = BatchStream(first, workers=cfg.workers, prefetch=cfg.prefetch, readahead=cfg.readahead, pin=device.type == "cuda")
@@ -163,11 +193,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     def hand_over() -> None:
         """Open the next epoch's generation (the same on every rank) before this epoch's last batches are taken."""
         number = stream.position[0] + 1
-        nxt = open_all([None] * len(cfg.cache))
         try:
+            nxt = open_all([None] * len(cfg.cache))
             for c in nxt:
-                check_cache_files(c, is_main)
-        except CorruptSample as e:  # every rank checks the same generation: all stop where the epoch begins
+                check_cache_files(c, is_main, ("prompts",))
+        except DamagedCache as e:  # every rank checks the same generation: all stop where the epoch begins
             stream.add_epoch(Epoch(number, None, None, error=e))
             return
         caches[number] = nxt
@@ -178,7 +208,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             hand_over()
         for batch in until_damaged(prefetch, damaged):
             if world > 1 and distributed.any_across(False, device):  # a rank's batch is damaged: all stop here
-                damaged.append(CorruptSample("another rank read a damaged sample (its error names the shard)."))
+                damaged.append(DamagedCache("another rank read a damaged sample (its error names the shard)."))
                 break
             if batch["epoch"] != progress.epoch:  # the epoch before is done
                 caches.pop(progress.epoch, None)
@@ -189,7 +219,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 hand_over()
             if not step.accumulate(batch, progress.step):
                 continue
-            done = step.update(progress.step)
+            try:
+                done = step.update(progress.step)
+            except Diverged as e:  # the weights are left as they were; the checkpoints before stay the resume point
+                raise Diverged(f"{e} {resume_hint(cfg)}") from None
             if done is None:  # non-finite: skipped on every rank
                 continue
             grad_norm, micros = done
@@ -229,7 +262,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         restore_handlers(handlers)
         kept = checkpoint.complete_checkpoints(cfg.run)
         resumes = f"; {kept[-1]} resumes the run" if kept else ""
-        raise CorruptSample(f"{damaged[0]} Training stopped at step {progress.step}{resumes} once it is repaired.")
+        kind = CorruptSample if isinstance(damaged[0], CorruptSample) else DamagedCache
+        raise kind(f"{damaged[0]} Training stopped at step {progress.step}{resumes} once it is repaired.")
     save()
     if validator is not None:
         if stop["signal"] is None and validated_at != progress.step:
@@ -237,13 +271,32 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         metrics.report_grids(validator.finished(wait=True))
     metrics.close()
     restore_handlers(handlers)  # a signal during the last checkpoint or validation was only recorded
-    if stop["signal"] is not None:
-        say(f"stopped by signal {stop['signal']} at step {progress.step}; resume with the same command")
     summary = {"step": progress.step, "epoch": progress.epoch, "elapsed_s": time.perf_counter() - t_start, "grids": metrics.grids,
-               "last_loss": metrics.last_loss, "checkpoint": str(checkpoint.complete_checkpoints(cfg.run)[-1])}
+               "last_loss": metrics.last_loss, "checkpoint": str(checkpoint.complete_checkpoints(cfg.run)[-1]),
+               "signal": stop["signal"]}
+    if stop["signal"] is not None:  # not finished: `python -m train` exits 128 + the signal's number
+        say(f"stopped by {signal.Signals(stop['signal']).name} at step {progress.step} of {cfg.steps}, checkpoint "
+            f"{summary['checkpoint']}; resume with the same command")
+        return summary
     say(f"run {cfg.run}: step {progress.step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
         f"loss curve {cfg.run / 'loss.png'}")
     return summary
+
+
+def finite_weights(params, device: torch.device) -> bool:
+    """Whether every trained parameter is finite, on every rank (one read of the device)."""
+    bad = torch.zeros((), dtype=torch.bool, device=device)
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP rank checks its shard
+        bad |= ~torch.isfinite(local.detach()).all().to(device)
+    return not distributed.any_across(bool(bad), device)
+
+
+def resume_hint(cfg: TrainConfig) -> str:
+    """Where a stopped run can continue from."""
+    kept = checkpoint.complete_checkpoints(cfg.run)
+    return (f"The newest checkpoint, {kept[-1]}, resumes it (with the same command and the changed options)." if kept
+            else "No checkpoint was written yet: start again with changed options.")
 
 
 def restore_handlers(handlers: dict) -> None:

@@ -10,8 +10,9 @@ from typing import Callable
 
 import torch
 
-from shards import Cache, RemoteCache
-from train import checkpoint, lora
+from shards import Cache, CacheBusy, CacheLock, RemoteCache
+from train import checkpoint, distributed, lora
+from train.cache import cache_identity
 from train.config import TrainConfig
 from train.order import BATCH_SAMPLER_VERSION
 from train.ema import EMA
@@ -132,7 +133,39 @@ class TrainState:
 
 
 def cache_record(cache: Cache) -> dict:
-    """What a checkpoint records of a cache it reads: where it is, its generation and fingerprint."""
+    """What a checkpoint records of a cache it reads: where it is, its generation, fingerprint (how its values were
+    computed) and shard table (which samples the data cursor counts through; `train.cache.cache_identity`)."""
     # a remote cache's generations live in its bucket: `shards gc` of a directory must not count them
     where = {"cache_url": cache.location} if isinstance(cache, RemoteCache) else {"cache_root": str(cache.root.resolve())}
-    return {"cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "cache_generation": cache.generation, **where}
+    return {"cache_fingerprint_sha256": cache.manifest.fingerprint_sha256, "cache_generation": cache.generation,
+            "cache_shards_sha256": cache_identity(cache), **where}
+
+
+RUN_LOCK = ".lock"
+
+
+class RunBusy(RuntimeError):
+    """Another process owns the run directory."""
+
+
+def own_run(run: Path, is_main: bool) -> CacheLock | None:
+    """The run directory's lock (`RUN/.lock`), taken by rank 0 for the whole run (its other ranks write only
+    where rank 0's run writes): two runs in one directory would overwrite each other's checkpoints and metrics.
+    Raises `RunBusy` on every rank, naming the holder, when another process has it."""
+    lock, busy = None, None
+    if is_main:
+        try:
+            lock = CacheLock(run, RUN_LOCK, "the run directory")
+        except CacheBusy:
+            try:
+                holder = (run / RUN_LOCK).read_text().strip()
+            except OSError:
+                holder = ""
+            busy = (f"{run} is owned by another training process ({holder or 'its holder wrote no name yet'}): two runs "
+                    f"in one directory would overwrite each other's checkpoints and metrics. Wait for it to finish, or stop "
+                    f"it (kill -TERM PID writes a checkpoint at its next step) and resume with the same command; or train "
+                    f"into another --run-dir.")
+    busy = distributed.rank0_value(busy)
+    if busy:
+        raise RunBusy(busy)
+    return lock

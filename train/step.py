@@ -25,6 +25,10 @@ from train.model import Model
 log = logging.getLogger("train")
 
 
+class Diverged(RuntimeError):
+    """Training diverged: `max_bad_steps` non-finite steps in a row, or non-finite weights; nothing was saved."""
+
+
 @dataclass
 class MicroBatch:
     loss: torch.Tensor  # this rank's mean loss, on the device (read when metrics are logged)
@@ -51,6 +55,7 @@ class TrainStep:
         self.micros: list[MicroBatch] = []  # accumulated towards the next step
         self.keys: list[str] = []  # their samples, named when the step is skipped
         self.bad_in_row = 0
+        self.bad_keys: list[list[str]] = []  # the samples of each skipped batch in a row
         optimizer.zero_grad(set_to_none=True)
 
     @property
@@ -88,7 +93,7 @@ class TrainStep:
         grad_norm = float(distributed.full_value(torch.nn.utils.clip_grad_norm_(self.model.params, clip)))  # the one read
         if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
             what = "loss" if any(not math.isfinite(float(m.loss)) for m in micros) else "gradients"  # read only here
-            self._skip(f"step {step}: non-finite {what}, skipped; samples {keys}")
+            self._skip(f"step {step}: non-finite {what}, skipped; samples {keys}", step, keys)
             return None
         # Whatever draws from the global RNG in the step (stochastic rounding) is fixed by the step
         # number, so a resumed run rounds exactly as an uninterrupted one.
@@ -98,7 +103,7 @@ class TrainStep:
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.bad_in_row = 0
+        self.bad_in_row, self.bad_keys = 0, []
         if self.ema is not None and (step + 1) % self.cfg.ema_every == 0:
             self.ema.step(self.model.params)  # on the EMA's device
         return grad_norm, micros
@@ -109,9 +114,18 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         return dropped
 
-    def _skip(self, message: str) -> None:
+    def _skip(self, message: str, step: int, keys: list[str]) -> None:
         self.bad_in_row += 1
+        self.bad_keys.append(keys)
         log.warning(message)
         self.optimizer.zero_grad(set_to_none=True)
         if self.bad_in_row >= self.cfg.max_bad_steps:
-            raise RuntimeError(f"{self.bad_in_row} non-finite steps in a row; stopping (last: {message})")
+            cfg = self.cfg
+            seen = list(dict.fromkeys(k for batch in self.bad_keys for k in batch))
+            named = f"{seen[:32]}" + (f" and {len(seen) - 32} more" if len(seen) > 32 else "")
+            raise Diverged(
+                f"{self.bad_in_row} non-finite steps in a row; stopping (last: {message}). Training diverged after {step} step(s): "
+                f"{self.bad_in_row} batches in a row gave non-finite values (each batch's samples are logged above: "
+                f"{named}). The weights were not updated by them and no checkpoint was written. To "
+                f"try: a lower --lr (this run: {cfg.lr:g}), a smaller --grad-clip (this run: {cfg.grad_clip:g}, 0 is off), --precision bf16 "
+                f"or fp32 (this run: {cfg.precision}); if the same samples recur, check them with `python -m shards verify`.")
