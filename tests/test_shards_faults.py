@@ -92,7 +92,7 @@ def flip_in_snapshot(path: Path, tensor: str) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("damage", ["flipped digest", "flipped size", "truncated"])
+@pytest.mark.parametrize("damage", ["flipped digest", "flipped size", "flipped sample index", "truncated"])
 def test_a_damaged_snapshot_is_named_and_healthy_shards_are_not_blamed(tmp_path, monkeypatch, damage):
     import shards.manifest as m
 
@@ -103,7 +103,8 @@ def test_a_damaged_snapshot_is_named_and_healthy_shards_are_not_blamed(tmp_path,
     if damage == "truncated":
         os.truncate(newest, newest.stat().st_size - 40)
     else:
-        flip_in_snapshot(newest, "shards.sha256" if damage == "flipped digest" else "shards.bytes")
+        tensor = {"flipped digest": "shards.sha256", "flipped size": "shards.bytes", "flipped sample index": "samples.shard"}
+        flip_in_snapshot(newest, tensor[damage])
     report = verify(tmp_path)
     assert report.bad_files == [str(newest)]
     assert "restore it from a backup" in report.problems[0][1].lower() and REPAIR_HINT not in report.problems[0][1]
@@ -308,3 +309,18 @@ def test_a_snapshot_of_an_empty_cache_loads(tmp_path, monkeypatch):
         assert w.remove({"key00000", "key00001", "key00002"}) == 3
     assert m.snapshots(tmp_path)[-1] == Cache(tmp_path).generation and len(Cache(tmp_path)) == 0
     assert verify(tmp_path).ok
+
+
+def test_a_remote_cache_evicts_nothing_through_a_symbolic_link(tmp_path):
+    bucket, local, outside = tmp_path / "bucket", tmp_path / "local", tmp_path / "outside"
+    write_cache(bucket, range(6), max_shard_samples=1)
+    outside.mkdir()
+    victim = outside / "r00000-000000.safetensors"
+    victim.write_bytes(b"not the cache's" * 1000)
+    os.utime(victim, (1, 1))  # the least recently used of all
+    local.mkdir()
+    (local / "96x96").symlink_to(outside, target_is_directory=True)
+    remote = open_cache(f"file://{bucket}", local_dir=local, limit_bytes=1)  # evicts all it may after each fetch
+    for j in range(len(remote.shards)):
+        remote.fetch(j)
+    assert victim.exists() and (local / "96x96").is_symlink()
