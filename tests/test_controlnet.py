@@ -297,7 +297,7 @@ def test_refusals_say_why(caches, tmp_path, monkeypatch):
     assert TrainConfig(model="tiny-sd3", pretrained_controlnet="some/controlnet").controlnet
     with pytest.raises(ValueError, match="validates on cached dataset items .* not on --validation-prompt"):
         TrainConfig(model="tiny-sd3", controlnet=True, validation_prompt=["a red circle"])
-    with pytest.raises(ValueError, match="--validation-items must be at least 0"):
+    with pytest.raises(ValueError, match="--validation-items -1: must be at least 0"):
         TrainConfig(model="tiny-sd3", controlnet=True, validation_items=-1)
     from train.loop import parallelism
 

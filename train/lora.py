@@ -87,7 +87,9 @@ def add_lora(model: torch.nn.Module, config, adapter_dtype: torch.dtype = torch.
             warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass")
             torch.manual_seed(seed)
             inject_adapter_in_model(config, model, adapter_name="default")
-    except ValueError as e:  # no module matched the targets
+    except ValueError as e:
+        if "not found in the base model" not in str(e):  # peft's words when no module matched the targets
+            raise
         raise ValueError(f"--lora-targets {','.join(sorted(config.target_modules))}: {e}") from None
     cast_training_params(model, dtype=adapter_dtype)  # adapters train in fp32 whatever the base's dtype
     return sum(1 for name, _ in model.named_modules() if name.endswith("lora_A"))
