@@ -34,11 +34,85 @@ def is_tar_source(data: str) -> bool:
     """Whether DATA names webdataset tars: a .tar path, a brace pattern, a URL, or a folder holding tars
     and no images or metadata. An existing folder is never a pattern, whatever its name."""
     path = Path(data)
-    if path.is_dir():
+    if _is_dir(path):
         return any(path.glob("*.tar")) and not any(
             p.suffix.lower() in IMAGE_EXTENSIONS for p in path.iterdir()
         ) and not any((path / name).exists() for name in METADATA_FILES)
     return data.startswith(STREAMED) or is_stored(data) or "{" in data or data.endswith(".tar")
+
+
+MAX_SHARDS = 1_000_000  # names a pattern may expand to: a few hundred MiB of strings already
+MAX_NESTING = 32  # braces inside braces; braceexpand recurses once per level
+
+
+def expansion_size(data: str) -> int:
+    """How many names `braceexpand(data)` yields, counted without building them (it materialises every range and
+    list it meets, so a pattern like {0..99999999999} would fill memory first). Follows braceexpand's grammar:
+    a part that is not a range or a list stays literal, braces included.
+
+    Raises:
+        ValueError: braces that do not pair, or nest deeper than MAX_NESTING.
+    """
+    from braceexpand import alphabet, char_range_re, int_range_re
+
+    depth = deepest = 0
+    escaped = False
+    for c in data:
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c in "{}":
+            depth += 1 if c == "{" else -1
+            deepest = max(deepest, depth)
+    if deepest > MAX_NESTING:
+        raise ValueError(f"braces nest {deepest} deep, more than {MAX_NESTING}")
+
+    def pattern(text: str) -> int:  # braceexpand.parse_pattern: the product of its parts
+        count, start, pos, depth = 1, 0, 0, 0
+        while pos < len(text):
+            if text[pos] == "\\":
+                pos += 2
+                continue
+            if text[pos] == "{":
+                if depth == 0 and pos > start:
+                    start = pos
+                depth += 1
+            elif text[pos] == "}":
+                depth -= 1
+                if depth == 0:
+                    count *= expression(text[start + 1 : pos])
+                    start = pos + 1
+            pos += 1
+        if depth != 0:
+            raise ValueError("its braces do not pair")
+        return count
+
+    def expression(text: str) -> int:  # braceexpand.parse_expression: a range, a list, or literal braces
+        if match := int_range_re.match(text):
+            first, last, step = int(match[1]), int(match[2]), int(match[3] or 1) or 1
+            return abs(last - first) // step + 1  # len(range(...)), which overflows past sys.maxsize
+        if match := char_range_re.match(text):
+            first, last, step = alphabet.index(match[1]), alphabet.index(match[2]), int(match[3] or 1) or 1
+            return len(alphabet[first : last + 1 : step] if first < last else alphabet[first : (last or -len(alphabet)) - 1 : -step])
+        items, start, pos, depth = [], 0, 0, 0
+        while pos < len(text):
+            if text[pos] == "\\":
+                pos += 2
+                continue
+            if text[pos] == "{":
+                depth += 1
+            elif text[pos] == "}":
+                depth -= 1
+            elif text[pos] == "," and depth == 0:
+                items.append(text[start:pos])
+                start = pos + 1
+            pos += 1
+        if depth != 0 or not items:
+            return pattern(text)
+        return sum(pattern(item) for item in items) + pattern(text[start:])
+
+    return pattern(data)
 
 
 def expand_tar_urls(data: str, allow_pipe: bool = False) -> list[str]:
@@ -46,15 +120,24 @@ def expand_tar_urls(data: str, allow_pipe: bool = False) -> list[str]:
     directory of tars; they are listed once per directory.
 
     Raises:
-        ValueError: DATA names no shard, or a shard is a `pipe:` command and `allow_pipe` is False.
+        ValueError: DATA names no shard, its braces do not pair, it expands to more than MAX_SHARDS names, a name is
+            not a path, or a shard is a `pipe:` command and `allow_pipe` is False.
         FileNotFoundError: a shard does not exist, or a glob pattern matches none.
     """
     import braceexpand
 
     path = Path(data)
-    if path.is_dir():
+    if _is_dir(path):
         urls = sorted(str(p) for p in path.glob("*.tar"))
     else:
+        try:
+            size = expansion_size(data)
+        except ValueError as e:
+            raise ValueError(f"DATA={data}: {e}; a brace pattern reads like /data/{{00000..00999}}.tar, and \\{{ is a "
+                             f"literal brace") from None
+        if size > MAX_SHARDS:
+            raise ValueError(f"DATA={data} expands to {size} names, more than the {MAX_SHARDS} a run takes: check its "
+                             f"ranges ({{00000..00999}} names 1000 shards)")
         urls = [u for u in braceexpand.braceexpand(data) if u]
     if not urls:
         raise ValueError(f"DATA={data} names no tar shards")
@@ -62,9 +145,26 @@ def expand_tar_urls(data: str, allow_pipe: bool = False) -> list[str]:
     if piped and not allow_pipe:  # checked per shard: a brace pattern can expand to commands
         raise ValueError(f"DATA={data} runs shell commands ({piped[0]!r}, ...); pass --allow-pipe if you trust them")
     for u in urls:
-        if not u.startswith(STREAMED) and not is_stored(u) and not Path(u).exists():
+        if "\x00" in u:
+            raise ValueError(f"tar shard {u!r} holds a NUL character: not a path (from DATA={data})")
+        if not u.startswith(STREAMED) and not is_stored(u) and not _exists(Path(u)):
             raise FileNotFoundError(f"tar shard {u} does not exist (from DATA={data})")
     return stored_tars(urls, data)
+
+
+def _is_dir(path: Path) -> bool:
+    """Whether a path is a directory; a name the system refuses (too long, say) is not one."""
+    try:
+        return path.is_dir()
+    except (OSError, ValueError):
+        return False
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 def stored_tars(urls: list[str], data: str) -> list[str]:
@@ -77,7 +177,10 @@ def stored_tars(urls: list[str], data: str) -> list[str]:
         if not is_stored(url):
             out.append(url)
             continue
-        fs, path = url_to_fs(url)
+        try:
+            fs, path = url_to_fs(url)
+        except (ValueError, ImportError) as e:  # a protocol fsspec does not know, or whose package is missing
+            raise ValueError(f"tar shard {url}: {e} (from DATA={data})") from None
         path = path.rstrip("/")
         if has_magic(path):
             found = sorted(fs.glob(path))
