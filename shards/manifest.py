@@ -321,7 +321,7 @@ def load(root: str | os.PathLike, generation: int | None = None) -> Manifest:
         FormatError: another format version, or a generation gc collected.
     """
     root = Path(root)
-    read_pointer(root)
+    pointer = read_pointer(root)
     if not committed(root):
         raise FileNotFoundError(missing_manifest(root)[1])
     if generation is not None and generation < 0:
@@ -340,6 +340,15 @@ def load(root: str | os.PathLike, generation: int | None = None) -> Manifest:
     if generation is not None and manifest.generation != generation:
         raise FormatError(f"{root} has no generation {generation} (the newest is {manifest.generation}); the run that "
                           f"recorded it belongs to another cache")
+    if generation is None and pointer is not None and pointer > manifest.generation:
+        # the pointer only ever names a snapshot of a committed generation: the end of the log was lost, and a
+        # writer would take the shards of the lost commits for uncommitted ones
+        missing = root / SNAPSHOT_DIR / SNAPSHOT_NAME.format(pointer)
+        raise DamagedLog(missing, f"{root / MANIFEST} names snapshot {missing}, but the log and snapshots end at generation "
+                                  f"{manifest.generation}: the last commits (and that snapshot) were lost, and the shards "
+                                  f"they list are not at fault (--repair cannot help). Restore {LOG_DIR}/ and "
+                                  f"{SNAPSHOT_DIR}/ from a backup of the cache; without one, build the cache again into a "
+                                  f"new directory (`make precompute DATA=... CACHE=NEW`). Nothing was deleted.")
     return manifest
 
 

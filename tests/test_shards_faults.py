@@ -324,3 +324,19 @@ def test_a_remote_cache_evicts_nothing_through_a_symbolic_link(tmp_path):
     for j in range(len(remote.shards)):
         remote.fetch(j)
     assert victim.exists() and (local / "96x96").is_symlink()
+
+
+def test_a_log_whose_end_was_lost_is_refused_when_the_pointer_says_so(tmp_path, monkeypatch):
+    import shards.manifest as m
+
+    monkeypatch.setattr(m, "COMPACT_MIN", 4)
+    write_cache(tmp_path, range(12), max_shard_samples=1)
+    assert m.snapshots(tmp_path)[-1] == json.loads((tmp_path / "index.json").read_text())["snapshot_generation"] == 11
+    for g in (10, 11):  # the newest commits and the snapshot index.json names are lost
+        commit_path(tmp_path, g).unlink()
+    (tmp_path / "_snapshots" / "000000000011.safetensors").unlink()
+    before = files(tmp_path)
+    with pytest.raises(DamagedCache, match=r"names snapshot .*000000000011\.safetensors, but the log and snapshots end at "
+                                           r"generation 9"):
+        ShardWriter(tmp_path, FINGERPRINT, SCHEMA)  # would delete the shards of commits 10 and 11 as never committed
+    assert files(tmp_path) == before and not verify(tmp_path).ok
