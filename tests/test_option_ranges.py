@@ -204,3 +204,16 @@ def test_a_command_that_takes_an_option_without_its_config_checks_the_same_range
                           (["--validation-steps", "0"], "0: must be at least 1")):
         result = CliRunner().invoke(tool, args, env=WIDE)
         assert result.exit_code == 2 and message in result.output and "planned" not in result.output, result.output
+
+
+def test_an_adapter_error_is_blamed_on_the_targets_only_when_none_matched():
+    import torch
+
+    from train.lora import add_lora, lora_config
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="--lora-targets to_q: .*not found"):
+        add_lora(model, lora_config("sana", 2, targets=["to_q"]))
+    with pytest.raises(ValueError) as e:  # an error of its own (here peft's dropout check) keeps its words
+        add_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), lora_config("sana", 2, targets=["0"], dropout=1.5))
+    assert "--lora-targets" not in str(e.value)
