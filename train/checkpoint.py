@@ -2,12 +2,18 @@
 
 A checkpoint is written under a temp name, its `COMPLETE` marker written last, then renamed into
 place; a kill at any instant leaves the previous complete checkpoint as the resume point. No pickled
-objects: torch files hold only tensors and plain containers and load with `weights_only=True`.
+objects: torch files hold only tensors and plain containers and load with `weights_only=True`; the pickles
+torch.distributed.checkpoint writes (`sharded/.metadata`, non-tensor values) load through an unpickler that
+admits only the classes those files are made of. A checkpoint is checked before anything loads from it.
 """
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import os
+import pickle
 import shutil
 import warnings
 from pathlib import Path
@@ -48,53 +54,208 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
     """
     final = checkpoint_dir(run, step)
     tmp = final.with_name(f".tmp-{final.name}")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    if sharded is not None:
-        import torch.distributed.checkpoint as dcp
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        if sharded is not None:
+            import torch.distributed.checkpoint as dcp
 
-        dcp.save(sharded, checkpoint_id=tmp / SHARDED)
+            dcp.save(sharded, checkpoint_id=tmp / SHARDED)
+        if rank == 0:
+            if adapter is not None:
+                name, write = adapter
+                write(tmp / name)
+                model.save_config(tmp / "transformer")
+            elif sharded is None:
+                model.save_pretrained(tmp / "transformer", safe_serialization=True)
+            else:
+                model.save_config(tmp / "transformer")
+            for name, obj in tensors.items():
+                torch.save(obj, tmp / f"{name}.pt")
+            atomic_write_json(tmp / "state.json", {"version": STATE_VERSION, **state})
+        if sharded is not None:
+            fsync_tree(tmp / SHARDED)  # each rank its own files, before the checkpoint is marked complete
+        barrier()
+        if rank == 0:
+            fsync_tree(tmp, skip=tmp / SHARDED)  # each rank flushed its own part of sharded/
+            atomic_write_bytes(tmp / MARKER, b"ok\n")  # fsynced, with its directory
+            publish_directory(tmp, final, flushed=True)  # a re-save of the same step replaces it
+    except OSError as e:
+        if rank == 0:  # the partial checkpoint goes; the complete ones before it stay as they are
+            shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in NO_ROOM:
+            raise CheckpointWriteError(no_room_message(e, run, final, model, tensors, sharded, adapter)) from e
+        raise
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if rank == 0:
-        if adapter is not None:
-            name, write = adapter
-            write(tmp / name)
-            model.save_config(tmp / "transformer")
-        elif sharded is None:
-            model.save_pretrained(tmp / "transformer", safe_serialization=True)
-        else:
-            model.save_config(tmp / "transformer")
-        for name, obj in tensors.items():
-            torch.save(obj, tmp / f"{name}.pt")
-        atomic_write_json(tmp / "state.json", {"version": STATE_VERSION, **state})
-    if sharded is not None:
-        fsync_tree(tmp / SHARDED)  # each rank its own files, before the checkpoint is marked complete
-    barrier()
-    if rank == 0:
-        fsync_tree(tmp, skip=tmp / SHARDED)  # each rank flushed its own part of sharded/
-        atomic_write_bytes(tmp / MARKER, b"ok\n")  # fsynced, with its directory
-        publish_directory(tmp, final, flushed=True)  # a re-save of the same step replaces it
         for old in complete_checkpoints(run)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     barrier()
     return final
 
 
+# The write errors that leave nothing to do but make room or change where checkpoints go
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+class CheckpointWriteError(OSError, ValueError):
+    """A checkpoint could not be written for want of space, quota or permission; the partial one was removed (the
+    OSError is its `__cause__`). A ValueError as well: the command line reports it as bad input, with what to do."""
+
+
+def no_room_message(e: OSError, run: Path, final: Path, model, tensors: dict, sharded: dict | None, adapter) -> str:
+    """What failed, where, the space free there against the checkpoint's size, and what to do."""
+    where = final.parent if final.parent.exists() else run
+    free = shutil.disk_usage(where).free
+    earlier = complete_checkpoints(run)
+    if earlier:  # the run's checkpoints are all alike in size
+        size = sum(f.stat().st_size for f in earlier[-1].rglob("*") if f.is_file())
+    else:
+        size = tensor_bytes([tensors, sharded])
+        size += tensor_bytes(model.state_dict() if adapter is None and sharded is None
+                             else [p for p in model.parameters() if p.requires_grad])
+    cause = os.strerror(e.errno) + (f" writing {e.filename}" if e.filename else "")
+    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        todo = f"make {where} writable, or give another --run-dir,"
+    else:
+        todo = (f"free space there (fewer --keep-checkpoints keeps fewer, {amount(size)} each), or resume in a "
+                f"--run-dir on a disk with room (copy {run} there),")
+    kept = f"{earlier[-1]} is intact" if earlier else "the run has no earlier checkpoint"
+    return (f"could not write checkpoint {final} ({cause}): {amount(free)} free on its filesystem, the checkpoint needs "
+            f"about {amount(size)}. The partial checkpoint was removed and {kept}; {todo} then run the same command "
+            f"again to resume.")
+
+
+def amount(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
+
+
+def tensor_bytes(obj) -> int:
+    """Bytes of the tensors in nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
 def load_sharded(path: Path, state: dict) -> dict:
     """Fill `state` (nested state dicts, DTensors or plain tensors) from a checkpoint's `sharded/`.
 
     Works under any world size of the same sharding, and in one process without a process group,
-    where it assembles full tensors (export)."""
+    where it assembles full tensors (export). Its pickles load through `MetadataUnpickler` and
+    `weights_only=True`: a file that needs anything else is refused (`DamagedCheckpoint`)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     single = not dist.is_initialized()
     with warnings.catch_warnings():
         if single:  # loading in one process is what export means; torch warns about it every time
             warnings.filterwarnings("ignore", message="torch.distributed is .* uninitialized")
-        dcp.load(state, checkpoint_id=path / SHARDED, no_dist=single)
+        try:
+            dcp.load(state, storage_reader=_checked_reader(path / SHARDED), planner=_checked_planner(path / SHARDED),
+                     no_dist=single)
+        except CheckpointException as e:  # raised for every rank's failure, each wrapped with its traceback
+            error = next(iter(e.failures.values()))[0]
+            if isinstance(error, DamagedCheckpoint):
+                raise error from None
+            raise DamagedCheckpoint(f"{path / SHARDED} could not be loaded ({type(error).__name__}: {error}): it is damaged "
+                                    f"or was not written by this trainer. {EARLIER}") from None
     return state
+
+
+EARLIER = "Use an earlier checkpoint of the run (pass its directory), or start a new run."
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint file is missing, damaged or not written by this trainer; nothing was loaded from it."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles torch.distributed.checkpoint's `.metadata` admitting only the classes it is made of (its metadata
+    dataclasses, torch.Size, dtypes, paths): any other global, which could run code, is refused."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+               ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+    def __init__(self, file, name: Path):
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module: str, name: str):
+        import torch.distributed.checkpoint.metadata as metadata
+
+        found = getattr(torch, name, None) if module == "torch" else None
+        if (module, name) in self.ALLOWED or isinstance(found, torch.dtype):
+            return super().find_class(module, name)
+        if module == metadata.__name__ and getattr(getattr(metadata, name, None), "__module__", None) == module:
+            return getattr(metadata, name)
+        raise DamagedCheckpoint(f"{self.name} asks to load {module}.{name}, which a checkpoint's metadata never holds: the "
+                                f"file is damaged or was not written by this trainer, and loading it could run code. Nothing "
+                                f"was loaded from it. {EARLIER}")
+
+
+def read_metadata(directory: Path, name: str = ".metadata"):
+    """A `sharded/` directory's metadata, through `MetadataUnpickler`."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    file = directory / name
+    try:
+        with open(file, "rb") as f:
+            metadata = MetadataUnpickler(f, file).load()
+    except DamagedCheckpoint:
+        raise
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{file} is missing: the checkpoint is incomplete. {EARLIER}") from None
+    except Exception as e:  # truncated or garbled: the unpickler's errors are of many types
+        raise DamagedCheckpoint(f"{file} cannot be read ({type(e).__name__}: {e}): it is damaged. {EARLIER}") from None
+    if not isinstance(metadata, Metadata):
+        raise DamagedCheckpoint(f"{file} holds a {type(metadata).__name__}, not a checkpoint's metadata. {EARLIER}")
+    return metadata
+
+
+def _checked_reader(directory: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            metadata = read_metadata(directory, ".metadata" if rank is None else f"__{rank}.metadata")
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return CheckedReader(directory)
+
+
+def _checked_planner(directory: Path):
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class CheckedPlanner(DefaultLoadPlanner):
+        """Non-tensor values (torch.load'ed without `weights_only` by torch's planner) are first loaded with it."""
+
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            try:
+                torch.load(value, weights_only=True)
+            except Exception as e:
+                raise DamagedCheckpoint(f"{directory}: the value of {read_item.dest_index.fqn} cannot be loaded safely "
+                                        f"({type(e).__name__}: {str(e).splitlines()[0]}): the checkpoint is damaged or was not "
+                                        f"written by this trainer. {EARLIER}") from None
+            value.seek(0)  # it holds only what weights_only admits: torch's own load now does the same
+            super().load_bytes(read_item, value)
+
+    return CheckedPlanner()
 
 
 def is_sharded(path: Path) -> bool:
@@ -102,26 +263,102 @@ def is_sharded(path: Path) -> bool:
 
 
 def load_state(path: Path) -> dict:
-    state = json.loads((path / "state.json").read_text())
+    """A checkpoint's `state.json`, refused (`DamagedCheckpoint`) when missing, not JSON or of another version."""
+    file = path / "state.json"
+    try:
+        state = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise DamagedCheckpoint(f"{file} is missing: {path} is not a complete checkpoint. {EARLIER}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DamagedCheckpoint(f"{file} is not JSON ({e}): the checkpoint is damaged. {EARLIER}") from None
+    if not isinstance(state, dict) or not isinstance(state.get("config"), dict) or "step" not in state or "model" not in state:
+        raise DamagedCheckpoint(f"{file} is not a training state (no step, model and config): the checkpoint is damaged or "
+                                f"was not written by this trainer. {EARLIER}")
     if state.get("version") != STATE_VERSION:
         raise ValueError(f"{path} has training-state version {state.get('version')}, this trainer reads {STATE_VERSION}")
     return state
 
 
 def load_tensors(path: Path, name: str):
+    """NAME.pt of a checkpoint (None when absent), with `weights_only=True`: a file that needs more is refused."""
     file = path / f"{name}.pt"
-    return torch.load(file, map_location="cpu", weights_only=True) if file.exists() else None
+    if not file.exists():
+        return None
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # a refused global (pickle.UnpicklingError) or a damaged archive (RuntimeError, EOFError)
+        raise DamagedCheckpoint(f"{file} cannot be loaded safely ({type(e).__name__}: {str(e).splitlines()[0]}): it is "
+                                f"damaged or was not written by this trainer. {EARLIER}") from None
 
 
-def find(path: Path) -> Path:
-    """A checkpoint directory as given, or the newest complete checkpoint of a run directory."""
+def check(path: Path, resume: bool = False) -> Path:
+    """Refuse (`DamagedCheckpoint`) a checkpoint missing a file its kind needs, with a safetensors file that is cut
+    short or garbled, or sharded files its metadata does not account for; with `resume`, also the training state's
+    files. Reads headers and sizes only. Returns `path`."""
+    from safetensors import safe_open
+
+    state = load_state(path)
+
+    def need(file: Path, what: str) -> Path:
+        if not file.exists():
+            raise DamagedCheckpoint(f"{file} is missing ({what}): the checkpoint {path} is incomplete. {EARLIER}")
+        return file
+
+    need(path / "transformer" / "config.json", "the transformer's configuration")
+    if is_lora(path):
+        weights = sorted((path / ADAPTER_DIR).glob("*.safetensors"))
+        need(weights[0] if weights else path / ADAPTER_DIR / "*.safetensors", "the LoRA adapters")
+    elif is_controlnet(path):
+        need(path / CONTROLNET_DIR / "config.json", "the ControlNet's configuration")
+        weights = sorted((path / CONTROLNET_DIR).glob("*.safetensors"))
+        need(weights[0] if weights else path / CONTROLNET_DIR / "*.safetensors", "the ControlNet's weights")
+    elif is_sharded(path):
+        metadata = read_metadata(path / SHARDED)
+        for info in (metadata.storage_data or {}).values():
+            file = need(path / SHARDED / str(info.relative_path), "a shard of the weights")
+            if file.stat().st_size < info.offset + info.length:
+                raise DamagedCheckpoint(f"{file} is cut short ({file.stat().st_size} bytes, its metadata needs "
+                                        f"{info.offset + info.length}): the checkpoint is damaged. {EARLIER}")
+    else:
+        weights = sorted((path / "transformer").glob("*.safetensors"))
+        need(weights[0] if weights else path / "transformer" / "diffusion_pytorch_model.safetensors", "the weights")
+        for index in (path / "transformer").glob("*.safetensors.index.json"):
+            for shard in set(json.loads(index.read_text())["weight_map"].values()):
+                need(path / "transformer" / shard, f"a shard {index.name} names")
+    for file in sorted(path.glob("*/*.safetensors")):
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except Exception as e:  # safetensors' own error: cut short, or not safetensors at all
+            raise DamagedCheckpoint(f"{file} is damaged ({e}). {EARLIER}") from None
+    if resume:
+        need(path / "scheduler.pt", "the learning-rate schedule's state")
+        if not is_sharded(path):
+            need(path / "optimizer.pt", "the optimizer's state")
+        if state["config"].get("precision") == "fp16":
+            need(path / "scaler.pt", "the loss scaler's state")
+    return path
+
+
+def find(path: Path, resume: bool = False) -> Path:
+    """A checkpoint directory as given, or the newest complete checkpoint of a run directory; checked (`check`)."""
     path = Path(path)
     if (path / MARKER).exists():
-        return path
+        return check(path, resume)
     found = complete_checkpoints(path)
     if not found:
         raise FileNotFoundError(f"{path} is neither a complete checkpoint (no {MARKER} marker) nor a run directory with one")
-    return found[-1]
+    return checked_newest(found, resume)
+
+
+def checked_newest(found: list[Path], resume: bool) -> Path:
+    """The newest of a run's complete checkpoints, checked; a damaged one names the one before it."""
+    try:
+        return check(found[-1], resume)
+    except DamagedCheckpoint as e:
+        if len(found) > 1:
+            raise DamagedCheckpoint(f"{e} The one before it is {found[-2]}.") from None
+        raise
 
 
 def resolve_resume(run: Path, resume: str | None) -> Path | None:
@@ -130,8 +367,8 @@ def resolve_resume(run: Path, resume: str | None) -> Path | None:
         return None
     if resume == "auto":
         found = complete_checkpoints(run)
-        return found[-1] if found else None
-    return find(Path(resume))
+        return checked_newest(found, resume=True) if found else None
+    return find(Path(resume), resume=True)
 
 
 def is_lora(path: Path) -> bool:
