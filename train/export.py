@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 from shards import Cache
-from shards.atomic import publish_directory
+from shards.atomic import atomic_write_json, fsync_dir, fsync_tree
 from shards.options import DTYPES
 from train import card, checkpoint, controlnet, lora
 from train.ema import load_shadow
@@ -20,6 +23,10 @@ from train.presets import Weights, build_transformer, get_preset, resolve_weight
 from train.validate import Validator, add_prompts_command
 
 LoraFormat = Literal["diffusers", "kohya"]
+# Every export's own record of itself: an existing OUT is replaced only when it carries one. Not pushed to the Hub (a
+# downloaded copy is the user's, not an export this machine wrote).
+RECORD = ".cachedit-export.json"
+log = logging.getLogger("train")
 
 
 def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
@@ -50,7 +57,7 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
         if dtype is not None:
             model.to(dtype)
     else:
-        model = cls.from_pretrained(ckpt / "transformer", torch_dtype=dtype)
+        model = cls.from_pretrained(ckpt / "transformer", torch_dtype=dtype, use_safetensors=True)
         ema_state = saved_ema(ckpt) if ema else None
     if ema:
         load_shadow(model, ema_state, ckpt)
@@ -154,20 +161,68 @@ def write_transformer(ckpt: Path, directory: Path, ema: bool, dtype: str | None,
 
 
 def check_replaceable(out: Path) -> None:
-    """An export replaces OUT whole: refuse a directory that holds anything but an earlier export."""
+    """An export replaces OUT whole: refuse an existing OUT unless it is empty or an earlier export (it carries the
+    export's record) holding nothing but what an export writes."""
     if not out.exists():
         return
     if not out.is_dir():
         raise ValueError(f"--out {out} is a file; choose a new directory")
+    names = sorted(p.name for p in out.iterdir())
+    if not names:
+        return
     # only what an export writes: a diffusers pipeline folder holding an exported transformer/ is not replaced (its
     # vae/, text encoders and scheduler would go with it)
-    written = {"README.md", "training.json", "images", "transformer", controlnet.CONTROLNET_DIR, lora.DIFFUSERS_FILE,
+    written = {RECORD, "README.md", "training.json", "images", "transformer", controlnet.CONTROLNET_DIR, lora.DIFFUSERS_FILE,
                lora.KOHYA_FILE, lora.PEFT_FILE, "adapter_config.json", ".gitattributes"}
-    others = sorted(p.name for p in out.iterdir() if p.name not in written)
-    if others:
-        raise ValueError(f"--out {out} holds files an export does not write ({', '.join(others[:5])}), and an export replaces "
-                         f"its directory whole: export to a new directory (and copy, e.g., its transformer/ into a "
-                         f"pipeline's folder)")
+    others = [name for name in names if name not in written]
+    added = f"files an export does not write ({', '.join(others[:5])})"
+    if is_export(out):
+        if not others:
+            return
+        what = f"is an earlier export holding {added}"
+    else:
+        what = "exists and is not an export" + (f": it holds {added}" if others else
+                                                 f" (it has no {RECORD}, which every export writes; exports written by "
+                                                 f"earlier versions have none either)")
+    raise ValueError(f"--out {out} {what}. An export replaces its directory whole, so it replaces only an earlier export "
+                     f"as written: choose another --out, or remove {out} yourself if nothing in it is needed. To put an "
+                     f"exported transformer/ into a pipeline's folder, export to a new directory and copy it there.")
+
+
+def is_export(directory: Path) -> bool:
+    """`directory` carries an export's record (written by `export`, first, into the directory it builds)."""
+    try:
+        record = json.loads((directory / RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("product") == "cachedit" and record.get("kind") == "export"
+
+
+def leftovers(out: Path) -> list[Path]:
+    """Temp directories of exports to OUT that were killed before publishing (they carry the record); others' files
+    of similar names are not ours to name."""
+    return sorted(p for prefix in (f".tmp-{out.name}-", f".old-{out.name}-") for p in out.parent.glob(f"{prefix}*")
+                  if p.is_dir() and is_export(p))
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename the finished export `tmp` over OUT: a reader (or a crash) sees the earlier export or the new one whole.
+    An existing OUT is first renamed onto an empty directory made for it, so nothing of another's is ever removed."""
+    fsync_tree(tmp)
+    check_replaceable(out)  # again: OUT may have changed while the export was written
+    aside = None
+    if out.exists():
+        aside = Path(tempfile.mkdtemp(prefix=f".old-{out.name}-", dir=out.parent))
+        os.rename(out, aside)  # onto our own empty directory, which the rename replaces
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if aside is not None:
+            os.rename(aside, out)
+        raise
+    fsync_dir(out.parent)
+    if aside is not None:
+        shutil.rmtree(aside)
 
 
 def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, merge_lora: bool = False,
@@ -197,10 +252,16 @@ def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, me
     out = Path(out).resolve()
     check_replaceable(out)
     state = checkpoint.load_state(ckpt)
-    tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    for left in leftovers(out):
+        log.warning("%s is left from an export to %s that did not finish; remove it if no export is running", left, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))  # ours alone: no other's is touched
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's is private; the export gets what a new directory gets
     try:
+        atomic_write_json(tmp / RECORD, {"product": "cachedit", "kind": "export", "run": str(Path(run).resolve()),
+                                         "checkpoint": str(ckpt.resolve()), "step": state["step"], "ema": ema})
         if is_controlnet:
             kind, written = "controlnet", write_controlnet(ckpt, tmp, ema, dtype)
         elif is_lora and not merge_lora:
@@ -210,7 +271,7 @@ def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, me
         default_names = (lora.DIFFUSERS_FILE, lora.PEFT_FILE)
         card.write_card(tmp, ckpt, state, kind, ema=ema, location=hub_repo or str(out), merged=merge_lora,
                         weight_name=written.name if kind == "lora" and written.name not in default_names else None)
-        publish_directory(tmp, out)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -241,13 +302,14 @@ def push_to_hub(out: Path, repo: str, private: bool = False, commit_message: str
             raise ValueError(f"{repo_id} exists and is public; --private would not make it private (change it on the Hub "
                              f"or push to another repository)")
         # the repository holds exactly the export: files of earlier pushes it no longer has are deleted
-        api.upload_folder(folder_path=out, repo_id=repo_id, repo_type="model", delete_patterns="*",
+        api.upload_folder(folder_path=out, repo_id=repo_id, repo_type="model", delete_patterns="*", ignore_patterns=RECORD,
                           commit_message=commit_message or f"Upload {out.name} (cachedit export)")
     except Exception as e:  # the Hub client's errors (auth, HTTP, offline mode, connection) all end here, reported
         raise UploadError(
             f"pushing {out} to the Hub repository {repo} failed ({type(e).__name__}: {e}). The export in {out} is complete "
             f"and intact. Log in with `huggingface-cli login` (now `hf auth login`) or set HF_TOKEN to a token with write "
-            f"access, check the network, then push it without exporting again: hf upload {repo} {out} . --repo-type model"
+            f"access, check the network, then push it without exporting again: hf upload {repo} {out} . --repo-type model "
+            f"--exclude {RECORD}"
             + (" --private" if private else "")) from e
     return repo_id
 
