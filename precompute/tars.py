@@ -333,12 +333,14 @@ def tar_samples(url: str) -> Iterator[dict]:
 
 
 def missing_estimate(error: Exception, read: int, cached: int) -> int:
-    """About how many samples of a tar that failed after `read` samples were not read: those cached from it before,
-    or, when zeros fill the rest of the file, its unread bytes at the mean size of the samples read; at least one."""
-    estimate = cached - read
-    if isinstance(error, TarCutShort) and error.size and error.end and read:
-        estimate = max(estimate, round((error.size - error.end) * read / error.end))
-    return max(estimate, 1)
+    """About how many samples of a tar that failed after `read` samples were not read: those cached from it before
+    that were not read again or, for a tar never cached whose rest is zeros, as many as its size holds at the mean
+    size of the samples its members held (those read and the one held back); at least one."""
+    if cached:
+        return max(cached - read, 1)
+    if isinstance(error, TarCutShort) and error.size and error.end:
+        return max(round(error.size * (read + 1) / error.end) - read, 1)
+    return 1
 
 
 class TarDataset(torch.utils.data.IterableDataset):
