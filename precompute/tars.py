@@ -1,7 +1,8 @@
 """Webdataset tars as inputs (img2dataset's layout): which DATA names tars, the tars it names, their samples.
 
 Tars in object storage (`s3://`, `gs://`, `hf://`, any fsspec URL) are listed and read through fsspec; `pipe:`
-commands and http(s) URLs through webdataset's `gopen`; both are unpacked by webdataset's tar iterators. A sample's
+commands and http(s) URLs through webdataset's `gopen`; both are unpacked by tarfile as a stream, their members
+grouped into samples by webdataset, and must end with the end-of-archive blocks where the file ends. A sample's
 control image (ControlNet caches) is its `control.png` / `control.jpg` member (`KEY.control.png` beside `KEY.jpg`).
 """
 
@@ -321,11 +322,13 @@ def tar_samples(url: str) -> Iterator[dict]:
 
     def members(stream) -> Iterator[dict]:  # webdataset's tar_file_iterator, with the end checked
         tar = tarfile.open(fileobj=stream, mode="r|*", tarinfo=_Header)
+        # the file's size in the archive's bytes: not of a compressed tar
+        archive_size = size if getattr(tar.fileobj, "comptype", "tar") == "tar" else None
         for info in tar:
             if info.isreg() and not META.match(info.name):
                 yield {"fname": info.name, "data": tar.extractfile(info).read(), "__url__": url}
             tar.members = []
-        check_end(tar, size)
+        check_end(tar, archive_size)
         yield {}  # the end of the shard: group_by_keys yields its last sample
 
     with opened as stream:
@@ -372,9 +375,9 @@ class TarDataset(torch.utils.data.IterableDataset):
                 except Exception as e:  # tarfile, gopen or fsspec errors: the shard is unreadable from here on
                     prefix = tar_name(url) + "/"
                     missing = missing_estimate(e, read, sum(name.startswith(prefix) for name in self.known))
+                    cut = f"truncated after {read} samples, " if read or isinstance(e, TarCutShort) else ""
                     yield {"status": "failed", "source": url, "reason": "corrupt_tar", "stamp": 0, "samples": missing,
-                           "detail": f"{type(e).__name__}: {e}; truncated after {read} samples, about {missing} "
-                                     f"sample(s) missing"}
+                           "detail": f"{type(e).__name__}: {e}; {cut}about {missing} sample(s) missing"}
                     break
                 read += 1
                 record = tar_records(sample, self.caption_keys, self.policy.control)
