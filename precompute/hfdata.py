@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from precompute.folders import METADATA_FILES, _BadRow, _metadata_path, metadata_captions, os_reason, read_regular
+from precompute.folders import METADATA_FILES, OutsideRoot, confined, metadata_captions, os_reason, read_regular
 from precompute.images import ImagePolicy, Record, prepare
 
 SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")  # as Hub file names spell them
@@ -251,14 +251,22 @@ def row_stamp(file_stamp: bytes, row: int, referenced: str | None = None, contro
     return int.from_bytes(h.digest(), "big") >> 1 or 1
 
 
+class BadCell(ValueError):
+    """An image cell naming a path that is no image of the dataset's: `reason` is the failure's."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
 def _image_of(value, root: Path, column: str, inside: dict[str, bool]) -> tuple[bytes | None, str | None]:
     """(image bytes, path read) of an image cell: an `Image` feature's {bytes, path}, raw bytes, or a path inside
-    the dataset's folder (relative to it, or absolute), as a folder's metadata may name one. (None, None) for a row
+    the dataset's folder (relative to it, or absolute), confined as a folder's metadata is. (None, None) for a row
     without an image.
 
     Raises:
         OSError: a named image file cannot be read.
-        ValueError: (precompute.folders' _BadRow) the path leads outside the dataset's folder, or is not a path.
+        BadCell: the path leads outside the dataset's folder, or is no file name.
     """
     if isinstance(value, dict):
         if value.get("bytes"):
@@ -267,15 +275,14 @@ def _image_of(value, root: Path, column: str, inside: dict[str, bool]) -> tuple[
     if isinstance(value, (bytes, bytearray)):
         return bytes(value) or None, None
     if isinstance(value, str) and value:
-        if "\x00" in value:
-            raise _BadRow("unreadable", f"{column} {value!r} holds a NUL character: not a path")
-        name = os.path.relpath(value, root) if os.path.isabs(value) else value
         try:
-            path = _metadata_path(root, name, inside, column)
-        except _BadRow as e:
-            raise _BadRow(e.reason, f"{column} {value!r} is outside the dataset's folder {root}: images are read from "
-                                    f"inside it only; move them there and name them relative to it, or embed their bytes "
-                                    f"in the dataset") from None
+            path = confined(root, os.path.relpath(value, root) if os.path.isabs(value) else value, column, inside)
+        except OutsideRoot:
+            raise BadCell("outside_root", f"{column} {value!r} is outside the dataset's folder {root}: images are read "
+                                          f"from inside it only; move them there and name them relative to it, or embed "
+                                          f"their bytes in the dataset") from None
+        except ValueError as e:
+            raise BadCell("unreadable", str(e)) from None
         return read_regular(path), path
     return None, None
 
@@ -365,7 +372,7 @@ class HFDataset(torch.utils.data.IterableDataset):
     def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None) -> dict:
         try:
             data, referenced = _image_of(image, self.listing.root, self.listing.image_column, self._inside)
-        except _BadRow as e:
+        except BadCell as e:
             return {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
         except OSError as e:
             return {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
@@ -373,7 +380,7 @@ class HFDataset(torch.utils.data.IterableDataset):
         if self.listing.control_column:
             try:
                 control, control_path = _image_of(control_cell, self.listing.root, self.listing.control_column, self._inside)
-            except _BadRow as e:
+            except BadCell as e:
                 return {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
             except OSError as e:
                 control_error = e

@@ -155,14 +155,15 @@ def test_image_paths_outside_the_dataset_folder_are_failures_of_their_rows(tmp_p
     (root / "images" / "a.png").write_bytes(png())
     (root / "linked").symlink_to(tmp_path, target_is_directory=True)
     paths = ["images/a.png", str(root / "images" / "a.png"), str(tmp_path / "secret.png"), "../secret.png",
-             "images/../../secret.png", "linked/secret.png"]
+             "images/../../secret.png", "linked/secret.png", "images/a.png\x00.txt"]
     pq.write_table(pa.table({"image": [{"bytes": None, "path": p} for p in paths], "text": ["x"] * len(paths)}),
                    root / "train.parquet")
     items = hf_items(root / "train.parquet")
     assert [it["status"] for it in items[:2]] == ["ok", "ok"]  # inside the folder, relative or absolute
-    for it, path in zip(items[2:], paths[2:]):
+    for it, path in zip(items[2:-1], paths[2:-1]):
         assert (it["status"], it["reason"]) == ("failed", "outside_root"), path
         assert repr(path) in it["detail"] and "outside the dataset's folder" in it["detail"]
+    assert (items[-1]["status"], items[-1]["reason"]) == ("failed", "unreadable")  # no file has a NUL in its name
 
 
 def test_a_corrupt_or_empty_parquet_file_is_a_named_failure_and_the_others_are_read(tmp_path):
