@@ -58,3 +58,17 @@ def test_a_kill_at_every_event_of_a_write_keeps_the_committed_samples(tmp_path, 
     with Process():
         ShardWriter(case.root, FINGERPRINT, SCHEMA).finish()  # deletes what the kills left
     assert verify(case.root).ok
+
+
+def test_a_cache_emptied_by_removals_compacts_and_collects(tmp_path):
+    """Removing every sample leaves a generation of no shard: its snapshot (gc's, or a compaction's) is written."""
+    from format_fuzz import FINGERPRINT, SCHEMA, fields_of
+
+    from shards import Cache, ShardWriter, gc
+
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
+        w.write("a", (16, 16), fields_of(0, (16, 16)))
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
+        w.remove({"a"})
+    gc(tmp_path)
+    assert len(Cache(tmp_path)) == 0 and Cache(tmp_path).generation == 1
