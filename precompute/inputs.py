@@ -7,12 +7,15 @@ out of a worker for bad data.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from precompute.config import PrecomputeConfig
+from precompute.distributed import die_with_parent
 from precompute.sources import Source
 from precompute.folders import CONTROL_COLUMN, FolderDataset, list_folder, with_control_folder
 from precompute.hfdata import CONTROL_COLUMN as HF_CONTROL_COLUMN
@@ -86,7 +89,7 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     if tar:
         urls = expand_tar_urls(data, config.allow_pipe)
         mine = urls[rank::world]
-        return Inputs(TarDataset(mine, policy, keys, tuple(config.caption_key)), None, None, True,
+        return Inputs(TarDataset(mine, policy, keys, tuple(config.caption_key), known), None, None, True,
                       workers=min(config.workers, len(mine)))
     if hf:
         listing = list_hf(data, source.split, source.image_column, source.caption_column or config.caption_column,
@@ -160,4 +163,5 @@ def build_loader(dataset: torch.utils.data.Dataset, workers: int, device: torch.
         dataset, batch_size=None, num_workers=workers, pin_memory=device.type == "cuda",
         prefetch_factor=4 if workers else None, multiprocessing_context="fork" if workers else None,
         collate_fn=None if device.type == "cuda" or not workers else pixels_as_array,
+        worker_init_fn=partial(die_with_parent, os.getpid()),  # no worker outlives a killed run
     )

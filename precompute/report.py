@@ -97,9 +97,12 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
     for encoding, n in summary["caption_fallbacks"].items():
         print(f"  {n} caption file(s) were not UTF-8 and were read as {encoding}: check their text if it looks wrong", file=out)
     if failures:
-        print(f"  skipped {len(failures)} ({summary['failure_fraction']:.1%}), listed in {cache / 'failures.jsonl'}:", file=out)
+        print(f"  skipped {summary['failed']} ({summary['failure_fraction']:.1%}), listed in {cache / 'failures.jsonl'}:", file=out)
         for reason, k in sorted(by_reason.items()):
             print(f"    {reason:<18} {k:>7}  {REASONS.get(reason, '')}", file=out)
+        for f in failures:
+            if "samples" in f:  # a damaged tar: how many samples it stands for
+                print(f"    {f['source']}: {f['detail']}", file=out)
     print("  buckets (height x width: samples):", file=out)
     for name, k in summary["buckets"].items():
         print(f"    {name:>10}: {k}", file=out)

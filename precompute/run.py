@@ -15,7 +15,6 @@ import os
 import sys
 import time
 from collections import Counter, defaultdict
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from precompute.config import DEFAULT_BATCH, PrecomputeConfig
-from precompute.distributed import die_with_parent, gather, lock_cache, setup_distributed
+from precompute.distributed import gather, lock_cache, setup_distributed
 from precompute.encode import Encoders, best_device
 from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
 from precompute.presets import Preset
@@ -122,7 +121,6 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     total = sum(i.total for i in listings.values()) if all(i.total is not None for i in listings.values()) else None
     workers = max(i.workers for i in listings.values())
     loader = build_loader(SourcesDataset(parts), workers, device)
-    loader.worker_init_fn = partial(die_with_parent, os.getpid())  # no worker outlives a killed run
     batches = iter(loader)  # forks the workers before any encoder weights exist in this process
 
     # 2. encoders and the fingerprint of everything that determines the cached values; a cache built
@@ -225,10 +223,10 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
                     item[name] = torch.from_numpy(item[name])
             bar.update(1)
             status, name = item["status"], item["dataset"]
-            if status == "failed":
-                failures.append({k: item[k] for k in ("source", "reason", "detail", "dataset")})
-                counts["failed"] += 1
-                by_source[name]["failed"] += 1
+            if status == "failed":  # a damaged tar stands for the samples it did not yield (`samples`)
+                failures.append({k: item[k] for k in ("source", "reason", "detail", "dataset", "samples") if k in item})
+                counts["failed"] += item.get("samples", 1)
+                by_source[name]["failed"] += item.get("samples", 1)
             elif item["key"] in seen or (status == "unchanged" and item["key"] not in previous[name] and not repair):
                 counts["duplicate"] += 1  # twice in this run, or cached in another source
                 by_source[name]["duplicate"] += 1

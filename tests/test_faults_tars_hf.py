@@ -213,3 +213,24 @@ def test_an_image_column_of_the_wrong_type_is_named_with_its_type(tmp_path, cell
     with pytest.raises(ValueError, match=r"train.parquet: the image column 'image' is of type (int64|struct<width: int64, "
                                          r"height: int64>); an image column holds .*bytes.*path.*image_column"):
         hf_items(tmp_path / "train.parquet")
+
+
+def test_a_tar_cut_short_counts_the_samples_it_lost_toward_the_failure_fraction(tmp_path):
+    tars = make_tars(tmp_path / "tars", count=12, per_tar=4)
+    run(tmp_path / "tars", tmp_path / "cache")
+    with tarfile.open(tars[1]) as tar:
+        cut = tar.getmembers()[6].offset
+    tars[1].write_bytes(tars[1].read_bytes()[:cut])
+    s = run(tmp_path / "tars", tmp_path / "cache")
+    assert (s["unchanged"], s["failed"], s["failed_by_reason"], s["removed"]) == (9, 3, {"corrupt_tar": 1}, 0)
+    assert s["failure_fraction"] == 3 / 12 > 0.1  # over the default --max-failure-fraction: the command exits 1
+    (failure,) = map(json.loads, (tmp_path / "cache" / "failures.jsonl").read_text().splitlines())
+    assert failure["samples"] == 3 and "truncated after 1 samples, about 3 sample(s) missing" in failure["detail"]
+
+
+def test_zeros_for_the_rest_of_a_new_tar_count_its_unread_bytes(tmp_path):
+    tars = make_tars(tmp_path / "tars", count=12, per_tar=4)
+    data = tars[1].read_bytes()
+    tars[1].write_bytes(data[: len(data) // 4] + bytes(len(data) - len(data) // 4))
+    s = run(tmp_path / "tars", tmp_path / "cache")
+    assert s["failed_by_reason"] == {"corrupt_tar": 1} and s["failed"] >= 3 and s["failure_fraction"] > 0.1
