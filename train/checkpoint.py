@@ -172,7 +172,7 @@ def load_sharded(path: Path, state: dict) -> dict:
     return state
 
 
-EARLIER = "Use an earlier checkpoint of the run (pass its directory), or start a new run."
+EARLIER = "Use an earlier checkpoint of the run (give its step-N directory to --resume, export or sample), or start a new run."
 
 
 class DamagedCheckpoint(ValueError):
