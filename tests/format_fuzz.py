@@ -521,17 +521,20 @@ def run_case(seed: int, steps: int = 12, kinds: list[str] | None = None, log=Non
             cause = e.__cause__ if isinstance(e, Broken) else e  # a Broken of its own needs no traceback
             lines = traceback.format_exception(cause) if cause else []
             detail = (f"{e}\n" if isinstance(e, Broken) else "") + "".join(lines)
-            raise CaseFailed(seed, case.trace, detail) from e
+            named = "all" if kinds == KINDS else ",".join(kinds)
+            options = "" if steps == 12 else f" --steps {steps}"
+            options += "" if kinds == DEFAULT_KINDS else f" --kinds {named}"
+            raise CaseFailed(seed, case.trace, detail, options) from e
         finally:
             shards.manifest.COMPACT_MIN = compact_min
     return case.trace
 
 
 class CaseFailed(AssertionError):
-    def __init__(self, seed: int, trace: list[str], detail: str):
+    def __init__(self, seed: int, trace: list[str], detail: str, options: str = ""):
         self.seed, self.trace, self.detail = seed, trace, detail
         steps = "\n".join(f"  {i + 1:3d} {line}" for i, line in enumerate(trace))
-        replay = f"python -m tests.format_fuzz --seed {seed} --cases 1 -v"
+        replay = f"{sys.executable} -m tests.format_fuzz --seed {seed} --cases 1 -v{options}"
         super().__init__(f"seed {seed} failed:\n{steps}\n{detail}replay: {replay}")
 
 
