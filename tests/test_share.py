@@ -88,7 +88,7 @@ def test_a_lora_export_has_a_card_with_base_adapters_training_data_grid_and_load
         assert f"{bucket.height}×{bucket.width}: {stats.samples}" in text
     assert "fresh weights from the tiny-sana config (seed 0)" in text
     assert f'SanaPipeline.from_pretrained("BASE"' in snippet(text) and f'pipe.load_lora_weights("{out}")' in snippet(text)
-    assert files(out) == ["README.md", "images/samples-step00000004.png", lora.DIFFUSERS_FILE, "training.json"]
+    assert files(out) == [".cachedit-export.json", "README.md", "images/samples-step00000004.png", lora.DIFFUSERS_FILE, "training.json"]
 
 
 def test_a_full_export_has_its_card_beside_the_transformer(runs, tmp_path):

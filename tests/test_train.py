@@ -409,4 +409,4 @@ def test_a_config_file_gives_defaults_and_flags_win(tmp_path, monkeypatch):
     assert (seen[0].steps, seen[0].lr, seen[0].model, seen[0].cache) == (7, 0.25, "tiny-sd3", [Path("cache/tiny-sd3")])
     (tmp_path / "bad.json").write_text(json.dumps({"steps": 7, "stepz": 8}))
     result = CliRunner().invoke(app, ["--config", str(tmp_path / "bad.json")], env={"COLUMNS": "200"})
-    assert result.exit_code == 2 and "unknown options ['stepz']" in result.output
+    assert result.exit_code == 2 and "unknown options 'stepz'" in result.output
