@@ -134,6 +134,8 @@ def gc(root: str | os.PathLike, dry_run: bool = False) -> GcReport:
         report = GcReport(generations=sorted(needed), stale_readers=[str(p) for p in stale])
         oldest = min(needed | {current.generation})
         base = current if oldest == current.generation else load(root, oldest)
+        # the log before `oldest` goes: its snapshot becomes the only copy of the sample index, so it must be sound
+        base.shards.check_sample_index()
         # the snapshot of `oldest` makes the log and snapshots before it redundant; encoded before the replay below
         snapshot = base.encode_snapshot() if oldest not in snapshots(root) else None
         compacting = snapshot is not None

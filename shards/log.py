@@ -208,15 +208,47 @@ def write_commit(root: Path, commit: dict, rank: int = 0) -> bool:
     return create_if_absent(log / LOG_NAME.format(commit["generation"]), json.dumps(body, separators=(",", ":")).encode(), rank)
 
 
-def snapshot_digest(metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 of a snapshot's metadata (but this digest) and tensors: a flipped bit in its table of shard sizes and
-    digests would otherwise blame healthy shards."""
+SAMPLE_INDEX = "samples."  # the tensors of a snapshot's sample index start so
+
+
+def snapshot_digest(metadata: dict[str, str], tensors: dict[str, torch.Tensor], sample_index: bool = False) -> str:
+    """sha256 of a snapshot's metadata (but this digest) and its tensors, the sample index only with `sample_index`:
+    a flipped bit in its table of shard sizes and digests would otherwise blame healthy shards. Without the sample
+    index it costs O(shards), so every load checks it; the sample index has its own digest (`sample_index_digest`)
+    in the metadata, checked where it is read (a cache is opened at 10M samples without reading them)."""
     h = hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "sha256"}, sort_keys=True).encode())
+    _hash_tensors(h, {n: t for n, t in tensors.items() if sample_index or not n.startswith(SAMPLE_INDEX)})
+    return h.hexdigest()
+
+
+def sample_index_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of a snapshot's sample index (the `samples.*` tensors): metadata `samples_sha256`."""
+    h = hashlib.sha256()
+    _hash_tensors(h, {n: t for n, t in tensors.items() if n.startswith(SAMPLE_INDEX)})
+    return h.hexdigest()
+
+
+def _hash_tensors(h, tensors: dict[str, torch.Tensor]) -> None:
     for name in sorted(tensors):
         t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(np.ascontiguousarray(t.numpy()).reshape(-1).view(np.uint8))  # empty tables too
-    return h.hexdigest()
+
+
+def check_snapshot(path: Path, metadata: dict[str, str], tensors: dict[str, torch.Tensor]) -> None:
+    """Check a snapshot's `sha256` (its sample index aside: see `snapshot_digest`). A snapshot written before
+    snapshots carried digests has none and is read unchecked; one whose `sha256` covers every tensor (no
+    `samples_sha256` beside it) is checked whole.
+
+    Raises:
+        DamagedLog: the snapshot fails it.
+    """
+    if "sha256" not in metadata:
+        if "samples_sha256" in metadata:  # written with both: the other one's name was damaged
+            raise damaged_snapshot(path, "its metadata has a samples_sha256 but no sha256")
+        return
+    if metadata["sha256"] != snapshot_digest(metadata, tensors, sample_index="samples_sha256" not in metadata):
+        raise damaged_snapshot(path, "its content does not match the sha256 written with it")
 
 
 def damaged_snapshot(path: Path, why: str) -> DamagedLog:

@@ -42,6 +42,7 @@ from shards.layout import (
 )
 from shards.log import (
     check_log_end,
+    check_snapshot,
     committed,
     damaged_commit,
     damaged_snapshot,
@@ -51,6 +52,7 @@ from shards.log import (
     prune_snapshots,
     read_commit,
     read_pointer,
+    sample_index_digest,
     snapshot_digest,
     snapshots,
     write_commit,
@@ -236,7 +238,8 @@ class Manifest:
             "files": json.dumps(self.files, sort_keys=True), "extra": json.dumps(self.extra, sort_keys=True),
             "next_seq": json.dumps(self.next_seq, sort_keys=True), "replaced": json.dumps(self.replaced, sort_keys=True),
         }
-        metadata["sha256"] = snapshot_digest(metadata, tensors)
+        metadata["samples_sha256"] = sample_index_digest(tensors)  # checked where the sample index is read
+        metadata["sha256"] = snapshot_digest(metadata, tensors)  # checked on every load
         return serialize(tensors, metadata)
 
     @classmethod
@@ -268,8 +271,7 @@ class Manifest:
             if "format version" in str(e):
                 raise
             raise damaged_snapshot(path, str(e)) from None
-        if "sha256" in meta and meta["sha256"] != snapshot_digest(meta, tensors):
-            raise damaged_snapshot(path, "its content does not match the sha256 written with it")
+        check_snapshot(path, meta, tensors)  # the sample index aside: it is checked when read
         try:
             return cls._from_snapshot(path, meta, tensors)
         except (FormatError, KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:  # tables that do not fit
@@ -292,7 +294,7 @@ class Manifest:
             raise FormatError(f"{path}: snapshot metadata is incomplete ({e}); restore it or run `python -m shards verify`") from e
         for entry in m.files.values():
             confined(entry["path"], str(path))
-        m.shards = ShardTable.from_tensors(fields, tensors, str(path))
+        m.shards = ShardTable.from_tensors(fields, tensors, str(path), meta.get("samples_sha256"))
         return m
 
 

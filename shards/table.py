@@ -14,7 +14,7 @@ import torch
 
 from shards.buckets import Bucket
 from shards.layout import confined
-from shards.log import damaged_snapshot
+from shards.log import damaged_snapshot, sample_index_digest
 from shards.schema import FormatError
 
 
@@ -235,6 +235,16 @@ class ShardTable:
             raise FormatError("the sample index of this shard was not loaded")
         return self._snapshot_samples(j)
 
+    def check_sample_index(self) -> None:
+        """Check the sample index this table reads from its snapshot (if any) against the snapshot's digest; the
+        first use of the index checks it too. Reads the whole index, O(samples).
+
+        Raises:
+            DamagedLog: the snapshot's sample index is damaged (the shards it lists are not at fault).
+        """
+        if self._snapshot_samples is not None:
+            self._snapshot_samples.columns()
+
     # -- in a snapshot ---------------------------------------------------------------------------
     def to_tensors(self) -> dict[str, torch.Tensor]:
         """The live shards and their sample index as the tensors of a snapshot."""
@@ -265,9 +275,10 @@ class ShardTable:
         return tensors
 
     @classmethod
-    def from_tensors(cls, fields: list[str], tensors: dict[str, torch.Tensor], where: str) -> "ShardTable":
+    def from_tensors(cls, fields: list[str], tensors: dict[str, torch.Tensor], where: str,
+                     samples_sha256: str | None = None) -> "ShardTable":
         """The table a snapshot holds (`to_tensors`), its columns copied out of the memory map, its sample
-        index left there until asked for."""
+        index left there until asked for, then checked against `samples_sha256` (the snapshot's metadata)."""
         t = cls(fields)
         paths = _Strings(tensors["shards.path"], tensors["shards.path.offsets"]).all()
         t._paths = [confined(p, where) for p in paths]
@@ -282,7 +293,7 @@ class ShardTable:
             t._dataset = array("i", (t._dataset_id(n) for n in names))
         else:  # written before datasets existed, or by a cache of one unnamed dataset
             t._dataset = array("i", bytes(4 * len(t._paths)))
-        t._snapshot_samples = _SnapshotSamples(tensors, tensors["shards.samples"].numpy(), where)
+        t._snapshot_samples = _SnapshotSamples(tensors, tensors["shards.samples"].numpy(), where, samples_sha256)
         return t
 
 
@@ -309,14 +320,24 @@ class _Strings:
 
 
 class _SnapshotSamples:
-    """A snapshot's sample index, decoded per shard on demand (training never asks)."""
+    """A snapshot's sample index, decoded per shard on demand (training never asks). The first use reads all of it
+    (the rows of every shard are found in one pass) and checks it against its digest, once: every key, source and
+    stamp a writer, `verify` or an incremental run takes from it is the one written, and a damaged index is named as
+    the snapshot's damage, never blamed on the shards it lists nor copied into the next snapshot."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], samples: np.ndarray, where: str):
-        self.tensors, self.samples, self.where = tensors, samples, where
+    def __init__(self, tensors: dict[str, torch.Tensor], samples: np.ndarray, where: str, sha256: str | None = None):
+        self.tensors, self.samples, self.where, self.sha256 = tensors, samples, where, sha256
         self._columns = None
+
+    def columns(self) -> tuple:
+        if self._columns is None:
+            self._columns = self._load()
+        return self._columns
 
     def _load(self) -> tuple:
         t = self.tensors
+        if self.sha256 is not None and sample_index_digest(t) != self.sha256:
+            raise damaged_snapshot(Path(self.where), "its sample index does not match the samples_sha256 written with it")
         # the samples of shard j are rows bounds[j]:bounds[j + 1]
         bounds = np.searchsorted(t["samples.shard"].numpy(), np.arange(len(self.samples) + 1))
         if not np.array_equal(np.diff(bounds), self.samples) or bounds[-1] != len(t["samples.stamp"]):
@@ -325,8 +346,6 @@ class _SnapshotSamples:
                 _Strings(t["samples.source"], t["samples.source.offsets"]), t["samples.stamp"].numpy())
 
     def __call__(self, j: int) -> tuple[list[str], list[str], list[int]]:
-        if self._columns is None:
-            self._columns = self._load()
-        bounds, keys, sources, stamps = self._columns
+        bounds, keys, sources, stamps = self.columns()
         a, b = int(bounds[j]), int(bounds[j + 1])
         return keys[a:b], sources[a:b], stamps[a:b].tolist()

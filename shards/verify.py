@@ -84,15 +84,20 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
     report.problems += log_problems  # older generations' commits: the newest one loads without them
     report.generation = manifest.generation
 
+    index_ok = True
     try:
-        _check_shards(root, manifest, report, checksums, deep)
-    except DamagedLog as e:  # the snapshot's sample index, decoded on demand
-        report.problems.append((e.path, str(e)))
+        manifest.shards.check_sample_index()  # before a shard's keys are compared with it: a damaged one blames no shard
+    except DamagedLog as e:
+        index_ok = False
+        if e.path not in report.bad_files:  # named already when _check_log read it
+            report.problems.append((e.path, str(e)))
+    _check_shards(root, manifest, report, checksums, deep, index_ok)
     return report
 
 
-def _check_shards(root: Path, manifest: Manifest, report: Report, checksums: bool, deep: bool) -> None:
-    """Every listed file against the manifest, then the files nobody lists, into `report`."""
+def _check_shards(root: Path, manifest: Manifest, report: Report, checksums: bool, deep: bool, keys: bool = True) -> None:
+    """Every listed file against the manifest (its keys against the sample index with `keys`: the index is
+    sound), then the files nobody lists, into `report`."""
     listed = set()
     seen_keys: dict[str, str] = {}
     rows = manifest.shards.rows
@@ -120,7 +125,7 @@ def _check_shards(root: Path, manifest: Manifest, report: Report, checksums: boo
         report.bytes += size
         # a file whose sha256 matched is byte for byte what the writer digested: its samples are not hashed again
         problems = _check_shard(reader, manifest, entry, deep, sample_digests=not checksums)
-        if not problems and reader.keys != manifest.shards.samples_of(int(j))[0]:
+        if keys and not problems and reader.keys != manifest.shards.samples_of(int(j))[0]:
             problems.append("its keys differ from the manifest's sample index")
         report.problems += [(name, p) for p in problems]
         if not problems:
@@ -168,7 +173,7 @@ def _check_log(root: Path) -> list[tuple[str, str]]:
     for g in snapshots(root):
         path = root / SNAPSHOT_DIR / f"{g:012d}.safetensors"
         try:
-            Manifest.from_snapshot(path)
+            Manifest.from_snapshot(path).shards.check_sample_index()  # the index too: a run may resume from it
         except FileNotFoundError:
             continue  # pruned by a writer meanwhile
         except DamagedLog as e:

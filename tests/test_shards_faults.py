@@ -92,7 +92,11 @@ def flip_in_snapshot(path: Path, tensor: str) -> None:
     path.write_bytes(bytes(raw))
 
 
-@pytest.mark.parametrize("damage", ["flipped digest", "flipped size", "flipped sample index", "truncated"])
+SNAPSHOT_TENSOR = {"flipped digest": "shards.sha256", "flipped size": "shards.bytes",  # the shard table
+                   "flipped sample index": "samples.shard", "flipped key": "samples.key"}  # the sample index
+
+
+@pytest.mark.parametrize("damage", [*SNAPSHOT_TENSOR, "truncated"])
 def test_a_damaged_snapshot_is_named_and_healthy_shards_are_not_blamed(tmp_path, monkeypatch, damage):
     import shards.manifest as m
 
@@ -103,19 +107,60 @@ def test_a_damaged_snapshot_is_named_and_healthy_shards_are_not_blamed(tmp_path,
     if damage == "truncated":
         os.truncate(newest, newest.stat().st_size - 40)
     else:
-        tensor = {"flipped digest": "shards.sha256", "flipped size": "shards.bytes", "flipped sample index": "samples.shard"}
-        flip_in_snapshot(newest, tensor[damage])
+        flip_in_snapshot(newest, SNAPSHOT_TENSOR[damage])
+    before = files(tmp_path)
     report = verify(tmp_path)
     assert report.bad_files == [str(newest)]
     assert "restore it from a backup" in report.problems[0][1].lower() and REPAIR_HINT not in report.problems[0][1]
-    with pytest.raises(DamagedCache, match=r"000000000011\.safetensors is damaged.*move it out of the cache"):
-        Cache(tmp_path)
-    for command in ("verify", "ls", "inspect"):
+    in_index = SNAPSHOT_TENSOR.get(damage, "").startswith("samples.")
+    if in_index:  # opening the cache does not read the sample index: what reads it finds the damage
+        assert len(Cache(tmp_path)) == 12
+    uses = [lambda: list(Cache(tmp_path).keys()), lambda: Cache(tmp_path).manifest.by_source(),
+            lambda: ShardWriter(tmp_path, FINGERPRINT, SCHEMA), lambda: gc(tmp_path)]
+    for use in uses if in_index else [lambda: Cache(tmp_path), *uses]:
+        with pytest.raises(DamagedCache, match=r"000000000011\.safetensors is damaged.*move it out of the cache"):
+            use()
+    assert files(tmp_path) == before  # gc and the writer deleted nothing: the log is the way back
+    for command in ("verify", "ls") if in_index else ("verify", "ls", "inspect"):
         result = cli(command, tmp_path)
         assert result.exit_code == 1 and str(newest) in result.output, (command, result.output)
         assert isinstance(result.exception, SystemExit) and REPAIR_HINT not in result.output
     newest.rename(tmp_path.parent / "aside.safetensors")  # what the message offers: the log replays it exactly
     assert [k for k, _ in Cache(tmp_path).keys()] == expected and verify(tmp_path).ok
+
+
+def test_opening_a_cache_does_not_read_its_sample_index(tmp_path, monkeypatch):
+    """At 10M samples the sample index is most of a snapshot's gigabytes: opening hashes the shard table alone, and
+    the index is checked where it is read."""
+    import hashlib
+    import re
+
+    import shards.manifest as m
+
+    monkeypatch.setattr(m, "COMPACT_MIN", 4)
+    write_cache(tmp_path, range(12), max_shard_samples=1)
+    assert m.snapshots(tmp_path)[-1] == 11  # the newest generation is its snapshot alone, no commit after it
+    hashed, real = [], hashlib.sha256
+
+    class Spy:
+        def __init__(self, data=b"", **kwargs):
+            self.h = real(**kwargs)
+            self.update(data)
+
+        def update(self, data):
+            hashed.append(bytes(data))
+            self.h.update(data)
+
+        def __getattr__(self, name):
+            return getattr(self.h, name)
+
+    monkeypatch.setattr(hashlib, "sha256", Spy)
+    keys_tensor = re.compile(rb"key\d{5}key\d{5}")  # the snapshot's samples.key bytes: keys back to back
+    cache = Cache(tmp_path)
+    assert len(cache) == 12 and hashed  # the shard table is checked
+    assert not [chunk for chunk in hashed if keys_tensor.search(chunk)]
+    assert len(list(cache.keys())) == 12
+    assert [chunk for chunk in hashed if keys_tensor.search(chunk)]  # checked when read
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped digest"])
@@ -340,3 +385,4 @@ def test_a_log_whose_end_was_lost_is_refused_when_the_pointer_says_so(tmp_path, 
                                            r"generation 9"):
         ShardWriter(tmp_path, FINGERPRINT, SCHEMA)  # would delete the shards of commits 10 and 11 as never committed
     assert files(tmp_path) == before and not verify(tmp_path).ok
+
