@@ -72,6 +72,12 @@ def test_damaged_decoder_files_stop_a_validating_run_and_not_one_without_validat
     assert not complete_checkpoints(tmp_path / "run")
     code, out = train(cache, tmp_path / "plain")  # no validation: the decoder is never read
     assert code == 0, out
+    from train.__main__ import tools  # `train sample` decodes too: the same check, the same code
+
+    result = CliRunner().invoke(tools, ["sample", str(tmp_path / "plain"), "--prompt-cache", str(cache),
+                                        "--validation-steps", "1"], env={"COLUMNS": "200"})
+    assert result.exit_code == 3 and str(cache / "vae" / "config.json") in result.output, result.output
+    assert not (tmp_path / "plain" / "checkpoints" / "step-00000002" / "samples").exists()
 
 
 # -- one process owns a run directory ------------------------------------------------------------------------------

@@ -12,10 +12,11 @@ from typing import Literal
 
 import torch
 
-from shards import Cache
+from shards import Cache, DamagedCache
 from shards.atomic import atomic_write_json, fsync_dir, fsync_tree
 from shards.options import DTYPES
 from train import card, checkpoint, controlnet, lora
+from train.cache import damaged_files
 from train.ema import load_shadow
 from train.model import flow_shift_kind
 from train.objectives import build_objective
@@ -335,6 +336,8 @@ def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: l
                                 resolution_shift=cfg.get("resolution_shift", False), base_resolution=preset.base_resolution,
                                 **flow_shift_kind(cfg.get("flow_shift"), cfg.get("resolution_shift", False), preset))
     cache = Cache(prompt_cache)
+    if damaged := damaged_files(cache, ("prompts", "decoder")):  # what sampling reads, against the manifest's digests
+        raise DamagedCache(damaged)
     out = Path(out) if out else ckpt / "samples"
     out.mkdir(parents=True, exist_ok=True)
     validator = Validator(cache, preset, objective, prompts=list(prompts), buckets=list(buckets), steps=steps, guidance=guidance,
