@@ -34,7 +34,7 @@ from shards.manifest import (
     write_pointer,
     write_snapshot,
 )
-from shards.schema import CacheBusy
+from shards.schema import CacheBusy, DamagedCache
 from shards.writer import WRITERS_LOCK, CacheLock
 
 CHECKPOINTS_GLOB = "checkpoints/step-*/state.json"  # where a run's checkpoints record their cache generation
@@ -68,7 +68,7 @@ def needed_generations(root: Path) -> tuple[set[int], list[Path]]:
     """Generations a registered run can still resume from, and the registrations of runs that are gone."""
     needed, stale = set(), []
     for path in sorted((root / READERS_DIR).glob("*.json")):
-        reg = json.loads(path.read_text())
+        reg = registration(path)
         run = Path(reg["run"])
         if not run.is_dir():
             stale.append(path)
@@ -76,7 +76,7 @@ def needed_generations(root: Path) -> tuple[set[int], list[Path]]:
         recorded = []
         for state in run.glob(CHECKPOINTS_GLOB):
             if (state.parent / COMPLETE).exists():
-                obj = json.loads(state.read_text())
+                obj = _checkpoint_state(state, path)
                 # a run of several caches lists each under "caches"; the first one's fields are at the top too
                 for entry in obj.get("caches") or [obj]:
                     if entry.get("cache_root") in (None, str(root.resolve())) and entry.get("cache_generation") is not None:
@@ -85,6 +85,48 @@ def needed_generations(root: Path) -> tuple[set[int], list[Path]]:
         if not recorded or reg["generation"] > max(recorded):
             needed.add(reg["generation"])  # the epoch in progress, not checkpointed yet
     return needed, stale
+
+
+def registration(path: Path) -> dict:
+    """A run's registration (`register_reader`), checked: gc cannot tell what a registration it cannot read protects.
+
+    Raises:
+        DamagedCache: not JSON, or without a `run` path and an integer `generation`; the message names the file.
+    """
+    try:
+        reg = json.loads(path.read_bytes())
+        why = None if isinstance(reg, dict) else "not a JSON object"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        reg, why = None, f"not valid JSON: {e}"
+    except OSError as e:  # e.g. a directory by that name
+        reg, why = None, f"unreadable: {e.strerror}"
+    if why is None and not isinstance(reg.get("run"), str):
+        why = "no `run` directory"
+    elif why is None and (not isinstance(reg.get("generation"), int) or isinstance(reg["generation"], bool)):
+        why = "no integer `generation`"
+    if why is not None:
+        raise DamagedCache(f"{path} is a damaged registration of a training run ({why}): gc cannot tell which "
+                           f"generations that run still needs, and deletes nothing while it is there. If that run is "
+                           f"gone (or will never resume), delete {path}; otherwise start or resume the run, which "
+                           f"registers it anew. Then run gc again.")
+    return reg
+
+
+def _checkpoint_state(state: Path, reg: Path) -> dict:
+    """A complete checkpoint's state.json as gc reads it (the generations it records).
+
+    Raises:
+        DamagedCache: not a JSON object; the message names it and the registration that led there.
+    """
+    try:
+        obj = json.loads(state.read_bytes())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        obj = e
+    if not isinstance(obj, dict) or not all(isinstance(entry, dict) for entry in obj.get("caches") or []):
+        raise DamagedCache(f"{state}, a complete checkpoint of the run registered in {reg}, is damaged (not the JSON "
+                           f"object a checkpoint writes): gc cannot tell which generation it needs, and deletes nothing "
+                           f"while it is there. Restore that checkpoint or delete its directory, then run gc again.")
+    return obj
 
 
 def exclusive(root: Path) -> list[CacheLock]:
@@ -121,7 +163,8 @@ def gc(root: str | os.PathLike, dry_run: bool = False) -> GcReport:
 
     Raises:
         CacheBusy: a run or a writer uses the cache; nothing was deleted.
-        DamagedCache: a commit or snapshot is damaged, or missing before later ones; nothing was deleted.
+        DamagedCache: a commit or snapshot is damaged, or missing before later ones, or a run's registration
+            (`_readers/`) or complete checkpoint cannot be read; nothing was deleted.
         PermissionError: the cache (or a folder of it) cannot be changed; nothing was deleted.
     """
     root = Path(root)

@@ -10,11 +10,12 @@ from pathlib import Path
 import torch
 
 from shards.atomic import TMP_SUFFIX
+from shards.gc import registration
 from shards.layout import LOG_NAME, SHARD_FILE, cache_files
 from shards.log import commit_numbers, gap_message, gaps, read_commit, snapshots
 from shards.manifest import LOG_DIR, READERS_DIR, SNAPSHOT_DIR, Manifest, exists, load, missing_manifest, parse_shard_name
 from shards.reader import ShardReader
-from shards.schema import DIGEST, KEY, OFFSETS_SUFFIX, DamagedLog, FormatError, sample_digest
+from shards.schema import DIGEST, KEY, OFFSETS_SUFFIX, DamagedCache, DamagedLog, FormatError, sample_digest
 
 
 @dataclass
@@ -159,6 +160,11 @@ def _check_shards(root: Path, manifest: Manifest, report: Report, checksums: boo
                                                "rank deletes it)"))
     for link in links:
         report.warnings.append((str(link), "a symbolic link: not checked, and gc and writers delete nothing behind it"))
+    for path in sorted((root / READERS_DIR).glob("*.json")):
+        try:
+            registration(path)
+        except DamagedCache as e:  # gc refuses to run until it is dealt with
+            report.problems.append((str(path), str(e)))
 
 
 def _check_log(root: Path) -> list[tuple[str, str]]:

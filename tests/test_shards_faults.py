@@ -7,6 +7,7 @@ import errno
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -386,3 +387,34 @@ def test_a_log_whose_end_was_lost_is_refused_when_the_pointer_says_so(tmp_path, 
         ShardWriter(tmp_path, FINGERPRINT, SCHEMA)  # would delete the shards of commits 10 and 11 as never committed
     assert files(tmp_path) == before and not verify(tmp_path).ok
 
+
+@pytest.mark.parametrize("damage", ["not JSON", "no run", "no generation", "checkpoint not JSON"])
+def test_gc_refuses_a_damaged_run_registration_naming_it(tmp_path, damage):
+    root, run = tmp_path / "cache", tmp_path / "run"
+    write_cache(root, range(6), max_shard_samples=2)
+    with ShardWriter(root, FINGERPRINT, SCHEMA) as w:
+        w.remove({"key00000"})  # a retired shard: gc would delete it unless a run still reads generation 2
+    run.mkdir()
+    shards.register_reader(root, run, 2)
+    (registered,) = (root / "_readers").glob("*.json")
+    bad = registered
+    if damage == "checkpoint not JSON":
+        bad = run / "checkpoints" / "step-1" / "state.json"
+        bad.parent.mkdir(parents=True)
+        bad.write_text('{"cache_generation": 2')
+        (bad.parent / "COMPLETE").touch()
+    else:
+        reg = json.loads(registered.read_text())
+        reg.pop({"no run": "run", "no generation": "generation"}.get(damage, "time"))
+        registered.write_text(json.dumps(reg)[: -1 if damage == "not JSON" else None])
+    before = files(tmp_path)
+    with pytest.raises(DamagedCache, match=re.escape(str(bad))):
+        gc(root)
+    result = cli("gc", root)
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert str(bad) in result.output and "deletes nothing" in result.output
+    if bad == registered:
+        assert "delete " + str(bad) in result.output and not verify(root).ok and str(bad) in verify(root).bad_files
+    assert files(tmp_path) == before
+    bad.unlink()  # the run is gone: gc goes on
+    assert gc(root).deleted
