@@ -217,3 +217,18 @@ def test_an_adapter_error_is_blamed_on_the_targets_only_when_none_matched():
     with pytest.raises(ValueError) as e:  # an error of its own (here peft's dropout check) keeps its words
         add_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), lora_config("sana", 2, targets=["0"], dropout=1.5))
     assert "--lora-targets" not in str(e.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["plan", "tiny-sana", "--ema-decay", "1.5"], "must be in [0, 1)"),
+    (["plan", "tiny-sana", "--batch-size", "0"], "must be at least 1"),
+    (["plan", "tiny-sana", "--world-size", "0"], "greater than or equal to 1"),
+    (["sample", "run", "--prompt-cache", "cache", "--guidance-scale", "nan"], "finite"),
+])
+def test_plan_and_sample_refuse_what_the_trainer_refuses(args, message, monkeypatch):
+    import train.plan
+    from train.__main__ import tools
+
+    monkeypatch.setattr(train.plan, "plan", lambda *a, **k: pytest.fail("planned with a value out of range"))
+    result = CliRunner().invoke(tools, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and message in result.output, result.output

@@ -16,7 +16,7 @@ from typing import List, Literal, Optional
 import typer
 
 from shards import DamagedCache
-from shards.options import Dtype, config_file_parameter, default_of, help_of, typer_parameters
+from shards.options import Dtype, config_file_parameter, default_of, help_of, range_check, typer_parameters
 from train.config import Optimizer, TrainConfig
 from train.presets import PRESETS
 
@@ -57,7 +57,7 @@ PlanOptimizer = Literal[Optimizer, Literal["came-8bit"]]
 def like_train(name: str, default=None, help: str | None = None):
     """An option that means what `python -m train --NAME` means: its help, and its default unless another is
     given (None: the run's own value, for tools that read a run)."""
-    return typer.Option(default, help=help or help_of(TrainConfig, name))
+    return typer.Option(default, help=help or help_of(TrainConfig, name), callback=range_check(TrainConfig, name))
 
 
 @tools.command("export")
@@ -135,7 +135,7 @@ def sample_command(
 def plan_command(
     model: str = typer.Argument(..., help=f"Preset: {', '.join(PRESETS)}."),
     batch_size: int = like_train("batch_size", default_of(TrainConfig, "batch_size")),
-    resolution: Optional[int] = typer.Option(None, help="Square bucket of this many pixels a side (default: the preset's base "
+    resolution: Optional[int] = typer.Option(None, min=8, help="Square bucket of this many pixels a side (default: the preset's base "
                                              "resolution, 1024; 512 or 256 for some)."),
     bucket: Optional[str] = typer.Option(None, help="Bucket HxW (instead of --resolution)."),
     precision: Dtype = like_train("precision", default_of(TrainConfig, "precision"), help="Autocast precision: fp32, bf16 or fp16."),
@@ -147,11 +147,11 @@ def plan_command(
     ema_decay: float = like_train("ema_decay", default_of(TrainConfig, "ema_decay"), help="EMA decay (0: no EMA; above 0: plan "
                                   "its shadow weights on --ema-device)."),
     ema_device: Literal["device", "cpu"] = like_train("ema_device", default_of(TrainConfig, "ema_device")),
-    world_size: int = typer.Option(1, help="Number of devices."),
+    world_size: int = typer.Option(1, min=1, help="Number of devices."),
     parallel: Literal["auto", "ddp", "fsdp"] = like_train("parallel", default_of(TrainConfig, "parallel"),
                                                    help="auto or ddp (replicated weights) or fsdp (sharded over --world-size)."),
     fsdp_cpu_offload: bool = like_train("fsdp_cpu_offload", default_of(TrainConfig, "fsdp_cpu_offload")),
-    text_tokens: Optional[int] = typer.Option(None, help="Caption tokens to plan for (default: the preset's limit, e.g. 300 for "
+    text_tokens: Optional[int] = typer.Option(None, min=1, help="Caption tokens to plan for (default: the preset's limit, e.g. 300 for "
                                               "Sana and PixArt, 77 + 256 for SD3, 512 for FLUX.1-dev and 256 for schnell)."),
     gpu_memory: str = typer.Option("80GB", help="Memory of one device, e.g. 48GB."),
     lora_rank: int = like_train("lora_rank", default_of(TrainConfig, "lora_rank"), help="Plan LoRA adapters of this rank on the "
