@@ -20,7 +20,7 @@ from precompute.run import store_prompts
 from shards import Manifest, ShardWriter, TextSpec, diff_fingerprints, exists, load, prompt_key
 from shards.fingerprint import normalize
 from shards.options import check_choices, opt
-from shards.prompts import read_prompts
+from shards.prompts import stored_prompts
 from shards.schema import dtype_from_name
 
 
@@ -108,8 +108,9 @@ def add_prompts(config: PromptsConfig) -> dict:
     lock = lock_cache(cache, rank=0, world=1)
     try:
         manifest = load(cache)  # under the lock: the prompts stored now are the ones this run merges into
-        entry = manifest.files.get("prompts")
-        stored = read_prompts(cache / entry["path"]) if entry else {}
+        stored, problem = stored_prompts(cache, manifest.files.get("prompts"))
+        if problem:  # the empty caption and the prompts given are encoded afresh into a new file
+            print(f"warning: {problem}")
         cached = [p for p in config.prompt if prompt_key(p) in stored]
         added = [p for p in config.prompt if prompt_key(p) not in stored]
         if not added and prompt_key("") in stored:

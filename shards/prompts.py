@@ -92,3 +92,25 @@ def read_prompts(path: str | os.PathLike) -> dict[str, Prompt]:
         text = row(TEXT, i).numpy().tobytes().decode("utf-8")
         out[key] = Prompt(text, {name: row(name, i) for name in schema})
     return out
+
+
+def stored_prompts(root: str | os.PathLike, entry: dict | None) -> tuple[dict[str, Prompt], str | None]:
+    """The prompts of the file a manifest lists (`entry`: its path, bytes and sha256) when it matches its listing:
+    (prompts by key, None); otherwise ({}, what is wrong, with the texts it held where they can still be read), so
+    that a damaged file is never merged into the next one."""
+    if not entry:
+        return {}, None
+    path = Path(root) / entry["path"]
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return {}, f"{path} is missing"
+    if len(data) == entry["bytes"] and hashlib.sha256(data).hexdigest() == entry["sha256"]:
+        return read_prompts(path), None
+    try:
+        texts = sorted(p.text for p in read_prompts(path).values())
+        held = f"; it held {texts}: add the ones you need again with --prompt"
+    except Exception:  # noqa: BLE001 - damaged past reading: nothing more to say of it
+        held = ""
+    return {}, f"{path} does not match the size and sha256 the manifest lists (damaged){held}"
+

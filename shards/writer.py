@@ -10,6 +10,7 @@ import errno
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Mapping
 
@@ -37,7 +38,7 @@ from shards.manifest import (
     write_commit,
     write_pointer,
 )
-from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, read_prompts
+from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, stored_prompts
 from shards.reader import REPAIR, ShardReader
 from shards.schema import CacheBusy, CorruptSample, Schema, sample_digest, schema_to_json, validate_schema
 
@@ -280,7 +281,9 @@ class ShardWriter:
             schema: the fields of a prompt (the text fields of the samples).
         """
         entry = self._pending.get("files", {}).get("prompts") or self.manifest.files.get("prompts")
-        merged = read_prompts(self.root / entry["path"]) if entry else {}
+        merged, problem = stored_prompts(self.root, entry)
+        if problem:  # rewritten from what is given: the damaged file's embeddings are not carried over
+            warnings.warn(f"the stored prompts are not kept: {problem}", stacklevel=2)
         merged.update(prompts)
         data = encode_prompts(merged, schema, self.manifest.fingerprint_sha256)
         digest = hashlib.sha256(data).hexdigest()

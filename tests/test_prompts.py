@@ -1,6 +1,7 @@
 """`python -m precompute prompts`: prompts added to a built cache without its dataset are the embeddings a full
 stage-one run with `--validation-prompt` stores, bit for bit; only the cache's own text encoder is accepted."""
 
+import json
 import shlex
 import shutil
 import subprocess
@@ -145,3 +146,18 @@ def test_no_cache_and_an_empty_prompt_are_refused(tmp_path, cache):
     assert out.exit_code == 2 and "holds no cache" in out.output
     out = invoke(cache, "--prompt", "")
     assert out.exit_code == 2 and "empty caption is always cached" in out.output
+
+
+def test_a_damaged_prompts_file_is_not_carried_into_the_next(built, cache):
+    path = cache / load(cache).files["prompts"]["path"]
+    data = bytearray(path.read_bytes())
+    header = int.from_bytes(data[:8], "little")
+    begin, _ = json.loads(data[8 : 8 + header])["text"]["data_offsets"]
+    data[8 + header + begin + 5] ^= 0xFF  # in an embedding: the file still reads, its digest does not match
+    path.write_bytes(bytes(data))
+    out = invoke(cache, "--prompt", NEW)
+    assert out.exit_code == 0, out.output
+    assert str(path) in out.output and "damaged" in out.output and OLD in out.output  # the lost prompt is named
+    after = Cache(cache).prompts()
+    assert set(after) == {prompt_key(""), prompt_key(NEW)}  # rebuilt from what was given, the empty caption too
+    assert_same_prompts(after, Cache(built / "reference").prompts(), after)  # bit for bit what a full run stores
