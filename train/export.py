@@ -15,7 +15,7 @@ import torch
 from shards import Cache, DamagedCache
 from shards.atomic import atomic_write_json, fsync_dir, fsync_tree
 from shards.options import DTYPES
-from train import card, checkpoint, controlnet, lora
+from train import card, checkpoint, controlnet, lora, safeload
 from train.cache import damaged_files
 from train.ema import load_shadow
 from train.model import flow_shift_kind
@@ -52,7 +52,7 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
         wanted = {"model": weights, **({"ema": {"shadow_params": [torch.empty_like(p) for p in params]}} if ema else {})}
         if ema and state["config"].get("ema_decay", 0) <= 0:
             raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
-        loaded = checkpoint.load_sharded(ckpt, wanted)
+        loaded = safeload.load_sharded(ckpt, wanted)
         model.load_state_dict(loaded["model"])
         ema_state = loaded.get("ema")
         if dtype is not None:
@@ -67,7 +67,7 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
 
 def saved_ema(ckpt: Path) -> dict:
     """A checkpoint's EMA state; refused, saying so, when the run kept none."""
-    ema_state = checkpoint.load_tensors(ckpt, "ema")
+    ema_state = safeload.load_tensors(ckpt, "ema")
     if ema_state is None:
         raise ValueError(f"{ckpt} holds no EMA weights (the run had --ema-decay 0); export without --ema")
     return ema_state

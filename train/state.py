@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from shards import Cache, CacheBusy, CacheLock, RemoteCache
-from train import checkpoint, distributed, lora
+from train import checkpoint, distributed, lora, safeload
 from train.cache import cache_identity
 from train.config import TrainConfig
 from train.order import BATCH_SAMPLER_VERSION
@@ -56,21 +56,21 @@ class TrainState:
 
             model_sd, optim_sd = get_state_dict(self.model.module, self.optimizer)
             has_ema = ema is not None and state["config"].get("ema_decay", 0) > 0
-            loaded = checkpoint.load_sharded(path, {"model": model_sd, "optimizer": optim_sd,
+            loaded = safeload.load_sharded(path, {"model": model_sd, "optimizer": optim_sd,
                                                     **({"ema": ema.state_dict()} if has_ema else {})})
             set_state_dict(self.model.module, self.optimizer, model_state_dict=loaded["model"],
                            optim_state_dict=loaded["optimizer"])
             ema_state = loaded.get("ema")
         else:
-            self.optimizer.load_state_dict(checkpoint.load_tensors(path, "optimizer"))
-            ema_state = checkpoint.load_tensors(path, "ema") if ema is not None else None
+            self.optimizer.load_state_dict(safeload.load_tensors(path, "optimizer"))
+            ema_state = safeload.load_tensors(path, "ema") if ema is not None else None
         if ema_state:
             ema.load_state_dict(ema_state)  # back onto the EMA's device, with this run's decay
         elif ema is not None:
             say(f"{path.name} holds no EMA: it starts from the current weights")
-        self.scheduler.load_state_dict(checkpoint.load_tensors(path, "scheduler"))
+        self.scheduler.load_state_dict(safeload.load_tensors(path, "scheduler"))
         apply_schedule(cfg, self.optimizer, self.scheduler)
-        scaler_state = checkpoint.load_tensors(path, "scaler")
+        scaler_state = safeload.load_tensors(path, "scaler")
         if scaler_state and cfg.precision == "fp16":
             self.scaler.load_state_dict(scaler_state)
         elif scaler_state:
