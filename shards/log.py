@@ -140,10 +140,10 @@ def read_pointer(root: Path) -> int | None:
     """The snapshot generation `index.json` names, after checking it is a cache of this format version."""
     path = root / MANIFEST
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise FormatError(f"{path} is not valid JSON ({e}); delete it (the log under {LOG_DIR}/ is the truth) and retry") from e
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise FormatError(f"{path} is not a {FORMAT_NAME} manifest (its 'format' field is missing or wrong)")

@@ -418,3 +418,13 @@ def test_gc_refuses_a_damaged_run_registration_naming_it(tmp_path, damage):
     assert files(tmp_path) == before
     bad.unlink()  # the run is gone: gc goes on
     assert gc(root).deleted
+
+
+def test_an_index_json_that_is_not_utf8_is_a_format_error_naming_it(tmp_path):
+    write_cache(tmp_path, range(1))
+    pointer = tmp_path / "index.json"
+    data = bytearray(pointer.read_bytes())
+    data[20] = 0xE9
+    pointer.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=r"index\.json is not valid JSON.*the log under _log/ is the truth"):
+        Cache(tmp_path)
