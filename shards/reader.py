@@ -69,6 +69,7 @@ class ShardReader:
             raise FormatError(f"{self.path}: shard metadata is incomplete ({e})") from e
         self.metadata = metadata
         self._tensors = tensors
+        self._check_tensors()
         self._offsets = {name: tensors[name + OFFSETS_SUFFIX].tolist() for name in [*self.ragged_fields, KEY]}
         key_bytes = tensors[KEY].numpy().tobytes()
         offs = self._offsets[KEY]
@@ -76,6 +77,25 @@ class ShardReader:
             self.keys = [key_bytes[offs[i] : offs[i + 1]].decode("ascii") for i in range(self.num_samples)]
         except UnicodeDecodeError as e:
             raise FormatError(f"{self.path}: a sample key is not ASCII ({e}); the file was damaged after it was written") from None
+
+    def _check_tensors(self) -> None:
+        """Every tensor the header promises is there, with one row per sample (offsets: one more, rising from 0 to
+        at most the rows they index), so a damaged header fails here naming the file, not later as a KeyError."""
+        n = self.num_samples
+        rows = {KEY: None, KEY + OFFSETS_SUFFIX: n + 1, DIGEST: n}
+        for name, spec in self.schema.items():
+            rows |= {name: None, name + OFFSETS_SUFFIX: n + 1} if spec.ragged else {name: n}
+        for name, want in rows.items():
+            t = self._tensors.get(name)
+            if t is None or t.dim() == 0 or (want is not None and len(t) != want):
+                found = "missing" if t is None else f"of shape {tuple(t.shape)}"
+                raise FormatError(f"{self.path}: tensor {name!r} is {found}, not one row per sample of its {n}; the "
+                                  f"shard's header was damaged after it was written")
+            if name.endswith(OFFSETS_SUFFIX):
+                rows_indexed = len(self._tensors[name[: -len(OFFSETS_SUFFIX)]])
+                if t[0] != 0 or t[-1] > rows_indexed or bool((t[1:] < t[:-1]).any()):
+                    raise FormatError(f"{self.path}: the offsets of tensor {name[: -len(OFFSETS_SUFFIX)]!r} do not fit "
+                                      f"its {rows_indexed} rows; the file was damaged after it was written")
 
     @property
     def ragged_fields(self) -> list[str]:

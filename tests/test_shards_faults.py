@@ -428,3 +428,16 @@ def test_an_index_json_that_is_not_utf8_is_a_format_error_naming_it(tmp_path):
     pointer.write_bytes(bytes(data))
     with pytest.raises(FormatError, match=r"index\.json is not valid JSON.*the log under _log/ is the truth"):
         Cache(tmp_path)
+
+
+@pytest.mark.parametrize("tensor", ["text.offsets", "__key__.offsets", "__key__", "__digest__", "latent_mean"])
+def test_a_shard_whose_header_renames_a_tensor_is_a_corrupt_sample_naming_it(tmp_path, tensor):
+    manifest = write_cache(tmp_path, range(1))
+    shard = tmp_path / manifest.shards[0].path
+    data = shard.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    quoted = f'"{tensor}"'.encode()
+    assert data.count(quoted, 0, header) == 1
+    shard.write_bytes(data.replace(quoted, quoted[:-2] + b'X"', 1))  # same length: only the name changes
+    with pytest.raises(shards.CorruptSample, match=rf"{re.escape(str(shard))}.*{re.escape(repr(tensor))} is missing.*--repair"):
+        Cache(tmp_path, check_digests=True)[0]
