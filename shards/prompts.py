@@ -20,6 +20,7 @@ from shards.schema import (
     FORMAT_VERSION,
     KEY,
     OFFSETS_SUFFIX,
+    FormatError,
     Schema,
     open_file,
     schema_from_json,
@@ -75,8 +76,19 @@ def encode_prompts(prompts: dict[str, Prompt], schema: Schema, fingerprint_sha25
 
 
 def read_prompts(path: str | os.PathLike) -> dict[str, Prompt]:
-    """All prompts of a prompts file, by key."""
+    """All prompts of a prompts file, by key.
+
+    Raises:
+        FormatError: not a prompts file of this format, or damaged past reading; the message names the file.
+    """
     meta, tensors = open_file(Path(path), kind="prompts")
+    try:
+        return _unpack(meta, tensors)
+    except (KeyError, ValueError, IndexError, UnicodeDecodeError) as e:  # JSON errors are ValueErrors
+        raise FormatError(f"{path}: the prompts file is damaged ({type(e).__name__}: {e}); it cannot be read") from None
+
+
+def _unpack(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, Prompt]:
     schema = schema_from_json(json.loads(meta["fields"]))
     n = int(meta["samples"])
 

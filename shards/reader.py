@@ -16,10 +16,11 @@ import torch
 from shards.buckets import Bucket
 from shards.contract import CacheSpec
 from shards.manifest import load, newest_copy, replacements
-from shards.prompts import Prompt, read_prompts
+from shards.prompts import Prompt, stored_prompts
 from shards.schema import (
     DIGEST,
     CorruptSample,
+    DamagedCache,
     KEY,
     OFFSETS_SUFFIX,
     FormatError,
@@ -40,6 +41,9 @@ class Sample:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.fields[name]
+
+
+_sound_prompts: dict[tuple[str, str], dict[str, Prompt]] = {}  # (path, sha256) of prompts files found sound: hashed once
 
 
 class ShardReader:
@@ -260,9 +264,24 @@ class Cache:
         return dict(sorted(out.items()))
 
     def prompts(self) -> dict[str, Prompt]:
-        """The cached prompt embeddings (empty caption, validation prompts), by `prompt_key(text)`."""
+        """The cached prompt embeddings (empty caption, validation prompts), by `prompt_key(text)`.
+
+        Raises:
+            DamagedCache: the prompts file is missing, or differs from the size and sha256 the manifest lists.
+        """
         entry = self.manifest.files.get("prompts")
-        return read_prompts(self.root / entry["path"]) if entry else {}
+        if not entry:
+            return {}
+        checked = (str(self.root / entry["path"]), entry["sha256"])
+        if checked not in _sound_prompts:
+            prompts, problem = stored_prompts(self.root, entry)
+            if problem:
+                raise DamagedCache(f"{problem}. The prompt embeddings (the empty caption and the validation prompts) "
+                                   f"are re-encoded by `python -m precompute prompts {self.location} --prompt TEXT ...` "
+                                   f"(every validation prompt) or by re-running stage one on the cache with the DATA "
+                                   f"and options that built it")
+            _sound_prompts[checked] = prompts
+        return dict(_sound_prompts[checked])
 
     def keys(self) -> Iterator[tuple[str, int]]:
         """(key, global index) of every sample, from the manifest's sample index (no shard is opened)."""

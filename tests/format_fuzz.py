@@ -51,8 +51,6 @@ PENDING = {
                "orphan 'the next run of its rank deletes', and no writer does",
     "gc-lost-snapshot": "with the snapshot gc kept for a registered run lost, gc takes that run's generation for "
                         "one it collected before and deletes the commits and shards it needs",
-    "prompts-flip": "Cache.prompts() reads a damaged prompts file without checking it against its size and sha256: "
-                    "wrong embeddings, KeyError or JSONDecodeError",
 }
 DEFAULT_KINDS = [k for k in KINDS if k not in PENDING]
 

@@ -441,3 +441,36 @@ def test_a_shard_whose_header_renames_a_tensor_is_a_corrupt_sample_naming_it(tmp
     shard.write_bytes(data.replace(quoted, quoted[:-2] + b'X"', 1))  # same length: only the name changes
     with pytest.raises(shards.CorruptSample, match=rf"{re.escape(str(shard))}.*{re.escape(repr(tensor))} is missing.*--repair"):
         Cache(tmp_path, check_digests=True)[0]
+
+
+def _cache_with_prompts(root: Path):
+    from shards import Prompt, prompt_key
+
+    with ShardWriter(root, FINGERPRINT, SCHEMA) as w:
+        w.write(*make_sample(1))
+        w.add_prompts({prompt_key(t): Prompt(t, {"text": make_sample(i + 3)[2]["text"]}) for i, t in enumerate(["", "a cat"])},
+                      {"text": SCHEMA["text"]})
+    return root / w.manifest.files["prompts"]["path"]
+
+
+def test_a_damaged_prompts_file_is_refused_naming_it_and_how_to_rebuild_it(tmp_path):
+    path = _cache_with_prompts(tmp_path)
+    good = path.read_bytes()
+    header = 8 + int.from_bytes(good[:8], "little")
+    for at in (len(good) - 1, 12, header - 40):  # a stored embedding, the header's JSON, a tensor name or offset
+        path.write_bytes(good[:at] + bytes([good[at] ^ 0x01]) + good[at + 1:])
+        with pytest.raises(DamagedCache, match=rf"{re.escape(str(path))} does not match the size and sha256.*"
+                                               rf"python -m precompute prompts {re.escape(str(tmp_path))} --prompt"):
+            Cache(tmp_path).prompts()
+    path.write_bytes(good)
+    assert sorted(p.text for p in Cache(tmp_path).prompts().values()) == ["", "a cat"]
+
+
+def test_a_prompts_file_damaged_past_reading_is_a_format_error_naming_it(tmp_path):
+    from shards.prompts import read_prompts
+
+    path = _cache_with_prompts(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b'"__prompt__"', b'"__prompt_X"', 1))
+    with pytest.raises(FormatError, match=re.escape(str(path))):
+        read_prompts(path)
