@@ -20,6 +20,7 @@ from pathlib import Path
 
 from shards.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir
 from shards.layout import cache_files
+from shards.log import lost_snapshot
 from shards.manifest import (
     LOG_DIR,
     READERS_DIR,
@@ -172,6 +173,9 @@ def gc(root: str | os.PathLike, dry_run: bool = False) -> GcReport:
     try:
         current = load(root)
         needed, stale = needed_generations(root)
+        for g in sorted(needed):  # a generation older than the log that still has commits after it lost its snapshot
+            if (lost := lost_snapshot(root, g)) is not None:
+                raise lost
         first = first_generation(root)
         needed = {g for g in needed if first <= g <= current.generation}  # older ones were collected already
         report = GcReport(generations=sorted(needed), stale_readers=[str(p) for p in stale])

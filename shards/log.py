@@ -136,6 +136,26 @@ def first_generation(root: Path) -> int | None:
     return next(iter(snapshots(root)), None)
 
 
+def lost_snapshot(root: Path, generation: int) -> DamagedLog | None:
+    """The error of `generation` when its snapshot was lost, not collected (None otherwise): neither a snapshot nor
+    commit 0 loads it, yet commits from it on, older than the oldest loadable generation, are still there. gc deletes
+    the log only before the snapshot it keeps, so such commits mean that snapshot was there and is gone."""
+    first = first_generation(root)
+    if first is not None and generation >= first:
+        return None
+    kept = [g for g in commit_numbers(root) if g >= generation and (first is None or g < first)]
+    if not kept:
+        return None
+    path = root / SNAPSHOT_DIR / SNAPSHOT_NAME.format(generation)
+    return DamagedLog(path, f"{path} is missing, but the commits from generation {kept[0]} on are there: gc kept that "
+                            f"snapshot for a run that needs generation {generation} and deleted the commits before it, "
+                            f"so the snapshot was lost, not collected, and generation {generation} cannot be read; the "
+                            f"shards are not at fault (--repair cannot help). Restore {path.name} into "
+                            f"{root}/{SNAPSHOT_DIR}/ from a backup of the cache; without one, build the cache again into "
+                            f"a new directory (`make precompute DATA=... CACHE=NEW`). Nothing was deleted: "
+                            f"`python -m shards gc` refuses to work on the cache until it is restored.")
+
+
 def read_pointer(root: Path) -> int | None:
     """The snapshot generation `index.json` names, after checking it is a cache of this format version."""
     path = root / MANIFEST

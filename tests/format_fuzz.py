@@ -49,8 +49,6 @@ KINDS = [*DAMAGE, "gc-kill", "gc-lost-snapshot", "symlink"]
 PENDING = {
     "gc-kill": "gc killed after its writability probe made `.gc-*.tmp` in a bucket folder: verify reports it as an "
                "orphan 'the next run of its rank deletes', and no writer does",
-    "gc-lost-snapshot": "with the snapshot gc kept for a registered run lost, gc takes that run's generation for "
-                        "one it collected before and deletes the commits and shards it needs",
 }
 DEFAULT_KINDS = [k for k in KINDS if k not in PENDING]
 

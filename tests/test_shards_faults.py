@@ -474,3 +474,26 @@ def test_a_prompts_file_damaged_past_reading_is_a_format_error_naming_it(tmp_pat
     path.write_bytes(data.replace(b'"__prompt__"', b'"__prompt_X"', 1))
     with pytest.raises(FormatError, match=re.escape(str(path))):
         read_prompts(path)
+
+
+def test_gc_refuses_when_the_snapshot_kept_for_a_run_is_lost(tmp_path, monkeypatch):
+    from shards import register_reader
+
+    monkeypatch.setattr(shards.manifest, "COMPACT_MIN", 3)
+    root, run = tmp_path / "cache", tmp_path / "run"
+    run.mkdir()
+    write_cache(root, range(2), max_shard_samples=1)  # generations 0, 1
+    register_reader(root, run, 1)
+    with ShardWriter(root, FINGERPRINT, SCHEMA) as w:
+        w.remove({"key00001"})
+    write_cache(root, range(2, 7), max_shard_samples=1)
+    gc(root)  # keeps snapshot 1 for the run, collects the log before it
+    snapshot = root / "_snapshots" / "000000000001.safetensors"
+    kept = snapshot.read_bytes()
+    snapshot.unlink()
+    before = files(root)
+    with pytest.raises(DamagedCache, match=rf"{re.escape(str(snapshot))} is missing.*Restore 000000000001\.safetensors"):
+        gc(root)
+    assert files(root) == before  # nothing deleted: the commits after generation 1 and its shards are all there
+    snapshot.write_bytes(kept)
+    assert [s.key for s in Cache(root, generation=1)] == ["key00000", "key00001"]
