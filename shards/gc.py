@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,19 +212,14 @@ def gc(root: str | os.PathLike, dry_run: bool = False) -> GcReport:
 
 
 def _check_writable(directory: Path) -> None:
-    """Fail before anything is deleted when `directory` cannot be changed (a read-only cache or mount)."""
+    """Fail before anything is deleted when `directory` cannot be changed (a read-only cache or mount). Asked of
+    the file system, not tried with a file: a gc killed meanwhile would leave it behind."""
     if not directory.is_dir():
         return  # `_snapshots/` not there yet: compacting creates it in the root, checked too
-    try:
-        fd, name = tempfile.mkstemp(dir=directory, prefix=".gc-", suffix=TMP_SUFFIX)
-        os.close(fd)
-        os.unlink(name)
-    except PermissionError as e:
-        raise read_only(directory, e) from None
-    except OSError as e:
-        if e.errno == errno.EROFS:
-            raise read_only(directory, e) from None
-        raise
+    if os.statvfs(directory).f_flag & os.ST_RDONLY:
+        raise read_only(directory, OSError(errno.EROFS, os.strerror(errno.EROFS), str(directory)))
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise read_only(directory, PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(directory)))
 
 
 def _files_needed(root: Path, manifest: Manifest, generations: list[int], replaced: dict[str, str]) -> set[str]:

@@ -153,6 +153,9 @@ def _check_shards(root: Path, manifest: Manifest, report: Report, checksums: boo
         rank = int(temp.group(1)[1:]) if temp else None
         if parsed and parsed[1] < manifest.next_seq.get(f"r{parsed[0]:05d}/{path.parent.name}", 0):
             report.retired += 1  # listed by an earlier generation: kept for its readers until `shards gc`
+        elif path.name.startswith(".gc-") and path.name.endswith(TMP_SUFFIX):  # made by an earlier gc to test writing
+            report.warnings.append((str(path), "left by an interrupted gc: harmless; the next `python -m shards gc` "
+                                               "deletes it"))
         elif (path.name.endswith(TMP_SUFFIX) or parsed) and (rank in live or (rank is None and live)):
             report.in_progress += 1  # a running writer's work: its temp file, or a shard it is about to commit
         elif path.suffix == ".safetensors" or path.name.endswith(TMP_SUFFIX):

@@ -46,10 +46,7 @@ DAMAGE = ["commit-truncate", "commit-flip", "commit-delete-last", "commit-delete
 # that links to one outside it.
 KINDS = [*DAMAGE, "gc-kill", "gc-lost-snapshot", "symlink"]
 # Kinds left out of the default run until the library handles them, with what goes wrong; `--kinds all` runs them.
-PENDING = {
-    "gc-kill": "gc killed after its writability probe made `.gc-*.tmp` in a bucket folder: verify reports it as an "
-               "orphan 'the next run of its rank deletes', and no writer does",
-}
+PENDING: dict[str, str] = {}
 DEFAULT_KINDS = [k for k in KINDS if k not in PENDING]
 
 

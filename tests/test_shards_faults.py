@@ -238,6 +238,12 @@ def read_only(monkeypatch):
         monkeypatch.setattr(builtins, "open", fake_open)
         monkeypatch.setattr(io, "open", fake_open)
         monkeypatch.setattr(os, "open", fake_os_open)
+        real_access = os.access
+
+        def fake_access(path, mode, *args, **kwargs):  # what it answers a user who is not root
+            return False if inside(path) and mode & os.W_OK else real_access(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(os, "access", fake_access)
         for name in ("unlink", "remove", "rename", "replace", "link", "mkdir", "rmdir"):
             def fake(src, *args, _real=getattr(os, name), **kwargs):
                 if inside(src) or (args and inside(args[0])):
@@ -497,3 +503,30 @@ def test_gc_refuses_when_the_snapshot_kept_for_a_run_is_lost(tmp_path, monkeypat
     assert files(root) == before  # nothing deleted: the commits after generation 1 and its shards are all there
     snapshot.write_bytes(kept)
     assert [s.key for s in Cache(root, generation=1)] == ["key00000", "key00001"]
+
+
+def test_gc_creates_no_file_to_learn_it_may_write(tmp_path, monkeypatch):
+    write_cache(tmp_path, range(6), max_shard_samples=2)
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
+        w.remove({"key00000"})
+    created = []
+    real_os_open = os.open
+
+    def recording_open(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT:
+            created.append(os.fsdecode(path))
+        return real_os_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    gc(tmp_path)  # a gc killed after such a file was made would leave it for verify to report
+    assert not [p for p in created if ".gc-" in p]
+
+
+def test_verify_takes_a_probe_file_of_an_interrupted_gc_for_a_harmless_leftover(tmp_path):
+    manifest = write_cache(tmp_path, range(2))
+    probe = (tmp_path / manifest.shards[0].path).parent / ".gc-k2j4x9.tmp"
+    probe.touch()
+    report = verify(tmp_path)
+    assert report.ok and [w for p, w in report.warnings if p == str(probe) and "the next `python -m shards gc`" in w]
+    gc(tmp_path)
+    assert not probe.exists()
