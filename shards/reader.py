@@ -280,7 +280,8 @@ class Cache:
                                    f"are re-encoded by `python -m precompute prompts {self.location} --prompt TEXT ...` "
                                    f"(every validation prompt) or by re-running stage one on the cache with the DATA "
                                    f"and options that built it")
-            _sound_prompts[checked] = prompts
+            # copies, not maps of the file: what was checked stays what is read, whatever happens to the file later
+            _sound_prompts[checked] = {k: Prompt(p.text, {n: t.clone() for n, t in p.fields.items()}) for k, p in prompts.items()}
         return dict(_sound_prompts[checked])
 
     def keys(self) -> Iterator[tuple[str, int]]:

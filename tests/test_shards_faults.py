@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import FINGERPRINT, SCHEMA, make_sample, write_cache
 from typer.testing import CliRunner
 
@@ -530,3 +531,13 @@ def test_verify_takes_a_probe_file_of_an_interrupted_gc_for_a_harmless_leftover(
     assert report.ok and [w for p, w in report.warnings if p == str(probe) and "the next `python -m shards gc`" in w]
     gc(tmp_path)
     assert not probe.exists()
+
+
+def test_prompts_read_once_stay_as_checked_when_the_file_changes_later(tmp_path):
+    path = _cache_with_prompts(tmp_path)
+    before = {k: p.fields["text"].clone() for k, p in Cache(tmp_path).prompts().items()}
+    data = path.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    path.write_bytes(data[:header] + bytes(len(data) - header))  # in place: a map of the file would see it
+    after = Cache(tmp_path).prompts()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k].fields["text"]) for k in before)
