@@ -48,6 +48,7 @@ from shards.log import (
     damaged_snapshot,
     exists,
     first_generation,
+    lost_snapshot,
     missing_manifest,
     prune_snapshots,
     read_commit,
@@ -300,7 +301,11 @@ class Manifest:
 
 def snapshot_replacements(meta: dict[str, str], path: Path) -> dict[str, str]:
     """A snapshot's `replaced` map (repaired shard path -> its copy), each path checked to stay in the cache."""
-    return {confined(old, str(path)): confined(new, str(path)) for old, new in json.loads(meta["replaced"]).items()}
+    try:
+        pairs = json.loads(meta["replaced"]).items()
+    except (KeyError, ValueError, AttributeError) as e:  # metadata the snapshot's digest would have refused
+        raise damaged_snapshot(path, f"its 'replaced' metadata cannot be read ({e})") from None
+    return {confined(old, str(path)): confined(new, str(path)) for old, new in pairs}
 
 
 @dataclass
@@ -363,6 +368,8 @@ def _start(root: Path, generation: int | None) -> Manifest:
     if manifest is None:
         if not snapshots(root):  # gc always keeps a snapshot where it collected the log
             check_log_end(root, 0)
+        if generation is not None and (lost := lost_snapshot(root, generation)) is not None:
+            raise lost
         raise FormatError(f"{root} has no generation {generation} any more (the oldest kept is "
                           f"{first_generation(root)}): `python -m shards gc` collected it, since no registered run "
                           f"needed it")

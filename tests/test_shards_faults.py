@@ -502,6 +502,8 @@ def test_gc_refuses_when_the_snapshot_kept_for_a_run_is_lost(tmp_path, monkeypat
     with pytest.raises(DamagedCache, match=rf"{re.escape(str(snapshot))} is missing.*Restore 000000000001\.safetensors"):
         gc(root)
     assert files(root) == before  # nothing deleted: the commits after generation 1 and its shards are all there
+    with pytest.raises(DamagedCache, match=rf"{re.escape(str(snapshot))} is missing"):  # lost, not collected
+        Cache(root, generation=1)
     snapshot.write_bytes(kept)
     assert [s.key for s in Cache(root, generation=1)] == ["key00000", "key00001"]
 
@@ -541,3 +543,20 @@ def test_prompts_read_once_stay_as_checked_when_the_file_changes_later(tmp_path)
     path.write_bytes(data[:header] + bytes(len(data) - header))  # in place: a map of the file would see it
     after = Cache(tmp_path).prompts()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k].fields["text"]) for k in before)
+
+
+def test_a_snapshot_whose_replaced_map_cannot_be_read_is_named(tmp_path, monkeypatch):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(shards.manifest, "COMPACT_MIN", 3)
+    write_cache(tmp_path, range(8), max_shard_samples=1)  # a commit a shard, snapshots every few
+    path = max((tmp_path / "_snapshots").glob("*.safetensors"))  # an older generation reads its repairs here
+    with safe_open(path, "pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    del meta["replaced"]  # as a flipped byte in its name would leave it; its digest (whose name may be hit too) gone
+    meta.pop("sha256", None)
+    save_file(tensors, path, meta)
+    with pytest.raises(DamagedCache, match=re.escape(str(path))):
+        Cache(tmp_path, generation=0)
+
