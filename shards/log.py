@@ -80,15 +80,21 @@ def commit_numbers(root: Path) -> list[int]:
     return sorted(int(name[:-5]) for name in names if name.endswith(".json") and name[:-5].isdigit())
 
 
-def check_log_end(root: Path, generation: int) -> None:
-    """Called when commit `generation` is missing: the log ends there unless later commits exist.
+def check_log_end(root: Path, generation: int) -> bool:
+    """Called when commit `generation` was missing: whether the log ends there (no later commit exists). False:
+    the commit is there now, written while the log was listed (writers create commits in order, so a later one
+    means this one was there first): read it.
 
     Raises:
-        DamagedLog: later commits exist; the message names the missing file and the later ones.
+        DamagedLog: later commits exist and this one is still missing; the message names it and the later ones.
     """
     later = [g for g in commit_numbers(root) if g > generation]
-    if later:
-        raise DamagedLog(root / LOG_DIR / LOG_NAME.format(generation), gap_message(root, generation, later))
+    if not later:
+        return True
+    path = root / LOG_DIR / LOG_NAME.format(generation)
+    if path.exists():
+        return False
+    raise DamagedLog(path, gap_message(root, generation, later))
 
 
 def gaps(root: Path) -> list[tuple[int, list[int]]]:
@@ -100,7 +106,8 @@ def gaps(root: Path) -> list[tuple[int, list[int]]]:
         return []
     have, kept = set(numbers), snapshots(root)
     start = kept[0] + 1 if kept and 0 not in have else 0
-    return [(g, [n for n in numbers if n > g]) for g in range(start, numbers[-1]) if g not in have]
+    return [(g, [n for n in numbers if n > g]) for g in range(start, numbers[-1])
+            if g not in have and not (root / LOG_DIR / LOG_NAME.format(g)).exists()]  # not one committed while listing
 
 
 def gap_message(root: Path | str, generation: int, later: list[int]) -> str:

@@ -404,8 +404,8 @@ def replay(root: Path, manifest: Manifest, upto: int | None = None, check_end: b
         path = root / LOG_DIR / LOG_NAME.format(manifest.generation + 1)
         commit = read_commit(path)
         if commit is None:
-            if check_end:
-                check_log_end(root, manifest.generation + 1)
+            if check_end and not check_log_end(root, manifest.generation + 1):
+                continue  # committed while the log was listed
             break
         try:
             manifest.apply(commit, str(path))
@@ -429,12 +429,13 @@ def replacements(root: Path, manifest: Manifest) -> dict[str, str]:
         path = root / SNAPSHOT_DIR / SNAPSHOT_NAME.format(later[-1])
         replaced.update(snapshot_replacements(open_file(path, kind="snapshot", tensors=False)[0], path))
         generation = later[-1]
-    while (commit := read_commit(path := root / LOG_DIR / LOG_NAME.format(generation + 1))) is not None:
-        for old, new in commit.get("replace", []):
-            replaced[confined(old, str(path))] = confined(new["path"], str(path))
-        generation += 1
-    check_log_end(root, generation + 1)
-    return replaced
+    while True:
+        while (commit := read_commit(path := root / LOG_DIR / LOG_NAME.format(generation + 1))) is not None:
+            for old, new in commit.get("replace", []):
+                replaced[confined(old, str(path))] = confined(new["path"], str(path))
+            generation += 1
+        if check_log_end(root, generation + 1):
+            return replaced
 
 
 def newest_copy(path: str, replaced: dict[str, str]) -> list[str]:

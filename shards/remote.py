@@ -314,8 +314,14 @@ def mirror_manifest(fs, base: str, root: Path, generation: int | None, location:
     else:
         if not (root / MANIFEST).is_file() or (root / MANIFEST).read_bytes() != pointer:
             atomic_write_bytes(root / MANIFEST, pointer)
-    logs = {name: size for name, size in list_files(fs, posixpath.join(base, LOG_DIR)).items()
-            if _numbered(name, ".json")}
+    for _ in range(3):  # a commit written while the log was listed is listed by the next look
+        logs = {name: size for name, size in list_files(fs, posixpath.join(base, LOG_DIR)).items()
+                if _numbered(name, ".json")}
+        numbers = sorted(int(name.split(".")[0]) for name in logs)
+        have = set(numbers)
+        hole = next((g for g in range(numbers[0], numbers[-1]) if g not in have), None) if numbers else None
+        if hole is None or not fs.exists(posixpath.join(base, LOG_DIR, LOG_NAME.format(hole))):
+            break
     snapshots = {name: size for name, size in list_files(fs, posixpath.join(base, SNAPSHOT_DIR)).items()
                  if _numbered(name, ".safetensors")}
     if not logs and not snapshots:
@@ -324,7 +330,6 @@ def mirror_manifest(fs, base: str, root: Path, generation: int | None, location:
                                 f"sync DIR {location}`)")
     generations = sorted(int(name.split(".")[0]) for name in snapshots)
     start = max((g for g in generations if generation is None or g <= generation), default=-1)
-    numbers = sorted(int(name.split(".")[0]) for name in logs)
     first = start + 1 if start >= 0 or 0 in numbers else None  # None: gc collected the generation asked for
     have = set(numbers)
     missing = [g for g in range(first, numbers[-1]) if g not in have] if numbers and first is not None else []

@@ -560,3 +560,23 @@ def test_a_snapshot_whose_replaced_map_cannot_be_read_is_named(tmp_path, monkeyp
     with pytest.raises(DamagedCache, match=re.escape(str(path))):
         Cache(tmp_path, generation=0)
 
+
+
+def test_a_commit_written_while_the_log_is_listed_is_read_not_taken_for_a_gap(tmp_path, monkeypatch):
+    write_cache(tmp_path, range(4), max_shard_samples=1)  # a commit a shard
+    log = tmp_path / "_log"
+    held = {p.name: p.read_bytes() for p in sorted(log.glob("*.json"))[2:]}
+    for name in held:
+        (log / name).unlink()
+    real = shards.manifest.read_commit
+
+    def racing(path):  # a writer commits the rest right after a reader found the next commit missing
+        commit = real(path)
+        if commit is None and held:
+            for name, data in held.items():
+                (log / name).write_bytes(data)
+            held.clear()
+        return commit
+
+    monkeypatch.setattr(shards.manifest, "read_commit", racing)
+    assert sorted(k for k, _ in Cache(tmp_path).keys()) == [f"key{i:05d}" for i in range(4)]
