@@ -215,3 +215,37 @@ def test_a_full_disk_during_a_checkpoint_names_it_and_keeps_the_one_before(root,
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]  # no partial checkpoint left
     monkeypatch.undo()
     assert train(cfg(root / "cache", run, steps=4, checkpoint_every=2))["step"] == 4  # resumed from step 2
+
+
+class SafetensorError(Exception):
+    """As safetensors' writer raises it: the OS error in its text alone."""
+
+
+@pytest.mark.parametrize("writer, error", [
+    ("torch.save", RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 2304 vs 2198: "
+                                "PytorchStreamWriter failed writing file data/0: file write failed")),
+    ("save_pretrained", SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                                        "\"No space left on device\" })")),
+])
+def test_a_full_disk_met_by_the_weights_writers_names_it_too(root, tmp_path, monkeypatch, writer, error):
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    run = tmp_path / "run"
+    train(cfg(root / "cache", run, steps=2, checkpoint_every=2))
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil_module, "disk_usage", lambda path: usage(10**9, 10**9 - 4096, 4096))
+
+    def fails(*args, **kwargs):
+        raise error
+    if writer == "torch.save":
+        monkeypatch.setattr(torch, "save", fails)
+    else:
+        from diffusers import SanaTransformer2DModel
+        monkeypatch.setattr(SanaTransformer2DModel, "save_pretrained", fails)
+    with pytest.raises(ValueError) as full:
+        train(cfg(root / "cache", run, steps=4, checkpoint_every=2))
+    message = str(full.value)
+    assert f"could not write checkpoint {run / 'checkpoints' / 'step-00000004'} (No space left on device" in message
+    assert "0.0 MB free on its filesystem" in message
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000002"]

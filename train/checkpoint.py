@@ -78,15 +78,14 @@ def save(run: Path, step: int, *, model: torch.nn.Module, state: dict, tensors: 
             fsync_tree(tmp, skip=tmp / SHARDED)  # each rank flushed its own part of sharded/
             atomic_write_bytes(tmp / MARKER, b"ok\n")  # fsynced, with its directory
             publish_directory(tmp, final, flushed=True)  # a re-save of the same step replaces it
-    except OSError as e:
+    except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
         if rank == 0:  # the partial checkpoint goes; the complete ones before it stay as they are
             shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno in NO_ROOM:
-            raise CheckpointWriteError(no_room_message(e, run, final, model, tensors, sharded, adapter)) from e
-        raise
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) or type(e).__name__ == "CheckpointException":
+            size = checkpoint_size(run, model, tensors, sharded, adapter)
+            code = no_room(e, final.parent if final.parent.exists() else run, size)
+            if code is not None:
+                raise CheckpointWriteError(no_room_message(code, e, run, final, size)) from e
         raise
     if rank == 0:
         for old in complete_checkpoints(run)[:-keep] if keep > 0 else []:
@@ -104,19 +103,48 @@ class CheckpointWriteError(OSError, ValueError):
     OSError is its `__cause__`). A ValueError as well: the command line reports it as bad input, with what to do."""
 
 
-def no_room_message(e: OSError, run: Path, final: Path, model, tensors: dict, sharded: dict | None, adapter) -> str:
+def no_room(e: BaseException, where: Path, size: int) -> int | None:
+    """The errno of a write that failed for want of space, quota or permission, wherever the writer put it: an
+    OSError (json, pathlib), an error chained to one, a message carrying its text (safetensors: "No space left on
+    device (os error 28)"), each rank's failure of torch.distributed.checkpoint, or torch.save's zip writer, which
+    says only "file write failed" (then the free space decides). None: another failure."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno in NO_ROOM:
+            return x.errno
+        text = str(x)
+        for code in NO_ROOM:
+            if os.strerror(code) in text or f"os error {code})" in text:
+                return code
+        if "file write failed" in text and shutil.disk_usage(where).free < size:
+            return errno.ENOSPC
+        todo += [x.__cause__, x.__context__]
+        todo += [f[0] if isinstance(f, tuple) else f for f in getattr(x, "failures", {}).values()]  # CheckpointException
+    return None
+
+
+def checkpoint_size(run: Path, model, tensors: dict, sharded: dict | None, adapter) -> int:
+    """About how many bytes a checkpoint of the run takes: its last one's, or the tensors it writes."""
+    earlier = complete_checkpoints(run)
+    if earlier:  # the run's checkpoints are all alike in size
+        return sum(f.stat().st_size for f in earlier[-1].rglob("*") if f.is_file())
+    size = tensor_bytes([tensors, sharded])
+    return size + tensor_bytes(model.state_dict() if adapter is None and sharded is None
+                               else [p for p in model.parameters() if p.requires_grad])
+
+
+def no_room_message(code: int, e: BaseException, run: Path, final: Path, size: int) -> str:
     """What failed, where, the space free there against the checkpoint's size, and what to do."""
     where = final.parent if final.parent.exists() else run
     free = shutil.disk_usage(where).free
     earlier = complete_checkpoints(run)
-    if earlier:  # the run's checkpoints are all alike in size
-        size = sum(f.stat().st_size for f in earlier[-1].rglob("*") if f.is_file())
-    else:
-        size = tensor_bytes([tensors, sharded])
-        size += tensor_bytes(model.state_dict() if adapter is None and sharded is None
-                             else [p for p in model.parameters() if p.requires_grad])
-    cause = os.strerror(e.errno) + (f" writing {e.filename}" if e.filename else "")
-    if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+    filename = getattr(e, "filename", None)
+    cause = os.strerror(code) + (f" writing {filename}" if filename else "")
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
         todo = f"make {where} writable, or give another --run-dir,"
     else:
         todo = (f"free space there (fewer --keep-checkpoints keeps fewer, {amount(size)} each), or resume in a "
