@@ -48,7 +48,7 @@ TRAIN = {
     "shuffle_shards": ([0], [1]),
     "local_cache_gb": ([0.0, -1.0, INF], [0.5]),
     "checkpoint_every": ([-1], [0, 1]),  # 0: only at the end (documented)
-    "keep_checkpoints": ([0, -1], [1]),
+    "keep_checkpoints": ([-1], [0, 1]),
     "log_every": ([0, -1], [1]),
     "max_bad_steps": ([0], [1]),
     "validate_every": ([-1], [0]),  # 0: only at the end (documented)

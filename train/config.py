@@ -108,7 +108,7 @@ class TrainConfig:
                                     "after a checkpoint, naming the shard and the repair command.")
     checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT; 0: only then).",
                                      at_least=0)
-    keep_checkpoints: int = opt(3, "Keep the newest K checkpoints.", at_least=1)
+    keep_checkpoints: int = opt(3, "Keep the newest K checkpoints (0: keep every one).", at_least=0)
     resume: str | None = opt("auto", "auto (newest complete checkpoint of the run, if any), a checkpoint directory (or "
                                      "another run's directory: its newest), or '' to start over.")
     log_every: int = opt(10, "Write metrics every N steps.", at_least=1)
