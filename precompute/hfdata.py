@@ -276,7 +276,10 @@ def _image_of(value, root: Path, column: str, inside: dict[str, bool]) -> tuple[
         return bytes(value) or None, None
     if isinstance(value, str) and value:
         try:
-            path = confined(root, os.path.relpath(value, root) if os.path.isabs(value) else value, column, inside)
+            # an absolute path is compared as the file system resolves it: DATA given through a symlink (or the
+            # cells written through one) names the same folder
+            relative = os.path.relpath(os.path.realpath(value), os.path.realpath(root)) if os.path.isabs(value) else value
+            path = confined(root, relative, column, inside)
         except OutsideRoot:
             raise BadCell("outside_root", f"{column} {value!r} is outside the dataset's folder {root}: images are read "
                                           f"from inside it only; move them there and name them relative to it, or embed "

@@ -234,3 +234,18 @@ def test_zeros_for_the_rest_of_a_new_tar_count_its_unread_bytes(tmp_path):
     tars[1].write_bytes(data[: len(data) // 4] + bytes(len(data) - len(data) // 4))
     s = run(tmp_path / "tars", tmp_path / "cache")
     assert s["failed_by_reason"] == {"corrupt_tar": 1} and s["failed"] >= 3 and s["failure_fraction"] > 0.1
+
+
+def test_absolute_image_paths_inside_a_dataset_reached_through_a_symlink_are_read(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    real = tmp_path / "gpfs" / "ds"
+    (real / "images").mkdir(parents=True)
+    (real / "images" / "a.png").write_bytes(png())
+    alias = tmp_path / "home-ds"
+    alias.symlink_to(real, target_is_directory=True)  # DATA given by another name of the same folder
+    paths = [str(real / "images" / "a.png"), str(alias / "images" / "a.png")]
+    pq.write_table(pa.table({"image": [{"bytes": None, "path": p} for p in paths], "text": ["x"] * 2}),
+                   real / "train.parquet")
+    assert [it["status"] for it in hf_items(alias / "train.parquet")] == ["ok", "ok"]
+    assert [it["status"] for it in hf_items(real / "train.parquet")] == ["ok", "ok"]
