@@ -108,6 +108,16 @@ def test_no_rank_waits_when_rank_0_cannot_own_the_run_directory(cache, tmp_path)
     assert not complete_checkpoints(run)
 
 
+def test_a_run_directory_that_cannot_be_claimed_is_a_clear_error(cache, tmp_path, monkeypatch):
+    from train import state
+
+    def refused(root, name, what):
+        raise PermissionError(13, "Permission denied", str(Path(root) / name))
+    monkeypatch.setattr(state, "CacheLock", refused)  # as a read-only or another user's directory refuses it
+    code, out = train(cache, tmp_path / "run")
+    assert code == 2 and f"cannot claim the run directory {tmp_path / 'run'}" in out and "Traceback" not in out, out
+
+
 # -- a checkpoint continues over the samples it counted ------------------------------------------------------------
 
 def copy_samples(source: Path, root: Path, pick, *, sessions: int = 1) -> Cache:

@@ -165,7 +165,11 @@ def own_run(run: Path, is_main: bool) -> CacheLock | None:
                     f"in one directory would overwrite each other's checkpoints and metrics. Wait for it to finish, or stop "
                     f"it (kill -TERM PID writes a checkpoint at its next step) and resume with the same command; or train "
                     f"into another --run-dir.")
+        except OSError as e:  # a read-only or foreign directory: every rank stops with the reason, none waits
+            busy = f"!cannot claim the run directory {run} ({e}): give a --run-dir this user can write to"
     busy = distributed.rank0_value(busy)
+    if busy and busy.startswith("!"):
+        raise ValueError(busy[1:])
     if busy:
         raise RunBusy(busy)
     return lock
