@@ -74,16 +74,17 @@ def damaged_shards(cache: Path, manifest) -> dict[str, list[str]]:
             for j, entry in zip(manifest.shards.rows, manifest.shards) if (cache / entry.path).resolve() in bad}
 
 
-def replace_damaged(writer: ShardWriter, damaged: dict[str, list[str]], encoded: dict, inputs: dict[str, str],
-                    cache: Path) -> dict:
+def replace_damaged(writer: ShardWriter, damaged: dict[str, list[str]], encoded: dict, inputs, cache: Path) -> dict:
     """Commit a re-encoded copy of every damaged shard whose samples were all encoded again, in their order:
     a training run of any generation reads the copy at the same global indices. A shard with a sample whose input
-    is gone or changed is left as it is, and named with every such input (`inputs`: key -> where it was read)."""
+    is gone or changed is left as it is, and named with every such input (`inputs(keys)`: key -> where it was
+    read, asked only for those keys)."""
     repaired, unrepairable = [], []
+    missing = {path: [k for k in keys if k not in encoded] for path, keys in damaged.items()}
+    where = inputs({k for keys in missing.values() for k in keys}) if any(missing.values()) else {}
     for path, keys in damaged.items():
-        missing = [inputs.get(k, k) for k in keys if k not in encoded]
-        if missing:
-            unrepairable.append({"shard": path, "inputs_missing_or_changed": missing})
+        if missing[path]:
+            unrepairable.append({"shard": path, "inputs_missing_or_changed": [where.get(k, k) for k in missing[path]]})
         else:
             writer.replace(path, [(k, encoded[k]) for k in keys])
             repaired.append(path)
@@ -111,9 +112,9 @@ def forget_created(created: list[Path]) -> None:
             return
 
 
-def cached_inputs(manifest, sources: list) -> dict[str, str]:
-    """key -> where its input was read from, for messages: the file under its source's path, or the source's
-    name when this run does not list it."""
+def cached_inputs(manifest, sources: list, keys: set[str]) -> dict[str, str]:
+    """key -> where its input was read from, for messages, for `keys` alone: the file under its source's path, or
+    the source's name when this run does not list it."""
     paths = {s.name: s.path for s in sources}
     return {key: f"{paths[name].rstrip('/')}/{src}" if name in paths else f"{src} (source {name!r}, which DATA does not list)"
-            for name in manifest.datasets() for key, src, *_ in manifest.samples(name)}
+            for name in manifest.datasets() for key, src, *_ in manifest.samples(name) if key in keys}

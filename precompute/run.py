@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
 from collections import Counter, defaultdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -251,7 +251,7 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
             encode_and_write(pending.pop(bucket))
         writer.restamp(restamps)
         if repair:
-            summary = replace_damaged(writer, damaged, repaired, cached_inputs(manifest, sources), cache)
+            summary = replace_damaged(writer, damaged, repaired, partial(cached_inputs, manifest, sources), cache)
         writer.finish()
         loop_s = time.perf_counter() - t_loop
     except BaseException:
