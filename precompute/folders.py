@@ -10,6 +10,7 @@ run skip an unchanged input without reading it.
 
 from __future__ import annotations
 
+import bisect
 import csv
 import hashlib
 import io
@@ -463,3 +464,10 @@ class FolderDataset(torch.utils.data.Dataset):
         if known is not None and known[1] == stamp:  # a known stamp of 0 never matches
             return {"status": "unchanged", "source": entry.source, "key": known[0], "stamp": stamp}
         return {**prepare(read_folder_entry(entry), self.policy, self.skip_keys), "stamp": stamp}
+
+
+def names_under(names: list[str], prefix: str) -> list[str]:
+    """The names of sorted `names` that start with `prefix`, found by bisection (a damaged tar or data file asks
+    which cached samples were its own: a slice of the source's names, not a pass over all of them)."""
+    return names[bisect.bisect_left(names, prefix) : bisect.bisect_left(names, prefix + "\U0010ffff")]
+

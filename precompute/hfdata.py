@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from precompute.folders import METADATA_FILES, OutsideRoot, confined, metadata_captions, os_reason, read_regular
+from precompute.folders import METADATA_FILES, OutsideRoot, confined, metadata_captions, names_under, os_reason, read_regular
 from precompute.images import ImagePolicy, Record, prepare
 
 SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")  # as Hub file names spell them
@@ -308,6 +308,7 @@ class HFDataset(torch.utils.data.IterableDataset):
                  known: dict[str, tuple[str, int]] | None = None, only: set[str] | None = None):
         self.listing, self.parts, self.policy, self.skip_keys = listing, parts, policy, skip_keys
         self.known, self.only = known or {}, only
+        self._sorted: list[str] | None = None
         self._inside: dict[str, bool] = {}  # directory -> inside the dataset's folder (resolved once each)
         self._batches: tuple[str | None, list] = (None, [])  # the Arrow file read last, as record batches
 
@@ -325,7 +326,9 @@ class HFDataset(torch.utils.data.IterableDataset):
         names = self.listing.names(part)
         wanted = [self.only is None or n in self.only for n in names]
         if part.file in self.listing.unreadable:  # its cached rows failed to read this time: they stay cached
-            cached = [n for n in self.known if n.startswith(f"{name}:") and (self.only is None or n in self.only)]
+            if self._sorted is None:  # sorted once, when a file first fails
+                self._sorted = sorted(self.known)
+            cached = [n for n in names_under(self._sorted, f"{name}:") if self.only is None or n in self.only]
             for n in cached or ([name] if self.only is None else []):
                 yield {"status": "failed", "source": n, "reason": "unreadable", "stamp": 0,
                        "detail": f"{path} cannot be read: {self.listing.unreadable[part.file]}"}

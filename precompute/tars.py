@@ -18,7 +18,7 @@ from typing import Iterator
 
 import torch
 
-from precompute.folders import IMAGE_EXTENSIONS, METADATA_FILES, metadata_captions
+from precompute.folders import IMAGE_EXTENSIONS, METADATA_FILES, metadata_captions, names_under
 from precompute.images import ImagePolicy, Record, prepare
 
 STREAMED = ("http://", "https://", "pipe:")  # opened by webdataset's gopen, read once as a stream
@@ -361,6 +361,12 @@ class TarDataset(torch.utils.data.IterableDataset):
                  known: dict[str, tuple[str, int]] | None = None):
         self.urls, self.policy, self.skip_keys, self.caption_keys = urls, policy, skip_keys, caption_keys
         self.known = known or {}
+        self._sorted: list[str] | None = None
+
+    def sorted_known(self) -> list[str]:
+        if self._sorted is None:  # sorted once, when a tar first fails
+            self._sorted = sorted(self.known)
+        return self._sorted
 
     def __iter__(self) -> Iterator[dict]:
         info = torch.utils.data.get_worker_info()
@@ -374,7 +380,7 @@ class TarDataset(torch.utils.data.IterableDataset):
                     break
                 except Exception as e:  # tarfile, gopen or fsspec errors: the shard is unreadable from here on
                     prefix = tar_name(url) + "/"
-                    missing = missing_estimate(e, read, sum(name.startswith(prefix) for name in self.known))
+                    missing = missing_estimate(e, read, len(names_under(self.sorted_known(), prefix)))
                     cut = f"truncated after {read} samples, " if read or isinstance(e, TarCutShort) else ""
                     yield {"status": "failed", "source": url, "reason": "corrupt_tar", "stamp": 0, "samples": missing,
                            "detail": f"{type(e).__name__}: {e}; {cut}about {missing} sample(s) missing"}
