@@ -43,7 +43,7 @@ option = $(if $(2),$(1) $(2))
 # Cache sizes of the scale benchmark (make bench); SCALE_SIZES=10000,100000,1000000 adds the 1M-sample cache (~9 min more).
 SCALE_SIZES ?= 10000,100000
 
-.PHONY: install test fuzz bench precompute train plan demo clean
+.PHONY: install test test-slow fuzz bench precompute train plan demo clean
 
 install: $(VENV)/.installed
 
@@ -53,8 +53,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+# `make test` is the quick suite (under 10 minutes on 2 cores); `make test-slow` the slower end-to-end tests
+# (torchrun runs, the memory planner's real-size plans); CI runs both.
 test: install
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow $(PYTEST_ARGS)
 
 # Random operations on a cache checked against a model of every generation (tests/format_fuzz.py); prints each
 # failing seed with its trace and replay command. FUZZ_KINDS=all adds the kinds of damage left out of `make test`.

@@ -100,6 +100,7 @@ def test_controlnet_plan_counts_the_controlnet_the_trainer_builds_as_the_only_tr
     assert planned["bytes"]["activations"] > alone["bytes"]["activations"] / 2
 
 
+@pytest.mark.slow
 def test_controlnet_plan_of_sd35_large_on_80gb():
     full = plan(PlanConfig("sd35-large", batch_size=1, weights_dtype="bf16", precision="bf16", optimizer="adamw",
                            grad_checkpointing="all"))

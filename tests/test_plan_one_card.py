@@ -15,6 +15,7 @@ def one_card(model: str, base_quant: str = "none", blocks_to_swap: int = 0) -> d
                            base_quant=base_quant, blocks_to_swap=blocks_to_swap))
 
 
+@pytest.mark.slow
 def test_the_plan_counts_quantized_weights_at_their_size():
     """Linear weights at 1 byte (int8, fp8: plus a scale per row) or ~0.52 (nf4 with double quantization); norms,
     biases and embeddings in bf16; the adapters' gradients and states unchanged."""
@@ -53,6 +54,7 @@ README_ROWS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,base_quant,blocks_to_swap,on_16,on_24", README_ROWS)
 def test_the_readme_rows_of_one_card(model, base_quant, blocks_to_swap, on_16, on_24):
     """SD3.5 Large and Flux.1 [dev] LoRA rank 16 at 1024x1024, checkpointing all: the verdicts the README gives."""
