@@ -10,13 +10,11 @@ run skip an unchanged input without reading it.
 
 from __future__ import annotations
 
-import bisect
 import csv
 import hashlib
 import io
 import json
 import os
-import stat
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Iterator
@@ -24,6 +22,7 @@ from typing import Iterator
 import torch
 
 from precompute.images import ImagePolicy, Record, prepare
+from precompute.paths import OutsideRoot, confined, os_reason, read_regular, stat_regular
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 CAPTION_EXTENSIONS = (".txt", ".caption")
@@ -75,11 +74,6 @@ class Listing:
     complete: bool
 
 
-class SpecialFileError(OSError):
-    """A path that is not a regular file (FIFO, socket, device, directory). It is never opened: opening a
-    FIFO blocks until a writer appears, and opening a device can have side effects."""
-
-
 class _BadRow(ValueError):
     """A metadata row that is not a sample; `source` is its file_name when it names one."""
 
@@ -90,38 +84,6 @@ class _BadRow(ValueError):
 
 def _failure(source: str, reason: str, detail: str) -> dict:
     return {"source": source, "reason": reason, "detail": detail}
-
-
-def os_reason(e: OSError) -> str:
-    """The failure reason of a per-file OSError."""
-    if isinstance(e, SpecialFileError):
-        return "special_file"
-    if isinstance(e, PermissionError):
-        return "permission_denied"
-    if isinstance(e, FileNotFoundError):  # deleted since listing, or a dangling symlink
-        return "missing_file"
-    return "unreadable"  # ELOOP, EIO, ...
-
-
-def _stat_regular(path: str | os.PathLike, st: os.stat_result | None = None) -> os.stat_result:
-    """`os.stat` of a regular file, following symlinks (or check `st`); anything else raises SpecialFileError."""
-    st = st or os.stat(path)
-    if not stat.S_ISREG(st.st_mode):
-        kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-                 (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"))
-        kind = next((name for is_kind, name in kinds if is_kind(st.st_mode)), "special file")
-        raise SpecialFileError(f"{path} is a {kind}, not a regular file")
-    return st
-
-
-def read_regular(path: str | os.PathLike) -> bytes:
-    """A regular file's bytes; anything else raises SpecialFileError without being opened."""
-    _stat_regular(path)
-    # O_NONBLOCK: should the path become a FIFO after the check, the open still returns at once
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
-        _stat_regular(path, os.fstat(fd))
-        return f.read()
 
 
 def _read_utf8(path: Path) -> str:
@@ -183,48 +145,6 @@ def metadata_captions(value: object, from_csv: bool) -> tuple[str, ...] | None:
     if isinstance(value, list) and all(isinstance(v, str) or v is None for v in value):
         return tuple(v for v in value if v is not None)
     return None
-
-
-class OutsideRoot(ValueError):
-    """A path read from a user's file (a metadata row, a dataset cell) that names something outside its root."""
-
-
-def confined(root: str | os.PathLike, name: str, what: str = "file_name", inside: dict[str, bool] | None = None) -> str:
-    """The path that `name`, a relative path written in a user's file, names under `root`, refusing any other.
-
-    The name must be relative, without `..`, and its directory must resolve inside root. The file itself may be a
-    symlink, followed as in a folder listing (the Hugging Face hub cache stores a snapshot's files as symlinks into
-    ../../blobs): the text of a row reaches nothing a folder listing would not. Nothing is opened.
-
-    Args:
-        root: the folder the names are relative to (DATA, or the dataset's folder).
-        name: the path as written.
-        what: how messages name the field (`file_name`, a column).
-        inside: a cache of the answer per directory, shared by the calls of one listing.
-
-    Raises:
-        OutsideRoot: the name is absolute, holds `..`, or its directory leads out of root through a symlink.
-        ValueError: the name is not a file name (empty, a NUL, text the file system cannot encode, root itself).
-    """
-    if not isinstance(name, str) or not name.strip() or "\x00" in name:
-        raise ValueError(f"{what} {name!r} is not a non-empty string without NUL")
-    try:
-        os.fsencode(name)
-    except UnicodeEncodeError:  # a lone surrogate from JSON's \ud800: no file has that name
-        raise ValueError(f"{what} {name!r} is not a file name the file system can hold") from None
-    if os.path.isabs(name) or ".." in PurePosixPath(name).parts:
-        raise OutsideRoot(f"{what} {name!r} is not a relative path inside DATA")
-    if not PurePosixPath(name).name:
-        raise ValueError(f"{what} {name!r} names the folder itself, not a file in it")
-    path = Path(root) / name
-    parent = str(path.parent)
-    inside = {} if inside is None else inside
-    if parent not in inside:
-        real_root, real_parent = os.path.realpath(root), os.path.realpath(parent)
-        inside[parent] = os.path.commonpath([real_root, real_parent]) == real_root
-    if not inside[parent]:
-        raise OutsideRoot(f"{what} {name!r} leads outside DATA through a symlinked directory")
-    return str(path)
 
 
 def _metadata_path(root: Path, name: str, inside: dict[str, bool], column: str = "file_name") -> str:
@@ -316,7 +236,7 @@ def _walk_folder(root: Path, control: bool) -> Listing:
             path = Path(dirpath) / name
             source = path.relative_to(root).as_posix()
             try:
-                _stat_regular(path)  # follows symlinks: a loop or a dangling one fails here
+                stat_regular(path)  # follows symlinks: a loop or a dangling one fails here
             except OSError as e:
                 failures.append(_failure(source, os_reason(e), f"{type(e).__name__}: {e}"))
                 continue
@@ -401,14 +321,14 @@ def entry_stamp(entry: FolderEntry) -> int:
     """
     h = hashlib.blake2b(digest_size=8)
     for path in (entry.image, *entry.caption_files):
-        st = _stat_regular(path)
+        st = stat_regular(path)
         h.update(f"{os.path.splitext(path)[1]}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     for c in entry.captions or ():
         text = c.encode("utf-8", "surrogatepass")
         h.update(len(text).to_bytes(8, "big") + text)
     if entry.control is not None:
         try:
-            st = _stat_regular(entry.control)
+            st = stat_regular(entry.control)
             known = f"{st.st_size}\0{st.st_mtime_ns}"
         except OSError:
             known = "absent"
@@ -464,10 +384,3 @@ class FolderDataset(torch.utils.data.Dataset):
         if known is not None and known[1] == stamp:  # a known stamp of 0 never matches
             return {"status": "unchanged", "source": entry.source, "key": known[0], "stamp": stamp}
         return {**prepare(read_folder_entry(entry), self.policy, self.skip_keys), "stamp": stamp}
-
-
-def names_under(names: list[str], prefix: str) -> list[str]:
-    """The names of sorted `names` that start with `prefix`, found by bisection (a damaged tar or data file asks
-    which cached samples were its own: a slice of the source's names, not a pass over all of them)."""
-    return names[bisect.bisect_left(names, prefix) : bisect.bisect_left(names, prefix + "\U0010ffff")]
-

@@ -26,7 +26,8 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from precompute.folders import METADATA_FILES, OutsideRoot, confined, metadata_captions, names_under, os_reason, read_regular
+from precompute.folders import METADATA_FILES, metadata_captions
+from precompute.paths import OutsideRoot, confined, names_under, os_reason, read_regular
 from precompute.images import ImagePolicy, Record, prepare
 
 SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")  # as Hub file names spell them

@@ -18,7 +18,8 @@ from typing import Iterator
 
 import torch
 
-from precompute.folders import IMAGE_EXTENSIONS, METADATA_FILES, metadata_captions, names_under
+from precompute.folders import IMAGE_EXTENSIONS, METADATA_FILES, metadata_captions
+from precompute.paths import names_under
 from precompute.images import ImagePolicy, Record, prepare
 
 STREAMED = ("http://", "https://", "pipe:")  # opened by webdataset's gopen, read once as a stream
