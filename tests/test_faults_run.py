@@ -2,6 +2,7 @@
 that cannot finish says why, and every stop of the command lands on its documented exit code."""
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -79,6 +80,7 @@ def test_a_killed_run_lets_go_of_the_cache(folder, tmp_path, sig):
             time.sleep(0.05)
         workers = children(proc.pid)
         assert len(workers) == 2  # --workers 2, the default
+        exits = [os.pidfd_open(w) for w in workers]  # readable once the worker has exited
         proc.send_signal(sig)
         code = proc.wait(timeout=120)
         stderr = (tmp_path / "stderr").read_text()
@@ -88,9 +90,12 @@ def test_a_killed_run_lets_go_of_the_cache(folder, tmp_path, sig):
             assert code == -signal.SIGKILL
         take_every_lock(cache)
         deadline = time.monotonic() + 30
-        while any(alive(w) for w in workers):  # they die with the run, not at some later point
-            assert time.monotonic() < deadline, f"workers {[w for w in workers if alive(w)]} outlived the run"
-            time.sleep(0.05)
+        while exits:  # they die with the run, not at some later point
+            exited, _, _ = select.select(exits, [], [], max(0.0, deadline - time.monotonic()))
+            assert exited, f"workers {[w for w in workers if alive(w)]} outlived the run"
+            for fd in exited:
+                exits.remove(fd)
+                os.close(fd)
     finally:
         for pid in [proc.pid, *workers]:
             if alive(pid):
