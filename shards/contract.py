@@ -9,7 +9,8 @@ cache written before these classes existed reads the same.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -29,7 +30,10 @@ CONTROL_PREFIX = "control_"
 class DecoderRecipe:
     """How stage two rebuilds the VAE's decoder: its class, where its weights are, and the latent scaling.
 
-    `in_cache`: the weights exist nowhere else (tiny presets) and were stored in the cache under `source`."""
+    `in_cache`: the weights exist nowhere else (tiny presets) and were stored in the cache under `source`.
+    `latents_mean` / `latents_std`: the per-channel normalisation the latents were stored with (see `LatentSpec`),
+    undone before decoding instead of the scaling and shift. `frame_axis`: the VAE takes and returns video,
+    (B, C, T, H, W); the cache holds one frame without that axis."""
 
     vae_class: str
     source: str
@@ -38,36 +42,64 @@ class DecoderRecipe:
     subfolder: str | None = None
     revision: str | None = None
     in_cache: bool = False
+    latents_mean: tuple[float, ...] | None = None
+    latents_std: tuple[float, ...] | None = None
+    frame_axis: bool = False
+
+    def __post_init__(self) -> None:
+        _check_channel_stats(self.latents_mean, self.latents_std, "decoder recipe")
 
     def to_json(self) -> dict:
         out = {"class": self.vae_class, "scaling_factor": self.scaling_factor, "shift_factor": self.shift_factor,
                "source": self.source, "subfolder": self.subfolder, "revision": self.revision}
-        return {**out, "in_cache": True} if self.in_cache else out
+        if self.in_cache:
+            out["in_cache"] = True
+        # keys written only when set: the recipes of caches without them read and write back byte for byte
+        if self.latents_mean is not None:
+            out.update(latents_mean=list(self.latents_mean), latents_std=list(self.latents_std))
+        if self.frame_axis:
+            out["frame_axis"] = True
+        return out
 
     @classmethod
     def from_json(cls, data: dict) -> "DecoderRecipe":
+        mean, std = data.get("latents_mean"), data.get("latents_std")
         return cls(data["class"], data["source"], data["scaling_factor"], data["shift_factor"], data.get("subfolder"),
-                   data.get("revision"), bool(data.get("in_cache")))
+                   data.get("revision"), bool(data.get("in_cache")), None if mean is None else tuple(mean),
+                   None if std is None else tuple(std), bool(data.get("frame_axis")))
 
     def located(self, root: Path) -> "DecoderRecipe":
         """The recipe with weights stored in the cache at `root` given by their full path."""
         if not self.in_cache:
             return self
-        return DecoderRecipe(self.vae_class, str(Path(root) / self.source), self.scaling_factor, self.shift_factor,
-                             self.subfolder, self.revision, True)
+        return replace(self, source=str(Path(root) / self.source))
 
 
 @dataclass(frozen=True)
 class LatentSpec:
     """The cached latents: `channels` x (H / `downsample`) x (W / `downsample`), stored as
-    (z - shift_factor) * scaling_factor. A KL VAE's posterior is stored as `latent_mean` + `latent_std`
-    (training samples a fresh latent every draw); a deterministic one's (DC-AE) as `latent`."""
+    (z - shift_factor) * scaling_factor, or, for a VAE normalised per channel (`latents_mean` and `latents_std`,
+    one value per channel, as its pipeline applies them), as (z - latents_mean[c]) * (1 / latents_std[c]). A KL
+    VAE's posterior is stored as `latent_mean` + `latent_std` (training samples a fresh latent every draw); a
+    deterministic one's (DC-AE) as `latent`."""
 
     channels: int
     downsample: int
     scaling_factor: float
     shift_factor: float
     posterior: Literal["mean_std", "deterministic"]
+    latents_mean: tuple[float, ...] | None = None
+    latents_std: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_channel_stats(self.latents_mean, self.latents_std, "latent spec", self.channels)
+
+    @property
+    def stored(self) -> str:
+        """How the cached latent derives from the VAE's latent z, as the fingerprint says it."""
+        if self.latents_mean is not None:
+            return "(z - latents_mean[c]) * (1 / latents_std[c])"
+        return "(z - shift_factor) * scaling_factor"
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -88,7 +120,7 @@ class LatentSpec:
     def control_fingerprint(self) -> dict:
         """The fingerprint's `control` part, written by stage one into a cache that holds control latents."""
         return {"fields": list(self.control_fields), "image": "the training image's bucket, resize and crop",
-                "encoder": "the cache's VAE", "stored": "(z - shift_factor) * scaling_factor"}
+                "encoder": "the cache's VAE", "stored": self.stored}
 
     def shape(self, height: int, width: int) -> tuple[int, int, int]:
         """The latent's shape for a bucket of `height` x `width` pixels."""
@@ -96,13 +128,30 @@ class LatentSpec:
 
     def fingerprint(self) -> dict:
         """The fingerprint's `vae` entries this spec owns (stage one adds the VAE's identity beside them)."""
-        return {"scaling_factor": self.scaling_factor, "shift_factor": self.shift_factor, "latent_channels": self.channels,
-                "downsample": self.downsample, "posterior": self.posterior, "stored": "(z - shift_factor) * scaling_factor"}
+        out = {"scaling_factor": self.scaling_factor, "shift_factor": self.shift_factor, "latent_channels": self.channels,
+               "downsample": self.downsample, "posterior": self.posterior, "stored": self.stored}
+        if self.latents_mean is not None:  # absent otherwise: the fingerprints of caches without them do not change
+            out.update(latents_mean=list(self.latents_mean), latents_std=list(self.latents_std))
+        return out
 
     @classmethod
     def from_fingerprint(cls, vae: dict) -> "LatentSpec":
+        mean, std = vae.get("latents_mean"), vae.get("latents_std")
         return cls(vae["latent_channels"], vae["downsample"], vae.get("scaling_factor", 1.0), vae.get("shift_factor", 0.0),
-                   vae.get("posterior", "deterministic"))
+                   vae.get("posterior", "deterministic"), None if mean is None else tuple(mean),
+                   None if std is None else tuple(std))
+
+
+def _check_channel_stats(mean, std, what: str, channels: int | None = None) -> None:
+    """Per-channel mean and std come together, one finite value per channel, the std above 0."""
+    if mean is None and std is None:
+        return
+    if mean is None or std is None or len(mean) != len(std) or (channels is not None and len(mean) != channels):
+        raise FormatError(f"the {what}'s latents_mean and latents_std must both hold one value per latent channel "
+                          f"({channels if channels is not None else 'as many'}); got {mean!r} and {std!r}")
+    if not all(math.isfinite(m) for m in mean) or not all(math.isfinite(s) and s > 0 for s in std):
+        raise FormatError(f"the {what}'s latents_mean must be finite and its latents_std finite and above 0; got {mean!r} "
+                          f"and {std!r}")
 
 
 @dataclass(frozen=True)

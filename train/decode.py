@@ -40,10 +40,23 @@ def load_decoder(recipe: DecoderRecipe, device: torch.device) -> torch.nn.Module
 
     cls = getattr(diffusers, recipe.vae_class)
     vae = cls.from_pretrained(recipe.source, subfolder=recipe.subfolder, revision=recipe.revision)
-    vae.encoder = None
+    # an empty module, not None: some VAEs count the encoder's layers whenever they decode
+    vae.encoder = torch.nn.Module()
     if hasattr(vae, "quant_conv"):
         vae.quant_conv = None
     return vae.to(device).eval().requires_grad_(False)
+
+
+def unscale(recipe: DecoderRecipe, latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) latents as the cache stores them -> the VAE's latent z (float32), as the family's pipeline
+    undoes its normalisation before decoding."""
+    z = latents.float()
+    if recipe.latents_mean is None:
+        return z / recipe.scaling_factor + recipe.shift_factor
+    shape = (1, len(recipe.latents_mean), 1, 1)
+    mean = torch.tensor(recipe.latents_mean).view(shape).to(z.device, z.dtype)
+    inverse_std = 1.0 / torch.tensor(recipe.latents_std).view(shape).to(z.device, z.dtype)
+    return z / inverse_std + mean  # the pipelines' own expression: the stored latents are (z - mean) * (1 / std)
 
 
 @torch.inference_mode()
@@ -51,8 +64,11 @@ def decode(vae: torch.nn.Module, recipe: DecoderRecipe, latents: torch.Tensor) -
     """(B, C, h, w) cached-scale latents -> PIL images."""
     from PIL import Image
 
-    z = latents.to(vae.device, torch.float32) / recipe.scaling_factor + recipe.shift_factor
-    pixels = vae.decode(z).sample.float().clamp(-1, 1)
+    z = unscale(recipe, latents.to(vae.device))
+    if recipe.frame_axis:  # a video VAE: the image is one frame, (B, C, 1, h, w) in and out
+        pixels = vae.decode(z[:, :, None]).sample[:, :, 0].float().clamp(-1, 1)
+    else:
+        pixels = vae.decode(z).sample.float().clamp(-1, 1)
     pixels = ((pixels + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     return [Image.fromarray(p) for p in pixels]
 
