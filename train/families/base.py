@@ -1,0 +1,339 @@
+"""What stage two asks of a model family: the interface every `train/families/<family>.py` implements.
+
+A family is one object (`Family`): the transformer class and its presets, how the cached fields become the
+transformer's inputs (`TextInput` for the text, `forward` for the call), what the objective takes from it, the
+repeated blocks, the LoRA layout, the ControlNet (`ControlNet`, or None), the validation sampler and the export's
+pipeline names. Defaults are what most families share (a masked cross-attention transformer, classifier-free
+guidance, diffusers' LoRA file); a family overrides what differs. Generic code asks the family and never compares
+family names. Methods take the transformer's config as a mapping (`preset.transformer_config()` or `model.config`).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ClassVar, Mapping
+
+import torch
+
+from shards import CacheSpec, LatentSpec, TextSpec
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# Attention projections (query, key, value, output), the LoRA targets most families share; names match by suffix
+ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
+# the text stream's projections of a joint (MMDiT) attention
+TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+
+
+def masked_call(model, xt: torch.Tensor, t: torch.Tensor, batch: dict, **kwargs) -> torch.Tensor:
+    """A cross-attention transformer's call: the caption's tokens with their mask (`TextInput`'s batch)."""
+    return model(hidden_states=xt, encoder_hidden_states=batch["text"].to(xt.dtype),
+                 encoder_attention_mask=batch["text_mask"].to(xt.dtype), timestep=t, return_dict=False, **kwargs)[0]
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """What stage two trains.
+
+    Args:
+        name: the preset's name, the same stage one builds caches for.
+        family: the family's name (`Family.name`), which must match the cache's (recorded by stage one).
+        repo: Hub id or local directory of the released model (diffusers layout), loaded by default; None
+            for tiny presets (seeded random weights).
+        config: the transformer config for from-scratch training (dict, or a file in train/configs).
+        objective: "flow" (rectified flow) or "ddpm".
+        prediction: "flow" (velocity), "epsilon" or "v_prediction".
+        flow_shift: timestep shift at the preset's base resolution.
+        dynamic_shift: the shift follows the image's sequence length (shift = exp(mu), mu from `Family.mu`)
+            instead of `flow_shift`.
+        base_resolution: pixels of the square bucket the shift refers to.
+        released_dtype: the precision the released weights were trained in (fp16, bf16).
+        latent_downsample: pixels per latent pixel of the family's VAE (for planning memory per bucket).
+        encoder_parameters: parameter counts of the VAE and text encoder(s) stage one uses, by name, from the
+            published configs: what a trainer without a cache keeps resident (the memory planner's comparison).
+        text_tokens: the most caption tokens it sees (stage one's limit); the planner's default.
+        revision: Hub revision of `repo` (None: its default branch).
+        validation_steps, guidance_scale: how validation samples by default (`--validation-steps`,
+            `--guidance-scale`).
+    """
+
+    name: str
+    family: str
+    repo: str | None
+    config: dict | str
+    objective: str
+    prediction: str
+    flow_shift: float = 1.0
+    dynamic_shift: bool = False
+    base_resolution: int = 1024
+    released_dtype: str | None = None
+    latent_downsample: int = 8
+    encoder_parameters: dict = field(default_factory=dict)
+    text_tokens: int = 300
+    revision: str | None = None
+    validation_steps: int = 20
+    guidance_scale: float = 4.5
+
+    @property
+    def transformer_class(self) -> type:
+        from train.families import get_family  # the registry imports this module
+
+        return get_family(self.family).transformer_class()
+
+    def transformer_config(self) -> dict:
+        cfg = self.config if isinstance(self.config, dict) else json.loads((CONFIGS / self.config).read_text())
+        return {k: v for k, v in cfg.items() if not k.startswith("_")}
+
+
+class TextInput:
+    """How the cached text fields of one layout (`shards.TextSpec.layout`) become the transformer's text input.
+
+    This class is the "masked" layout: one `text` field of valid tokens per caption, padded per batch with a mask.
+    A family with another layout subclasses it (and stage one writes that layout)."""
+
+    layout: ClassVar[str] = "masked"
+    description: ClassVar[str] = "one encoder's tokens with a mask"
+
+    @staticmethod
+    def captions(fields: Mapping) -> int:
+        """How many captions a sample's fields hold (a cached prompt holds one)."""
+        return len(fields["text_lengths"]) if "text_lengths" in fields else 1
+
+    def caption(self, spec: TextSpec, fields: Mapping, pick: int = 0) -> dict[str, torch.Tensor]:
+        """Caption `pick` of a sample's or a cached prompt's fields."""
+        out = {}
+        if "text" in fields:
+            lengths = fields["text_lengths"].tolist() if "text_lengths" in fields else [len(fields["text"])]
+            start = sum(lengths[:pick])
+            out["text"] = fields["text"][start : start + lengths[pick]]
+        return out
+
+    def collate(self, spec: TextSpec, conds: list[dict[str, torch.Tensor]]) -> dict:
+        """Per-caption fields -> the batch's: `text` padded to the longest caption (B, L, D) with `text_mask` (B, L)."""
+        out: dict = {}
+        if "text" in conds[0]:
+            longest = max(c["text"].shape[0] for c in conds)
+            text = torch.zeros(len(conds), longest, conds[0]["text"].shape[1], dtype=conds[0]["text"].dtype)
+            mask = torch.zeros(len(conds), longest, dtype=torch.bool)
+            for j, c in enumerate(conds):
+                n = c["text"].shape[0]
+                text[j, :n], mask[j, :n] = c["text"], True
+            out.update(text=text, text_mask=mask)
+        return out
+
+    def problems(self, spec: TextSpec, config: Mapping, family: "Family") -> list[str]:
+        """What in a cache's text spec of this layout the transformer cannot take (widths), one line each."""
+        width = family.text_width(config)
+        return [] if spec.width == width else [f"text width: cache {spec.width}, model {width}"]
+
+    def example(self, config: Mapping, family: "Family", batch: int, tokens: int, dtype: torch.dtype,
+                device: torch.device | str = "meta") -> dict[str, torch.Tensor]:
+        """A collated batch's text fields of `tokens` caption tokens (what the planner traces)."""
+        return {"text": torch.zeros(batch, tokens, family.text_width(config), device=device, dtype=dtype),
+                "text_mask": torch.ones(batch, tokens, device=device, dtype=torch.bool)}
+
+
+class ControlNet(ABC):
+    """A family's ControlNet: diffusers' class, how a new one is built from the transformer, and how ControlNet and
+    transformer are called together as the family's ControlNet pipeline calls them."""
+
+    model: ClassVar[str]  # diffusers' ControlNet model class
+    pipeline: ClassVar[str]  # diffusers' ControlNet pipeline class
+    default_layers: ClassVar[int]  # a new ControlNet's blocks (fewer where the transformer is too shallow)
+    shared_config: ClassVar[tuple[str, ...]]  # config entries it shares with the transformer
+    find_unused: ClassVar[bool] = False  # some trained parameters get no gradient in a step (DDP must be told)
+
+    def model_class(self) -> type:
+        import diffusers
+
+        return getattr(diffusers, self.model)
+
+    @abstractmethod
+    def max_layers(self, transformer_layers: int) -> int:
+        """The deepest ControlNet whose every block's residual reaches a transformer block."""
+
+    @abstractmethod
+    def new(self, cls: type, transformer: torch.nn.Module, layers: int) -> torch.nn.Module:
+        """A new ControlNet of `layers` blocks, copied from the transformer's first ones (seeded by the caller)."""
+
+    def problems(self, controlnet_config: Mapping, transformer_config: Mapping) -> list[str]:
+        """What else keeps this ControlNet from fitting the transformer (besides `shared_config` and depth)."""
+        return []
+
+    def control_input(self, controlnet_config: Mapping, control: torch.Tensor, latent: LatentSpec | None) -> torch.Tensor:
+        """What the ControlNet receives, from the control latent as the cache stores it."""
+        return control
+
+    @abstractmethod
+    def forward(self, transformer, controlnet, config: Mapping, xt: torch.Tensor, t: torch.Tensor, batch: dict,
+                control: torch.Tensor, scale: float) -> torch.Tensor:
+        """The transformer's prediction with the ControlNet's residuals; `config` is the ControlNet's, `control`
+        what `control_input` made of the batch's control latent."""
+
+
+class Family(ABC):
+    """Everything stage two knows of one model family. Subclasses set the class attributes and override what
+    differs from the defaults; one instance per family is listed in `train.families`."""
+
+    name: ClassVar[str]  # as stage one records it in the cache (`CacheSpec.family`)
+    title: ClassVar[str]  # how messages and help texts name it
+    transformer: ClassVar[str]  # diffusers' transformer class
+    pipeline: ClassVar[str]  # diffusers' text-to-image pipeline class (LoRA files, the export's usage snippet)
+    text: ClassVar[TextInput] = TextInput()  # the cache's text layout it reads
+    lora_targets: ClassVar[tuple[str, ...]] = ATTENTION  # default `--lora-targets`
+    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)  # adapter layouts an export writes; the first by default
+    null_caption: ClassVar[str] = "empty"  # caption dropout: the empty caption's embedding, or "zeros"
+    precondition_outputs: ClassVar[bool] = False  # default of --precondition-outputs (flow matching)
+    controlnet: ClassVar[ControlNet | None] = None
+    no_controlnet: ClassVar[str] = ""  # why --controlnet is refused, where `controlnet` is None
+
+    # --- the transformer and its presets ---
+
+    @abstractmethod
+    def presets(self) -> dict[str, Callable[[], ModelPreset]]:
+        """The family's presets by name: factories of `ModelPreset`, tiny (CPU-sized) ones included."""
+
+    def transformer_class(self) -> type:
+        import diffusers
+
+        return getattr(diffusers, self.transformer)
+
+    def pipeline_class(self) -> type:
+        import diffusers
+
+        return getattr(diffusers, self.pipeline)
+
+    def blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The repeated blocks in order (of the transformer or its ControlNet): what gradient checkpointing, the
+        block swap and FSDP work on."""
+        return list(model.transformer_blocks)
+
+    # --- the cache it reads ---
+
+    def latent_channels(self, config: Mapping) -> int:
+        """Channels of the cached latent the transformer takes."""
+        return config["in_channels"]
+
+    def output_channels(self, config: Mapping) -> int:
+        """Channels of the prediction the loss sees (a learned variance's included)."""
+        return config.get("out_channels") or config["in_channels"]
+
+    def latent_patch(self, config: Mapping) -> int:
+        """Latent pixels per side of one image token."""
+        return config.get("patch_size", 1)
+
+    def text_width(self, config: Mapping) -> int:
+        """Width of the text embeddings the transformer consumes."""
+        return config["caption_channels"]
+
+    def cache_problems(self, spec: CacheSpec, config: Mapping) -> list[str]:
+        """What in a cache's spec this transformer cannot take (family, latent channels, text layout and widths),
+        one line each; bucket sizes against `latent_patch` are checked by the caller."""
+        problems = []
+        if spec.family and spec.family != self.name:
+            problems.append(f"family: cache {spec.family!r}, model {self.name!r}")
+        channels = self.latent_channels(config)
+        if spec.latent.channels != channels:
+            problems.append(f"latent channels: cache {spec.latent.channels}, model {self.channels_name()} {channels}")
+        if spec.text.layout != self.text.layout:  # widths of another layout mean nothing to this model: not compared
+            from train.families import layout_description
+
+            problems.append(f"text layout: cache {spec.text.layout!r} ({layout_description(spec.text.layout)}), model "
+                            f"{self.name} takes {self.text.layout!r} ({layout_description(self.text.layout)})")
+        else:
+            problems += self.text.problems(spec.text, config, self)
+        return problems
+
+    def channels_name(self) -> str:
+        """What the transformer's config calls its latent channels, for messages."""
+        return "in_channels"
+
+    # --- the objective ---
+
+    def mu(self, image_tokens: int) -> float:
+        """The dynamic shift's mu for an image of `image_tokens` tokens (shift = exp(mu)), as the family's pipeline
+        computes it; only for presets with `dynamic_shift`."""
+        raise NotImplementedError(f"{self.title} has no dynamic shift")
+
+    # --- the transformer's call ---
+
+    def forward(self, model, config: Mapping, xt: torch.Tensor, t: torch.Tensor, batch: dict,
+                guidance: float | None) -> torch.Tensor:
+        """The transformer's prediction (B, C, h, w) as the family's pipeline calls it, from noisy latents `xt`
+        (B, C, h, w) as the cache stores them, timesteps `t` (B,) in [0, 1000] (flow: 1000 sigma) and a batch of
+        `TextInput.collate`'s fields (packing, position ids, masks and timestep scaling happen here). `guidance`:
+        the value of a guidance-distilled model's guidance embedding. `model` may be a DDP wrapper; `config` is
+        the transformer's. Default: `masked_call`."""
+        return masked_call(model, xt, t, batch)
+
+    def example_batch(self, config: Mapping, preset: ModelPreset, bucket: tuple[int, int], batch: int, tokens: int,
+                      dtype: torch.dtype, device: torch.device | str = "meta") -> dict[str, torch.Tensor]:
+        """A batch of `batch` samples of the bucket (height, width) in pixels with `tokens` caption tokens, zeros on
+        `device` (the planner traces `forward` with it): `latents` (B, C, h, w) and the text fields."""
+        down = preset.latent_downsample
+        latents = torch.zeros(batch, self.latent_channels(config), bucket[0] // down, bucket[1] // down, device=device,
+                              dtype=dtype)
+        return {"latents": latents, **self.text.example(config, self, batch, tokens, dtype, device)}
+
+    def image_tokens(self, config: Mapping, preset: ModelPreset, bucket: tuple[int, int]) -> int:
+        """Tokens of one image of the bucket in the transformer's sequence."""
+        per_token = preset.latent_downsample * self.latent_patch(config)
+        return (bucket[0] // per_token) * (bucket[1] // per_token)
+
+    # --- validation ---
+
+    def sampling_scheduler(self, objective, pixels: int):
+        """The family's inference scheduler for a bucket of `pixels`, set up as training defined the noise."""
+        from train.objectives import DDPM, FlowMatching
+
+        if isinstance(objective, FlowMatching):
+            from diffusers import FlowMatchEulerDiscreteScheduler
+
+            return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=objective.shift_at(pixels))
+        if isinstance(objective, DDPM):
+            from diffusers import DPMSolverMultistepScheduler
+
+            return DPMSolverMultistepScheduler.from_config(objective.scheduler.config)
+        raise TypeError(f"no sampler for {type(objective).__name__}")
+
+    def set_timesteps(self, scheduler, objective, steps: int, pixels: int, device: torch.device) -> None:
+        """The scheduler's `steps` timesteps, as the family's pipeline sets them."""
+        scheduler.set_timesteps(steps, device=device)
+
+    def denoise(self, forward: Callable, scheduler, latents: torch.Tensor, text: dict, *, guidance: float,
+                channels: int, autocast) -> torch.Tensor:
+        """Run the sampler from noise `latents` (1, C, h, w): classifier-free guidance over `text`, a batch of two
+        captions (the null caption, then the prompt), combined by `combine`; returns the final latents."""
+        for t in scheduler.timesteps:
+            x = torch.cat([latents, latents])
+            if hasattr(scheduler, "scale_model_input"):
+                x = scheduler.scale_model_input(x, t)
+            with autocast:
+                pred = forward(x, t.expand(2), text).float()
+            uncond, cond = pred[:, :channels].chunk(2)  # learned-sigma models append variance channels
+            latents = scheduler.step(self.combine(uncond, cond, guidance), t, latents).prev_sample
+        return latents
+
+    def combine(self, uncond: torch.Tensor, cond: torch.Tensor, guidance: float) -> torch.Tensor:
+        """Classifier-free guidance of the two predictions."""
+        return uncond + guidance * (cond - uncond)
+
+    # --- LoRA and export ---
+
+    def save_adapter(self, directory: Path, state: dict[str, torch.Tensor], config, lora_format: str, fold: bool) -> Path:
+        """Write adapters (`<module>.lora_A.weight` -> tensor) in `lora_format` (one of `lora_formats`) as the
+        family's pipeline loads them; returns the file. Default: the pipeline's `save_lora_weights` file."""
+        from train import lora
+
+        return lora.save_diffusers(directory, self.pipeline_class(), state, config, fold)
+
+    def lora_usage(self, location: str, weight_name: str | None) -> tuple[list[str], list[str]]:
+        """(imports, statements) that load exported adapters into `pipe`, the family's pipeline."""
+        name = f', weight_name="{weight_name}"' if weight_name else ""
+        return [], [f'pipe.load_lora_weights("{location}"{name})']
+
+    def tags(self) -> list[str]:
+        """The export card's tags naming the family."""
+        return [self.name, f"{self.name}-diffusers"]

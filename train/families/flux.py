@@ -1,0 +1,163 @@
+"""Flux.1: double- then single-stream blocks over every T5 token (no mask) and the latents packed into 2 x 2 patches,
+pooled CLIP-L; flow matching whose shift follows the image's sequence length (FLUX.1-dev, guidance-distilled: the
+guidance value goes into its guidance embedding) or none (FLUX.1-schnell, timestep-distilled). Sampled as FluxPipeline
+samples: its sigmas and mu, one pass per step, no classifier-free guidance. Adapters in diffusers' or kohya's layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from train.families.base import ATTENTION, TEXT_STREAM, Family, ModelPreset, TextInput
+
+# Flux.1-dev's features at CPU size: double- and single-stream blocks, 3-axis RoPE (the axes sum to the head width),
+# the guidance embedding; the text and pooled widths of tiny-sd3's encoders.
+TINY = dict(
+    patch_size=1, in_channels=64, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32, pooled_projection_dim=24, guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+)
+# Parameter counts of the published encoder configs. Its VAE is SD3's architecture (16 channels, no quant convs; its
+# own weights, shift and scaling); CLIP-L without the projection (CLIPTextModel)
+ENCODERS = {"Flux VAE (AutoencoderKL)": 83_819_683, "CLIP-L": 123_060_480, "T5-v1.1-XXL encoder": 4_762_310_656}
+
+
+class FluxText(TextInput):
+    """"flux": per caption `text`, every T5 token padding included (Flux attends to the padding without a mask, so it
+    is part of the input), and `pooled`, CLIP-L's pooled output."""
+
+    layout = "flux"
+    description = "every T5 token and CLIP-L's pooled vector"
+
+    def caption(self, spec, fields, pick=0):
+        return {**super().caption(spec, fields, pick), "pooled": fields["pooled"][pick]}
+
+    def collate(self, spec, conds):
+        """`text` (B, L, D) (every caption holds every T5 token: nothing is padded) and `pooled` (B, D_pooled)."""
+        return {**super().collate(spec, conds), "pooled": torch.stack([c["pooled"] for c in conds])}
+
+    def problems(self, spec, config, family):
+        problems = []
+        if spec.t5_width != config.get("joint_attention_dim"):
+            problems.append(f"T5 width: cache {spec.t5_width}, model joint_attention_dim {config.get('joint_attention_dim')}")
+        if spec.pooled_width != config.get("pooled_projection_dim"):
+            problems.append(f"pooled width: cache {spec.pooled_width}, model pooled_projection_dim {config.get('pooled_projection_dim')}")
+        return problems
+
+    def example(self, config, family, batch, tokens, dtype, device="meta"):
+        return {"text": torch.zeros(batch, tokens, family.text_width(config), device=device, dtype=dtype),
+                "pooled": torch.zeros(batch, config["pooled_projection_dim"], device=device, dtype=dtype)}
+
+
+def preset(name: str, family: str, repo: str, config: str, **kwargs) -> ModelPreset:
+    return ModelPreset(name, family, repo, config, "flow", "flow", encoder_parameters=ENCODERS, released_dtype="bf16", **kwargs)
+
+
+class Flux(Family):
+    name = "flux"
+    title = "Flux"
+    transformer = "FluxTransformer2DModel"
+    pipeline = "FluxPipeline"
+    text = FluxText()
+    # diffusers' train_dreambooth_lora_flux.py: both streams' attention (q, k, v of the single-stream blocks too, which
+    # have no output projection) and the double-stream blocks' feed-forwards, image and text
+    lora_targets = ATTENTION + TEXT_STREAM + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+    lora_formats = ("diffusers", "kohya")
+    # the empty caption, what FluxPipeline encodes for an empty prompt and true-CFG's negative prompt: zeroed T5 tokens
+    # and pooled vector are no input its pipeline ever builds
+    null_caption = "empty"
+    no_controlnet = ("--controlnet trains the ControlNets of the families that have one here; Flux ControlNet training "
+                     "(FluxControlNetModel beside the packed latents) is not built yet")
+
+    def presets(self):
+        # dev shifts by the image's sequence length; schnell samples unshifted (its scheduler: shift 1, no dynamic
+        # shifting); validation as FluxPipeline's defaults (dev: 28 steps at distilled guidance 3.5; schnell: the 4
+        # steps it was distilled for, no guidance)
+        return {
+            "flux-dev": lambda: preset("flux-dev", self.name, "black-forest-labs/FLUX.1-dev", "flux_dev_transformer.json",
+                                       dynamic_shift=True, text_tokens=512, validation_steps=28, guidance_scale=3.5),
+            "flux-schnell": lambda: preset("flux-schnell", self.name, "black-forest-labs/FLUX.1-schnell",
+                                           "flux_schnell_transformer.json", text_tokens=256, validation_steps=4,
+                                           guidance_scale=0.0),
+            "tiny-flux": lambda: ModelPreset("tiny-flux", self.name, None, TINY, "flow", "flow", dynamic_shift=True,
+                                             base_resolution=256, text_tokens=32, guidance_scale=3.5),
+        }
+
+    def blocks(self, model):
+        return list(model.transformer_blocks) + list(model.single_transformer_blocks)
+
+    def latent_channels(self, config: Mapping) -> int:
+        return config["in_channels"] // 4  # in_channels count the 2 x 2 packed patch
+
+    def channels_name(self) -> str:
+        return "in_channels / 4 (2 x 2 packed)"
+
+    def output_channels(self, config: Mapping) -> int:
+        return self.latent_channels(config)  # unpacked back to the latent's
+
+    def latent_patch(self, config: Mapping) -> int:
+        return 2
+
+    def text_width(self, config: Mapping) -> int:
+        return config["joint_attention_dim"]
+
+    def mu(self, image_tokens: int) -> float:
+        """calculate_shift with diffusers' defaults (FLUX.1's scheduler config: 256 -> 0.5, 4096 -> 1.15)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        return calculate_shift(image_tokens)
+
+    def forward(self, model, config, xt, t, batch, guidance):
+        """As FluxPipeline calls it: the latents packed into 2 x 2 patches (B, h/2 * w/2, 4C) with their position ids,
+        every T5 token with zero ids, the pooled CLIP-L vector, the timestep as sigma (t / 1000) and, for guidance-
+        distilled models, the guidance (B,); the prediction unpacked to (B, C, h, w)."""
+        from diffusers import FluxPipeline
+
+        b, c, h, w = xt.shape
+        packed = FluxPipeline._pack_latents(xt, b, c, h, w)
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, xt.device, xt.dtype)  # (h/2 * w/2, 3)
+        text = batch["text"].to(xt.dtype)  # (B, L, D): every token, padding included
+        txt_ids = torch.zeros(text.shape[1], 3, device=xt.device, dtype=xt.dtype)
+        g = None
+        if config["guidance_embeds"]:
+            if guidance is None:
+                raise ValueError("this Flux transformer embeds a guidance value (FLUX.1-dev): give one (--guidance-scale-train)")
+            g = torch.full((b,), float(guidance), device=xt.device, dtype=torch.float32)
+        out = model(hidden_states=packed, encoder_hidden_states=text, pooled_projections=batch["pooled"].to(xt.dtype),
+                    timestep=t / 1000, img_ids=img_ids, txt_ids=txt_ids, guidance=g, return_dict=False)[0]
+        return FluxPipeline._unpack_latents(out, h, w, 1)  # sizes given in latent pixels: a scale factor of 1
+
+    def sampling_scheduler(self, objective, pixels):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        # FLUX.1's scheduler: the dynamic (exponential) shift from mu, or a fixed shift (schnell's is 1)
+        if objective.dynamic_shift:
+            return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, use_dynamic_shifting=True,
+                                                   time_shift_type="exponential")
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=objective.shift_at(pixels))
+
+    def set_timesteps(self, scheduler, objective, steps, pixels, device):
+        # FluxPipeline's sigmas, shifted by mu of the image's sequence length when dynamic
+        mu = objective.mu(pixels) if objective.dynamic_shift else None
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu, device=device)
+
+    def denoise(self, forward, scheduler, latents, text, *, guidance, channels, autocast):
+        # guidance-distilled or timestep-distilled: one pass on the caption, no null half
+        text = {k: v[1:] if isinstance(v, torch.Tensor) else v for k, v in text.items()}
+        for t in scheduler.timesteps:
+            with autocast:
+                pred = forward(latents, t.expand(1), text).float()
+            latents = scheduler.step(pred, t, latents).prev_sample
+        return latents
+
+    def save_adapter(self, directory: Path, state, config, lora_format, fold):
+        if lora_format == "kohya":
+            from train.families import flux_kohya
+
+            return flux_kohya.save(directory, state, config)
+        return super().save_adapter(directory, state, config, lora_format, fold)
+
+
+FAMILY = Flux()
