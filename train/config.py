@@ -1,11 +1,16 @@
-"""Every option of a training run, in one typed dataclass: its default, its choices and its help.
+"""Every option of a training run, in typed dataclasses, one per concern: each option's default, choices and help,
+and each concern's rules beside its fields.
 
-`python -m train --help` is built from these fields: a `Literal` type is the list of valid values
-(typer rejects anything else, as `TrainConfig` does when built in code), and `help` is the text shown.
+`TrainConfig` is all of them (its fields are the concerns' fields, `cfg.lr` as ever); the memory planner's
+`PlanConfig` is the model, memory and parallelism concerns, so a flag both take is declared and checked once.
+`python -m train --help` is built from the fields: a `Literal` type is the list of valid values (typer rejects
+anything else, as the configs do when built in code), and `help` is the text shown. A concern's `check` may read
+the fields of the concerns it names; every config that holds it holds those too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -13,28 +18,216 @@ from typing import Literal
 from shards.options import SEED_MAX, Dtype, check_options, opt
 
 Optimizer = Literal["adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit"]
-# diffusers' SD3 trainers' `--weighting_scheme`: it sets the timestep density and the loss weight together
+# diffusers' flow-matching trainers' `--weighting_scheme`: it sets the timestep density and the loss weight together
 WeightingScheme = Literal["logit_normal", "mode", "sigma_sqrt", "cosmap", "none"]
-# SD3's mode density maps [0, 1] onto itself monotonically only for scales in [-1, 2 / (pi - 2) = 1.752...]
+# the mode density maps [0, 1] onto itself monotonically only for scales in [-1, 2 / (pi - 2) = 1.752...]
 MODE_SCALE_MAX = 1.75
 
 
+def shared(cls, name: str, help: str | None = None, **changes) -> dataclasses.Field:
+    """Field `name` of concern `cls` for a config that takes that one option of the concern: the same default,
+    range and help (`help`: other words, e.g. the planner's)."""
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    metadata = {**f.metadata, **({"help": help} if help else {})}
+    if f.default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=f.default_factory, metadata=metadata, **changes)
+    return dataclasses.field(default=f.default, metadata=metadata, **changes)
+
+
+def frozen_base_rule(what: str) -> str:
+    return (f"{what} applies to a frozen transformer: train LoRA adapters (--lora-rank) or a ControlNet (--controlnet) on "
+            f"it; full fine-tuning updates every weight, which must stay on the device")
+
+
 @dataclass
-class TrainConfig:
-    """Every option of a training run; the CLI is built from it (see `python -m train --help`). A number's range is
-    declared with it (`opt(..., at_least=1)`), shown in --help and checked before anything else."""
+class ModelOptions:
+    """What trains: the preset, the weights it starts from, and LoRA adapters or a ControlNet on the frozen
+    transformer (quantized or not). Reads `precision`."""
 
     model: str = opt("tiny-sana", "Preset (see the README's table; python -m train plan --help lists them).")
+    pretrained: str | None = opt(None, "Weights to start from: a Hub id or a directory with a transformer/ subfolder (default: "
+                                       "the preset's released weights; tiny presets: seeded random weights).")
+    revision: str | None = opt(None, "Hub revision (branch, tag or commit) of the weights (default: the preset's).")
+    from_scratch: bool = opt(False, "Train the preset's architecture from random initialisation instead of released weights.")
+    lora_rank: int = opt(0, "Train LoRA adapters of this rank on the frozen transformer instead of every weight (0: full "
+                            "fine-tuning). Only the adapters get gradients and optimizer states; checkpoints hold the adapters "
+                            "alone, in the format the family's pipeline loads. --weights-dtype bf16 halves the frozen base.",
+                            at_least=0)
+    lora_alpha: float | None = opt(None, "LoRA alpha (the adapters' output is scaled by alpha / rank; default: the rank).",
+                                         above=0)
+    lora_targets: list[str] = opt([], "Module names to adapt (repeatable, matched by suffix; default: the family's, the "
+                                      "attention q/k/v/out projections of its image and text streams).")
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input.", at_least=0, below=1)
+    controlnet: bool = opt(False, "Train a ControlNet (families with a ControlNet in diffusers) on the cache's control latents "
+                                  "(stage one's --control) beside the frozen transformer: only the ControlNet gets gradients, "
+                                  "optimizer states and EMA; checkpoints and export hold it alone, in diffusers layout "
+                                  "(controlnet/). --weights-dtype sets the frozen transformer's dtype; the ControlNet trains in "
+                                  "fp32.")
+    controlnet_layers: int | None = opt(None, "Transformer blocks a new ControlNet copies (default: the family's, as its "
+                                              "reference ControlNet trainer builds it; fewer where the transformer cannot "
+                                              "take that many residuals).", at_least=1)
+    pretrained_controlnet: str | None = opt(None, "Continue training this ControlNet instead of a new one: a directory or Hub "
+                                                  "id (its controlnet/ subfolder if it has one). Implies --controlnet.")
+    controlnet_conditioning_scale: float = opt(1.0, "Scale of the ControlNet's residuals in training (the pipelines' "
+                                                    "controlnet_conditioning_scale; applied on resume when changed).",
+                                                    at_least=0)
+    base_quant: Literal["none", "int8", "fp8", "nf4"] = opt(
+        "none", "Keep the frozen transformer of a LoRA or ControlNet run quantized: its Linear weights in int8 or fp8 (torchao "
+                "weight-only, on any device) or nf4 (bitsandbytes 4-bit, CUDA); pip install 'cachedit[quant]'; norms, biases "
+                "and embeddings in bf16 (whatever --weights-dtype says). The adapters or ControlNet train in fp32 as usual and "
+                "export unchanged. Pair it with --grad-checkpointing: the quantized layers keep a bf16 copy of each weight "
+                "for the backward pass (python -m train plan shows both).")
+
+    def check(self) -> None:
+        from train.presets import PRESETS, get_preset
+
+        if self.model not in PRESETS:
+            raise ValueError(f"--model {self.model!r}: choose one of {', '.join(PRESETS)}")
+        if self.pretrained_controlnet:
+            self.controlnet = True
+        if self.controlnet:
+            from train.controlnet import controlnet_class
+
+            controlnet_class(get_preset(self.model).family)  # refuses a family without a ControlNet, saying why
+        if self.controlnet and self.lora_rank:
+            raise ValueError("--controlnet with --lora-rank: a ControlNet run trains the ControlNet alone beside the frozen "
+                             "transformer; LoRA adapters on that transformer would be a second trained model, which its "
+                             "checkpoints, export and the ControlNet pipelines do not carry. Train them in separate runs, "
+                             "not both in one.")
+        if self.controlnet and self.from_scratch:
+            raise ValueError("a ControlNet steers a trained transformer; with --from-scratch the frozen transformer would be "
+                             "random. Drop --from-scratch (the preset's released weights load by default).")
+        if self.controlnet_layers is not None and (not self.controlnet or self.pretrained_controlnet):
+            raise ValueError(f"--controlnet-layers {self.controlnet_layers}: the depth of a new ControlNet, with "
+                             f"--controlnet and without --pretrained-controlnet (which has its own)")
+        if self.base_quant != "none" and not self.frozen_base:
+            raise ValueError(frozen_base_rule("--base-quant"))
+        if self.base_quant != "none" and self.precision != "bf16":
+            raise ValueError(f"--base-quant {self.base_quant} computes in bf16 (its kernels' dtype): use --precision bf16")
+        if self.lora_rank and self.from_scratch:
+            raise ValueError("LoRA adapts released weights; with --from-scratch the frozen base would be random. Drop "
+                             "--from-scratch (the preset's released weights load by default) or train every weight (--lora-rank 0).")
+        if self.from_scratch and self.pretrained:
+            raise ValueError("--from-scratch and --pretrained contradict each other: choose one")
+
+    @property
+    def frozen_base(self) -> bool:
+        """The transformer is frozen (LoRA or ControlNet): --weights-dtype is then its dtype."""
+        return bool(self.lora_rank or self.controlnet)
+
+
+@dataclass
+class MemoryOptions:
+    """Where the bytes go: precisions, recomputation, the frozen blocks swapped to CPU memory, offloading.
+    Reads `ModelOptions`."""
+
+    precision: Dtype = opt("bf16", "Autocast precision: fp32, bf16 or fp16 (with a GradScaler). Changing it on resume keeps "
+                                   "weights and optimizer moments and drops the scaler.")
+    weights_dtype: Literal["fp32", "bf16"] = opt("fp32", "fp32 master weights, or bf16 weights (half the weight, gradient and "
+                                                         "moment memory; full fine-tuning needs --optimizer adamw-bf16, whose "
+                                                         "stochastic rounding keeps updates smaller than bf16's step). LoRA: the "
+                                                         "frozen base's dtype. The EMA stays fp32.")
+    grad_checkpointing: str = opt("off", "Recompute activations in the backward pass to save memory: off, all, or every-K "
+                                         "(every K-th transformer block).")
+    blocks_to_swap: int = opt(0, "Keep the frozen weights of this many transformer blocks (the last ones) in pinned CPU memory "
+                                 "and bring each to the device just ahead of its use, forward and backward (a side CUDA "
+                                 "stream, one block ahead); those blocks are recomputed in backward (gradient checkpointing). "
+                                 "LoRA and ControlNet runs. Losses are identical to a run without it.", at_least=0)
+    fsdp_cpu_offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP's "
+                                        "CPUOffloadPolicy; CUDA only).")
+    ema_device: Literal["device", "cpu"] = opt("device", "Keep the EMA on the training device, or on the CPU (pinned; each update "
+                                                         "copies the weights there first).")
+
+    def check(self) -> None:
+        if self.weights_dtype == "bf16" and self.precision != "bf16":
+            raise ValueError(f"--weights-dtype bf16 trains in bf16; --precision {self.precision} needs --weights-dtype fp32")
+        if self.blocks_to_swap and not self.frozen_base:
+            raise ValueError(frozen_base_rule("--blocks-to-swap"))
+        if self.blocks_to_swap and self.base_quant == "nf4":
+            raise ValueError("--blocks-to-swap with --base-quant nf4: bitsandbytes' 4-bit weights keep their quantization "
+                             "state beside the tensor, which the swap does not carry; use --base-quant int8 or fp8 with "
+                             "block swapping, or nf4 alone")
+        self.checkpoint_every_k()  # validates the spelling
+
+    def checkpoint_every_k(self) -> int:
+        """0: no gradient checkpointing; 1: every block; K: every K-th block."""
+        return parse_checkpointing(self.grad_checkpointing)
+
+
+@dataclass
+class ParallelOptions:
+    """How several processes share the work (under torchrun). Reads `ModelOptions`."""
+
+    parallel: Literal["auto", "ddp", "fsdp"] = opt("auto", "Under torchrun: ddp (replicated weights; auto picks it) or fsdp "
+                                                           "(FSDP2: weights, gradients and optimizer states sharded per block).")
+    fsdp_block: str | None = opt(None, "Class name of the modules FSDP shards one by one (default: the model's transformer blocks).")
+    fsdp_reshard: bool = opt(True, "Free each block's gathered weights after its forward (ZeRO-3-like, least memory); "
+                                   "--no-fsdp-reshard keeps them until backward (ZeRO-2-like, less communication).")
+
+    def check(self) -> None:
+        if self.parallel == "fsdp" and self.lora_rank:
+            raise ValueError("LoRA trains with the frozen base replicated on every GPU: use --parallel ddp (the default)")
+        if self.parallel == "fsdp" and self.controlnet:
+            raise ValueError("--controlnet trains with the frozen transformer and the ControlNet replicated on every GPU (DDP "
+                             "wraps the ControlNet alone): use --parallel ddp (the default)")
+
+
+@dataclass
+class DataOptions:
+    """What a step reads: the caches, the batches and their buckets, caption dropout, and the loader. Reads `model`."""
+
     cache: list[str] = opt([], "Cache built by `make precompute` for this model: a directory (default: cache/MODEL) or a URL "
                                "of object storage (s3://, gs://, hf://... through fsspec; its shards are downloaded to "
                                "--local-cache ahead of need). Repeat it to train from several caches of the same family "
                                "and encoders (e.g. a 512 and a 1024 cache); the first one's prompts validate.")
     cache_weight: list[float] = opt([], "With several --cache: each one's share of every epoch, in their order (default: "
                                         "every cache's samples drawn as its sources' repeats and weights say).", above=0)
-    run: Path | None = opt(None, "Run directory: checkpoints, metrics.jsonl, loss.png (default: runs/MODEL).")
-    steps: int = opt(200, "Total optimizer steps of the run; a resumed run continues until it.", at_least=1)
     batch_size: int = opt(8, "Samples per batch on each process (all from one bucket).", at_least=1)
+    remainder: Literal["repeat", "drop"] = opt("repeat", "Incomplete batches: repeat (complete them with samples of the same "
+                                                         "bucket) or drop.")
+    shuffle_shards: int = opt(4, "Shards whose samples are shuffled together: each epoch shuffles a bucket's shards and groups "
+                                 "them by this many, so a batch reads from a few shards and every shard is read whole, once "
+                                 "per epoch, ahead of need (cold or remote storage). Larger: closer to a full shuffle, more "
+                                 "read ahead per bucket.", at_least=1)
+    caption_dropout: float = opt(0.1, "Probability of dropping the caption (see --caption-dropout-embedding).",
+                                      at_least=0, at_most=1)
+    caption_dropout_embedding: Literal["auto", "empty", "zeros"] = opt(
+        "auto", "What a dropped caption becomes: auto (the family's: zeroed embeddings where it was trained so, the cached "
+                "empty caption otherwise and for every ControlNet), empty or zeros.")
+    workers: int = opt(1, "Background threads that read, collate and pin batches ahead of the step, for the whole run; 0 "
+                          "builds each batch in the training thread (the same batches, synchronously).", at_least=0)
+    prefetch: int = opt(4, "Batches kept ready ahead of the step (a bound on the data path's memory).", at_least=1)
+    readahead: int = opt(64, "Batches of the data order looked ahead by an I/O thread, which reads the shard ranges they need "
+                             "(downloads their shards, for a remote cache) before the batch is built; 0: off.",
+                             at_least=0)
+    local_cache: Path | None = opt(None, "Where the shards of a remote --cache are kept (default: ~/.cache/cachedit/<bucket and "
+                                         "path of the URL>).")
+    local_cache_gb: float = opt(100.0, "Disk space the shards in --local-cache may take; least recently used are removed first.",
+                                       above=0)
+    check_digests: bool = opt(True, "Check every sample read against the digest stored with it; a mismatch stops the run "
+                                    "after a checkpoint, naming the shard and the repair command.")
+
+    def check(self) -> None:
+        given = [self.cache] if isinstance(self.cache, (str, Path)) else list(self.cache or [])
+        # a URL stays a string (Path would fold its "//")
+        self.cache = [c if "://" in str(c) else Path(c) for c in given] or [Path("cache") / self.model]
+        if self.cache_weight and len(self.cache_weight) != len(self.cache):
+            raise ValueError(f"--cache-weight: {len(self.cache_weight)} weights for {len(self.cache)} caches; give one per --cache")
+        if len({str(c) for c in self.cache}) != len(self.cache):
+            raise ValueError(f"--cache names {self.cache[0]} twice; give each cache once (--cache-weight sets shares)")
+        self.cache_weight = list(self.cache_weight)
+
+
+@dataclass
+class OptimizerOptions:
+    """How the trained weights move: the optimizer, the learning-rate schedule, clipping and the EMA. Reads
+    `ModelOptions` and `weights_dtype`."""
+
+    steps: int = opt(200, "Total optimizer steps of the run; a resumed run continues until it.", at_least=1)
     grad_accum: int = opt(1, "Micro-batches per optimizer step.", at_least=1)
+    optimizer: Optimizer = opt("adamw", "adamw (fused on CUDA); adamw-bf16: bf16 moments with stochastic rounding, for "
+                                        "--weights-dtype bf16 (torchao); came (CAME, came-pytorch); adafactor; adamw-8bit "
+                                        "(CUDA, bitsandbytes: pip install 'cachedit[8bit]').")
     lr: float = opt(1e-4, "Peak learning rate. A resumed run given another value applies it from its step (logged).",
                           above=0)
     warmup_steps: int = opt(0, "Linear warm-up steps (applied on resume when changed).", at_least=0)
@@ -45,95 +238,71 @@ class TrainConfig:
     lr_power: float = opt(1.0, "polynomial: the decay's power (1: linear).", above=0)
     lr_end: float = opt(1e-7, "polynomial: the learning rate at --steps.", at_least=0)
     weight_decay: float = opt(0.0, "Weight decay (applied on resume when changed).", at_least=0)
-    optimizer: Optimizer = opt("adamw", "adamw (fused on CUDA); adamw-bf16: bf16 moments with stochastic rounding, for "
-                                        "--weights-dtype bf16 (torchao); came (Sana's); adafactor; adamw-8bit (CUDA, bitsandbytes: "
-                                        "pip install 'cachedit[8bit]').")
-    precision: Dtype = opt("bf16", "Autocast precision: fp32, bf16 or fp16 (with a GradScaler). Changing it on resume keeps "
-                                       "weights and optimizer moments and drops the scaler.")
-    weights_dtype: Literal["fp32", "bf16"] = opt("fp32", "fp32 master weights, or bf16 weights (half the weight, gradient and "
-                                                         "moment memory; full fine-tuning needs --optimizer adamw-bf16, whose "
-                                                         "stochastic rounding keeps updates smaller than bf16's step). LoRA: the "
-                                                         "frozen base's dtype. The EMA stays fp32.")
     grad_clip: float = opt(1.0, "Clip the gradient norm to this (0: off).", at_least=0)
-    grad_checkpointing: str = opt("off", "Recompute activations in the backward pass to save memory: off, all, or every-K "
-                                         "(every K-th transformer block).")
-    pretrained: str | None = opt(None, "Weights to start from: a Hub id or a directory with a transformer/ subfolder (default: "
-                                       "the preset's released weights; tiny presets: seeded random weights).")
-    revision: str | None = opt(None, "Hub revision (branch, tag or commit) of the weights (default: the preset's).")
-    from_scratch: bool = opt(False, "Train the preset's architecture from random initialisation instead of released weights.")
-    seed: int = opt(0, "Seed of fresh weights, data order and noise.", at_least=0, at_most=SEED_MAX)
-    caption_dropout: float = opt(0.1, "Probability of dropping the caption (see --caption-dropout-embedding).",
-                                      at_least=0, at_most=1)
-    caption_dropout_embedding: Literal["auto", "empty", "zeros"] = opt(
-        "auto", "What a dropped caption becomes: auto (zeroed embeddings for SD3, as it was trained; the cached empty caption "
-                "for PixArt and Sana), empty or zeros.")
-    remainder: Literal["repeat", "drop"] = opt("repeat", "Incomplete batches: repeat (complete them with samples of the same "
-                                                         "bucket) or drop.")
+    max_bad_steps: int = opt(5, "Abort after this many non-finite steps in a row.", at_least=1)
+    ema_decay: float = opt(0.0, "EMA decay of the trained weights (0: no EMA; applied on resume when changed).",
+                                at_least=0, below=1)
+    ema_every: int = opt(1, "Update the EMA every N steps.", at_least=1)
+
+    def check(self) -> None:
+        if self.controlnet and self.optimizer == "adamw-bf16":
+            raise ValueError("the ControlNet trains in fp32 (--weights-dtype sets the frozen transformer's dtype); choose "
+                             "adamw, came or adafactor")
+        if self.optimizer == "adamw-bf16" and self.weights_dtype != "bf16" and not self.lora_rank:
+            raise ValueError("--optimizer adamw-bf16 keeps bf16 states for bf16 weights; add --weights-dtype bf16 "
+                             "(or choose adamw for fp32 master weights)")
+        if self.weights_dtype == "bf16" and not self.frozen_base and self.optimizer != "adamw-bf16":
+            raise ValueError(f"full fine-tuning with --weights-dtype bf16 and --optimizer {self.optimizer}: each update is rounded "
+                             f"to the nearest bf16 value, so updates smaller than half a bf16 step (lr x 1 against weights "
+                             f"around 1 lose everything below 2^-9) vanish and training silently stalls. Use --optimizer "
+                             f"adamw-bf16 (stochastic rounding keeps them in expectation) or --weights-dtype fp32.")
+        if self.lora_rank and self.optimizer == "adamw-bf16":
+            raise ValueError("LoRA adapters train in fp32 (--weights-dtype sets the frozen base's dtype); choose adamw, came or adafactor")
+        if self.lr_schedule == "polynomial" and self.lr_end >= self.lr:
+            raise ValueError(f"--lr-end {self.lr_end:g} must be below --lr {self.lr:g} for a polynomial decay")
+
+
+@dataclass
+class ObjectiveOptions:
+    """What the loss is: the timestep density, its weights and the family's objective parameters."""
+
     weighting_scheme: WeightingScheme = opt(
-        "logit_normal", "Flow matching, as diffusers' SD3 trainers name it: the timestep density and the loss weight together. "
-                        "logit_normal (SD3's default) and mode draw timesteps from those densities with unit weights; sigma_sqrt "
-                        "(weight 1/sigma^2) and cosmap draw them uniformly and weight the loss; none: uniform, unit weights.")
+        "logit_normal", "Flow matching, as diffusers' flow-matching trainers name it: the timestep density and the loss weight "
+                        "together. logit_normal (their default) and mode draw timesteps from those densities with unit weights; "
+                        "sigma_sqrt (weight 1/sigma^2) and cosmap draw them uniformly and weight the loss; none: uniform, unit "
+                        "weights.")
     logit_mean: float = opt(0.0, "Mean of the logit_normal timestep density.")
     logit_std: float = opt(1.0, "Standard deviation of the logit_normal timestep density.", above=0)
     mode_scale: float = opt(1.29, "Scale of the mode timestep density.", at_least=-1, at_most=MODE_SCALE_MAX)
     precondition_outputs: bool | None = opt(
         None, "Flow matching: turn the prediction into an x0 estimate (x_t - sigma * v) and take the loss against the clean "
-              "latent, as diffusers' SD3 trainers do (default: on for SD3, off for Sana). Without it sigma_sqrt is refused: "
+              "latent, as diffusers' trainers of some families do (default: the family's). Without it sigma_sqrt is refused: "
               "1/sigma^2 on the velocity loss lets a few low-noise samples outweigh the rest a million-fold.")
     flow_shift: float | None = opt(None, "Flow matching timestep shift (default: the preset's).", above=0)
     resolution_shift: bool = opt(False, "Scale the shift with each bucket's resolution.")
     learned_variance: bool | None = opt(
-        None, "DDPM models with variance channels (PixArt-Sigma): train them with the VLB term as PixArt-Sigma's trainer does "
-              "(learned-range sigma, mean detached). Default: on for full fine-tuning, off for LoRA (an epsilon-only loss).")
-    ema_decay: float = opt(0.0, "EMA decay of the trained weights (0: no EMA; applied on resume when changed).",
-                                at_least=0, below=1)
-    ema_every: int = opt(1, "Update the EMA every N steps.", at_least=1)
-    ema_device: Literal["device", "cpu"] = opt("device", "Keep the EMA on the training device, or on the CPU (pinned; each update "
-                                                         "copies the weights there first).")
-    workers: int = opt(1, "Background threads that read, collate and pin batches ahead of the step, for the whole run; 0 "
-                          "builds each batch in the training thread (the same batches, synchronously).", at_least=0)
-    prefetch: int = opt(4, "Batches kept ready ahead of the step (a bound on the data path's memory).", at_least=1)
-    readahead: int = opt(64, "Batches of the data order looked ahead by an I/O thread, which reads the shard ranges they need "
-                             "(downloads their shards, for a remote cache) before the batch is built; 0: off.",
-                             at_least=0)
-    shuffle_shards: int = opt(4, "Shards whose samples are shuffled together: each epoch shuffles a bucket's shards and groups "
-                                 "them by this many, so a batch reads from a few shards and every shard is read whole, once "
-                                 "per epoch, ahead of need (cold or remote storage). Larger: closer to a full shuffle, more "
-                                 "read ahead per bucket.", at_least=1)
-    local_cache: Path | None = opt(None, "Where the shards of a remote --cache are kept (default: ~/.cache/cachedit/<bucket and "
-                                         "path of the URL>).")
-    local_cache_gb: float = opt(100.0, "Disk space the shards in --local-cache may take; least recently used are removed first.",
-                                       above=0)
-    check_digests: bool = opt(True, "Check every sample read against the digest stored with it; a mismatch stops the run "
-                                    "after a checkpoint, naming the shard and the repair command.")
-    checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT; 0: only then).",
-                                     at_least=0)
-    keep_checkpoints: int = opt(3, "Keep the newest K checkpoints (0: keep every one).", at_least=0)
-    resume: str | None = opt("auto", "auto (newest complete checkpoint of the run, if any), a checkpoint directory (or "
-                                     "another run's directory: its newest), or '' to start over.")
-    log_every: int = opt(10, "Write metrics every N steps.", at_least=1)
-    max_bad_steps: int = opt(5, "Abort after this many non-finite steps in a row.", at_least=1)
-    progress: bool = opt(True, "Show the progress bar.")
-    report_to: list[str] = opt([], "Send the logged scalars, the validation grids and the run's config to a tracker: tensorboard "
-                                   "(RUN/tensorboard; pip install 'cachedit[tensorboard]') or wandb (pip install "
-                                   "'cachedit[wandb]'; WANDB_MODE=offline works without an account). Repeatable; none: "
-                                   "metrics.jsonl alone (the default; it is always written).")
-    tracker_project: str = opt("cachedit", "The tracker's project (wandb's project).")
-    tracker_run_name: str | None = opt(None, "The run's name in the tracker (default: the run directory's name).")
+        None, "DDPM models with variance channels: train them with the VLB term as their reference trainer does (learned-range "
+              "sigma, mean detached). Default: on for full fine-tuning, off for LoRA (an epsilon-only loss).")
+    guidance_scale_train: float = opt(3.5, "Models with a guidance embedding (guidance-distilled): the guidance value fed to it "
+                                           "while training, as diffusers' LoRA trainers for them (--guidance_scale 3.5).",
+                                           at_least=0)
+
+
+@dataclass
+class ValidationOptions:
+    """The grids sampled while training. Reads `model` and `controlnet`."""
+
+    validate: bool = opt(True, "Sample validation grids (--no-validate: never).")
     validation_prompt: list[str] = opt([], "Validation prompt (repeatable); its embedding must be in the cache (precompute "
                                            "--validation-prompt). Default: every prompt cached with the data.")
     validate_every: int = opt(0, "Sample a validation grid every N steps (0: only at the end).", at_least=0)
     validation_bucket: list[str] = opt([], "Bucket HxW to sample at (repeatable; default: the cache's 3 most populous).")
-    validation_steps: int | None = opt(None, "Sampler steps per validation image (default: the preset's: 20; FLUX.1-schnell 4, "
-                                             "as it was distilled for).", at_least=1)
+    validation_steps: int | None = opt(None, "Sampler steps per validation image (default: the preset's, e.g. 20; fewer for a "
+                                             "step-distilled model, as it was distilled for).", at_least=1)
     guidance_scale: float | None = opt(None, "Classifier-free guidance scale (the cached empty caption is the unconditional "
-                                             "input); default the preset's: 4.5. Flux samples without classifier-free guidance: "
-                                             "FLUX.1-dev's distilled guidance value, fed to its guidance embedding as "
-                                             "FluxPipeline's guidance_scale (default 3.5); schnell takes none.",
-                                             at_least=0)
-    guidance_scale_train: float = opt(3.5, "Flux models with a guidance embedding (FLUX.1-dev): the guidance value fed to it "
-                                           "while training, as diffusers' train_dreambooth_lora_flux.py (--guidance_scale 3.5).",
-                                           at_least=0)
+                                             "input); default: the preset's. A guidance-distilled model samples without "
+                                             "classifier-free guidance: this is the value fed to its guidance embedding, as its "
+                                             "pipeline's guidance_scale; a model without one takes none.", at_least=0)
     validation_seed: int = opt(0, "Seed of the validation noise (fixed per prompt and bucket).",
                                   at_least=0, at_most=SEED_MAX)
     validation_items: int = opt(4, "ControlNet runs: validate on this many cached dataset items, spread evenly over the cache "
@@ -141,129 +310,62 @@ class TrainConfig:
                                    "ground truth); 0: no grids.", at_least=0)
     decode_device: Literal["cpu", "device"] = opt("cpu", "Decode validation latents in a background CPU process (cpu) or on the "
                                                          "training device after releasing memory (device).")
-    validate: bool = opt(True, "Sample validation grids (--no-validate: never).")
-    dry_run: bool = opt(False, "Run one full step (forward, backward, optimizer step, a validation sample) at the cache's "
-                               "largest bucket and print its measured peak memory next to the plan; nothing is saved.")
-    parallel: Literal["auto", "ddp", "fsdp"] = opt("auto", "Under torchrun: ddp (replicated weights; auto picks it) or fsdp "
-                                                           "(FSDP2: weights, gradients and optimizer states sharded per block).")
-    fsdp_block: str | None = opt(None, "Class name of the modules FSDP shards one by one (default: the model's transformer blocks).")
-    fsdp_reshard: bool = opt(True, "Free each block's gathered weights after its forward (ZeRO-3-like, least memory); "
-                                   "--no-fsdp-reshard keeps them until backward (ZeRO-2-like, less communication).")
-    fsdp_cpu_offload: bool = opt(False, "Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP's "
-                                        "CPUOffloadPolicy; CUDA only).")
-    lora_rank: int = opt(0, "Train LoRA adapters of this rank on the frozen transformer instead of every weight (0: full "
-                            "fine-tuning). Only the adapters get gradients and optimizer states; checkpoints hold the adapters "
-                            "alone, in the format the family's pipeline loads. --weights-dtype bf16 halves the frozen base.",
-                            at_least=0)
-    lora_alpha: float | None = opt(None, "LoRA alpha (the adapters' output is scaled by alpha / rank; default: the rank).",
-                                         above=0)
-    lora_targets: list[str] = opt([], "Module names to adapt (repeatable, matched by suffix; default: attention q/k/v/out, and "
-                                      "SD3's text-stream projections).")
-    lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input.", at_least=0, below=1)
-    controlnet: bool = opt(False, "Train a ControlNet (SD3 / SD3.5, Sana) on the cache's control latents (stage one's "
-                                  "--control) beside the frozen transformer: only the ControlNet gets gradients, optimizer "
-                                  "states and EMA; checkpoints and export hold it alone, in diffusers layout (controlnet/). "
-                                  "--weights-dtype sets the frozen transformer's dtype; the ControlNet trains in fp32.")
-    controlnet_layers: int | None = opt(None, "Transformer blocks a new ControlNet copies (default: 12 for SD3, as diffusers' "
-                                              "train_controlnet_sd3.py; 7 for Sana, as Sana's ControlNet; fewer where the "
-                                              "transformer cannot take that many residuals).", at_least=1)
-    pretrained_controlnet: str | None = opt(None, "Continue training this ControlNet instead of a new one: a directory or Hub "
-                                                  "id (its controlnet/ subfolder if it has one). Implies --controlnet.")
-    base_quant: Literal["none", "int8", "fp8", "nf4"] = opt(
-        "none", "Keep the frozen transformer of a LoRA or ControlNet run quantized: its Linear weights in int8 or fp8 (torchao "
-                "weight-only, on any device) or nf4 (bitsandbytes 4-bit, CUDA); pip install 'cachedit[quant]'; norms, biases "
-                "and embeddings in bf16 (whatever --weights-dtype says). The adapters or ControlNet train in fp32 as usual and "
-                "export unchanged. Pair it with --grad-checkpointing: the quantized layers keep a bf16 copy of each weight "
-                "for the backward pass (python -m train plan shows both).")
-    blocks_to_swap: int = opt(0, "Keep the frozen weights of this many transformer blocks (the last ones) in pinned CPU memory "
-                                 "and bring each to the device just ahead of its use, forward and backward (a side CUDA "
-                                 "stream, one block ahead); those blocks are recomputed in backward (gradient checkpointing). "
-                                 "LoRA and ControlNet runs. Losses are identical to a run without it.", at_least=0)
-    controlnet_conditioning_scale: float = opt(1.0, "Scale of the ControlNet's residuals in training (the pipelines' "
-                                                    "controlnet_conditioning_scale; applied on resume when changed).",
-                                                    at_least=0)
 
-    def __post_init__(self) -> None:
-        check_options(self)
-        from train.presets import PRESETS, get_preset
-
-        if self.model not in PRESETS:
-            raise ValueError(f"--model {self.model!r}: choose one of {', '.join(PRESETS)}")
-        given = [self.cache] if isinstance(self.cache, (str, Path)) else list(self.cache or [])
-        # a URL stays a string (Path would fold its "//")
-        self.cache = [c if "://" in str(c) else Path(c) for c in given] or [Path("cache") / self.model]
-        if self.cache_weight and len(self.cache_weight) != len(self.cache):
-            raise ValueError(f"--cache-weight: {len(self.cache_weight)} weights for {len(self.cache)} caches; give one per --cache")
-        if len({str(c) for c in self.cache}) != len(self.cache):
-            raise ValueError(f"--cache names {self.cache[0]} twice; give each cache once (--cache-weight sets shares)")
-        self.cache_weight = list(self.cache_weight)
-        self.run = Path(self.run) if self.run is not None else Path("runs") / self.model
+    def check(self) -> None:
         if self.validation_steps is None or self.guidance_scale is None:  # the preset's sampling defaults
+            from train.presets import get_preset
+
             preset = get_preset(self.model)
             self.validation_steps = preset.validation_steps if self.validation_steps is None else self.validation_steps
             self.guidance_scale = preset.guidance_scale if self.guidance_scale is None else self.guidance_scale
-        if self.weights_dtype == "bf16" and self.precision != "bf16":
-            raise ValueError(f"--weights-dtype bf16 trains in bf16; --precision {self.precision} needs --weights-dtype fp32")
-        if self.pretrained_controlnet:
-            self.controlnet = True
-        if self.controlnet:
-            from train.controlnet import controlnet_class
-
-            controlnet_class(get_preset(self.model).family)  # refuses a family without a ControlNet, saying why
-        if self.controlnet and self.lora_rank:
-            raise ValueError("--controlnet with --lora-rank: a ControlNet run trains the ControlNet alone beside the frozen "
-                             "transformer; LoRA adapters on that transformer would be a second trained model, which its "
-                             "checkpoints, export and the ControlNet pipelines do not carry. Train them in separate runs.")
-        if self.controlnet and self.optimizer == "adamw-bf16":
-            raise ValueError("the ControlNet trains in fp32 (--weights-dtype sets the frozen transformer's dtype); choose "
-                             "adamw, came or adafactor")
-        if self.controlnet and self.from_scratch:
-            raise ValueError("a ControlNet steers a trained transformer; with --from-scratch the frozen transformer would be "
-                             "random. Drop --from-scratch (the preset's released weights load by default).")
-        if self.controlnet_layers is not None and (not self.controlnet or self.pretrained_controlnet):
-            raise ValueError(f"--controlnet-layers {self.controlnet_layers}: the depth of a new ControlNet, with "
-                             f"--controlnet and without --pretrained-controlnet (which has its own)")
-        frozen_base = bool(self.lora_rank or self.controlnet)  # --weights-dtype is then the frozen transformer's
-        if self.optimizer == "adamw-bf16" and self.weights_dtype != "bf16" and not self.lora_rank:
-            raise ValueError("--optimizer adamw-bf16 keeps bf16 states for bf16 weights; add --weights-dtype bf16 "
-                             "(or choose adamw for fp32 master weights)")
-        if self.weights_dtype == "bf16" and not frozen_base and self.optimizer != "adamw-bf16":
-            raise ValueError(f"full fine-tuning with --weights-dtype bf16 and --optimizer {self.optimizer}: each update is rounded "
-                             f"to the nearest bf16 value, so updates smaller than half a bf16 step (lr x 1 against weights "
-                             f"around 1 lose everything below 2^-9) vanish and training silently stalls. Use --optimizer "
-                             f"adamw-bf16 (stochastic rounding keeps them in expectation) or --weights-dtype fp32.")
-        if self.base_quant != "none" or self.blocks_to_swap:
-            what = "--base-quant" if self.base_quant != "none" else "--blocks-to-swap"
-            if not frozen_base:
-                raise ValueError(f"{what} applies to a frozen transformer: train LoRA adapters (--lora-rank) or a ControlNet "
-                                 f"(--controlnet) on it; full fine-tuning updates every weight, which must stay on the device")
-        if self.base_quant != "none" and self.precision != "bf16":
-            raise ValueError(f"--base-quant {self.base_quant} computes in bf16 (its kernels' dtype): use --precision bf16")
-        if self.blocks_to_swap and self.base_quant == "nf4":
-            raise ValueError("--blocks-to-swap with --base-quant nf4: bitsandbytes' 4-bit weights keep their quantization "
-                             "state beside the tensor, which the swap does not carry; use --base-quant int8 or fp8 with "
-                             "block swapping, or nf4 alone")
-        self.checkpoint_every_k()  # validates the spelling
-        if self.lora_rank and self.optimizer == "adamw-bf16":
-            raise ValueError("LoRA adapters train in fp32 (--weights-dtype sets the frozen base's dtype); choose adamw, came or adafactor")
-        if self.lora_rank and self.from_scratch:
-            raise ValueError("LoRA adapts released weights; with --from-scratch the frozen base would be random. Drop "
-                             "--from-scratch (the preset's released weights load by default) or train every weight (--lora-rank 0).")
-        if self.from_scratch and self.pretrained:
-            raise ValueError("--from-scratch and --pretrained contradict each other: choose one")
         if self.controlnet and (self.validation_prompt or self.validation_bucket):
             raise ValueError("a ControlNet run validates on cached dataset items (--validation-items: their control images, "
                              "captions and buckets), not on --validation-prompt / --validation-bucket: leave those out")
+
+
+@dataclass
+class RunOptions:
+    """The run itself: its directory and seed, checkpoints, resuming, logs and trackers. Reads `model`."""
+
+    run: Path | None = opt(None, "Run directory: checkpoints, metrics.jsonl, loss.png (default: runs/MODEL).")
+    seed: int = opt(0, "Seed of fresh weights, data order and noise.", at_least=0, at_most=SEED_MAX)
+    resume: str | None = opt("auto", "auto (newest complete checkpoint of the run, if any), a checkpoint directory (or "
+                                     "another run's directory: its newest), or '' to start over.")
+    checkpoint_every: int = opt(100, "Save a checkpoint every N steps (also at the end and on SIGTERM/SIGINT; 0: only then).",
+                                     at_least=0)
+    keep_checkpoints: int = opt(3, "Keep the newest K checkpoints (0: keep every one).", at_least=0)
+    dry_run: bool = opt(False, "Run one full step (forward, backward, optimizer step, a validation sample) at the cache's "
+                               "largest bucket and print its measured peak memory next to the plan; nothing is saved.")
+    log_every: int = opt(10, "Write metrics every N steps.", at_least=1)
+    progress: bool = opt(True, "Show the progress bar.")
+    report_to: list[str] = opt([], "Send the logged scalars, the validation grids and the run's config to a tracker: tensorboard "
+                                   "(RUN/tensorboard; pip install 'cachedit[tensorboard]') or wandb (pip install "
+                                   "'cachedit[wandb]'; WANDB_MODE=offline works without an account). Repeatable; none: "
+                                   "metrics.jsonl alone (the default; it is always written).")
+    tracker_project: str = opt("cachedit", "The tracker's project (wandb's project).")
+    tracker_run_name: str | None = opt(None, "The run's name in the tracker (default: the run directory's name).")
+
+    def check(self) -> None:
+        self.run = Path(self.run) if self.run is not None else Path("runs") / self.model
         self.report_to = [r for r in self.report_to if r != "none"]
         unknown = sorted(set(self.report_to) - {"tensorboard", "wandb"})
         if unknown:
             raise ValueError(f"--report-to {', '.join(unknown)}: choose none, tensorboard or wandb (repeatable)")
-        if self.lr_schedule == "polynomial" and self.lr_end >= self.lr:
-            raise ValueError(f"--lr-end {self.lr_end:g} must be below --lr {self.lr:g} for a polynomial decay")
 
-    def checkpoint_every_k(self) -> int:
-        """0: no gradient checkpointing; 1: every block; K: every K-th block."""
-        return parse_checkpointing(self.grad_checkpointing)
+
+# dataclasses collects fields from the last base to the first: --help lists the model first, the run last
+@dataclass
+class TrainConfig(RunOptions, ValidationOptions, ObjectiveOptions, OptimizerOptions, DataOptions, ParallelOptions,
+                  MemoryOptions, ModelOptions):
+    """Every option of a training run, one concern per base class; the CLI is built from it (see `python -m train
+    --help`). A number's range is declared with it (`opt(..., at_least=1)`), shown in --help and checked before
+    anything else, then each concern's rules."""
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        for concern in (ModelOptions, DataOptions, RunOptions, ValidationOptions, MemoryOptions, ParallelOptions,
+                        OptimizerOptions):
+            concern.check(self)
 
 
 def parse_checkpointing(value: str) -> int:
