@@ -14,18 +14,22 @@ from typing import Literal
 
 from precompute.folders import CAPTION_COLUMN
 from precompute.images import ImagePolicy
-from precompute.presets import PRESETS, TEXT_ENCODERS, Preset, get_preset, get_text_encoder
+from precompute.families import DEFAULT_PRESET, family
+from precompute.families.base import Preset
+from precompute.presets import get_preset, get_text_encoder, preset_names, text_encoder_names
 from precompute.sources import Source, sources_of
 from shards import bucket_table
 from shards.options import Dtype, check_options, flag, opt
 
 # Images per VAE batch. Large batches pay on GPUs; on CPUs a batch's activations fall out of the caches
-# and every image costs more (make bench: tiny-pixart 42 img/s at batch 1, 31 at 4, 21 at 8).
+# and every image costs more (make bench, its default tiny preset: 42 img/s at batch 1, 31 at 4, 21 at 8).
 DEFAULT_BATCH = {"cuda": 16, "cpu": 1}
 # Scripts written before the product had one dtype vocabulary say `--storage-dtype bfloat16`; still accepted.
 LONG_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 DtypeOption = Literal[Dtype, Literal["float32", "bfloat16", "float16"]]
 DTYPE_HELP = "fp32, bf16 or fp16 (float32, bfloat16 and float16 mean the same)"
+# Each published preset's caption token limit, for --help.
+MAX_LENGTHS = ", ".join(f"{name} {get_preset(name).text.max_length}" for name in preset_names() if not name.startswith("tiny-"))
 
 
 @dataclass
@@ -39,16 +43,16 @@ class PrecomputeConfig:
                                         "gs://, hf://; the `remote` extra installs s3fs and gcsfs); or a Hugging Face dataset on disk: a save_to_disk "
                                         "folder or parquet files (a file, a glob, a Hub snapshot folder) with columns image and text "
                                         "(the `hf` extra installs pyarrow)."})
-    model: str = opt("tiny-sana", f"Preset: {', '.join(PRESETS)}.")
+    model: str = opt(DEFAULT_PRESET, f"Preset: {', '.join(preset_names())}.")
     cache: Path | None = opt(None, "Cache directory to create or extend (default: cache/MODEL, where `make train` looks).")
-    text_encoder: str | None = opt(None, f"Override the preset's text encoder: {', '.join(TEXT_ENCODERS)}.")
-    pretrained: str | None = opt(None, "Local directory (diffusers layout: vae/, text_encoder/, tokenizer/; SD3 adds "
-                                       "text_encoder_2/3, tokenizer_2/3, Flux text_encoder_2, tokenizer_2) or Hub id to load the "
-                                       "encoders from instead of the preset's.")
-    drop_t5: bool = opt(False, "SD3 presets: leave T5 out (CLIP-L + CLIP-G only), as StableDiffusion3Pipeline does with "
-                               "text_encoder_3=None; its tokens are zeros in training and inference.")
-    max_length: int | None = opt(None, "Token limit of a caption (default: the preset's; SD3's T5 part: 256; Flux's T5: "
-                                       "512 for flux-dev, 256 for flux-schnell).", at_least=1)
+    text_encoder: str | None = opt(None, f"Override the preset's text encoder: {', '.join(text_encoder_names())}.")
+    pretrained: str | None = opt(None, "Local directory (diffusers layout: vae/, text_encoder/, tokenizer/, and the "
+                                       "family's text_encoder_2/, tokenizer_2/... where it has several text encoders) or Hub "
+                                       "id to load the encoders from instead of the preset's.")
+    drop_t5: bool = opt(False, "Presets that encode with CLIP-L + CLIP-G + T5: leave T5 out (CLIP-L + CLIP-G only), as "
+                               "their pipeline does with text_encoder_3=None; its tokens are zeros in training and inference.")
+    max_length: int | None = opt(None, "Token limit of a caption (default: the preset's; where CLIP runs beside T5, of the "
+                                       f"T5 part): {MAX_LENGTHS}.", at_least=1)
     batch_size: int | None = opt(None, f"Images per VAE batch, one bucket per batch (default: {DEFAULT_BATCH['cuda']} on CUDA, "
                                        f"{DEFAULT_BATCH['cpu']} on CPU).", at_least=1)
     text_batch_size: int = opt(64, "Captions per text-encoder batch.", at_least=1)
@@ -120,20 +124,17 @@ class PrecomputeConfig:
         listed = {s.name for s in self.sources()}
         if both := sorted(listed & set(self.remove_source)):
             raise ValueError(f"--remove-source {both[0]}: DATA lists that source too; remove it from the dataset file first")
-        if self.model not in PRESETS:
-            raise ValueError(f"--model {self.model!r}: choose one of {', '.join(PRESETS)}")
-        if self.text_encoder is not None and self.text_encoder not in TEXT_ENCODERS:
-            raise ValueError(f"--text-encoder {self.text_encoder!r}: choose one of {', '.join(TEXT_ENCODERS)}")
+        if self.model not in preset_names():
+            raise ValueError(f"--model {self.model!r}: choose one of {', '.join(preset_names())}")
+        if self.text_encoder is not None and self.text_encoder not in text_encoder_names():
+            raise ValueError(f"--text-encoder {self.text_encoder!r}: choose one of {', '.join(text_encoder_names())}")
         preset = self.preset()
-        # SD3 and Flux each need their own set of encoders; the other families one encoder
-        joint = {"sd3": "CLIP-L + CLIP-G + T5 (clip-l-g-t5)", "flux": "CLIP-L + T5 (clip-l-t5)"}
-        if preset.text.kind != preset.family and (preset.family in joint or preset.text.kind in joint):
+        # a family whose transformer needs its own set of encoders takes no other's, and its set serves no other
+        own, theirs = family(preset.family), family(preset.text.family)
+        if theirs is not own and (own.own_text_encoder or theirs.own_text_encoder):
             raise ValueError(f"--text-encoder {preset.text.name}: the {preset.family} family needs "
-                             + joint.get(preset.family, "a single text encoder"))
-        if self.drop_t5 and preset.text.kind != "sd3":
-            why = ("Flux's text tokens are T5's alone (CLIP-L gives only the pooled vector)" if preset.text.kind == "flux"
-                   else f"{preset.name} encodes captions with {preset.text.name} alone")
-            raise ValueError(f"--drop-t5 applies to SD3 presets (CLIP-L + CLIP-G + T5); {why}")
+                             + (own.own_text_encoder or "a single text encoder"))
+        theirs.check_text_options(preset)
         for name, safe, what in (("vae_dtype", preset.vae.fp16_safe, "VAE"), ("text_dtype", preset.text.fp16_safe, "text encoder")):
             if getattr(self, name) == "fp16" and not safe and not self.force_fp16:
                 raise ValueError(f"{flag(name)} fp16: the {what} overflows to NaN/Inf in fp16; use bf16 or fp32 (or pass "

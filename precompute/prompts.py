@@ -15,7 +15,8 @@ from pathlib import Path
 from precompute.config import DTYPE_HELP, LONG_DTYPES, DtypeOption
 from precompute.distributed import lock_cache
 from precompute.encode import Encoders, best_device
-from precompute.presets import Preset, get_preset, get_text_encoder
+from precompute.families.base import Preset
+from precompute.presets import get_preset, get_text_encoder
 from precompute.run import store_prompts
 from shards import Manifest, ShardWriter, TextSpec, diff_fingerprints, exists, load, prompt_key
 from shards.fingerprint import normalize
@@ -51,8 +52,8 @@ class PromptsConfig:
             prompts += [line.strip() for line in lines if line.strip()]
             self.prompt_file = None  # read once, as PrecomputeConfig reads --validation-file
         if "" in prompts:
-            # store_prompts encodes the empty caption without Sana's instruction (the guidance embedding); a
-            # prompt "" would overwrite it with the instruction's
+            # store_prompts encodes the empty caption without the family's instruction prompt (the guidance
+            # embedding); a prompt "" would overwrite it with the instruction's
             raise ValueError("--prompt '': the empty caption is always cached (for guidance); give non-empty prompts")
         self.prompt = list(dict.fromkeys(prompts))  # in order, each once
 
@@ -67,7 +68,8 @@ def cached_text_encoder(manifest: Manifest, root: Path) -> tuple[Preset, str | N
         raise ValueError(f"{root} records no stage-one preset or text encoder in its manifest (it was not built by "
                          f"`python -m precompute`); re-run stage one on its DATA with --validation-prompt instead")
     preset = get_preset(record["preset"])
-    # the preset's own encoder may name its repository (sana-600m's Gemma), which get_text_encoder(name) would not
+    # the preset's own encoder may name its repository (a preset whose text encoder ships with its transformer), which
+    # get_text_encoder(name) would not
     spec = preset.text if text["name"] == preset.text.name else get_text_encoder(text["name"])
     layout = TextSpec.from_fingerprint(text)
     preset = replace(preset, text=replace(spec, max_length=layout.max_tokens, drop_t5=layout.t5_zeros > 0))

@@ -17,18 +17,12 @@ from shards import Cache
 
 def estimate_bytes_per_sample(enc: Encoders, policy: ImagePolicy, storage: torch.dtype, captions: int = 1,
                               control: bool = False) -> int:
-    """Latents (and control latents) at the largest bucket area plus, per caption, half the token limit: an estimate
-    for the disk check."""
-    latent, text = enc.latent_spec(), enc.text_spec()
+    """Latents (and control latents) at the largest bucket area plus, per caption, what the family keeps of it (for
+    captions trimmed to their valid tokens, half the token limit): an estimate for the disk check."""
+    latent = enc.latent_spec()
     area = max(b.height * b.width for b in policy.buckets) // latent.downsample**2
     latents = (2 if control else 1) * len(latent.fields) * latent.channels * area
-    if text.layout == "sd3_joint":  # every token is kept: CLIP's 77 and T5's whole length
-        per_caption = text.clip_tokens * text.clip_width + text.pooled_width + (text.t5_tokens * text.t5_width if text.t5_stored else 0)
-    elif text.layout == "flux":  # every T5 token, padding included, and the pooled vector
-        per_caption = text.t5_tokens * text.t5_width + text.pooled_width
-    else:
-        per_caption = text.max_tokens // 2 * text.width
-    return (latents + captions * per_caption) * storage.itemsize + 256
+    return (latents + captions * enc.caption_elements()) * storage.itemsize + 256
 
 
 def check_disk_space(cache: Path, need: int) -> None:

@@ -26,7 +26,7 @@ from precompute.config import DEFAULT_BATCH, PrecomputeConfig
 from precompute.distributed import gather, lock_cache, setup_distributed
 from precompute.encode import Encoders, best_device
 from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
-from precompute.presets import Preset
+from precompute.families.base import Preset
 from precompute.removal import (RemovalRefused, cached_inputs, damaged_shards, forget_created, removal_refused, removals,
                                 replace_damaged, warn_damaged)
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report

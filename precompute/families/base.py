@@ -1,0 +1,210 @@
+"""What stage one asks of a model family: the interface every `precompute/families/<family>.py` implements.
+
+A family module knows its VAE and text encoder(s): the presets that name them, how they load (`from_pretrained` of
+the right classes, or a tiny seeded copy), how an image becomes the latent fields the cache stores (with the
+family's normalisation) and how captions become text fields through the family's stock diffusers pipeline and its
+own `encode_prompt`, so that cached values are exactly what inference computes. Generic code (`precompute.encode`)
+chooses devices and dtypes, assembles the fingerprint, the schema and the decoder recipe, and asks the family for
+the rest; it never names a family.
+
+Adding a family: a module in this folder with a `FAMILY` object of a `Family` subclass, and its line in
+`precompute/families/__init__.py`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+
+import torch
+
+from shards import LatentSpec, TextSpec
+from shards.options import Dtype
+
+
+@dataclass(frozen=True)
+class VaeSpec:
+    """The image encoder.
+
+    Args:
+        kind: the family's name for this VAE (a tiny one is recorded as `tiny-<kind> (seeded)` in the fingerprint).
+        repo: Hub id or local directory (diffusers layout); None builds the tiny model of this kind.
+        fp16_safe: False for VAEs that overflow to NaN in fp16.
+        cuda_dtype: compute dtype on CUDA by default: fp32, bf16 or fp16 (on CPU it is fp32).
+    """
+
+    kind: str
+    repo: str | None
+    subfolder: str = "vae"
+    revision: str | None = None
+    fp16_safe: bool = False
+    cuda_dtype: Dtype = "fp32"
+
+
+@dataclass(frozen=True)
+class TextEncoderSpec:
+    """The caption encoder(s), used through their family pipeline's own `encode_prompt`.
+
+    Args:
+        name: the name `--text-encoder` selects it by (recorded in the fingerprint).
+        family: the family whose module loads and runs it (`Family.name`).
+        kind: the family's name for this encoder.
+        repo: Hub id or local directory; None builds the tiny model(s).
+        subfolder / tokenizer_subfolder: where a single-model encoder's weights and tokenizer are.
+        max_length: token limit of a caption (where CLIP encoders run beside a T5: of the T5 part).
+        complex_human_instruction: prepend the family's instruction prompt, as its released models were trained.
+        drop_t5: leave T5 out where the family's pipeline can (its tokens are zeros at inference, not stored).
+        fp16_safe: False for encoders that overflow in fp16 (T5).
+        cuda_dtype: compute dtype on CUDA by default.
+    """
+
+    name: str
+    family: str
+    kind: str
+    repo: str | None
+    subfolder: str = "text_encoder"
+    tokenizer_subfolder: str = "tokenizer"
+    revision: str | None = None
+    max_length: int = 300
+    complex_human_instruction: bool = False
+    drop_t5: bool = False
+    fp16_safe: bool = False
+    cuda_dtype: Dtype = "bf16"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model family's encoders, bucket table and the transformer stage two trains.
+
+    Args:
+        family: the `Family.name` of the VAE (the cache records it; stage two picks its transformer family by it).
+        transformer: informational here; stage two loads it.
+    """
+
+    name: str
+    family: str
+    base_resolution: int
+    vae: VaeSpec
+    text: TextEncoderSpec
+    transformer: str | None
+
+
+@dataclass
+class TextSide:
+    """A text encoder, loaded: its models and tokenizers by subfolder in pipeline order, and the family's stock
+    pipeline built with only those (no transformer, VAE or scheduler).
+
+    `instruction`: the lines the pipeline prepends to every caption, or None (its digest is in the fingerprint).
+    The last model and tokenizer are the ones whose token limit is `spec.max_length`."""
+
+    spec: TextEncoderSpec
+    modules: dict[str, torch.nn.Module]
+    tokenizers: dict[str, object]
+    pipeline: object
+    instruction: list[str] | None = None
+
+
+class Family(ABC):
+    """A model family as stage one sees it. One instance per family (`FAMILY` in its module), without state:
+    what a load produces (a VAE module, a `TextSide`) is handed back to the methods that use it.
+
+    Attributes:
+        name: what presets and the cache's record call the family (`Preset.family`, `CacheSpec.family`).
+        padding: the fingerprint's `text_encoder.padding`: what of a caption's padding the cache keeps.
+        own_text_encoder: None when the family's transformer takes any single-sequence text encoder of the masked
+            layout (padding trimmed, a mask); else what it needs, for the error refusing another family's encoder,
+            e.g. "CLIP-L + T5 (clip-l-t5)".
+    """
+
+    name: str
+    padding: str = "trimmed"
+    own_text_encoder: str | None = None
+
+    # -- names ---------------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    def presets(self) -> dict[str, Preset]:
+        """The family's presets by name, real ones (published weights) and `tiny-*` ones (seeded, CPU-sized)."""
+
+    @abstractmethod
+    def text_encoders(self) -> dict[str, TextEncoderSpec]:
+        """The text encoders `--text-encoder` may name, by name (`TextEncoderSpec.family` is this family)."""
+
+    # -- the image side: the family of `Preset.family` ------------------------------------------------------------
+
+    @abstractmethod
+    def load_vae(self, spec: VaeSpec, repo: str | None) -> torch.nn.Module:
+        """The VAE, in fp32 on the CPU: `from_pretrained(repo, subfolder=spec.subfolder, revision=spec.revision)` of
+        the family's VAE class, or with `repo` None the same class built from a small config with seeded weights."""
+
+    @abstractmethod
+    def latent_spec(self, vae: torch.nn.Module) -> LatentSpec:
+        """What the cache stores of an image, read from the loaded VAE's config: channels, downsampling, the
+        normalisation applied and whether a posterior's mean and std or a deterministic latent is kept."""
+
+    @abstractmethod
+    def encode_images(self, vae: torch.nn.Module, x: torch.Tensor, latent: LatentSpec) -> dict[str, torch.Tensor]:
+        """(B, 3, H, W) pixels in [-1, 1], in the VAE's dtype and on its device -> the latent fields of `latent`
+        (`latent.fields`), each (B, C, H / downsample, W / downsample) float32, normalised as `latent` records."""
+
+    def save_tiny_vae(self, spec: VaeSpec, directory: str) -> None:
+        """Write the tiny VAE in the diffusers layout (`directory/spec.subfolder`), to load back with `load_vae`."""
+        self.load_vae(spec, None).save_pretrained(f"{directory}/{spec.subfolder}")
+
+    # -- the text side: the family of `TextEncoderSpec.family` ------------------------------------------------------
+
+    @abstractmethod
+    def text_subfolders(self, spec: TextEncoderSpec) -> list[tuple[str, str]]:
+        """(model subfolder, tokenizer subfolder) of each of the encoder's models, in pipeline order."""
+
+    @abstractmethod
+    def load_text(self, spec: TextEncoderSpec, repo: str | None, dtype: torch.dtype) -> TextSide:
+        """The tokenizer(s) and model(s), loaded with `from_pretrained` from `repo` (models in `dtype`) or, with
+        `repo` None, the tiny ones (seeded, fp32), and the family's stock pipeline built with only them. The caller
+        moves the models to their device and dtype and freezes them."""
+
+    def save_tiny_text(self, spec: TextEncoderSpec, directory: str) -> None:
+        """Write the tiny text encoder's models and tokenizers in the diffusers layout, every model the family's
+        pipeline can use (a droppable T5 included), to load back with `load_text`."""
+        side = self.load_text(replace(spec, drop_t5=False), None, torch.float32)
+        for subfolder, module in side.modules.items():
+            module.save_pretrained(f"{directory}/{subfolder}")
+        for subfolder, tokenizer in side.tokenizers.items():
+            tokenizer.save_pretrained(f"{directory}/{subfolder}")
+
+    @abstractmethod
+    def text_spec(self, side: TextSide) -> TextSpec:
+        """The cached text's layout (`shards.TextSpec`): widths, token counts, and how stage two builds the
+        transformer's text input from it."""
+
+    @abstractmethod
+    def prompt_fields(self, spec: TextEncoderSpec) -> list[str]:
+        """The names of one caption's cached fields, in the cache's schema order (each ragged: rows per caption)."""
+
+    @abstractmethod
+    def encode_text(self, side: TextSide, captions: list[str], device: torch.device,
+                    instruction: bool = True) -> list[dict[str, torch.Tensor]]:
+        """Captions -> per caption its `prompt_fields`, float32 on the CPU, computed by the pipeline's own
+        `encode_prompt` (under inference mode; the caller provides it). `instruction=False` leaves out the
+        family's instruction prompt, as its pipeline encodes the negative prompt."""
+
+    @abstractmethod
+    def truncated(self, side: TextSide, captions: list[str]) -> list[bool]:
+        """Which captions exceed a token limit the pipeline truncates them to (counted, reported to the user)."""
+
+    # -- checks and estimates ------------------------------------------------------------------------------------
+
+    def check_text_options(self, preset: Preset) -> None:
+        """Raise ValueError naming the option when `preset.text` (this family's encoder, with the run's options
+        applied) asks for something the encoder cannot do. By default T5 cannot be dropped."""
+        if preset.text.drop_t5:
+            raise ValueError(f"{DROP_T5_REFUSED}; {preset.name} encodes captions with {preset.text.name} alone")
+
+    def caption_elements(self, text: TextSpec) -> int:
+        """About how many values one caption stores, for the disk check before a run. By default a masked layout's
+        caption keeps its valid tokens only: half the token limit, as an estimate."""
+        return text.max_tokens // 2 * text.width
+
+
+# Where T5 can be left out: the error every other family's encoder gives for --drop-t5.
+DROP_T5_REFUSED = "--drop-t5 applies to SD3 presets (CLIP-L + CLIP-G + T5)"
