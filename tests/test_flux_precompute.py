@@ -16,7 +16,9 @@ from typer.testing import CliRunner
 
 from precompute.__main__ import prompts_app
 from precompute.config import PrecomputeConfig
-from precompute.presets import TINY_FLUX_POOLED_WIDTH, TINY_T5_WIDTH, get_preset, save_tiny, text_parts
+from precompute.families.flux import FAMILY as FLUX, TINY_POOLED_WIDTH as TINY_FLUX_POOLED_WIDTH
+from precompute.families.parts import TINY_T5_WIDTH
+from precompute.presets import get_preset, save_tiny
 from precompute.run import main as precompute
 from precompute.sample_data import draw_sample
 from shards import Cache, TextSpec, prompt_key, verify
@@ -173,8 +175,7 @@ def test_the_real_presets_name_the_published_weights(name, repo, tokens):
     assert (preset.family, preset.base_resolution, preset.transformer) == ("flux", 1024, repo)
     assert (preset.vae.kind, preset.vae.repo, preset.vae.subfolder, preset.vae.cuda_dtype) == ("flux", repo, "vae", "fp32")
     assert (preset.text.kind, preset.text.repo, preset.text.max_length) == ("flux", repo, tokens)
-    assert [(sub, tok) for _, sub, tok in text_parts(preset.text)] == [("text_encoder", "tokenizer"),
-                                                                       ("text_encoder_2", "tokenizer_2")]
+    assert FLUX.text_subfolders(preset.text) == [("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")]
     assert PrecomputeConfig("data", name).preset() == preset
     # Flux packs 2x2 patches of the f8 latent: every bucket of the table is a multiple of 16 pixels each way
     assert all(b.height % 16 == 0 and b.width % 16 == 0 for b in PrecomputeConfig("data", name).policy().buckets)

@@ -70,15 +70,15 @@ def test_text_embeddings_equal_the_pipeline_encode_prompt(folder, tmp_path):
     """Cached embeddings are exactly what the diffusers pipeline computes, padding trimmed."""
     from diffusers import SanaPipeline
 
-    from precompute.presets import sana_complex_human_instruction, tiny_text_encoder, tiny_tokenizer
+    from precompute.families.sana import complex_human_instruction, tiny_text_encoder, tiny_tokenizer
 
     run(folder, tmp_path, storage_dtype="float32")
     cache = Cache(tmp_path)
-    tok = tiny_tokenizer("gemma2")
-    pipe = SanaPipeline(tokenizer=tok, text_encoder=tiny_text_encoder("gemma2", len(tok)), vae=None, transformer=None, scheduler=None)
+    tok = tiny_tokenizer()
+    pipe = SanaPipeline(tokenizer=tok, text_encoder=tiny_text_encoder(len(tok)), vae=None, transformer=None, scheduler=None)
     caption = (folder / bytes(cache[0]["source"].tolist()).decode()).with_suffix(".txt").read_text().strip()
     emb, mask, _, _ = pipe.encode_prompt(caption, do_classifier_free_guidance=False, device="cpu", max_sequence_length=64,
-                                         complex_human_instruction=sana_complex_human_instruction())
+                                         complex_human_instruction=complex_human_instruction())
     assert torch.equal(cache[0]["text"], emb[0][mask[0].bool()])
     null = cache.prompts()[prompt_key("")].fields["text"]
     emb, mask, _, _ = pipe.encode_prompt("", do_classifier_free_guidance=False, device="cpu", max_sequence_length=64, complex_human_instruction=None)

@@ -149,9 +149,9 @@ def without_clip_vocabularies(fingerprint: dict) -> dict:
 VOCABULARY_DIGESTS = """
 import hashlib, json, sys
 sys.path.insert(0, {root!r})
-from precompute.presets import tiny_tokenizer
-print(json.dumps([hashlib.sha256(json.dumps(sorted(tiny_tokenizer(kind).get_vocab().items())).encode()).hexdigest()
-                  for kind in ("clip", "t5", "gemma2")]))
+from precompute.families import parts, sana
+print(json.dumps([hashlib.sha256(json.dumps(sorted(tokenizer().get_vocab().items())).encode()).hexdigest()
+                  for tokenizer in (parts.tiny_clip_tokenizer, parts.tiny_t5_tokenizer, sana.tiny_tokenizer)]))
 """
 
 

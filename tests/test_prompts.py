@@ -60,7 +60,7 @@ def test_prompts_are_added_without_the_data_and_equal_a_full_run(built, cache, m
     def no_vae(*args, **kwargs):
         raise AssertionError("the VAE was built")
 
-    monkeypatch.setattr("precompute.encode.tiny_vae", no_vae)
+    monkeypatch.setattr("precompute.families.sana.Sana.load_vae", no_vae)
     out = invoke(cache, "--prompt", NEW, "--prompt", OLD)
     assert out.exit_code == 0, out.output
     assert "1 prompt(s) added, 1 already cached" in out.output
@@ -101,11 +101,11 @@ def test_the_trainers_error_names_the_command_that_adds_the_prompt(cache):
 
 
 def test_another_text_encoder_is_refused(cache, tmp_path):
-    from precompute.presets import tiny_text_encoder, tiny_tokenizer
+    from precompute.families.sana import tiny_text_encoder, tiny_tokenizer
 
     # the tiny Gemma-2 in the diffusers layout, with other weights than the seeded one the cache was built with
-    tokenizer = tiny_tokenizer("gemma2")
-    model = tiny_text_encoder("gemma2", len(tokenizer))
+    tokenizer = tiny_tokenizer()
+    model = tiny_text_encoder(len(tokenizer))
     torch.manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
