@@ -21,6 +21,7 @@ FAMILIES: tuple[Family, ...] = (
     load("sana"),
     load("sd3"),
     load("flux"),
+    load("qwen_image"),
 )
 
 DEFAULT_PRESET = "tiny-sana"  # what `python -m precompute` encodes with when --model is not given
