@@ -10,7 +10,11 @@ from shards.buckets import ASPECT_RATIO_TABLES, Bucket, aspect_error, bucket_tab
 from shards.contract import CONTROL_PREFIX, FLIP_PREFIX, CacheSpec, DecoderRecipe, LatentSpec, TextSpec
 from shards.fingerprint import canonical_json, diff_fingerprints, fingerprint_hash
 from shards.gc import gc, register_reader
-from shards.manifest import MANIFEST, Manifest, ShardEntry, exists, load
+from shards.generations import load
+from shards.layout import MANIFEST
+from shards.lock import CacheLock
+from shards.log import exists
+from shards.manifest import Manifest
 from shards.prompts import Prompt, prompt_key
 from shards.reader import Cache, Sample, ShardReader
 from shards.remote import RemoteCache, open_cache
@@ -25,8 +29,9 @@ from shards.schema import (
     FormatError,
     Schema,
 )
+from shards.table import ShardEntry
 from shards.verify import Report, verify
-from shards.writer import CacheLock, ShardWriter
+from shards.writer import ShardWriter
 
 __all__ = [
     "ASPECT_RATIO_TABLES",

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 
 class Bucket(NamedTuple):
@@ -27,7 +28,7 @@ class Bucket(NamedTuple):
         return self.height / self.width
 
     @classmethod
-    def parse(cls, text: str) -> "Bucket":
+    def parse(cls, text: str) -> Bucket:
         """Parse `"HxW"` (e.g. `"1024x768"`)."""
         m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
         if not m:

@@ -6,7 +6,7 @@ and a digest per sample: what `ShardReader` reads).
 from __future__ import annotations
 
 import json
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

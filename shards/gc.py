@@ -18,24 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shards.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir
-from shards.layout import cache_files
-from shards.log import lost_snapshot
-from shards.manifest import (
-    LOG_DIR,
-    READERS_DIR,
-    SNAPSHOT_DIR,
-    Manifest,
-    first_generation,
-    load,
-    newest_copy,
-    parse_shard_name,
-    replay,
-    snapshots,
-    write_pointer,
-    write_snapshot,
-)
+from shards.generations import load, newest_copy, replay
+from shards.layout import LOG_DIR, READERS_DIR, SNAPSHOT_DIR, cache_files, parse_shard_name
+from shards.lock import WRITERS_LOCK, CacheLock
+from shards.log import first_generation, lost_snapshot, snapshots, write_pointer, write_snapshot
+from shards.manifest import Manifest
 from shards.schema import CacheBusy, DamagedCache
-from shards.writer import WRITERS_LOCK, CacheLock
 
 CHECKPOINTS_GLOB = "checkpoints/step-*/state.json"  # where a run's checkpoints record their cache generation
 COMPLETE = "COMPLETE"

@@ -51,17 +51,19 @@ def cache_files(root: Path, depth: int = 2, links: list[Path] | None = None) -> 
     never through a symbolic link: whoever deletes what this lists deletes nothing outside the cache. The
     links met (to folders or files) are appended to `links`."""
     out: list[Path] = []
-
-    def scan(directory: Path, level: int) -> None:
-        with os.scandir(directory) as entries:
-            for entry in entries:
-                if entry.is_symlink():
-                    if links is not None:
-                        links.append(Path(entry.path))
-                elif entry.is_file(follow_symlinks=False):
-                    out.append(Path(entry.path))
-                elif level < depth and entry.is_dir(follow_symlinks=False):
-                    scan(Path(entry.path), level + 1)
-
-    scan(root, 1)
+    _scan(root, 1, depth, out, links)
     return sorted(out)
+
+
+def _scan(directory: Path, level: int, depth: int, out: list[Path], links: list[Path] | None) -> None:
+    """Append the regular files of `directory` (at `level`) and of its folders down to `depth` to `out`, and the
+    symbolic links met to `links`."""
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.is_symlink():
+                if links is not None:
+                    links.append(Path(entry.path))
+            elif entry.is_file(follow_symlinks=False):
+                out.append(Path(entry.path))
+            elif level < depth and entry.is_dir(follow_symlinks=False):
+                _scan(Path(entry.path), level + 1, depth, out, links)

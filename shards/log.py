@@ -6,7 +6,7 @@ Writers claim generation numbers in order, so the log never has a gap: a commit 
 there was lost, and the log must not be taken to end before it (a writer would delete the shards the later
 commits list as uncommitted, and publish others under their names).
 
-`shards.manifest` builds on this: it loads and compacts the `Manifest` these files describe.
+`shards.generations` builds on this: it loads and compacts the `Manifest` (`shards.manifest`) these files describe.
 """
 
 from __future__ import annotations

@@ -91,19 +91,20 @@ def read_prompts(path: str | os.PathLike) -> dict[str, Prompt]:
 def _unpack(meta: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, Prompt]:
     schema = schema_from_json(json.loads(meta["fields"]))
     n = int(meta["samples"])
-
-    def row(name: str, i: int) -> torch.Tensor:
-        if name + OFFSETS_SUFFIX in tensors:
-            offs = tensors[name + OFFSETS_SUFFIX]
-            return tensors[name][int(offs[i]) : int(offs[i + 1])]
-        return tensors[name][i]
-
     out = {}
     for i in range(n):
-        key = row(KEY, i).numpy().tobytes().decode("ascii")
-        text = row(TEXT, i).numpy().tobytes().decode("utf-8")
-        out[key] = Prompt(text, {name: row(name, i) for name in schema})
+        key = _row(tensors, KEY, i).numpy().tobytes().decode("ascii")
+        text = _row(tensors, TEXT, i).numpy().tobytes().decode("utf-8")
+        out[key] = Prompt(text, {name: _row(tensors, name, i) for name in schema})
     return out
+
+
+def _row(tensors: dict[str, torch.Tensor], name: str, i: int) -> torch.Tensor:
+    """Row `i` of tensor `name` of a prompts file: a slice by its offsets when the field is ragged."""
+    if name + OFFSETS_SUFFIX in tensors:
+        offs = tensors[name + OFFSETS_SUFFIX]
+        return tensors[name][int(offs[i]) : int(offs[i + 1])]
+    return tensors[name][i]
 
 
 def stored_prompts(root: str | os.PathLike, entry: dict | None) -> tuple[dict[str, Prompt], str | None]:

@@ -6,23 +6,23 @@ import json
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch
 
 from shards.buckets import Bucket
 from shards.contract import CacheSpec
-from shards.manifest import load, newest_copy, replacements
+from shards.generations import load, newest_copy, replacements
 from shards.prompts import Prompt, stored_prompts
 from shards.schema import (
     DIGEST,
-    CorruptSample,
-    DamagedCache,
     KEY,
     OFFSETS_SUFFIX,
+    CorruptSample,
+    DamagedCache,
     FormatError,
     Schema,
     open_file,

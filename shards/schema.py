@@ -122,7 +122,7 @@ class Field:
         return {"dtype": dtype_name(self.dtype), "kind": "ragged" if self.ragged else "fixed"}
 
     @classmethod
-    def from_json(cls, obj: dict) -> "Field":
+    def from_json(cls, obj: dict) -> Field:
         if obj.get("kind") not in ("fixed", "ragged"):
             raise FormatError(f"unknown field kind {obj.get('kind')!r}")
         return cls(dtype_from_name(obj["dtype"]), obj["kind"] == "ragged")

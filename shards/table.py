@@ -5,9 +5,9 @@ in columns), with the table's form in a snapshot: columns of tensors, the sample
 from __future__ import annotations
 
 from array import array
-from pathlib import Path
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ class ShardEntry:
         return obj | {"dataset": self.dataset} if self.dataset else obj
 
     @classmethod
-    def from_json(cls, obj: dict, where: str = "commit") -> "ShardEntry":
+    def from_json(cls, obj: dict, where: str = "commit") -> ShardEntry:
         """An entry of a commit; its sample index (keys, and sources and stamps if given) must cover every sample."""
         e = cls(path=confined(obj["path"], where), bucket=Bucket(*obj["bucket"]), samples=int(obj["samples"]),
                 bytes=int(obj["bytes"]), sha256=obj["sha256"], field_bytes={k: int(v) for k, v in obj["field_bytes"].items()},
@@ -276,7 +276,7 @@ class ShardTable:
 
     @classmethod
     def from_tensors(cls, fields: list[str], tensors: dict[str, torch.Tensor], where: str,
-                     samples_sha256: str | None = None) -> "ShardTable":
+                     samples_sha256: str | None = None) -> ShardTable:
         """The table a snapshot holds (`to_tensors`), its columns copied out of the memory map, its sample
         index left there until asked for, then checked against `samples_sha256` (the snapshot's metadata)."""
         t = cls(fields)

@@ -15,9 +15,13 @@ from pathlib import Path
 
 from shards.buckets import Bucket
 from shards.gc import exclusive
-from shards.manifest import LOG_DIR, MANIFEST, SNAPSHOT_DIR, Manifest, ShardEntry, compact, confined, write_commit
+from shards.generations import compact
+from shards.layout import LOG_DIR, MANIFEST, SNAPSHOT_DIR, confined
+from shards.log import write_commit
+from shards.manifest import Manifest
 from shards.reader import ShardReader
 from shards.schema import FORMAT_NAME, FormatError, schema_from_json, schema_to_json
+from shards.table import ShardEntry
 
 
 def upgrade(root: str | os.PathLike) -> Manifest:

@@ -11,9 +11,10 @@ import torch
 
 from shards.atomic import TMP_SUFFIX
 from shards.gc import registration
-from shards.layout import LOG_NAME, SHARD_FILE, cache_files
-from shards.log import commit_numbers, gap_message, gaps, read_commit, snapshots
-from shards.manifest import LOG_DIR, READERS_DIR, SNAPSHOT_DIR, Manifest, exists, load, missing_manifest, parse_shard_name
+from shards.generations import load
+from shards.layout import LOG_DIR, LOG_NAME, READERS_DIR, SHARD_FILE, SNAPSHOT_DIR, cache_files, parse_shard_name
+from shards.log import commit_numbers, exists, gap_message, gaps, missing_manifest, read_commit, snapshots
+from shards.manifest import Manifest
 from shards.reader import ShardReader
 from shards.schema import DIGEST, KEY, OFFSETS_SUFFIX, DamagedCache, DamagedLog, FormatError, sample_digest
 
@@ -266,7 +267,7 @@ def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool, sam
         problems.append("digest table has the wrong length")
     if problems:
         return problems
-    for name, spec in manifest.schema.items():
+    for name in manifest.schema:
         t = reader.tensor(name)
         if t.is_floating_point():
             if not bool(torch.isfinite(t).all()):

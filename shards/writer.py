@@ -1,48 +1,33 @@
 """ShardWriter: buffers samples per bucket, publishes each shard atomically, then commits it to the log.
 
-The checks a sample passes and the encoding of a shard file are in `shards.encode`; the locks a writer holds
-(`CacheLock`, re-exported here) in `shards.lock`.
+The checks a sample passes and the encoding of a shard file are in `shards.encode`; writing a shard file and
+removing a killed writer's leftovers in `shards.shard_files`; the locks a writer holds in `shards.lock`.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 
-from shards.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir
+from shards.atomic import atomic_write_bytes, fsync_dir
 from shards.buckets import Bucket
 from shards.encode import Item, check_sample, check_stamp, encode_shard
-from shards.layout import cache_files
-from shards.lock import WRITERS_LOCK, CacheLock, writers_lock
-from shards.manifest import (
-    LOG_DIR,
-    SNAPSHOT_DIR,
-    Manifest,
-    ShardEntry,
-    compact,
-    compaction_due,
-    confined,
-    exists,
-    load,
-    missing_manifest,
-    parse_shard_name,
-    replay,
-    shard_name,
-    write_commit,
-    write_pointer,
-)
+from shards.generations import compact, compaction_due, load, replay
+from shards.layout import confined
+from shards.lock import CacheLock, writers_lock
+from shards.log import exists, missing_manifest, write_commit, write_pointer
+from shards.manifest import Manifest
 from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, stored_prompts
 from shards.reader import REPAIR, ShardReader
 from shards.schema import CacheBusy, CorruptSample, Schema, sample_digest, schema_to_json, validate_schema
-
-__all__ = ["WRITERS_LOCK", "CacheLock", "ShardWriter"]  # the lock's names are imported from here too
+from shards.shard_files import remove_leftovers, write_shard_file
+from shards.table import ShardEntry
 
 
 class ShardWriter:
@@ -116,7 +101,7 @@ class ShardWriter:
                     raise FileNotFoundError(why)
                 self.manifest = Manifest(fingerprint, schema)
             self._listed = {key for key, *_ in self.manifest.samples()}
-            self._remove_leftovers()
+            remove_leftovers(self.root, self.rank, self.manifest.next_seq)
         except BaseException:
             self.close()
             raise
@@ -124,27 +109,6 @@ class ShardWriter:
     @property
     def schema(self) -> Schema:
         return self.manifest.schema
-
-    def _remove_leftovers(self) -> None:
-        """Delete this rank's temp files and the shards a crash left uncommitted (sequence numbers past the
-        last committed one); retired shards of earlier generations are kept."""
-        prefix = f"r{self.rank:05d}-"
-        for path in cache_files(self.root):  # a symbolic link to a folder outside the cache is not entered
-            name = path.name
-            if path.parent == self.root:
-                continue
-            if path.parent.name in (LOG_DIR, SNAPSHOT_DIR):
-                if name.endswith(TMP_SUFFIX) and f".r{self.rank:05d}." in name:
-                    path.unlink()
-                continue
-            if name.startswith(f".{prefix}") and name.endswith(TMP_SUFFIX):
-                path.unlink()
-                continue
-            parsed = parse_shard_name(name)
-            if parsed and parsed[0] == self.rank:
-                committed = self.manifest.next_seq.get(f"r{self.rank:05d}/{path.parent.name}", 0)
-                if parsed[1] >= committed:
-                    path.unlink()
 
     def listed(self, key: str) -> bool:
         """Whether `key` is in the cache or this writer's buffers (as far as this writer has caught up with others)."""
@@ -211,18 +175,7 @@ class ShardWriter:
         sequence = f"r{self.rank:05d}/{bucket.name}"
         seq = self.manifest.next_seq.get(sequence, 0)
         self.manifest.next_seq[sequence] = seq + 1
-        directory = self.root / bucket.name
-        if not directory.is_dir():
-            directory.mkdir(exist_ok=True)  # other ranks create bucket directories concurrently
-            fsync_dir(self.root)
-        path = directory / shard_name(self.rank, seq)
-        try:
-            atomic_write_bytes(path, data)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise OSError(e.errno, f"no space left on the device of {path} ({len(data) / 2**20:.1f} MiB to write); "
-                                       f"free space and re-run: everything committed so far is kept") from None
-            raise
+        path = write_shard_file(self.root, bucket, self.rank, seq, data)
         return ShardEntry(path.relative_to(self.root).as_posix(), bucket, len(items), len(data), hashlib.sha256(data).hexdigest(),
                           field_bytes, keys=[k for k, *_ in items], sources=[s for _, _, s, _ in items], stamps=[t for *_, t in items],
                           dataset=dataset)
@@ -420,7 +373,7 @@ class ShardWriter:
             self._writers_lock.release()
             self._lock.release()
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

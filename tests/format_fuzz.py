@@ -14,7 +14,6 @@ library's error, and once the damage is undone everything reads again. Nothing o
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import shutil
@@ -22,147 +21,26 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-import shards.manifest
-from shards import Cache, Field, FormatError, Prompt, ShardWriter, gc, prompt_key, register_reader, verify
+import shards.generations
+from shards import ShardWriter, gc, prompt_key, register_reader, verify
 from shards.schema import sample_digest
+from tests.fuzz_damage import DAMAGE, damage
+from tests.fuzz_model import FINGERPRINT, PROMPT_SCHEMA, SCHEMA, Broken, State, blind, difference, fields_of, prompt_digest, prompt_of, read
+from tests.fuzz_process import Killed, Process
 
-SCHEMA = {"latent": Field(torch.bfloat16), "text": Field(torch.bfloat16, ragged=True), "size": Field(torch.int32)}
-PROMPT_SCHEMA = {"text": SCHEMA["text"]}
-FINGERPRINT = {"vae": {"id": "fuzz-vae"}, "text_encoder": {"id": "fuzz-t5"}}
 BUCKETS = [(16, 16), (16, 32), (32, 16)]
 DATASETS = ["", "photos", "art"]
 SHARD_SAMPLES = 3  # small shards: many shards and commits per case
 COMPACT_EVERY = 3  # a snapshot every few commits (the format's COMPACT_MIN, 256 in use)
 
-DAMAGE = ["commit-truncate", "commit-flip", "commit-delete-last", "commit-delete-middle", "snapshot-truncate",
-          "snapshot-flip", "snapshot-delete", "pointer-truncate", "pointer-flip", "pointer-delete", "shard-truncate",
-          "shard-flip", "shard-delete", "prompts-truncate", "prompts-flip", "prompts-delete"]
 # Besides damage to one file: gc killed mid-way, gc run while a snapshot is lost, and a directory inside the cache
 # that links to one outside it.
 KINDS = [*DAMAGE, "gc-kill", "gc-lost-snapshot", "symlink"]
 # Kinds left out of the default run until the library handles them, with what goes wrong; `--kinds all` runs them.
 PENDING: dict[str, str] = {}
 DEFAULT_KINDS = [k for k in KINDS if k not in PENDING]
-
-
-class Killed(BaseException):
-    """The process died: not an Exception, so no `except Exception` or `except OSError` of the library sees it."""
-
-
-class Broken(AssertionError):
-    """An invariant does not hold."""
-
-
-class Process:
-    """A writer (or gc) as a process of its own: its own pid (temp names carry it), and, with `kill_at`, killed at its
-    `kill_at`-th file-system event (fsync, rename, replace, link, unlink, mkdir, rmdir): that event and every later
-    one raise `Killed`, so no cleanup a dead process would not do happens. A kill at an fsync of a file may leave it
-    torn (half written), as a kill mid-write does."""
-
-    EVENTS = ("fsync", "rename", "replace", "link", "unlink", "mkdir", "rmdir")
-    pids = iter(range(1_000_000, 4_000_000))
-
-    def __init__(self, kill_at: int | None = None, tear: bool = False):
-        self.at, self.tear, self.count, self.what = kill_at, tear, 0, None
-
-    def __enter__(self) -> "Process":
-        self.real = {name: getattr(os, name) for name in (*self.EVENTS, "getpid")}
-        pid = next(self.pids)
-        os.getpid = lambda: pid
-        if self.at is not None:
-            for name in self.EVENTS:
-                setattr(os, name, self._event(name, self.real[name]))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for name, real in self.real.items():
-            setattr(os, name, real)
-
-    def _event(self, name, real):
-        def call(*args, **kwargs):
-            if self.what is None:
-                self.count += 1
-                if self.count == self.at:
-                    self.what = f"{name} {args[0]}"
-                    path = os.readlink(f"/proc/self/fd/{args[0]}") if name == "fsync" else ""
-                    if self.tear and os.path.isfile(path):
-                        os.truncate(path, os.path.getsize(path) // 2)
-                        self.what = f"fsync of {path}, torn"
-            if self.what is not None:
-                raise Killed(self.what)
-            return real(*args, **kwargs)
-        return call
-
-
-def fields_of(n: int, bucket: tuple[int, int]) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(n)
-    return {"latent": torch.randn(2, bucket[0] // 8, bucket[1] // 8, generator=g).bfloat16(),
-            "text": torch.randn(n % 4, 8, generator=g).bfloat16(),
-            "size": torch.tensor([bucket[0] + n, bucket[1]], dtype=torch.int32)}
-
-
-def prompt_of(m: int) -> Prompt:
-    g = torch.Generator().manual_seed(10_000 + m)
-    return Prompt(f"prompt {m}", {"text": torch.randn(1 + m % 3, 8, generator=g).bfloat16()})
-
-
-def prompt_digest(key: str, p: Prompt) -> bytes:
-    return hashlib.sha256(sample_digest(key, p.fields) + p.text.encode()).digest()
-
-
-@dataclass(frozen=True)
-class State:
-    """What one generation holds: key -> (digest, dataset, source, stamp), and prompt key -> digest."""
-
-    samples: dict = field(default_factory=dict)
-    prompts: dict = field(default_factory=dict)
-
-
-def refusal(e: BaseException, root: Path) -> bool:
-    """Whether `e` is the library refusing a cache it cannot read: its error types, with a message naming the cache."""
-    library = isinstance(e, FormatError) or (type(e) is FileNotFoundError and not str(e).startswith("[Errno"))
-    if library and str(root) not in str(e):
-        raise Broken(f"the refusal does not name the cache or the file: {type(e).__name__}: {e}")
-    return library
-
-
-def read(root: Path, generation: int | None = None, full: bool = True) -> tuple[int, State]:
-    """What a reader of `generation` (default: the newest) gets: the sample index and prompts, and with `full` each
-    sample through `Cache` with its stored digest checked (without, a sample's digest in the result is None)."""
-    cache = Cache(root, generation, check_digests=True)
-    datasets = cache.manifest.shards.datasets()
-    index = list(cache.manifest.samples())
-    if len(index) != len(cache):
-        raise Broken(f"the sample index lists {len(index)} samples, the shards hold {len(cache)}")
-    out = {}
-    for i, (key, source, stamp, j, _) in enumerate(index):
-        digest = None
-        if full:
-            sample = cache[i]
-            if sample.key != key:
-                raise Broken(f"sample {i} is {sample.key} in {cache.path(j)}, the sample index says {key}")
-            digest = sample_digest(sample.key, sample.fields)
-        if key in out:
-            raise Broken(f"{key} is listed twice")
-        out[key] = (digest, datasets[j], source, stamp)
-    return cache.generation, State(out, {k: prompt_digest(k, p) for k, p in cache.prompts().items()})
-
-
-def blind(state: State) -> State:
-    """`state` without its sample digests, as `read(full=False)` sees it."""
-    return State({k: (None, *v[1:]) for k, v in state.samples.items()}, state.prompts)
-
-
-def difference(got: State, want: State) -> str:
-    missing, extra = sorted(want.samples.keys() - got.samples.keys()), sorted(got.samples.keys() - want.samples.keys())
-    changed = sorted(k for k in want.samples.keys() & got.samples.keys() if want.samples[k] != got.samples[k])
-    prompts = "" if got.prompts == want.prompts else f", prompts {sorted(got.prompts)} for {sorted(want.prompts)}"
-    return f"missing {missing[:5]}, extra {extra[:5]}, changed {changed[:5]}{prompts}"
 
 
 class Case:
@@ -255,7 +133,7 @@ class Case:
             if step == "symlink" and "symlink" not in self.kinds:
                 step = "gc"
             if step == "damage":
-                self.damage()
+                damage(self)
             elif step in ("register", "checkpoint", "unregister"):
                 getattr(self, step)()
             elif step == "gc":
@@ -288,7 +166,7 @@ class Case:
             generation, got = read(self.root)
             if got not in (before, expect) and not (partial and partial(got)):
                 raise Broken(f"{what}, killed: the newest generation {generation} holds neither what was committed "
-                             f"before nor after: {difference(got, expect)}")
+                             f"before nor after: {difference(got, expect)}") from None
             self.commit(generation, got)
             return
         if killer:
@@ -342,7 +220,7 @@ class Case:
         self.session(f"rename_dataset {old!r} -> {new!r}", lambda w: w.rename_dataset(old, new), expect, kill)
 
     def repair(self, kill: bool) -> None:
-        table = shards.manifest.load(self.root).shards
+        table = shards.generations.load(self.root).shards
         if not len(table):
             return
         path = self.rng.choice(table.paths())
@@ -421,87 +299,12 @@ class Case:
         self.links.append(link)
         self.note(f"symlink {link.name} -> the directory outside")
 
-    def damage(self) -> None:
-        kind = self.rng.choice([k for k in self.kinds if k in DAMAGE])
-        what, how = kind.split("-", 1)
-        logs = sorted(p for p in (self.root / "_log").glob("*.json") if p.stem.isdigit())
-        files = {"commit": logs[-1:] if how == "delete-last" else logs[:-1] if how == "delete-middle" else logs,
-                 "snapshot": sorted((self.root / "_snapshots").glob("*.safetensors")),
-                 "pointer": [self.root / "index.json"], "shard": sorted(self.root.glob("*/r*.safetensors")),
-                 "prompts": sorted(self.root.glob("prompts-*.safetensors"))}[what]
-        files = [p for p in files if p.is_file() and not p.is_symlink() and not p.parent.is_symlink()]
-        if not files or (how == "delete-last" and self.newest - 1 not in self.gens):
-            return  # (the model knows the generation before the last only when one commit made the last)
-        path = self.rng.choice(files)
-        original = path.read_bytes()
-        if how == "truncate":
-            path.write_bytes(original[: self.rng.randrange(len(original))])
-        elif how == "flip":
-            at = self.rng.randrange(len(original))
-            path.write_bytes(original[:at] + bytes([original[at] ^ (1 << self.rng.randrange(8))]) + original[at + 1:])
-            how = f"flip byte {at}"
-        else:
-            path.unlink()
-        self.note(f"damage {path.relative_to(self.root)}: {how}")
-        # with its last commit gone, a log reads as one generation shorter: nothing can tell
-        shorter = self.gens.get(self.newest - 1) if how == "delete-last" else None
-        self.damaged_reads(shorter)
-        # gc or a writer that finds nothing to do, while the file is damaged, must not lose anything the model holds
-        action = self.rng.choice(["gc", "writer", "none"]) if how != "delete-last" else "none"
-        if action == "gc" and kind == "snapshot-delete" and "gc-lost-snapshot" not in self.kinds:
-            action = "writer"
-        collected = False  # gc ran to its end: the log and snapshots before the oldest generation kept are gone
-        if action != "none":
-            self.note(f"  {action} while damaged")
-            try:
-                with Process():
-                    if action == "gc":
-                        gc(self.root)
-                        collected = True
-                    else:
-                        ShardWriter(self.root, FINGERPRINT, SCHEMA).finish()
-            except Exception as e:
-                if not refusal(e, self.root):
-                    raise Broken(f"{action} while {path.name} is damaged raised {type(e).__name__}: {e}") from e
-                self.note(f"  refused: {str(e)[:120]}")
-        oldest = min(shards.manifest.snapshots(self.root), default=-1)
-        if path.exists() or not (collected and what in ("commit", "snapshot") and int(path.stem) < oldest):
-            path.write_bytes(original)  # undone, unless it is log gc collected
-            self.note("  restored")
-        self.check_foreign(f"after damage to {path.name}")
-
-    def damaged_reads(self, shorter: State | None) -> None:
-        """Each reader reads exactly the generation the model has, or refuses; `verify` never raises and reports
-        every damage a reader refuses."""
-        for g in [None, *sorted(self.needed())]:
-            want = [(self.newest if g is None else g, self.state if g is None else self.gens[g])]
-            if g is None and shorter is not None:
-                want.append((self.newest - 1, shorter))
-            try:
-                got = read(self.root, g)
-            except Broken:
-                raise
-            except Exception as e:
-                if not refusal(e, self.root):
-                    raise Broken(f"a reader of generation {g} raised {type(e).__name__}: {e}") from e
-                self.note(f"  reader of {'the newest' if g is None else g} refused: {str(e)[:120]}")
-                if g is None:
-                    try:
-                        report = verify(self.root)
-                    except Exception as e2:
-                        raise Broken(f"verify raised {type(e2).__name__}: {e2}") from e2
-                    if report.ok:
-                        raise Broken(f"verify finds nothing wrong, a reader refuses: {e}")
-                continue
-            if got not in want:
-                raise Broken(f"a reader of generation {g} reads generation {got[0]} of a damaged cache, not exactly "
-                             f"generation {want[0][0]}: {difference(got[1], want[0][1])}")
 
 
 def run_case(seed: int, steps: int = 12, kinds: list[str] | None = None, log=None) -> list[str]:
     """Run case `seed` in a temp directory; returns its trace. Raises `CaseFailed` with the trace on any failure."""
     kinds = DEFAULT_KINDS if kinds is None else kinds
-    shards.manifest.COMPACT_MIN, compact_min = COMPACT_EVERY, shards.manifest.COMPACT_MIN
+    shards.generations.COMPACT_MIN, compact_min = COMPACT_EVERY, shards.generations.COMPACT_MIN
     # in memory when the machine has a tmpfs: a case fsyncs hundreds of times
     scratch = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory(prefix=f"fuzz-{seed}-", dir=scratch) as tmp:
@@ -517,8 +320,9 @@ def run_case(seed: int, steps: int = 12, kinds: list[str] | None = None, log=Non
             options += "" if kinds == DEFAULT_KINDS else f" --kinds {named}"
             raise CaseFailed(seed, case.trace, detail, options) from e
         finally:
-            shards.manifest.COMPACT_MIN = compact_min
+            shards.generations.COMPACT_MIN = compact_min
     return case.trace
+
 
 
 class CaseFailed(AssertionError):
@@ -527,6 +331,7 @@ class CaseFailed(AssertionError):
         steps = "\n".join(f"  {i + 1:3d} {line}" for i, line in enumerate(trace))
         replay = f"{sys.executable} -m tests.format_fuzz --seed {seed} --cases 1 -v{options}"
         super().__init__(f"seed {seed} failed:\n{steps}\n{detail}replay: {replay}")
+
 
 
 def main(argv: list[str] | None = None) -> int:

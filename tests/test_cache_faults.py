@@ -246,13 +246,12 @@ def test_a_foreign_fingerprint_is_a_message_not_a_traceback(tmp_path):
 def test_a_full_disk_names_the_path_and_what_is_kept(tmp_path, monkeypatch):
     import errno
 
-    import shards.writer
     from conftest import FINGERPRINT, SCHEMA, make_sample
 
+    import precompute.report
+    import shards.shard_files
     from precompute.report import check_disk_space
     from shards import ShardWriter
-
-    import precompute.report
 
     monkeypatch.setattr(precompute.report.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 << 20, 9 << 20, 1 << 20))
     with pytest.raises(OSError, match=r"needs about 3\.0 MiB more at .* but 1\.0 MiB are free"):  # not "0.0 GiB"
@@ -264,7 +263,7 @@ def test_a_full_disk_names_the_path_and_what_is_kept(tmp_path, monkeypatch):
     def full(path, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shards.writer, "atomic_write_bytes", full)
+    monkeypatch.setattr(shards.shard_files, "atomic_write_bytes", full)
     w = ShardWriter(tmp_path / "cache", FINGERPRINT, SCHEMA)
     w.write(*make_sample(1))
     with pytest.raises(OSError, match=f"no space left on the device of {tmp_path / 'cache'}/.*everything committed so far is kept"):

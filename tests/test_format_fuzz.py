@@ -5,7 +5,10 @@ message holds the failing seed's operation trace and the command that replays it
 import os
 
 import pytest
-from format_fuzz import DEFAULT_KINDS, KINDS, PENDING, Case, Process, read, run_case
+
+from tests.format_fuzz import DEFAULT_KINDS, KINDS, PENDING, Case, run_case
+from tests.fuzz_model import read
+from tests.fuzz_process import Process
 
 CASES = int(os.environ.get("FUZZ_CASES", 100))
 FIRST = int(os.environ.get("FUZZ_SEED", 0))
@@ -27,13 +30,13 @@ def test_every_kind_left_out_says_why():
 def test_a_kill_at_every_event_of_a_write_keeps_the_committed_samples(tmp_path, monkeypatch):
     """Every file-system event of a writer session that writes one shard and compacts, killed in turn: the newest
     generation is what was committed before or that plus the new sample, and the next session cleans up."""
-    from format_fuzz import FINGERPRINT, SCHEMA, Killed, State, fields_of
-
-    import shards.manifest
+    import shards.generations
     from shards import ShardWriter, verify
     from shards.schema import sample_digest
+    from tests.fuzz_model import FINGERPRINT, SCHEMA, State, fields_of
+    from tests.fuzz_process import Killed
 
-    monkeypatch.setattr(shards.manifest, "COMPACT_MIN", 1)  # every commit is followed by a snapshot
+    monkeypatch.setattr(shards.generations, "COMPACT_MIN", 1)  # every commit is followed by a snapshot
     case = Case(0, tmp_path, DEFAULT_KINDS, steps=0)
     case.write(kill=False)
     before, n = case.state, 10_000
@@ -62,9 +65,8 @@ def test_a_kill_at_every_event_of_a_write_keeps_the_committed_samples(tmp_path, 
 
 def test_a_cache_emptied_by_removals_compacts_and_collects(tmp_path):
     """Removing every sample leaves a generation of no shard: its snapshot (gc's, or a compaction's) is written."""
-    from format_fuzz import FINGERPRINT, SCHEMA, fields_of
-
     from shards import Cache, ShardWriter, gc
+    from tests.fuzz_model import FINGERPRINT, SCHEMA, fields_of
 
     with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
         w.write("a", (16, 16), fields_of(0, (16, 16)))

@@ -30,11 +30,11 @@ CHILD = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     from conftest import FINGERPRINT, SCHEMA, make_sample
-    import shards.atomic, shards.manifest
+    import shards.atomic, shards.generations
     from shards import ShardWriter
 
     kill_at, kill_n = os.environ["KILL_AT"], int(os.environ["KILL_N"])
-    shards.manifest.COMPACT_MIN = int(os.environ["COMPACT_MIN"])
+    shards.generations.COMPACT_MIN = int(os.environ["COMPACT_MIN"])
     counts = dict.fromkeys(["shard", "commit", "snapshot", "pointer"], 0)
     real_publish, real_link = shards.atomic.publish, os.link
 

@@ -6,7 +6,7 @@ import torch
 from conftest import FINGERPRINT, SCHEMA, make_sample
 
 from shards import Cache, ShardWriter, load
-from shards.manifest import compact
+from shards.generations import compact
 
 
 def write_two(root, *, per_shard: int = 3):

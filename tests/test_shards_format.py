@@ -19,6 +19,7 @@ from shards import (
     ShardWriter,
     verify,
 )
+from shards.log import snapshots
 
 
 def test_round_trip_three_buckets_ragged_text(tmp_path):
@@ -212,9 +213,9 @@ def test_format_doc_snippet_reads_the_cache(tmp_path, monkeypatch, history):
     """The stock-safetensors recipe in FORMAT.md stays true, from the log alone and from a snapshot plus the log."""
     from pathlib import Path
 
-    import shards.manifest as m
+    import shards.generations
 
-    monkeypatch.setattr(m, "COMPACT_MIN", 3)
+    monkeypatch.setattr(shards.generations, "COMPACT_MIN", 3)
     write_cache(tmp_path, [0, 3, 6])  # generation 0: one shard of 64x64
     if history != "one commit":
         write_cache(tmp_path, [9])
@@ -222,7 +223,7 @@ def test_format_doc_snippet_reads_the_cache(tmp_path, monkeypatch, history):
         write_cache(tmp_path, [1])  # generation 3: an add after the snapshot
         with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
             w.remove({"key00012"})  # generation 4: a removal after the snapshot
-        assert m.snapshots(tmp_path) == [2]
+        assert snapshots(tmp_path) == [2]
     doc = (Path(__file__).resolve().parents[1] / "shards" / "FORMAT.md").read_text()
     code = doc.split("## Reading with nothing but `safetensors`")[1].split("```python")[1].split("```")[0]
     scope = {}

@@ -1,4 +1,4 @@
-"""Generations: removal and repair, the commit log and its snapshots, compaction, gc, concurrent writers."""
+"""Generations: removal and repair, the commit log and its snapshots, compaction, concurrent writers (gc: test_shards_gc.py)."""
 
 import json
 import struct
@@ -15,6 +15,7 @@ from shards import (
     ShardWriter,
     verify,
 )
+from shards.log import snapshots
 
 
 def test_remove_commits_a_generation_and_readers_of_the_last_keep_reading(tmp_path):
@@ -48,43 +49,18 @@ def test_remove_commits_a_generation_and_readers_of_the_last_keep_reading(tmp_pa
         Cache(tmp_path, generation=before.generation)
 
 
-def test_gc_keeps_what_a_resumable_run_needs(tmp_path):
-    from shards import gc, register_reader
-
-    write_cache(tmp_path / "cache", range(12), max_shard_samples=4)
-    cache = tmp_path / "cache"
-    run = tmp_path / "run"
-    generation = Cache(cache).generation
-    keys = [k for k, _ in Cache(cache).keys()]  # in shard order: 0, 3, 6, 9, 1, 4, ...
-    register_reader(cache, run, generation)
-    ckpt = run / "checkpoints" / "step-00000010"
-    ckpt.mkdir(parents=True)
-    (ckpt / "state.json").write_text(json.dumps({"step": 10, "cache_generation": generation}))
-    (ckpt / "COMPLETE").write_text("ok\n")
-    with ShardWriter(cache, FINGERPRINT, SCHEMA) as w:
-        w.remove({"key00000"})
-    assert gc(cache).generations == [generation]
-    old = Cache(cache, generation=generation)
-    assert [old[i].key for i in range(len(old))] == keys
-    (ckpt / "COMPLETE").unlink()  # no resumable checkpoint recorded that generation any more
-    import shutil
-
-    shutil.rmtree(run)
-    report = gc(cache)
-    assert report.generations == [] and report.stale_readers and verify(cache).retired == 0
-
 
 def test_commits_cost_one_small_file_and_snapshots_replay_exactly(tmp_path, monkeypatch):
-    import shards.manifest as m
+    import shards.generations
 
-    monkeypatch.setattr(m, "COMPACT_MIN", 8)
+    monkeypatch.setattr(shards.generations, "COMPACT_MIN", 8)
     with ShardWriter(tmp_path, FINGERPRINT, SCHEMA, max_shard_samples=1) as w:
         for i in range(30):
             before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "_log").glob("*.json")} if i else {}
             w.write(*make_sample(i))
             after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "_log").glob("*.json")}
             assert set(after) - set(before) == {f"{i:012d}.json"} and all(after[k] == v for k, v in before.items())
-    assert m.snapshots(tmp_path), "the log was compacted"
+    assert snapshots(tmp_path), "the log was compacted"
     from_snapshot = Cache(tmp_path)
     shutil_rm = [p.unlink() for p in (tmp_path / "_snapshots").glob("*")]
     assert shutil_rm
@@ -94,12 +70,14 @@ def test_commits_cost_one_small_file_and_snapshots_replay_exactly(tmp_path, monk
     assert list(from_snapshot.manifest.samples()) == list(replayed.manifest.samples())
 
 
+
 def test_readers_keep_a_bounded_number_of_shards_open(tmp_path):
     write_cache(tmp_path, range(40), max_shard_samples=1)
     cache = Cache(tmp_path, max_open=3)
     for i in range(len(cache)):
         cache[i]
         assert len(cache._readers) <= 3
+
 
 
 def test_a_manifest_path_outside_the_cache_is_refused(tmp_path):
@@ -112,6 +90,7 @@ def test_a_manifest_path_outside_the_cache_is_refused(tmp_path):
         Cache(tmp_path)
     report = verify(tmp_path)
     assert not report.ok and "outside the cache" in report.problems[0][1]
+
 
 
 def test_a_version_1_cache_is_refused_then_upgraded_in_place(tmp_path):
@@ -147,6 +126,7 @@ def test_a_version_1_cache_is_refused_then_upgraded_in_place(tmp_path):
     assert verify(tmp_path).ok and (tmp_path / "index.v1.json").exists()
 
 
+
 def test_prompts_are_stored_merged_and_verified(tmp_path):
     from shards import Prompt, prompt_key
 
@@ -166,10 +146,11 @@ def test_prompts_are_stored_merged_and_verified(tmp_path):
     assert verify(tmp_path).bad_files == [str(path)]
 
 
+
 def test_sample_index_by_source_without_opening_a_shard(tmp_path, monkeypatch):
     """An incremental run asks which inputs are cached, and with which stamp, without reading any shard, whether
     the index comes from the log or from a snapshot; odd file names (not UTF-8) survive the snapshot."""
-    import shards.manifest as m
+    import shards.generations
     import shards.reader
 
     odd = "images/caf\udce9.png"  # os.fsdecode of a Latin-1 file name
@@ -182,14 +163,15 @@ def test_sample_index_by_source_without_opening_a_shard(tmp_path, monkeypatch):
     expected[odd] = ("key00005", (1 << 62) + 5)
     for snapshot in (False, True):
         if snapshot:
-            m.compact(tmp_path, m.load(tmp_path))
-            assert m.snapshots(tmp_path)
+            shards.generations.compact(tmp_path, shards.load(tmp_path))
+            assert snapshots(tmp_path)
         cache = Cache(tmp_path)
         monkeypatch.setattr(shards.reader, "open_file", lambda *a, **k: pytest.fail("a shard was opened"))
         assert cache.manifest.by_source() == expected
         assert sorted(k for k, _ in cache.keys()) == [f"key{i:05d}" for i in range(6)]
         assert sorted(s[:3] for s in cache.manifest.samples()) == sorted((k, src, t) for src, (k, t) in expected.items())
         monkeypatch.undo()
+
 
 
 def test_an_old_generation_reads_repaired_copies_with_one_load(tmp_path, monkeypatch):
@@ -217,68 +199,6 @@ def test_an_old_generation_reads_repaired_copies_with_one_load(tmp_path, monkeyp
     assert cache.check_files() == []
 
 
-def test_gc_keeps_every_needed_generation_in_one_replay_and_the_log_loads_after_it(tmp_path, monkeypatch):
-    import importlib
-    import shutil
-
-    from shards import gc, register_reader
-
-    gc_module = importlib.import_module("shards.gc")  # `shards.gc` is the function
-
-    root = tmp_path / "cache"
-    write_cache(root, range(12), max_shard_samples=3)
-    runs = {name: tmp_path / name for name in ("a", "b")}
-    generations = {}
-    for name, key in (("a", "key00000"), ("b", "key00001")):
-        generations[name] = Cache(root).generation
-        runs[name].mkdir()
-        register_reader(root, runs[name], generations[name])  # an epoch in progress, no checkpoint yet
-        with ShardWriter(root, FINGERPRINT, SCHEMA) as w:
-            w.remove({key})
-    expected = {name: [k for k, _ in Cache(root, generation=g).keys()] for name, g in generations.items()}
-    loads = []
-    real = gc_module.load
-    monkeypatch.setattr(gc_module, "load", lambda *a, **k: loads.append(a) or real(*a, **k))
-    assert gc(root).generations == sorted(generations.values())
-    assert len(loads) == 2  # the newest and the oldest needed generation; the others are replayed from it
-    for name, g in generations.items():
-        reader = Cache(root, generation=g)
-        assert [reader[i].key for i in range(len(reader))] == expected[name]
-
-    shutil.rmtree(runs["a"])
-    assert gc(root).generations == [generations["b"]]  # run a is gone, and so is its generation
-    assert not (root / "_log" / "000000000000.json").exists()  # the log before the oldest generation needed too
-    with pytest.raises(FormatError, match="no generation"):
-        Cache(root, generation=generations["a"])
-    register_reader(root, runs["b"], generations["a"])  # a registration of a generation collected already...
-    assert gc(root).generations == []  # ...keeps nothing, and gc does not fail on it
-    write_cache(root, range(12, 15))  # the log goes on from the snapshot
-    assert len(Cache(root)) == 12 - 2 + 3 and verify(root).ok
-
-
-def test_gc_and_writers_exclude_each_other(tmp_path):
-    from typer.testing import CliRunner
-
-    from shards import CacheBusy, gc
-    from shards.cli import app
-    from shards.gc import exclusive
-
-    write_cache(tmp_path, range(3))
-    w = ShardWriter(tmp_path, FINGERPRINT, SCHEMA, rank=3)  # a writer between two commits
-    w.write(*make_sample(3))
-    w.flush()
-    with pytest.raises(CacheBusy, match="a writer is writing"):
-        gc(tmp_path)
-    result = CliRunner().invoke(app, ["gc", str(tmp_path)])
-    assert result.exit_code == 3 and "writer" in result.output
-    w.finish()
-    locks = exclusive(tmp_path)  # gc at work: no writer starts
-    with pytest.raises(CacheBusy, match="gc"):
-        ShardWriter(tmp_path, FINGERPRINT, SCHEMA)
-    for lock in locks:
-        lock.release()
-    assert CliRunner().invoke(app, ["gc", str(tmp_path)]).exit_code == 0 and len(Cache(tmp_path)) == 4
-
 
 def test_concurrent_writers_commit_only_what_still_applies(tmp_path):
     from shards import CacheBusy
@@ -298,6 +218,7 @@ def test_concurrent_writers_commit_only_what_still_applies(tmp_path):
     assert verify(tmp_path).ok
 
 
+
 DAMAGED_COMMITS = {
     "add outside": {"add": [{"path": "../outside.safetensors", "bucket": [64, 64], "samples": 1, "bytes": 1, "sha256": "00" * 32,
                              "field_bytes": {}, "keys": ["x"]}]},
@@ -309,6 +230,7 @@ DAMAGED_COMMITS = {
     "add without keys": {"add": [{"path": "64x64/r00000-000009.safetensors", "bucket": [64, 64], "samples": 1, "bytes": 1,
                                   "sha256": "00" * 32, "field_bytes": {}}]},
 }
+
 
 
 @pytest.mark.parametrize("damage", list(DAMAGED_COMMITS))
@@ -335,16 +257,18 @@ def test_every_reader_refuses_a_damaged_commit(tmp_path, damage):
     assert not report.ok and message in report.problems[0][1]
 
 
+
 def test_a_snapshot_listing_a_path_outside_the_cache_is_refused(tmp_path):
-    import shards.manifest as m
+    import shards.generations
 
     write_cache(tmp_path, range(3))
-    manifest = m.load(tmp_path)
+    manifest = shards.load(tmp_path)
     manifest.replaced["64x64/r00000-000000.safetensors"] = "../../elsewhere.safetensors"
-    m.compact(tmp_path, manifest)
+    shards.generations.compact(tmp_path, manifest)
     with pytest.raises(FormatError, match="outside the cache"):
         Cache(tmp_path)
     assert "outside the cache" in verify(tmp_path).problems[0][1]
+
 
 
 def test_auxiliary_files_stay_inside_the_cache(tmp_path):
@@ -355,38 +279,20 @@ def test_auxiliary_files_stay_inside_the_cache(tmp_path):
     assert verify(tmp_path).ok and not (tmp_path.parent / "decoder.json").exists()
 
 
-def test_compaction_keeps_three_snapshots_and_every_generation_loads(tmp_path, monkeypatch):
-    import shards.manifest as m
 
-    monkeypatch.setattr(m, "COMPACT_MIN", 4)
+def test_compaction_keeps_three_snapshots_and_every_generation_loads(tmp_path, monkeypatch):
+    import shards.generations
+
+    monkeypatch.setattr(shards.generations, "COMPACT_MIN", 4)
     with ShardWriter(tmp_path, FINGERPRINT, SCHEMA, max_shard_samples=1) as w:
         for i in range(60):
             w.write(*make_sample(i))
-    kept = m.snapshots(tmp_path)
+    kept = snapshots(tmp_path)
     assert len(kept) == 3 and kept[0] == 3, kept  # the oldest and the two newest
     newest = Cache(tmp_path).generation
     for g in range(newest + 1):  # a reader of any generation still loads it (log + the oldest snapshot)
         assert len(Cache(tmp_path, generation=g)) == g + 1
 
-
-def test_gc_after_compactions_keeps_a_checkpointed_generation_loadable(tmp_path, monkeypatch):
-    import shards.manifest as m
-    from shards import gc, register_reader
-
-    monkeypatch.setattr(m, "COMPACT_MIN", 4)
-    cache, run = tmp_path / "cache", tmp_path / "run"
-    with ShardWriter(cache, FINGERPRINT, SCHEMA, max_shard_samples=1) as w:
-        for i in range(21):
-            w.write(*make_sample(i))
-    assert len(m.snapshots(cache)) == 3  # the oldest and the two newest, none at the checkpointed generation
-    register_reader(cache, run, 9)
-    ckpt = run / "checkpoints" / "step-00000010"
-    ckpt.mkdir(parents=True)
-    (ckpt / "state.json").write_text(json.dumps({"step": 10, "cache_generation": 9, "cache_root": str(cache.resolve())}))
-    (ckpt / "COMPLETE").write_text("ok\n")
-    assert gc(cache).generations == [9]
-    assert [Cache(cache, generation=9)[i].key for i in range(10)] == [f"key{i:05d}" for i in range(10)]
-    assert len(Cache(cache)) == 21
 
 
 def test_a_removal_never_launders_a_damaged_sample(tmp_path):
