@@ -156,16 +156,20 @@ class Encoders:
         """How stage two rebuilds this VAE to decode samples, plus the files to store in the cache when the
         weights exist nowhere else (tiny presets). Stage two loads it with `from_pretrained` and keeps only
         the decoder."""
-        vae_class, scaling, shift = type(self.vae).__name__, self.latent.scaling_factor, self.latent.shift_factor
+        latent = self.latent
+        # how the latents were normalised, undone before decoding
+        stored = dict(latents_mean=latent.latents_mean, latents_std=latent.latents_std, frame_axis=self.family.frame_axis)
+        vae_class, scaling, shift = type(self.vae).__name__, latent.scaling_factor, latent.shift_factor
         if self.vae_repo:
             local = Path(self.vae_repo)
             source = str(local.resolve()) if local.is_dir() else self.vae_repo
-            return DecoderRecipe(vae_class, source, scaling, shift, self.preset.vae.subfolder, self.preset.vae.revision), {}
+            return DecoderRecipe(vae_class, source, scaling, shift, self.preset.vae.subfolder, self.preset.vae.revision,
+                                 **stored), {}
         from safetensors.torch import save
 
         weights = save({k: v.detach().float().contiguous().cpu() for k, v in self.vae.state_dict().items()})
         files = {"vae/config.json": self.vae.to_json_string().encode(), "vae/diffusion_pytorch_model.safetensors": weights}
-        return DecoderRecipe(vae_class, "vae", scaling, shift, in_cache=True), files
+        return DecoderRecipe(vae_class, "vae", scaling, shift, in_cache=True, **stored), files
 
     # -- encoding -------------------------------------------------------------------------------
 

@@ -21,6 +21,9 @@ import torch
 from shards import LatentSpec, TextSpec
 from shards.options import Dtype
 
+# Where T5 can be left out: the error every other family's encoder gives for --drop-t5.
+DROP_T5_REFUSED = "--drop-t5 applies to SD3 presets (CLIP-L + CLIP-G + T5)"
+
 
 @dataclass(frozen=True)
 class VaeSpec:
@@ -114,11 +117,14 @@ class Family(ABC):
         own_text_encoder: None when the family's transformer takes any single-sequence text encoder of the masked
             layout (padding trimmed, a mask); else what it needs, for the error refusing another family's encoder,
             e.g. "CLIP-L + T5 (clip-l-t5)".
+        frame_axis: the VAE takes and returns video, (B, C, T, H, W); the cache holds one frame without that axis
+            (`encode_images` drops it) and the decoder recipe records it.
     """
 
     name: str
     padding: str = "trimmed"
     own_text_encoder: str | None = None
+    frame_axis: bool = False
 
     # -- names ---------------------------------------------------------------------------------------------------
 
@@ -205,6 +211,3 @@ class Family(ABC):
         caption keeps its valid tokens only: half the token limit, as an estimate."""
         return text.max_tokens // 2 * text.width
 
-
-# Where T5 can be left out: the error every other family's encoder gives for --drop-t5.
-DROP_T5_REFUSED = "--drop-t5 applies to SD3 presets (CLIP-L + CLIP-G + T5)"
