@@ -8,15 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline, train_processes
 from PIL import Image, ImageDraw, ImageFilter, ImageOps
 
-from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline, train_processes
 from shards import Cache, LatentSpec
 from train import controlnet
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
+from train.families import get_preset
 from train.loop import train
-from train.presets import build_transformer, get_preset, model_forward
+from train.presets import build_transformer, model_forward
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ["tiny-sd3", "tiny-sana"]
@@ -265,14 +266,14 @@ def test_the_export_loads_into_the_stock_pipeline_and_follows_the_control_image(
 @pytest.mark.parametrize("model", MODELS)
 def test_batches_carry_the_control_latent_drawn_after_the_latent(caches, model):
     from train.data import TrainingSamples
-    from train.order import _generator
+    from train.order import seeded_generator
 
     cache = Cache(caches[model])
     with_control = TrainingSamples(cache, 3, 0.0, control=True)
     without = TrainingSamples(cache, 3, 0.0)
     item = with_control[(2, 5)]
     assert torch.equal(item["latent"], without[(2, 5)]["latent"])  # the latent's draw comes first, as before
-    sample, g = cache[5], _generator(3, 2, 5)
+    sample, g = cache[5], seeded_generator(3, 2, 5)
     if model == "tiny-sd3":  # the posterior, drawn with the sample's own generator right after the latent
         mean, std = (sample[f"control_latent_{k}"].float() for k in ("mean", "std"))
         torch.randn(mean.shape, generator=g)

@@ -171,7 +171,8 @@ def test_resuming_with_another_world_size_is_refused(tiny_caches, runs, tmp_path
 
 def test_a_block_override_that_matches_nothing_lists_the_blocks():
     from train.distributed import find_blocks
-    from train.presets import build_transformer, get_preset
+    from train.families import get_preset
+    from train.presets import build_transformer
 
     model = build_transformer(get_preset("tiny-sana"), None, 0)
     assert [type(b).__name__ for b in find_blocks(model)] == ["SanaTransformerBlock"] * 2

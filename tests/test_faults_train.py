@@ -18,7 +18,7 @@ from shards import Cache, CacheLock, CacheSpec, DecoderRecipe, FormatError, Late
 from train.__main__ import app
 from train.cache import check_cache
 from train.checkpoint import complete_checkpoints
-from train.presets import PRESETS, get_preset
+from train.families import PRESETS, get_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGACY = ROOT / "tests" / "data" / "cache-v2-3b95788"

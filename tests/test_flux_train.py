@@ -12,13 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import VALIDATION_PROMPTS
+
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
+from train.families import PRESETS, get_preset
 from train.loop import train
 from train.model import build_run_objective, null_caption
-from train.presets import PRESETS, build_transformer, get_preset, model_forward
+from train.presets import build_transformer, model_forward
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = 32  # tiny-flux's T5 limit
@@ -43,7 +44,8 @@ def flux_cache(tmp_path_factory):
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
     """tiny-flux's VAE, CLIP-L and T5 with their tokenizers, saved in the diffusers layout."""
-    from precompute.presets import get_preset as encoders, save_tiny
+    from precompute.presets import get_preset as encoders
+    from precompute.presets import save_tiny
 
     directory = tmp_path_factory.mktemp("parts")
     save_tiny(encoders("tiny-flux"), directory)

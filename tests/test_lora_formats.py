@@ -8,7 +8,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from train import lora
-from train.presets import build_transformer, get_preset
+from train.families import get_preset
+from train.presets import build_transformer
 
 RANK = 4
 

@@ -196,8 +196,8 @@ def test_the_run_defaults_per_family():
     """SD3 preconditions its outputs and Sana does not; PixArt-Sigma's full fine-tunes learn the variance, its LoRA
     runs do not, and --no-learned-variance or a model without variance channels turn it off."""
     from train.config import TrainConfig
+    from train.families import get_preset
     from train.model import build_run_objective
-    from train.presets import get_preset
 
     def objective(model, **kw):
         preset = get_preset(model)

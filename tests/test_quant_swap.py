@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VALIDATION_PROMPTS, train_processes
 from PIL import Image, ImageFilter, ImageOps
 
-from conftest import VALIDATION_PROMPTS, train_processes
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
+from train.families import get_preset
 from train.loop import train
-from train.presets import build_transformer, get_preset
+from train.presets import build_transformer
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline
 from PIL import Image
 
-from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline
 from shards import Cache, prompt_key
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
+from train.families import get_preset
+from train.families.sd3 import joint_tokens
 from train.loop import train
-from train.presets import build_transformer, get_preset, sd3_joint_tokens
+from train.presets import build_transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +33,7 @@ def _joint(cache: Cache, fields: dict, width: int) -> tuple[torch.Tensor, torch.
 
     layout = TextLayout.of(cache)
     batch = layout.collate([{k: v.float() for k, v in layout.caption(fields).items()}])
-    return sd3_joint_tokens(batch, width, torch.float32), batch["pooled"]
+    return joint_tokens(batch, width, torch.float32), batch["pooled"]
 
 
 @pytest.mark.parametrize("drop_t5", [False, True], ids=["clip+t5", "t5-dropped"])

@@ -8,7 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from train import lora
-from train.presets import build_transformer, get_preset, model_forward, transformer_blocks
+from train.families import get_preset
+from train.presets import build_transformer, model_forward, transformer_blocks
 from train.swap import BlockSwap, Transfer
 
 FAMILIES = {"tiny-flux": "flux", "tiny-sana": "sana"}

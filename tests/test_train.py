@@ -16,8 +16,8 @@ from precompute.run import main as precompute
 from precompute.sample_data import make_folder
 from shards import Bucket
 from train.checkpoint import complete_checkpoints
-from train.data import BatchPlan
 from train.config import TrainConfig
+from train.data import BatchPlan
 from train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,8 +203,9 @@ def test_adamw_8bit_without_bitsandbytes_says_how_to_install(monkeypatch):
 
 @pytest.mark.parametrize("every", [1, 2])
 def test_gradient_checkpointing_every_kth_block_keeps_gradients(every):
+    from train.families import get_preset
     from train.model import checkpoint_blocks
-    from train.presets import build_transformer, get_preset
+    from train.presets import build_transformer
 
     preset = get_preset("tiny-sana")
     config = {**preset.transformer_config(), "num_layers": 4}

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline
 from PIL import Image
 
-from conftest import VALIDATION_PROMPTS, pipeline_kwargs, stock_pipeline
 from shards import Bucket, Cache
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
@@ -80,7 +80,8 @@ def test_exported_weights_generate_through_the_stock_pipeline(tiny_caches, tmp_p
     exported = load_file(tmp_path / "export" / "transformer" / "diffusion_pytorch_model.safetensors")
     trained = load_file(ckpt / "transformer" / "diffusion_pytorch_model.safetensors")
     assert exported.keys() == trained.keys() and any(not torch.equal(exported[k], trained[k]) for k in exported)  # EMA, not raw
-    from train.presets import build_transformer, get_preset
+    from train.families import get_preset
+    from train.presets import build_transformer
 
     buffers = {name for name, _ in build_transformer(get_preset(model), None, 0).named_buffers()}  # SD3's pos_embed
     assert sorted(t.numel() for k, t in exported.items() if k not in buffers) == sorted(t.numel() for t in shadow)

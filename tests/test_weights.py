@@ -13,8 +13,9 @@ import torch
 
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
+from train.families import PRESETS, get_preset
 from train.loop import train
-from train.presets import PRESETS, build_transformer, get_preset, resolve_weights
+from train.presets import build_transformer, resolve_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +80,7 @@ def test_an_unreachable_hub_fails_at_once_instead_of_hanging():
     """No HF_HUB_OFFLINE and no network (or, where there is one, no such repository): the loader answers with
     the message; the timeout only guards the test against a hang."""
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "from train.presets import get_preset, resolve_weights\n"
+            "from train.families import get_preset\nfrom train.presets import resolve_weights\n"
             "try:\n    resolve_weights(get_preset('tiny-sana'), 'cachedit-tests/no-such-model')\nexcept ValueError as e:\n    print('ERROR', e)\n") % str(ROOT)
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env["HF_HOME"] = "/nonexistent-hf-home"  # no cached snapshot to fall back on

@@ -18,10 +18,11 @@ import typer
 from shards import DamagedCache
 from shards.options import Dtype, config_file_parameter, default_of, help_of, range_check, typer_parameters
 from train.config import Optimizer, TrainConfig
-from train.presets import PRESETS
+from train.families import FAMILIES, PRESETS
 
 # torchrun's own parser would take `--run` for an abbreviation of its `--run-path`
 OPTION_NAMES = {"run": ("--run-dir",)}
+KOHYA_FAMILIES = ", ".join(f.title for f in FAMILIES if "kohya" in f.lora_formats)  # who writes kohya's layout
 
 
 def command(**options) -> None:
@@ -64,16 +65,17 @@ def like_train(name: str, default=None, help: str | None = None):
 def export_command(
     run: Path = typer.Argument(..., help="Run directory (its newest complete checkpoint) or one checkpoint directory."),
     out: Path = typer.Option(..., help="Output directory, replaced whole; the transformer goes to OUT/transformer in the diffusers "
-                             "layout. A LoRA run's adapters go to OUT (pipe.load_lora_weights(OUT); PixArt: PeftModel.from_pretrained). "
+                             "layout. A LoRA run's adapters go to OUT, as the family's pipeline loads them (pipe.load_lora_weights(OUT), or "
+                             "PeftModel.from_pretrained for a pipeline without a LoRA loader). "
                              "A ControlNet run's ControlNet goes to OUT/controlnet (the family's ControlNet model class: "
                              "from_pretrained(OUT, subfolder=\"controlnet\")). Every export has a model card, OUT/README.md."),
     ema: bool = typer.Option(False, help="Export the EMA weights instead of the trained ones."),
     dtype: Optional[Dtype] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
     merge_lora: bool = typer.Option(False, help="A LoRA run: fold the adapters into the base weights and write the whole "
-                                    "transformer to OUT/transformer (for pipelines without a LoRA loader, e.g. PixArt-Sigma's)."),
+                                    "transformer to OUT/transformer (for pipelines without a LoRA loader)."),
     lora_format: Literal["diffusers", "kohya"] = typer.Option("diffusers", help="A LoRA run's adapter format: diffusers (what "
-                                                               "the family's pipeline writes) or kohya (Flux only; ComfyUI and "
-                                                               "kohya's tools load it, and so does load_lora_weights)."),
+                                                               "the family's pipeline writes) or kohya (" + KOHYA_FAMILIES + " only; ComfyUI "
+                                                               "and kohya's tools load it, and so does load_lora_weights)."),
     push_to_hub: Optional[str] = typer.Option(None, metavar="REPO", help="After exporting, upload OUT to this Hub model "
                                               "repository (owner/name; created if missing). Needs a login (hf auth login, "
                                               "formerly huggingface-cli login) or HF_TOKEN."),
@@ -151,8 +153,8 @@ def plan_command(
     parallel: Literal["auto", "ddp", "fsdp"] = like_train("parallel", default_of(TrainConfig, "parallel"),
                                                    help="auto or ddp (replicated weights) or fsdp (sharded over --world-size)."),
     fsdp_cpu_offload: bool = like_train("fsdp_cpu_offload", default_of(TrainConfig, "fsdp_cpu_offload")),
-    text_tokens: Optional[int] = typer.Option(None, min=1, help="Caption tokens to plan for (default: the preset's limit, e.g. 300 for "
-                                              "Sana and PixArt, 77 + 256 for SD3, 512 for FLUX.1-dev and 256 for schnell)."),
+    text_tokens: Optional[int] = typer.Option(None, min=1, help="Caption tokens to plan for (default: the preset's limit, the most "
+                                              "tokens stage one caches for one caption of it)."),
     gpu_memory: str = typer.Option("80GB", help="Memory of one device, e.g. 48GB."),
     lora_rank: int = like_train("lora_rank", default_of(TrainConfig, "lora_rank"), help="Plan LoRA adapters of this rank on the "
                                 "frozen transformer (0: full fine-tuning); --weights-dtype is then the base's dtype."),
@@ -168,8 +170,8 @@ def plan_command(
     """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
     like the trainer's mean the same and default the same."""
     from shards import Bucket
+    from train.families import get_preset
     from train.plan import PlanConfig, ema_placement, format_plan, parse_bytes, plan
-    from train.presets import get_preset
 
     def go():
         size = tuple(Bucket.parse(bucket)) if bucket else (resolution or get_preset(model).base_resolution,) * 2

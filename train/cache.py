@@ -14,7 +14,8 @@ from shards.reader import REPAIR
 from shards.remote import repair_hint
 from shards.verify import file_sha256
 from train import distributed
-from train.presets import ModelPreset, latent_channels, latent_patch, text_width
+from train.families import get_family
+from train.families.base import ModelPreset
 
 log = logging.getLogger("train")
 
@@ -72,51 +73,20 @@ def repair_command(cache: Cache) -> str:
     return repair_hint(cache.location) if isinstance(cache, RemoteCache) else REPAIR.format(root=cache.root)
 
 
-# The text layout each family's transformer takes (`shards.TextSpec.layout`), and what a user would call it.
-TEXT_LAYOUTS = {"pixart": "masked", "sana": "masked", "sd3": "sd3_joint", "flux": "flux"}
-LAYOUT_NAMES = {"masked": "one encoder's tokens with a mask (PixArt, Sana)",
-                "sd3_joint": "CLIP-L/G tokens, their pooled vector and T5 tokens (SD3)",
-                "flux": "every T5 token and CLIP-L's pooled vector (Flux)"}
-
-
 def check_cache(preset: ModelPreset, cache: Cache, config: dict) -> None:
     """Stop before loading weights when the cache cannot feed this model, naming the fields: the cache's
-    family, latent and text layout against what the preset's transformer config takes."""
+    family, latent and text layout against what the preset's transformer config takes (`Family.cache_problems`)."""
     try:
         spec = cache.spec
     except DamagedCache:  # a damaged file says how to restore it
         raise
     except FormatError as e:  # not written by stage one: say which model to build it for
         raise FormatError(f"{e} MODEL={preset.name}") from None
-    latent, text = spec.latent, spec.text
-    patch = latent_patch(preset.family, config)
-    problems = []
-    if spec.family and spec.family != preset.family:
-        problems.append(f"family: cache {spec.family!r}, model {preset.family!r}")
-    if latent.channels != latent_channels(preset.family, config):
-        what = "in_channels / 4 (2 x 2 packed)" if preset.family == "flux" else "in_channels"
-        problems.append(f"latent channels: cache {latent.channels}, model {what} {latent_channels(preset.family, config)}")
-    needed = TEXT_LAYOUTS[preset.family]
-    if text.layout != needed:  # widths of another layout mean nothing to this model: not compared
-        problems.append(f"text layout: cache {text.layout!r} ({LAYOUT_NAMES.get(text.layout, 'unknown')}), model "
-                        f"{preset.family} takes {needed!r} ({LAYOUT_NAMES[needed]})")
-    elif needed == "flux":
-        if text.t5_width != config.get("joint_attention_dim"):
-            problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {config.get('joint_attention_dim')}")
-        if text.pooled_width != config.get("pooled_projection_dim"):
-            problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config.get('pooled_projection_dim')}")
-    elif needed == "sd3_joint":
-        joint = config.get("joint_attention_dim")
-        if text.clip_width is None or joint is None or text.clip_width > joint:
-            problems.append(f"CLIP width: cache {text.clip_width}, over the model's joint width {joint}")
-        if text.pooled_width != config.get("pooled_projection_dim"):
-            problems.append(f"pooled width: cache {text.pooled_width}, model pooled_projection_dim {config.get('pooled_projection_dim')}")
-        if text.t5_width not in (None, joint):
-            problems.append(f"T5 width: cache {text.t5_width}, model joint_attention_dim {joint}")
-    elif text.width != text_width(config):
-        problems.append(f"text width: cache {text.width}, model {text_width(config)}")
+    family = get_family(preset.family)
+    patch = family.latent_patch(config)
+    problems = family.cache_problems(spec, config)
     for bucket in cache.manifest.buckets():
-        _, h, w = latent.shape(bucket.height, bucket.width)
+        _, h, w = spec.latent.shape(bucket.height, bucket.width)
         if h % patch or w % patch:
             problems.append(f"bucket {bucket}: latent {h}x{w} is not a multiple of patch size {patch}")
     if problems:

@@ -17,21 +17,11 @@ from typing import Literal
 
 from shards import Cache, FormatError
 from shards.remote import is_url
-from train.lora import DEFAULT_TARGETS
-from train.presets import get_preset
+from train.families import get_family, get_preset
 
 Kind = Literal["full", "lora", "controlnet"]
 CARD = "README.md"
 IMAGES = "images"
-# diffusers' class names per family: the text-to-image pipeline, its transformer, and the ControlNet pair
-PIPELINES = {"sana": "SanaPipeline", "pixart": "PixArtSigmaPipeline", "sd3": "StableDiffusion3Pipeline",
-             "flux": "FluxPipeline"}
-TRANSFORMERS = {"sana": "SanaTransformer2DModel", "pixart": "PixArtTransformer2DModel", "sd3": "SD3Transformer2DModel",
-                "flux": "FluxTransformer2DModel"}
-CONTROLNETS = {"sana": ("SanaControlNetPipeline", "SanaControlNetModel"),
-               "sd3": ("StableDiffusion3ControlNetPipeline", "SD3ControlNetModel")}
-
-
 @dataclass(frozen=True)
 class Base:
     """The weights a run started from, as its checkpoint records them (no Hub lookup).
@@ -103,7 +93,7 @@ def write_card(directory: Path, ckpt: Path, state: dict, kind: Kind, *, ema: boo
         "## Validation samples", "",
         f"The run's last validation grid (step {grid_step(grid)}): ![validation samples]({url})" if grid
         else "The run left no validation grid at or before this step.", "",
-        "## How to use", "", "```python", usage(preset.family, kind, base, location, weight_name, merged), "```", "",
+        "## How to use", "", "```python", usage(preset.family, kind, base, location, weight_name), "```", "",
         "## License", "",
         f"Not set by cachedit: choose one, compatible with the base model's license{licence_of_base}, and add it to this "
         "card's metadata (`license:`).", "",
@@ -122,7 +112,7 @@ def write_card(directory: Path, ckpt: Path, state: dict, kind: Kind, *, ema: boo
     path = directory / CARD
     path.write_text(f"---\n{data.to_yaml()}\n---\n\n{body}", encoding="utf-8")
     card = load_or_create_model_card(str(path))
-    tags = ["text-to-image", "diffusers", "diffusers-training", "cachedit", preset.family, f"{preset.family}-diffusers"]
+    tags = ["text-to-image", "diffusers", "diffusers-training", "cachedit", *get_family(preset.family).tags()]
     tags += {"lora": ["lora", "template:sd-lora"], "controlnet": ["controlnet"], "full": []}[kind]
     card = populate_model_card(card, tags=tags)
     card.save(path)
@@ -133,7 +123,7 @@ def describe_kind(kind: Kind, state: dict, directory: Path, merged: bool) -> str
     cfg, preset = state["config"], get_preset(state["model"])
     what = f"the {preset.family} transformer of preset `{preset.name}`"
     if kind == "lora":
-        targets = cfg["lora_targets"] or list(DEFAULT_TARGETS[preset.family])
+        targets = cfg["lora_targets"] or list(get_family(preset.family).lora_targets)
         alpha = cfg["lora_alpha"] if cfg["lora_alpha"] is not None else cfg["lora_rank"]
         return (f"LoRA adapters for {what}: rank {cfg['lora_rank']}, alpha {alpha:g}, dropout {cfg['lora_dropout']:g}, on "
                 f"{', '.join(f'`{t}`' for t in targets)}. The base weights are not included.")
@@ -231,29 +221,27 @@ def grid_step(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str | None = None, merged: bool = False) -> str:
+def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str | None = None) -> str:
     """Python that loads the export into the family's stock diffusers pipeline."""
     source, note = base.pipeline_source()
     revision = f', revision="{base.revision}"' if base.kind == "hub" and base.revision else ""
-    pipe = PIPELINES[family]
+    kind_of = get_family(family)
+    pipe = kind_of.pipeline
     if kind == "controlnet":
-        pipe, model = CONTROLNETS[family]
+        pipe, model = kind_of.controlnet.pipeline, kind_of.controlnet.model
         return "\n".join([
             "import torch", f"from diffusers import {pipe}, {model}", "",
             f'controlnet = {model}.from_pretrained("{location}", subfolder="controlnet", torch_dtype=torch.bfloat16)',
             f'pipe = {pipe}.from_pretrained("{source}"{revision}, controlnet=controlnet, torch_dtype=torch.bfloat16).to("cuda"){note}',
             'image = pipe("a prompt", control_image=control_image).images[0]  # control_image: a PIL image like the training ones'])
     if kind == "full":
-        model = TRANSFORMERS[family]
+        model = kind_of.transformer
         return "\n".join([
             "import torch", f"from diffusers import {pipe}, {model}", "",
             f'transformer = {model}.from_pretrained("{location}", subfolder="transformer", torch_dtype=torch.bfloat16)',
             f'pipe = {pipe}.from_pretrained("{source}"{revision}, transformer=transformer, torch_dtype=torch.bfloat16).to("cuda"){note}',
             'image = pipe("a prompt").images[0]'])
-    lines = ["import torch", f"from diffusers import {pipe}"] + (["from peft import PeftModel"] if family == "pixart" else [])
+    imports, loading = kind_of.lora_usage(location, weight_name)
+    lines = ["import torch", f"from diffusers import {pipe}", *imports]
     lines += ["", f'pipe = {pipe}.from_pretrained("{source}"{revision}, torch_dtype=torch.bfloat16).to("cuda"){note}']
-    if family == "pixart":  # PixArtSigmaPipeline has no LoRA loader: the adapters are in peft's layout
-        lines.append(f'pipe.transformer = PeftModel.from_pretrained(pipe.transformer, "{location}")')
-    else:
-        lines.append(f'pipe.load_lora_weights("{location}"' + (f', weight_name="{weight_name}"' if weight_name else "") + ")")
-    return "\n".join(lines + ['image = pipe("a prompt").images[0]'])
+    return "\n".join(lines + loading + ['image = pipe("a prompt").images[0]'])

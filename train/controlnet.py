@@ -1,22 +1,17 @@
 """ControlNet training: a ControlNet beside the frozen transformer, conditioned on cached control latents.
 
-The ControlNet is diffusers' own class for the family, so what trains here loads into the stock pipeline:
-`SD3ControlNetModel` (SD3 / SD3.5, `StableDiffusion3ControlNetPipeline`) and `SanaControlNetModel` (Sana,
-`SanaControlNetPipeline`). diffusers has no PixArt-Sigma ControlNet, so PixArt-Sigma is refused.
+The ControlNet is diffusers' own class for the family (`Family.controlnet`), so what trains here loads into the
+stock ControlNet pipeline; a family without one is refused with the reason (`Family.no_controlnet`).
 
 A new ControlNet starts as a copy of the transformer's first blocks with zero-initialised output projections
 (and a zero input projection of the control latent), so at step 0 the controlled transformer predicts exactly
-what the transformer alone does: SD3 through `SD3ControlNetModel.from_transformer` (as diffusers'
-train_controlnet_sd3.py builds it), Sana by copying the patch embedding, timestep and caption embeddings and
-the first N blocks (as Sana's ControlNet was built from Sana). `controlled_forward` runs ControlNet then
-transformer as the family's ControlNet pipeline does, from a batch of the cache's text fields plus `control`,
-the control latent as the cache stores it.
+what the transformer alone does (`ControlNet.new`). `controlled_forward` runs ControlNet then transformer as the
+family's ControlNet pipeline does, from a batch of the cache's text fields plus `control`, the control latent as
+the cache stores it.
 """
 
 from __future__ import annotations
 
-import inspect
-import types
 from pathlib import Path
 from typing import Callable
 
@@ -25,32 +20,21 @@ import torch
 from shards import CacheSpec, LatentSpec
 from train.checkpoint import CONTROLNET_DIR  # a checkpoint's and an export's ControlNet, in diffusers layout
 from train.ema import load_shadow
-from train.presets import ModelPreset, sd3_joint_tokens
+from train.families import get_family
+from train.families.base import ControlNet, ModelPreset
 
-# New ControlNets' depth: diffusers' train_controlnet_sd3.py (SD3ControlNetModel.from_transformer's default) and
-# Sana's ControlNet (7 blocks of Sana's 20, SanaControlNetModel's default)
-DEFAULT_LAYERS = {"sd3": 12, "sana": 7}
-# Config entries a ControlNet shares with its transformer: the shapes of what passes between them
-SHARED_CONFIG = {
-    "sd3": ("in_channels", "patch_size", "num_attention_heads", "attention_head_dim", "joint_attention_dim",
-            "caption_projection_dim", "pooled_projection_dim"),
-    "sana": ("in_channels", "patch_size", "num_attention_heads", "attention_head_dim", "caption_channels",
-             "cross_attention_dim", "num_cross_attention_heads", "cross_attention_head_dim", "mlp_ratio"),
-}
-NO_PIXART = ("PixArt-Sigma has no ControlNet in diffusers (no ControlNet model class or pipeline to load one), so "
-             "--controlnet trains SD3 / SD3.5 and Sana only")
+
+def hooks(family: str) -> ControlNet:
+    """A family's ControlNet (`Family.controlnet`); a family without one is refused with the reason."""
+    kind = get_family(family)
+    if kind.controlnet is None:
+        raise ValueError(kind.no_controlnet)
+    return kind.controlnet
 
 
 def controlnet_class(family: str) -> type:
-    """diffusers' ControlNet class of a family; PixArt-Sigma and Flux are refused with the reason."""
-    if family == "pixart":
-        raise ValueError(NO_PIXART)
-    if family == "flux":
-        raise ValueError("--controlnet trains SD3 / SD3.5 and Sana ControlNets; Flux ControlNet training (FluxControlNetModel "
-                         "beside the packed latents) is not built yet")
-    from diffusers import SanaControlNetModel, SD3ControlNetModel
-
-    return {"sd3": SD3ControlNetModel, "sana": SanaControlNetModel}[family]
+    """diffusers' ControlNet class of a family; a family without one is refused with the reason."""
+    return hooks(family).model_class()
 
 
 def check_cache(preset: ModelPreset, spec: CacheSpec, location: str) -> None:
@@ -67,17 +51,14 @@ def check_cache(preset: ModelPreset, spec: CacheSpec, location: str) -> None:
 
 
 def max_layers(family: str, transformer_layers: int) -> int:
-    """The deepest ControlNet whose every block's residual reaches a transformer block.
-
-    Sana adds residual k after block k + 1, so the last block takes none (N <= L - 1). SD3 adds residual
-    int(i * N / L) to block i except the last (its text stream ends there), so every residual is taken when
-    N <= L / 2."""
-    return transformer_layers - 1 if family == "sana" else transformer_layers // 2
+    """The deepest ControlNet whose every block's residual reaches a transformer block (`ControlNet.max_layers`)."""
+    return hooks(family).max_layers(transformer_layers)
 
 
 def default_layers(family: str, transformer_layers: int) -> int:
-    """`DEFAULT_LAYERS`, or fewer for a transformer too shallow to take them (the tiny presets)."""
-    return max(1, min(DEFAULT_LAYERS[family], max_layers(family, transformer_layers)))
+    """The family's default depth (`ControlNet.default_layers`), or fewer for a transformer too shallow to take them
+    (the tiny presets)."""
+    return max(1, min(hooks(family).default_layers, max_layers(family, transformer_layers)))
 
 
 def build_controlnet(transformer: torch.nn.Module, family: str, *, layers: int | None = None, pretrained: str | None = None,
@@ -99,7 +80,7 @@ def build_controlnet(transformer: torch.nn.Module, family: str, *, layers: int |
                              f"of at most {max_layers(family, depth)} ControlNet blocks")
         with torch.random.fork_rng(devices=[]):  # whatever is not copied from the transformer is seeded
             torch.manual_seed(seed)
-            controlnet = _new_sd3(cls, transformer, layers) if family == "sd3" else _new_sana(cls, transformer, layers)
+            controlnet = hooks(family).new(cls, transformer, layers)
         zero = [n for n, p in controlnet.named_parameters()  # (a planner's ControlNet on the meta device has no values)
                 if _is_output_projection(n) and p.device.type != "meta" and p.detach().abs().sum() > 0]
         assert not zero, f"a new ControlNet's output projections start at zero: {zero[:3]}"
@@ -107,34 +88,7 @@ def build_controlnet(transformer: torch.nn.Module, family: str, *, layers: int |
     return controlnet  # fp32: built by from_config, or loaded with torch_dtype
 
 
-def _new_sd3(cls, transformer: torch.nn.Module, layers: int) -> torch.nn.Module:
-    # from_transformer writes num_layers into the config it is given: hand it a copy, not the transformer's.
-    # force_zeros_for_pooled_projection False: the stock pipeline then feeds the ControlNet the pooled prompt and
-    # the control latent with the VAE's shift, as the cache stores it and training feeds them.
-    from diffusers.configuration_utils import FrozenDict
-
-    config = {**transformer.config, "force_zeros_for_pooled_projection": False}
-    source = types.SimpleNamespace(config=FrozenDict(config), **{name: getattr(transformer, name) for name in (
-        "pos_embed", "time_text_embed", "context_embedder", "transformer_blocks")})
-    return cls.from_transformer(source, num_layers=layers, num_extra_conditioning_channels=0)
-
-
-def _new_sana(cls, transformer: torch.nn.Module, layers: int) -> torch.nn.Module:
-    cfg = transformer.config
-    unsupported = {k: cfg.get(k) for k, plain in (("guidance_embeds", False), ("qk_norm", None)) if cfg.get(k, plain) != plain}
-    if unsupported:  # SanaControlNetModel's blocks and timestep embedding have neither
-        raise ValueError(f"SanaControlNetModel cannot mirror this transformer ({unsupported}): its blocks and timestep "
-                         f"embedding are Sana 1.0's")
-    keys = set(inspect.signature(cls.__init__).parameters) - {"self"}  # the ControlNet's config entries
-    controlnet = cls.from_config({**{k: v for k, v in cfg.items() if k in keys}, "num_layers": layers})
-    for name in ("patch_embed", "time_embed", "caption_projection", "caption_norm"):
-        _copy(getattr(transformer, name), getattr(controlnet, name), name)
-    for i in range(layers):
-        _copy(transformer.transformer_blocks[i], controlnet.transformer_blocks[i], f"transformer_blocks.{i}")
-    return controlnet
-
-
-def _copy(source: torch.nn.Module, target: torch.nn.Module, name: str) -> None:
+def copy_weights(source: torch.nn.Module, target: torch.nn.Module, name: str) -> None:
     """Copy `source`'s weights into `target`, which must have the same structure (names and shapes)."""
     have, want = source.state_dict(), target.state_dict()
     differ = sorted(set(have) ^ set(want)) + [k for k in set(have) & set(want) if have[k].shape != want[k].shape]
@@ -171,32 +125,14 @@ def load_pretrained(family: str, source: str) -> torch.nn.Module:
 
 def check_fits(controlnet: torch.nn.Module, transformer: torch.nn.Module, family: str) -> None:
     """Refuse a ControlNet whose inputs, widths or depth do not fit the transformer, naming what differs."""
-    cn, tr = controlnet.config, transformer.config
-    problems = [f"{k}: ControlNet {cn.get(k)}, transformer {tr.get(k)}" for k in SHARED_CONFIG[family] if cn.get(k) != tr.get(k)]
-    if family == "sd3":
-        if not cn.get("use_pos_embed", True) or cn.get("joint_attention_dim") is None:
-            problems.append("it shares the transformer's patch embedding and reads no text (as SD3.5 Large's released "
-                            "ControlNets do); only ControlNets with their own are trained here")
-        if cn.get("extra_conditioning_channels", 0):
-            problems.append(f"it takes {cn['extra_conditioning_channels']} extra conditioning channel(s) beside the latent "
-                            f"(e.g. an inpainting mask); the cache holds the control latent alone")
+    cn, tr, kind = controlnet.config, transformer.config, hooks(family)
+    problems = [f"{k}: ControlNet {cn.get(k)}, transformer {tr.get(k)}" for k in kind.shared_config if cn.get(k) != tr.get(k)]
+    problems += kind.problems(cn, tr)
     if cn.num_layers > max_layers(family, tr.num_layers):
         problems.append(f"{cn.num_layers} blocks: the transformer's {tr.num_layers} blocks take the residuals of at most "
                         f"{max_layers(family, tr.num_layers)}")
     if problems:
         raise ValueError(f"this {type(controlnet).__name__} does not fit the transformer:\n  " + "\n  ".join(problems))
-
-
-def control_input(controlnet_config, family: str, control: torch.Tensor, latent: LatentSpec | None) -> torch.Tensor:
-    """What the ControlNet receives, from the control latent as the cache stores it ((z - shift) * scaling).
-
-    An SD3 ControlNet with `force_zeros_for_pooled_projection` (InstantX's) was trained on z * scaling, which is
-    what its pipeline feeds it: the cached latent plus shift * scaling. Every other ControlNet takes it as is."""
-    if family == "sd3" and controlnet_config.get("force_zeros_for_pooled_projection", True):
-        if latent is None:
-            raise ValueError("this ControlNet takes the control latent without the VAE's shift: pass the cache's LatentSpec")
-        return control + latent.shift_factor * latent.scaling_factor
-    return control
 
 
 def controlled_forward(transformer: torch.nn.Module, controlnet: torch.nn.Module, family: str, *, scale: float = 1.0,
@@ -214,24 +150,11 @@ def controlled_forward(transformer: torch.nn.Module, controlnet: torch.nn.Module
     control latent as the cache stores it.
     """
     config = getattr(controlnet, "module", controlnet).config  # through a DDP wrapper
-    width = getattr(transformer, "module", transformer).config.get("joint_attention_dim")
+    kind = hooks(family)
 
     def fn(xt, t, batch):
-        control = control_input(config, family, batch["control"].to(xt.dtype), latent)
-        if family == "sd3":
-            text = sd3_joint_tokens(batch, width, xt.dtype)
-            pooled = batch["pooled"].to(xt.dtype)
-            # a ControlNet with force_zeros_for_pooled_projection gets zeros for the pooled prompt, as in its pipeline
-            own_pooled = torch.zeros_like(pooled) if config.get("force_zeros_for_pooled_projection", True) else pooled
-            residuals = controlnet(hidden_states=xt, controlnet_cond=control, conditioning_scale=scale, encoder_hidden_states=text,
-                                   pooled_projections=own_pooled, timestep=t, return_dict=False)[0]
-            return transformer(hidden_states=xt, encoder_hidden_states=text, pooled_projections=pooled, timestep=t,
-                               block_controlnet_hidden_states=residuals, return_dict=False)[0]
-        text, mask = batch["text"].to(xt.dtype), batch["text_mask"].to(xt.dtype)
-        residuals = controlnet(hidden_states=xt, encoder_hidden_states=text, encoder_attention_mask=mask, timestep=t,
-                               controlnet_cond=control, conditioning_scale=scale, return_dict=False)[0]
-        return transformer(hidden_states=xt, encoder_hidden_states=text, encoder_attention_mask=mask, timestep=t,
-                           controlnet_block_samples=tuple(residuals), return_dict=False)[0]
+        control = kind.control_input(config, batch["control"].to(xt.dtype), latent)
+        return kind.forward(transformer, controlnet, config, xt, t, batch, control, scale)
     return fn
 
 

@@ -21,15 +21,16 @@ import numpy as np
 import torch
 
 from shards import CONTROL_PREFIX, FLIP_PREFIX, Cache, DamagedCache, TextSpec, prompt_key
-from train.order import BATCH_SAMPLER_VERSION, BatchPlan, PlannedBatch, _generator, derived_seed  # noqa: F401
+from train.families import text_input
+from train.order import BATCH_SAMPLER_VERSION, BatchPlan, PlannedBatch, derived_seed, seeded_generator  # noqa: F401
 
 log = logging.getLogger("train")
 
 
 @dataclass(frozen=True)
 class TextLayout:
-    """How a cache's text fields (`shards.TextSpec`: "masked", "sd3_joint" or "flux") become the transformer's text
-    input: one caption of a sample, and a batch of captions collated."""
+    """How a cache's text fields (`shards.TextSpec`) become the transformer's text input: one caption of a sample,
+    and a batch of captions collated, as the family that reads the layout defines them (`Family.text`)."""
 
     spec: TextSpec = TextSpec("masked", None, 0)
 
@@ -41,44 +42,18 @@ class TextLayout:
     def kind(self) -> str:
         return self.spec.layout
 
-    @staticmethod
-    def captions(fields: dict) -> int:
+    def captions(self, fields: dict) -> int:
         """How many captions a sample's fields hold (a cached prompt holds one)."""
-        return len(fields["text_lengths"]) if "text_lengths" in fields else 1
+        return text_input(self.kind).captions(fields)
 
     def caption(self, fields: dict, pick: int = 0) -> dict[str, torch.Tensor]:
         """Caption `pick` of a sample's or a cached prompt's fields."""
-        out = {}
-        if "text" in fields:
-            lengths = fields["text_lengths"].tolist() if "text_lengths" in fields else [len(fields["text"])]
-            start = sum(lengths[:pick])
-            out["text"] = fields["text"][start : start + lengths[pick]]
-        if self.kind == "sd3_joint":
-            tokens = fields["clip"].shape[0] // self.captions(fields)
-            out["clip"] = fields["clip"][pick * tokens : (pick + 1) * tokens]
-        if self.kind in ("sd3_joint", "flux"):
-            out["pooled"] = fields["pooled"][pick]
-        return out
+        return text_input(self.kind).caption(self.spec, fields, pick)
 
     def collate(self, conds: list[dict[str, torch.Tensor]]) -> dict:
-        """Per-caption conditioning -> the batch's: `text` padded to the longest caption (B, L, D) with
-        `text_mask` (B, L); for SD3 also `clip` (B, 77, D_clip), `pooled` (B, D_pooled), `t5_zeros`; for Flux also
-        `pooled` (its captions all hold every T5 token: nothing is padded)."""
-        out: dict = {}
-        if "text" in conds[0]:
-            longest = max(c["text"].shape[0] for c in conds)
-            text = torch.zeros(len(conds), longest, conds[0]["text"].shape[1], dtype=conds[0]["text"].dtype)
-            mask = torch.zeros(len(conds), longest, dtype=torch.bool)
-            for j, c in enumerate(conds):
-                n = c["text"].shape[0]
-                text[j, :n], mask[j, :n] = c["text"], True
-            out.update(text=text, text_mask=mask)
-        if self.kind == "sd3_joint":
-            out.update(clip=torch.stack([c["clip"] for c in conds]), pooled=torch.stack([c["pooled"] for c in conds]),
-                       t5_zeros=self.spec.t5_zeros)
-        if self.kind == "flux":
-            out["pooled"] = torch.stack([c["pooled"] for c in conds])
-        return out
+        """Per-caption conditioning -> the batch's (`text` padded to the longest caption (B, L, D), `text_mask` (B, L),
+        and the layout's other fields)."""
+        return text_input(self.kind).collate(self.spec, conds)
 
 
 class TrainingSamples(torch.utils.data.Dataset):
@@ -87,8 +62,8 @@ class TrainingSamples(torch.utils.data.Dataset):
     Reads one cache generation: the given `Cache`'s, or the newest of a cache directory. With `check_digests`,
     every sample is checked against its stored digest (`shards.CorruptSample` names the shard). Per sample and epoch: a fresh latent from the cached
     posterior (mean + std * eps) where the cache stores one, one of the sample's captions, and caption dropout:
-    to the cached empty-caption embedding (`null="empty"`, PixArt and Sana) or to zeroed embeddings
-    (`null="zeros"`, SD3's convention). With `control` (ControlNet training), also the control image's latent,
+    to the cached empty-caption embedding (`null="empty"`) or to zeroed embeddings (`null="zeros"`), as the
+    family was trained (`Family.null_caption`). With `control` (ControlNet training), also the control image's latent,
     drawn from its cached posterior like the image's, right after it (DC-AE's is taken as stored); a ControlNet
     sample is never the flipped view (its control latent is the unflipped image's).
     """
@@ -120,7 +95,7 @@ class TrainingSamples(torch.utils.data.Dataset):
         """Draw (epoch, index) or (epoch, index, pass): a sample drawn again in an epoch (repeats) draws anew."""
         epoch, i, *rest = item
         s = self.cache[i]
-        g = _generator(self.seed, epoch, self.offset + i, *(rest if rest and rest[0] else ()))
+        g = seeded_generator(self.seed, epoch, self.offset + i, *(rest if rest and rest[0] else ()))
         # a source cached with flipped latents (`flip = true`): the flipped view, one draw in two
         flipped = s.fields.get(FLIP_PREFIX + ("latent_mean" if self.posterior else "latent"))
         flippable = flipped is not None and len(flipped) and not self.control
@@ -153,8 +128,6 @@ class TrainingSamples(torch.utils.data.Dataset):
             "bucket": tuple(samples[0]["bucket"]),
             "keys": [s["key"] for s in samples],
         }
-
-
 
     def batch(self, epoch: int, indices: list[int], passes: list[int] | None = None) -> dict:
         """The collated batch of these samples in `epoch` (drawn in these passes over their stream)."""
@@ -400,51 +373,3 @@ def read_whole(path: os.PathLike, buffer: bytearray) -> int:
         while n := f.readinto(view):
             total += n
     return total
-
-
-class Prefetcher:
-    """Copies batch k+1 to the device on a side CUDA stream while step k runs; a plain iterator on CPU.
-
-    Also measures the time the training loop waits for data (the stream's wait included)."""
-
-    def __init__(self, batches, device: torch.device):
-        self.batches, self.device = batches, device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.wait_s = 0.0
-        self._next = None  # batch k+1 on its way to the device, or the error taking it raised
-
-    def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-    def _load(self):
-        t0 = time.perf_counter()
-        try:
-            batch = next(self.batches)
-        except Exception as e:  # noqa: BLE001 (raised when this batch is due, not a step early)
-            return e
-        finally:
-            self.wait_s += time.perf_counter() - t0
-        with torch.cuda.stream(self.stream):
-            return self._to_device(batch)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> dict:
-        if self.stream is None:
-            t0 = time.perf_counter()
-            try:
-                return self._to_device(next(self.batches))
-            finally:
-                self.wait_s += time.perf_counter() - t0
-        batch = self._next if self._next is not None else self._load()
-        if isinstance(batch, BaseException):
-            raise batch
-        t0 = time.perf_counter()
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        for v in batch.values():
-            if isinstance(v, torch.Tensor):
-                v.record_stream(torch.cuda.current_stream(self.device))
-        self.wait_s += time.perf_counter() - t0
-        self._next = self._load()
-        return batch

@@ -14,6 +14,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+from train import families
+
 
 def setup() -> tuple[int, int, int, torch.device]:
     """(rank, world size, local rank, device); starts the process group under torchrun."""
@@ -81,7 +83,10 @@ def find_blocks(model: torch.nn.Module, override: str | None = None) -> list[tor
             raise ValueError(f"--fsdp-block {override!r} matches no module of {type(model).__name__}; its block classes "
                              f"(_no_split_modules) are {no_split}, classes that repeat are {repeated}")
         return found
-    blocks = list(getattr(model, "transformer_blocks", [])) + list(getattr(model, "single_transformer_blocks", []))  # Flux's too
+    try:
+        blocks = families.family_of_module(model).blocks(model)
+    except ValueError:  # no family's transformer: its own block classes
+        blocks = []
     if not blocks:
         no_split = set(getattr(model, "_no_split_modules", None) or [])
         blocks = [m for m in model.modules() if type(m).__name__ in no_split]

@@ -18,9 +18,10 @@ from shards.options import DTYPES
 from train import card, checkpoint, controlnet, lora, safeload
 from train.cache import damaged_files
 from train.ema import load_shadow
+from train.families import get_preset
 from train.model import flow_shift_kind
 from train.objectives import build_objective
-from train.presets import Weights, build_transformer, get_preset, resolve_weights
+from train.presets import Weights, build_transformer, resolve_weights
 from train.validate import Validator, add_prompts_command
 
 LoraFormat = Literal["diffusers", "kohya"]
@@ -124,8 +125,8 @@ def adapter_config(state: dict):
 
 
 def write_adapter(ckpt: Path, directory: Path, ema: bool, lora_format: LoraFormat = "diffusers") -> Path:
-    """A LoRA run's adapters (trained or EMA) into DIRECTORY, in the format the family's pipeline loads (or kohya's,
-    for Flux); the base weights are the ones the run started from, not written again. Returns the adapter file."""
+    """A LoRA run's adapters (trained or EMA) into DIRECTORY, in the format the family's pipeline loads (or another
+    of its `lora_formats`, e.g. kohya's); the base weights are the ones the run started from, not written again. Returns the adapter file."""
     state = checkpoint.load_state(ckpt)
     preset, config = get_preset(state["model"]), adapter_config(state)
     weights = lora.read_adapter(ckpt / checkpoint.ADAPTER_DIR)
@@ -232,7 +233,7 @@ def export(run: Path, out: Path, ema: bool = False, dtype: str | None = None, me
     validation grid in OUT/images) and a note of where the weights came from (training.json):
 
     - full fine-tuning: the transformer to OUT/transformer in the diffusers layout;
-    - LoRA: the adapters to OUT itself (`lora_format` "kohya": kohya's layout, Flux only), or with `merge_lora` folded
+    - LoRA: the adapters to OUT itself (`lora_format` "kohya": kohya's layout, where the family writes it), or with `merge_lora` folded
       into the base weights and the whole transformer written to OUT/transformer;
     - ControlNet: the ControlNet to OUT/controlnet.
 

@@ -15,8 +15,10 @@ from shards.options import DTYPES
 from train import checkpoint, controlnet, distributed, lora, quant
 from train.config import TrainConfig
 from train.ema import EMA
+from train.families import get_family
+from train.families.base import ModelPreset
 from train.objectives import build_objective
-from train.presets import ModelPreset, build_transformer, model_forward, resolve_weights, transformer_blocks
+from train.presets import build_transformer, model_forward, resolve_weights, transformer_blocks
 from train.swap import BlockSwap, checkpointed_forward
 
 log = logging.getLogger("train")
@@ -135,9 +137,8 @@ def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, paral
     net.train()
     transformer.eval()
     place(transformer, device, swap)
-    # SD3: the ControlNet's last block computes a text stream that nothing reads, so some of its parameters get no
-    # gradient; DDP must be told
-    wrapped = distribute(cfg, net, parallel, world, device, say, find_unused=preset.family == "sd3")
+    # a ControlNet whose last block computes an output nothing reads gets no gradient for it: DDP must be told
+    wrapped = distribute(cfg, net, parallel, world, device, say, find_unused=get_family(preset.family).controlnet.find_unused)
     forward = controlnet.controlled_forward(transformer, wrapped, preset.family, scale=cfg.controlnet_conditioning_scale,
                                             latent=latent)
     record = state.get("weights") if resume_from else weights.to_json()
@@ -246,7 +247,7 @@ def place(model: torch.nn.Module, device: torch.device, swap: BlockSwap | None) 
 def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda")
-    if cfg.optimizer == "came":  # Sana's default
+    if cfg.optimizer == "came":  # as some families' own trainers
         from came_pytorch import CAME
 
         return CAME(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999, 0.9999), eps=(1e-30, 1e-16))
@@ -315,11 +316,11 @@ def build_ema(cfg: TrainConfig, params, device: torch.device) -> EMA | None:
 
 
 def build_run_objective(cfg: TrainConfig, preset: ModelPreset, config: dict):
-    """The objective with this run's options and the preset's defaults (SD3 preconditions its outputs as
-    diffusers' SD3 trainers do; Flux shifts by the image's sequence length unless --flow-shift or --resolution-shift
-    says otherwise; PixArt-Sigma's full fine-tunes train the variance channels)."""
+    """The objective with this run's options and the preset's and family's defaults (`Family.precondition_outputs`;
+    a `dynamic_shift` preset shifts by the image's sequence length unless --flow-shift or --resolution-shift says
+    otherwise; DDPM models with variance channels train them in full fine-tunes)."""
     if preset.objective == "flow":
-        precondition = cfg.precondition_outputs if cfg.precondition_outputs is not None else preset.family == "sd3"
+        precondition = cfg.precondition_outputs if cfg.precondition_outputs is not None else get_family(preset.family).precondition_outputs
         return build_objective("flow", preset.prediction, weighting_scheme=cfg.weighting_scheme, logit_mean=cfg.logit_mean,
                                logit_std=cfg.logit_std, mode_scale=cfg.mode_scale, precondition_outputs=precondition,
                                shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
@@ -332,18 +333,21 @@ def build_run_objective(cfg: TrainConfig, preset: ModelPreset, config: dict):
 
 
 def flow_shift_kind(flow_shift: float | None, resolution_shift: bool, preset: ModelPreset) -> dict:
-    """Flux's shift from the sequence length (the preset's), unless a fixed or resolution-scaled one is asked for."""
+    """The shift from the sequence length (a `dynamic_shift` preset's: the family's mu of the image's tokens), unless
+    a fixed or resolution-scaled one is asked for."""
     dynamic = preset.dynamic_shift and not flow_shift and not resolution_shift
-    return {"dynamic_shift": dynamic, "pixels_per_token": (preset.latent_downsample * 2) ** 2} if dynamic else {}
+    if not dynamic:
+        return {}
+    family = get_family(preset.family)
+    per_token = preset.latent_downsample * family.latent_patch(preset.transformer_config())
+    return {"dynamic_shift": True, "pixels_per_token": per_token ** 2, "mu_of": family.mu}
 
 
 def null_caption(cfg: TrainConfig, preset: ModelPreset) -> str:
-    """What caption dropout feeds: SD3 was trained with zeroed embeddings, PixArt and Sana with the empty caption;
-    Flux with the empty caption too (what FluxPipeline encodes for an empty prompt and true-CFG's negative prompt:
-    zeroed T5 tokens and pooled vector are no input its pipeline ever builds); ControlNets of every family train with
-    the empty caption."""
+    """What caption dropout feeds: the family's (`Family.null_caption`: what it was trained with, and what its pipeline
+    encodes for an empty prompt); ControlNets of every family train with the empty caption."""
     if cfg.caption_dropout_embedding != "auto":
         return cfg.caption_dropout_embedding
-    if cfg.controlnet:  # diffusers' ControlNet trainers drop a caption to the empty prompt's embedding, SD3's too
+    if cfg.controlnet:  # every diffusers ControlNet trainer drops a caption to the empty prompt's embedding
         return "empty"
-    return "zeros" if preset.family == "sd3" else "empty"
+    return get_family(preset.family).null_caption

@@ -1,10 +1,10 @@
 """Training objectives: `loss, t = objective(model_fn, batch, generator)` and nothing else in the loop.
 
-Flow matching (rectified flow; Sana, SD3, Flux): x_t = (1 - s) x_0 + s n, the model predicts n - x_0 at
-timestep 1000 s, with the timestep density and loss weighting of diffusers' SD3 trainers and a timestep shift
-(fixed, scaled with the resolution, or Flux's, from the image's sequence length). DDPM
-(PixArt-Sigma): epsilon or v prediction with diffusers' DDPMScheduler, and for models that predict
-their variance too, the VLB term of improved DDPM as PixArt-Sigma's own trainer adds it.
+Flow matching (rectified flow): x_t = (1 - s) x_0 + s n, the model predicts n - x_0 at timestep 1000 s, with the
+timestep density and loss weighting of diffusers' rectified-flow trainers and a timestep shift (fixed, scaled with
+the resolution, or the family's dynamic one, from the image's sequence length). DDPM: epsilon or v prediction with
+diffusers' DDPMScheduler (linear betas, 1000 steps), and for models that predict their variance too, the VLB term of
+improved DDPM.
 
 Noise and timesteps are drawn for the global batch on the batch's device (the generator must live
 there) and each rank takes its slice, so N processes train what one process with the global batch would.
@@ -35,21 +35,21 @@ def global_slice(draw: torch.Tensor, n: int, part: tuple[int, int]) -> torch.Ten
 
 @dataclass
 class FlowMatching:
-    """Rectified flow with the weighting schemes of diffusers' SD3 trainers and a timestep shift.
+    """Rectified flow with the weighting schemes of diffusers' rectified-flow trainers and a timestep shift.
 
     Args:
-        weighting_scheme: "logit_normal" (SD3's default) or "mode": timesteps from that density, unit
+        weighting_scheme: "logit_normal" (diffusers' default) or "mode": timesteps from that density, unit
             weights; "sigma_sqrt" (1 / sigma^2) or "cosmap": uniform timesteps, weighted loss; "none".
-        precondition_outputs: as diffusers' SD3 trainers: the prediction becomes an x0 estimate
+        precondition_outputs: as diffusers' rectified-flow trainers can: the prediction becomes an x0 estimate
             x_t - sigma * v and the loss is taken against x_0 (a velocity loss scaled by sigma^2).
         shift: s -> shift * s / (1 + (shift - 1) s); larger shifts spend more steps at high noise.
         resolution_shift: scale the shift with sqrt(pixels / base pixels) per bucket.
         base_resolution: the square size `shift` was tuned at.
-        dynamic_shift: Flux's shift instead of `shift`: mu from the image's sequence length (pixels /
-            `pixels_per_token`) as FluxPipeline's `calculate_shift` defines it, and the exponential time shift
-            exp(mu) / (exp(mu) + 1 / s - 1) the scheduler applies with `use_dynamic_shifting`, which is the shift
-            above with shift = exp(mu).
-        pixels_per_token: image pixels per token of the transformer's sequence (Flux: (8 x 2)^2).
+        dynamic_shift: the family's dynamic shift instead of `shift`: mu from the image's sequence length (pixels /
+            `pixels_per_token`) by `mu_of`, and the exponential time shift exp(mu) / (exp(mu) + 1 / s - 1) the
+            scheduler applies with `use_dynamic_shifting`, which is the shift above with shift = exp(mu).
+        pixels_per_token: image pixels per token of the transformer's sequence ((VAE factor x patch)^2).
+        mu_of: the family's mu of an image sequence length (`Family.mu`), as its pipeline computes it.
     """
 
     weighting_scheme: str = "logit_normal"
@@ -62,8 +62,11 @@ class FlowMatching:
     base_resolution: int = 1024
     dynamic_shift: bool = False
     pixels_per_token: int = 256
+    mu_of: Callable[[int], float] | None = None
 
     def __post_init__(self) -> None:
+        if self.dynamic_shift and self.mu_of is None:
+            raise ValueError("the dynamic shift needs the family's mu of a sequence length (mu_of)")
         if self.dynamic_shift and self.resolution_shift:
             raise ValueError("the dynamic (sequence-length) shift and --resolution-shift both scale the shift: choose one")
         if self.weighting_scheme not in DENSITY:
@@ -71,14 +74,11 @@ class FlowMatching:
         if self.weighting_scheme == "sigma_sqrt" and not self.precondition_outputs:
             raise ValueError("--weighting-scheme sigma_sqrt weights the loss by 1/sigma^2: on the velocity loss a handful of "
                              "low-noise samples would outweigh the rest up to a million-fold. It is meant for the x0 loss of "
-                             "--precondition-outputs (as in diffusers' SD3 trainers); add it, or choose another scheme.")
+                             "--precondition-outputs (as in diffusers' rectified-flow trainers); add it, or choose another scheme.")
 
     def mu(self, pixels: int) -> float:
-        """Flux's mu for a bucket of `pixels`: calculate_shift of its image sequence length, with diffusers' defaults
-        (FLUX.1's scheduler config: 256 -> 0.5, 4096 -> 1.15)."""
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift  # the pipeline module, only where Flux trains
-
-        return calculate_shift(pixels // self.pixels_per_token)
+        """The dynamic shift's mu for a bucket of `pixels`: the family's, of its image sequence length."""
+        return self.mu_of(pixels // self.pixels_per_token)
 
     def shift_at(self, pixels: int) -> float:
         """The shift for a bucket of `pixels` (sampling uses the same one)."""
@@ -117,13 +117,13 @@ class FlowMatching:
 
 
 class DDPM:
-    """Denoising diffusion with the family's scheduler (PixArt: linear betas, 1000 steps).
+    """Denoising diffusion with diffusers' DDPMScheduler (linear betas, 1000 steps).
 
     Args:
         prediction: "epsilon" or "v_prediction".
         learned_variance: the model's second half of output channels predicts the variance
             (learned range between the posterior's and beta's, improved DDPM), trained by the VLB term
-            with the mean detached, added to the epsilon loss as PixArt-Sigma's trainer does. Off: those
+            with the mean detached, added to the epsilon loss as improved DDPM does. Off: those
             channels are split off and get no loss.
     """
 

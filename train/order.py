@@ -28,7 +28,7 @@ def derived_seed(*parts: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _generator(*parts: int, device: torch.device | str | None = None) -> torch.Generator:
+def seeded_generator(*parts: int, device: torch.device | str | None = None) -> torch.Generator:
     """A generator seeded by `parts`, on `device` when that is an accelerator (so draws happen there)."""
     device = torch.device(device or "cpu")
     where = device if device.type not in ("cpu", "meta") else "cpu"
@@ -239,7 +239,7 @@ class BatchPlan:
         out = self._epochs.get(key)
         if out is None:
             bucket, sizes = self.buckets[b], self._sizes[b]
-            order = torch.randperm(len(sizes), generator=_generator(self.seed, epoch, bucket.height, bucket.width,
+            order = torch.randperm(len(sizes), generator=seeded_generator(self.seed, epoch, bucket.height, bucket.width,
                                                                     *self._tag(b, p))).numpy()
             per_window = np.add.reduceat(sizes[order], np.arange(0, len(order), self.shuffle_shards))
             out = self._epochs[key] = _BucketEpoch(order, np.concatenate([[0], np.cumsum(per_window)]))
@@ -256,7 +256,7 @@ class BatchPlan:
         if window is None:
             size = int(be.window_starts[w + 1] - be.window_starts[w])
             bucket = self.buckets[b]
-            perm = torch.randperm(size, generator=_generator(self.seed, epoch, bucket.height, bucket.width, w,
+            perm = torch.randperm(size, generator=seeded_generator(self.seed, epoch, bucket.height, bucket.width, w,
                                                              *self._tag(b, p))).numpy()
             shards = be.shard_order[w * self.shuffle_shards : (w + 1) * self.shuffle_shards]
             window = (perm, self._starts[b][shards], np.cumsum(self._sizes[b][shards]))

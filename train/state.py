@@ -14,9 +14,9 @@ from shards import Cache, CacheBusy, CacheLock, RemoteCache
 from train import checkpoint, distributed, lora, safeload
 from train.cache import cache_identity
 from train.config import TrainConfig
-from train.order import BATCH_SAMPLER_VERSION
 from train.ema import EMA
 from train.model import Model, apply_schedule
+from train.order import BATCH_SAMPLER_VERSION
 
 log = logging.getLogger("train")
 

@@ -18,9 +18,9 @@ import torch
 from shards.options import DTYPES
 from train import distributed
 from train.config import TrainConfig
-from train.order import _generator, derived_seed
 from train.ema import EMA
 from train.model import Model
+from train.order import derived_seed, seeded_generator
 
 log = logging.getLogger("train")
 
@@ -69,7 +69,7 @@ class TrainStep:
     def accumulate(self, batch: dict, step: int) -> bool:
         """Forward and backward one micro-batch of step `step`; returns whether the step is ready to `update`."""
         # Noise and timesteps of this micro-batch: drawn for the global batch, this rank's slice taken.
-        g = _generator(self.cfg.seed, 1_000_003, step, self.micro, device=self.device)
+        g = seeded_generator(self.cfg.seed, 1_000_003, step, self.micro, device=self.device)
         last = self.micro + 1 >= self.cfg.grad_accum  # gradients are reduced across ranks only on the last micro-batch
         if self.parallel == "fsdp":
             self.model.module.set_requires_gradient_sync(last)

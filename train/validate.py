@@ -1,10 +1,9 @@
 """Validation samples from the training transformer itself and the prompt embeddings stage one cached.
 
 No text encoder and no second transformer: prompts come from the cache (`prompts.safetensors`), the
-null embedding drives classifier-free guidance, the family's diffusers scheduler samples (flow-match
-Euler for Sana, SD3 and Flux, DPM-Solver for PixArt-Sigma; Flux as FluxPipeline: its sigmas and dynamic shift, no
-classifier-free guidance, FLUX.1-dev's distilled guidance through its guidance embedding), EMA weights are swapped in for the duration, and the
-latents go to `train.decode.Decoder` (a CPU process by default).
+null embedding drives classifier-free guidance, and the family samples as its pipeline does (`Family.sampling_scheduler`,
+`set_timesteps` and `denoise`: its diffusers scheduler, classifier-free guidance or a distilled guidance embedding);
+EMA weights are swapped in for the duration, and the latents go to `train.decode.Decoder` (a CPU process by default).
 """
 
 from __future__ import annotations
@@ -22,8 +21,9 @@ from shards.prompts import prompt_key
 from shards.remote import is_url
 from train.data import TextLayout, derived_seed
 from train.decode import Decoder, decoder_recipe
-from train.objectives import DDPM, FlowMatching
-from train.presets import ModelPreset, model_forward
+from train.families import get_family
+from train.families.base import ModelPreset
+from train.presets import model_forward
 
 
 @dataclass
@@ -68,23 +68,7 @@ def default_buckets(cache: Cache, n: int = 3) -> list[Bucket]:
 
 def sampling_scheduler(preset: ModelPreset, objective, pixels: int):
     """The family's inference scheduler, set up as training defined the noise."""
-    if isinstance(objective, FlowMatching) and preset.family == "flux":
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        # FLUX.1's scheduler: the dynamic (exponential) shift from mu, or a fixed shift (schnell's is 1)
-        if objective.dynamic_shift:
-            return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, use_dynamic_shifting=True,
-                                                   time_shift_type="exponential")
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=objective.shift_at(pixels))
-    if isinstance(objective, FlowMatching):
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=objective.shift_at(pixels))
-    if isinstance(objective, DDPM):
-        from diffusers import DPMSolverMultistepScheduler
-
-        return DPMSolverMultistepScheduler.from_config(objective.scheduler.config)
-    raise TypeError(f"no sampler for {type(objective).__name__}")
+    return get_family(preset.family).sampling_scheduler(objective, pixels)
 
 
 @torch.no_grad()
@@ -92,20 +76,16 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
              pixels: int, *, steps: int, guidance: float, seed: int, precision: torch.dtype,
              layout: TextLayout | None = None, forward: Callable | None = None,
              control: torch.Tensor | None = None) -> torch.Tensor:
-    """One sample (C, h, w) at the cache's latent scale, with classifier-free guidance; `pixels` of its bucket.
+    """One sample (C, h, w) at the cache's latent scale, guided as the family's pipeline guides (`Family.denoise`); `pixels`
+    of its bucket.
     `cond` and `null` are one caption's cached text fields each. `forward` (default: the model's own) is called as
     (latents, timesteps, batch); `control`, a control latent (C, h, w) as the cache stores it, goes into that batch
     for both halves of the guidance, as the stock ControlNet pipelines condition them."""
     device = next(model.parameters()).device
     c, h, w = latent_shape
-    scheduler = sampling_scheduler(preset, objective, pixels)
-    if preset.family == "flux":  # FluxPipeline's sigmas, shifted by mu of the image's sequence length when dynamic
-        import numpy as np
-
-        mu = objective.mu(pixels) if objective.dynamic_shift else None
-        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu, device=device)
-    else:
-        scheduler.set_timesteps(steps, device=device)
+    family = get_family(preset.family)
+    scheduler = family.sampling_scheduler(objective, pixels)
+    family.set_timesteps(scheduler, objective, steps, pixels, device)
     g = torch.Generator().manual_seed(seed)
     latents = (torch.randn(1, c, h, w, generator=g) * getattr(scheduler, "init_noise_sigma", 1.0)).to(device)
     text = (layout or TextLayout()).collate([{k: v.float() for k, v in fields.items()} for fields in (null, cond)])
@@ -114,23 +94,7 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
     text = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in text.items()}
     forward = forward or model_forward(model, preset.family, guidance=guidance)
     autocast = torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
-    if preset.family == "flux":  # guidance-distilled or timestep-distilled: one pass on the caption, no null half
-        text = {k: v[1:] if isinstance(v, torch.Tensor) else v for k, v in text.items()}
-        for t in scheduler.timesteps:
-            with autocast:
-                pred = forward(latents, t.expand(1), text).float()
-            latents = scheduler.step(pred, t, latents).prev_sample
-        return latents[0]
-    for t in scheduler.timesteps:
-        x = torch.cat([latents, latents])
-        if hasattr(scheduler, "scale_model_input"):
-            x = scheduler.scale_model_input(x, t)
-        with autocast:
-            pred = forward(x, t.expand(2), text).float()
-        pred = pred[:, :c]  # learned-sigma models append variance channels
-        uncond, cond = pred.chunk(2)
-        latents = scheduler.step(uncond + guidance * (cond - uncond), t, latents).prev_sample
-    return latents[0]
+    return family.denoise(forward, scheduler, latents, text, guidance=guidance, channels=c, autocast=autocast)[0]
 
 
 @dataclass

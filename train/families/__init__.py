@@ -38,6 +38,17 @@ def get_family(name: str) -> Family:
     raise ValueError(f"unknown model family {name!r}; stage two trains {', '.join(f.name for f in FAMILIES)}")
 
 
+def family_of_module(module) -> Family:
+    """The family whose transformer or ControlNet class `module` is (adapted, quantized or sharded: FSDP's class
+    derives from it)."""
+    names = {cls.__name__ for cls in type(module).__mro__}
+    for family in FAMILIES:
+        if family.transformer in names or (family.controlnet is not None and family.controlnet.model in names):
+            return family
+    raise ValueError(f"{type(module).__name__} is no transformer or ControlNet of the families stage two trains "
+                     f"({', '.join(f.name for f in FAMILIES)})")
+
+
 def text_input(layout: str) -> TextInput:
     """The reader of a cache's text layout (`TextSpec.layout`)."""
     for family in FAMILIES:
