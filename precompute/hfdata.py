@@ -6,7 +6,8 @@ column's forms).
 Read with pyarrow, one parquet row group or Arrow record batch at a time, rather than through `datasets`:
 `load_dataset("parquet", ...)` first copies every image into its Arrow cache (a second copy of the dataset on
 disk), and its streaming mode does not say which file and row a sample came from, which the incremental stamps
-need. pyarrow reads both formats `datasets` writes, memory-mapping Arrow files.
+need. pyarrow reads both formats `datasets` writes, memory-mapping Arrow files; finding a split's files and reading
+their parts is `precompute.hffiles`, what becomes of each row is here.
 
 A row's input name is `FILE:ROW` (FILE relative to the dataset's folder) and its stamp digests the file's size
 and mtime with the row number (and those of image files the row names by path): a re-run skips a file's unchanged rows without reading them, and rows of a
@@ -15,58 +16,19 @@ rewritten file are read again (their content keys still find what is cached).
 
 from __future__ import annotations
 
-import difflib
-import glob
 import hashlib
-import json
 import os
-import re
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 import torch
 
 from precompute.folders import METADATA_FILES, metadata_captions
-from precompute.paths import OutsideRoot, confined, names_under, os_reason, read_regular
+from precompute.hffiles import Part, PartReader, check_column, data_files, load_pyarrow, parquet_files, schema_and_parts
 from precompute.images import ImagePolicy, Record, prepare
+from precompute.paths import OutsideRoot, confined, names_under, os_reason, read_regular
 
-SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")  # as Hub file names spell them
 CONTROL_COLUMN = "control_image"  # the control image column of a ControlNet dataset (diffusers' training scripts' name)
-
-
-def _pyarrow():
-    try:
-        import pyarrow
-        import pyarrow.ipc  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
-    except ImportError as e:
-        raise ImportError("reading a Hugging Face dataset needs pyarrow: pip install 'cachedit[hf]' "
-                          "(or pip install pyarrow)") from e
-    return pyarrow
-
-
-def _parquet_files(root: Path, depth: int = 3) -> list[Path]:
-    """Parquet files up to `depth` folders below root (a Hub snapshot keeps them in `data/` or `CONFIG/SPLIT/`),
-    sorted; directories are scanned one level at a time, so an image folder costs one listing per level."""
-    found, level = [], [root]
-    for _ in range(depth):
-        below = []
-        for folder in level:
-            try:
-                with os.scandir(folder) as it:
-                    for e in it:
-                        if e.name.startswith("."):
-                            continue
-                        if e.is_dir(follow_symlinks=False):
-                            below.append(Path(e.path))
-                        elif e.name.endswith(".parquet"):
-                            found.append(Path(e.path))
-            except OSError:
-                continue
-        if found:
-            return sorted(found)
-        level = below
-    return []
 
 
 def is_hf_dataset(data: str) -> bool:
@@ -80,18 +42,8 @@ def is_hf_dataset(data: str) -> bool:
             return True
         if any((path / name).exists() for name in METADATA_FILES):
             return False
-        return bool(_parquet_files(path))
+        return bool(parquet_files(path))
     return data.endswith(".parquet")
-
-
-@dataclass(frozen=True)
-class Part:
-    """A unit of reading: rows [start, start + rows) of one file, one parquet row group or Arrow record batch."""
-
-    file: int  # index into HFListing.files
-    index: int  # the row group's or record batch's number in its file
-    start: int  # the part's first row in the file
-    rows: int
 
 
 @dataclass
@@ -116,96 +68,6 @@ class HFListing:
         return [f"{name}:{row}" for row in range(part.start, part.start + part.rows)]
 
 
-def _saved_split(path: Path, split: str) -> Path:
-    """The folder of one dataset inside a `save_to_disk` folder: itself, or the split of a DatasetDict."""
-    if not (path / "dataset_dict.json").is_file():
-        return path
-    splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
-    if split not in splits:
-        raise ValueError(f"{path} is a DatasetDict without a split {split!r}; its splits are {', '.join(splits) or 'none'}: "
-                         f"set split = \"...\" in the dataset file")
-    return path / split
-
-
-def _split_of(name: str) -> str | None:
-    """The split a Hub parquet file belongs to by its name (`train-00000-of-00002.parquet`, `data/test/0.parquet`),
-    or None."""
-    parts = PurePosixPath(name).parts
-    for split in SPLIT_NAMES:
-        if split in parts[:-1] or re.match(rf"{split}([-_.0-9]|$)", parts[-1]):
-            return split
-    return None
-
-
-def _data_files(data: str, split: str) -> tuple[Path, list[tuple[str, str, str]]]:
-    """(root, files) of DATA's split."""
-    path = Path(data)
-    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-        folder = _saved_split(path, split)
-        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-        names = [f["filename"] for f in state.get("_data_files", [])]
-        if not names:
-            raise ValueError(f"{folder}/state.json lists no data files; save the dataset again with save_to_disk")
-        return path, [(str((folder / n).relative_to(path)), str(folder / n), "arrow") for n in names]
-    if path.is_dir():
-        root, found = path, _parquet_files(path)
-    elif any(c in data for c in "*?["):
-        found = sorted(Path(p) for p in glob.glob(data, recursive=True) if p.endswith(".parquet"))
-        root = Path(os.path.commonpath([str(p.parent) for p in found])) if found else path.parent
-    else:
-        root, found = path.parent, [path] if path.is_file() else []
-    if not found:
-        raise FileNotFoundError(f"{data}: no parquet file found")
-    names = [p.relative_to(root).as_posix() for p in found]
-    splits = {n: _split_of(n) for n in names}
-    if any(s is not None for s in splits.values()):
-        names = [n for n in names if splits[n] == split]
-        if not names:
-            have = sorted({s for s in splits.values() if s})
-            raise ValueError(f"{data}: no parquet file of split {split!r}; its files are of the splits {', '.join(have)}: "
-                             f"set split = \"...\" in the dataset file")
-    return root, [(n, str(root / n), "parquet") for n in names]
-
-
-def _schema_and_parts(path: str, kind: str, file: int) -> tuple[object, list[Part]]:
-    pa = _pyarrow()
-    parts, start = [], 0
-    if kind == "parquet":
-        meta = pa.parquet.ParquetFile(path).metadata
-        for i in range(meta.num_row_groups):
-            rows = meta.row_group(i).num_rows
-            parts.append(Part(file, i, start, rows))
-            start += rows
-        return pa.parquet.read_schema(path), parts
-    with pa.memory_map(path) as source:  # the batches' headers; their data stays on disk
-        reader = pa.ipc.open_stream(source)
-        for i, batch in enumerate(reader):
-            parts.append(Part(file, i, start, batch.num_rows))
-            start += batch.num_rows
-        return reader.schema, parts
-
-
-def _check_column(schema, column: str, role: str, file: str) -> None:
-    if column not in schema.names:
-        close = difflib.get_close_matches(column, schema.names, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"{file}: no {role} column {column!r}{hint}; its columns are {', '.join(schema.names)}: "
-                         f"set {role}_column = \"...\" in the dataset file")
-    if role == "caption":
-        return
-    pa = _pyarrow()
-    kind = schema.field(column).type
-    if pa.types.is_struct(kind):
-        fits = any(kind.field(i).name in ("bytes", "path") for i in range(kind.num_fields))
-    else:
-        fits = any(is_kind(kind) for is_kind in (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_fixed_size_binary,
-                                                 pa.types.is_string, pa.types.is_large_string, pa.types.is_null))
-    if not fits:
-        raise ValueError(f"{file}: the {role} column {column!r} is of type {kind}; an image column holds an image's bytes "
-                         f"(binary), its path (string) or an Image feature's struct {{bytes, path}}: set {role}_column = "
-                         f"\"...\" in the dataset file to the column of the images")
-
-
 def list_hf(data: str, split: str = "train", image_column: str = "image", caption_column: str = "text",
             control_column: str | None = None) -> HFListing:
     """The rows of DATA's split, in parts, after checking that every file has the columns (the control column too,
@@ -218,20 +80,20 @@ def list_hf(data: str, split: str = "train", image_column: str = "image", captio
         ValueError: the split is missing, or a file lacks a column or has one of the wrong type; the message names
             the file and the fix.
     """
-    pa = _pyarrow()
-    root, files = _data_files(data, split)
+    pa = load_pyarrow()
+    root, files = data_files(data, split)
     parts, unreadable = [], {}
-    for i, (name, path, kind) in enumerate(files):
+    for i, (_, path, kind) in enumerate(files):
         try:
-            schema, found = _schema_and_parts(path, kind, i)
+            schema, found = schema_and_parts(path, kind, i)
         except (OSError, ValueError, pa.ArrowException) as e:
             unreadable[i] = f"{type(e).__name__}: {e}"
             parts.append(Part(i, -1, 0, 0))
             continue
-        _check_column(schema, image_column, "image", path)
-        _check_column(schema, caption_column, "caption", path)
+        check_column(schema, image_column, "image", path)
+        check_column(schema, caption_column, "caption", path)
         if control_column is not None:
-            _check_column(schema, control_column, "control", path)
+            check_column(schema, control_column, "control", path)
         parts += found
     return HFListing(root, files, parts, image_column, caption_column, control_column, unreadable)
 
@@ -311,7 +173,8 @@ class HFDataset(torch.utils.data.IterableDataset):
         self.known, self.only = known or {}, only
         self._sorted: list[str] | None = None
         self._inside: dict[str, bool] = {}  # directory -> inside the dataset's folder (resolved once each)
-        self._batches: tuple[str | None, list] = (None, [])  # the Arrow file read last, as record batches
+        columns = [listing.image_column, listing.caption_column] + ([listing.control_column] if listing.control_column else [])
+        self._reader = PartReader(columns)
 
     def __len__(self) -> int:
         return sum(p.rows for p in self.parts)
@@ -348,7 +211,7 @@ class HFDataset(torch.utils.data.IterableDataset):
                     yield {"status": "unchanged", "source": n, "key": self.known[n][0], "stamp": s}
             return
         try:
-            table = self._read(path, kind, part)
+            table = self._reader.read(path, kind, part)
         except Exception as e:  # a truncated or corrupt file: every row of the part fails, the run goes on
             for n, want in zip(names, wanted):
                 if want:
@@ -361,20 +224,6 @@ class HFDataset(torch.utils.data.IterableDataset):
             if want:
                 control = controls[j].as_py() if controls is not None else None
                 yield self._row(n, images[j].as_py(), captions[j].as_py(), stamp, part.start + j, self.known.get(n), control)
-
-    def _read(self, path: str, kind: str, part: Part):
-        pa = _pyarrow()
-        columns = [self.listing.image_column, self.listing.caption_column]
-        columns += [self.listing.control_column] if self.listing.control_column else []
-        if kind == "parquet":
-            return pa.parquet.ParquetFile(path).read_row_group(part.index, columns=columns)
-        if self._batches[0] != path:  # a file's parts are read one after the other: map it once
-            with pa.memory_map(path) as source:
-                self._batches = (path, list(pa.ipc.open_stream(source)))  # views of the mapping, no copy
-        batches = self._batches[1]
-        if part.index >= len(batches):
-            raise ValueError(f"{path} holds {len(batches)} record batches, not {part.index + 1}: it changed while being read")
-        return batches[part.index].select(columns)
 
     def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None) -> dict:
         try:

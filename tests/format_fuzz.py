@@ -300,7 +300,6 @@ class Case:
         self.note(f"symlink {link.name} -> the directory outside")
 
 
-
 def run_case(seed: int, steps: int = 12, kinds: list[str] | None = None, log=None) -> list[str]:
     """Run case `seed` in a temp directory; returns its trace. Raises `CaseFailed` with the trace on any failure."""
     kinds = DEFAULT_KINDS if kinds is None else kinds
@@ -324,14 +323,12 @@ def run_case(seed: int, steps: int = 12, kinds: list[str] | None = None, log=Non
     return case.trace
 
 
-
 class CaseFailed(AssertionError):
     def __init__(self, seed: int, trace: list[str], detail: str, options: str = ""):
         self.seed, self.trace, self.detail = seed, trace, detail
         steps = "\n".join(f"  {i + 1:3d} {line}" for i, line in enumerate(trace))
         replay = f"{sys.executable} -m tests.format_fuzz --seed {seed} --cases 1 -v{options}"
         super().__init__(f"seed {seed} failed:\n{steps}\n{detail}replay: {replay}")
-
 
 
 def main(argv: list[str] | None = None) -> int:

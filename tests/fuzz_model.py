@@ -19,7 +19,6 @@ class Broken(AssertionError):
     """An invariant does not hold."""
 
 
-
 def fields_of(n: int, bucket: tuple[int, int]) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(n)
     return {"latent": torch.randn(2, bucket[0] // 8, bucket[1] // 8, generator=g).bfloat16(),
@@ -27,16 +26,13 @@ def fields_of(n: int, bucket: tuple[int, int]) -> dict[str, torch.Tensor]:
             "size": torch.tensor([bucket[0] + n, bucket[1]], dtype=torch.int32)}
 
 
-
 def prompt_of(m: int) -> Prompt:
     g = torch.Generator().manual_seed(10_000 + m)
     return Prompt(f"prompt {m}", {"text": torch.randn(1 + m % 3, 8, generator=g).bfloat16()})
 
 
-
 def prompt_digest(key: str, p: Prompt) -> bytes:
     return hashlib.sha256(sample_digest(key, p.fields) + p.text.encode()).digest()
-
 
 
 @dataclass(frozen=True)
@@ -47,14 +43,12 @@ class State:
     prompts: dict = field(default_factory=dict)
 
 
-
 def refusal(e: BaseException, root: Path) -> bool:
     """Whether `e` is the library refusing a cache it cannot read: its error types, with a message naming the cache."""
     library = isinstance(e, FormatError) or (type(e) is FileNotFoundError and not str(e).startswith("[Errno"))
     if library and str(root) not in str(e):
         raise Broken(f"the refusal does not name the cache or the file: {type(e).__name__}: {e}")
     return library
-
 
 
 def read(root: Path, generation: int | None = None, full: bool = True) -> tuple[int, State]:
@@ -79,11 +73,9 @@ def read(root: Path, generation: int | None = None, full: bool = True) -> tuple[
     return cache.generation, State(out, {k: prompt_digest(k, p) for k, p in cache.prompts().items()})
 
 
-
 def blind(state: State) -> State:
     """`state` without its sample digests, as `read(full=False)` sees it."""
     return State({k: (None, *v[1:]) for k, v in state.samples.items()}, state.prompts)
-
 
 
 def difference(got: State, want: State) -> str:

@@ -7,7 +7,6 @@ class Killed(BaseException):
     """The process died: not an Exception, so no `except Exception` or `except OSError` of the library sees it."""
 
 
-
 class Process:
     """A writer (or gc) as a process of its own: its own pid (temp names carry it), and, with `kill_at`, killed at its
     `kill_at`-th file-system event (fsync, rename, replace, link, unlink, mkdir, rmdir): that event and every later

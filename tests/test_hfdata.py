@@ -11,6 +11,7 @@ from PIL import Image
 
 from precompute.config import PrecomputeConfig
 from precompute.hfdata import HFDataset, is_hf_dataset, list_hf
+from precompute.hffiles import PartReader
 from precompute.run import main as precompute
 from precompute.sample_data import make_folder
 from shards import Cache, load
@@ -60,12 +61,12 @@ def test_a_saved_dataset_caches_what_the_same_images_in_a_folder_cache(tmp_path)
     def never(*args):
         raise AssertionError("an unchanged part was read")
 
-    original = HFDataset._read
-    HFDataset._read = never
+    original = PartReader.read
+    PartReader.read = never
     try:
         summary = precompute(str(tmp_path / "saved"), "tiny-sana", tmp_path / "from-hf", **RUN)
     finally:
-        HFDataset._read = original
+        PartReader.read = original
     assert (summary["unchanged"], summary["new"], summary["removed"]) == (6, 0, 0)
 
 

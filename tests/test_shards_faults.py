@@ -22,7 +22,6 @@ def commit_path(root: Path, generation: int) -> Path:
     return root / "_log" / f"{generation:012d}.json"
 
 
-
 def test_a_commit_missing_mid_log_is_damage_and_nothing_is_deleted(tmp_path):
     root = tmp_path / "cache"
     write_cache(root, range(12), max_shard_samples=1)  # one shard and one commit per sample: generations 0..11
@@ -50,7 +49,6 @@ def test_a_commit_missing_mid_log_is_damage_and_nothing_is_deleted(tmp_path):
     assert len(Cache(root)) == 12 and verify(root).ok
 
 
-
 def test_a_commit_missing_before_the_newest_snapshot_is_reported(tmp_path, monkeypatch):
     import shards.generations
 
@@ -63,7 +61,6 @@ def test_a_commit_missing_before_the_newest_snapshot_is_reported(tmp_path, monke
     assert report.bad_files == [str(commit_path(tmp_path, 5))] and "backup" in report.problems[0][1]
 
 
-
 def flip_in_snapshot(path: Path, tensor: str) -> None:
     """Flip one byte of a tensor of a snapshot, as a bad disk would: the file still opens."""
     raw = bytearray(path.read_bytes())
@@ -73,10 +70,8 @@ def flip_in_snapshot(path: Path, tensor: str) -> None:
     path.write_bytes(bytes(raw))
 
 
-
 SNAPSHOT_TENSOR = {"flipped digest": "shards.sha256", "flipped size": "shards.bytes",  # the shard table
                    "flipped sample index": "samples.shard", "flipped key": "samples.key"}  # the sample index
-
 
 
 @pytest.mark.parametrize("damage", [*SNAPSHOT_TENSOR, "truncated"])
@@ -110,7 +105,6 @@ def test_a_damaged_snapshot_is_named_and_healthy_shards_are_not_blamed(tmp_path,
         assert isinstance(result.exception, SystemExit) and REPAIR_HINT not in result.output
     newest.rename(tmp_path.parent / "aside.safetensors")  # what the message offers: the log replays it exactly
     assert [k for k, _ in Cache(tmp_path).keys()] == expected and verify(tmp_path).ok
-
 
 
 def test_opening_a_cache_does_not_read_its_sample_index(tmp_path, monkeypatch):
@@ -147,7 +141,6 @@ def test_opening_a_cache_does_not_read_its_sample_index(tmp_path, monkeypatch):
     assert [chunk for chunk in hashed if keys_tensor.search(chunk)]  # checked when read
 
 
-
 @pytest.mark.parametrize("damage", ["truncated", "flipped digest"])
 def test_a_damaged_commit_is_a_damaged_cache_naming_the_commit(tmp_path, damage):
     write_cache(tmp_path, range(6), max_shard_samples=1)
@@ -168,7 +161,6 @@ def test_a_damaged_commit_is_a_damaged_cache_naming_the_commit(tmp_path, damage)
     assert result.exit_code == 1 and f"BAD {last}" in result.output
 
 
-
 def test_a_writer_refuses_a_log_whose_first_commit_is_lost(tmp_path):
     write_cache(tmp_path, range(6), max_shard_samples=1)
     commit_path(tmp_path, 0).unlink()
@@ -177,7 +169,6 @@ def test_a_writer_refuses_a_log_whose_first_commit_is_lost(tmp_path):
         ShardWriter(tmp_path, FINGERPRINT, SCHEMA)
     assert isinstance(caught.value, DamagedCache) and "000000000000.json is missing" in str(caught.value)
     assert files(tmp_path) == before
-
 
 
 def test_a_snapshot_of_an_empty_cache_loads(tmp_path, monkeypatch):
@@ -189,7 +180,6 @@ def test_a_snapshot_of_an_empty_cache_loads(tmp_path, monkeypatch):
         assert w.remove({"key00000", "key00001", "key00002"}) == 3
     assert snapshots(tmp_path)[-1] == Cache(tmp_path).generation and len(Cache(tmp_path)) == 0
     assert verify(tmp_path).ok
-
 
 
 def test_a_log_whose_end_was_lost_is_refused_when_the_pointer_says_so(tmp_path, monkeypatch):
@@ -208,7 +198,6 @@ def test_a_log_whose_end_was_lost_is_refused_when_the_pointer_says_so(tmp_path, 
     assert files(tmp_path) == before and not verify(tmp_path).ok
 
 
-
 def test_an_index_json_that_is_not_utf8_is_a_format_error_naming_it(tmp_path):
     write_cache(tmp_path, range(1))
     pointer = tmp_path / "index.json"
@@ -217,7 +206,6 @@ def test_an_index_json_that_is_not_utf8_is_a_format_error_naming_it(tmp_path):
     pointer.write_bytes(bytes(data))
     with pytest.raises(FormatError, match=r"index\.json is not valid JSON.*the log under _log/ is the truth"):
         Cache(tmp_path)
-
 
 
 def test_a_snapshot_whose_replaced_map_cannot_be_read_is_named(tmp_path, monkeypatch):
@@ -234,7 +222,6 @@ def test_a_snapshot_whose_replaced_map_cannot_be_read_is_named(tmp_path, monkeyp
     save_file(tensors, path, meta)
     with pytest.raises(DamagedCache, match=re.escape(str(path))):
         Cache(tmp_path, generation=0)
-
 
 
 def test_a_commit_written_while_the_log_is_listed_is_read_not_taken_for_a_gap(tmp_path, monkeypatch):

@@ -29,7 +29,6 @@ def test_ls_on_a_missing_shard_names_it_and_the_repair(tmp_path):
     assert f"{missing} is listed" in result.output and "--repair" in result.output
 
 
-
 # A writer that stops twice (at its first shard) and says so: with a shard's temp file written (before its rename), and with the shard
 # renamed but not committed yet (before the link of its commit); a line on stdin lets it go on.
 WRITER = textwrap.dedent(
@@ -68,7 +67,6 @@ WRITER = textwrap.dedent(
 )
 
 
-
 def test_verify_beside_a_running_writer_finds_no_damage(tmp_path):
     write_cache(tmp_path, range(6), max_shard_samples=2)
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{HERE.parent}"}
@@ -92,7 +90,6 @@ def test_verify_beside_a_running_writer_finds_no_damage(tmp_path):
     assert child.returncode == 0 and verify(tmp_path).ok and len(Cache(tmp_path)) == 8
 
 
-
 def test_a_remote_cache_evicts_nothing_through_a_symbolic_link(tmp_path):
     bucket, local, outside = tmp_path / "bucket", tmp_path / "local", tmp_path / "outside"
     write_cache(bucket, range(6), max_shard_samples=1)
@@ -108,7 +105,6 @@ def test_a_remote_cache_evicts_nothing_through_a_symbolic_link(tmp_path):
     assert victim.exists() and (local / "96x96").is_symlink()
 
 
-
 @pytest.mark.parametrize("tensor", ["text.offsets", "__key__.offsets", "__key__", "__digest__", "latent_mean"])
 def test_a_shard_whose_header_renames_a_tensor_is_a_corrupt_sample_naming_it(tmp_path, tensor):
     manifest = write_cache(tmp_path, range(1))
@@ -122,7 +118,6 @@ def test_a_shard_whose_header_renames_a_tensor_is_a_corrupt_sample_naming_it(tmp
         Cache(tmp_path, check_digests=True)[0]
 
 
-
 def _cache_with_prompts(root: Path):
     from shards import Prompt, prompt_key
 
@@ -131,7 +126,6 @@ def _cache_with_prompts(root: Path):
         w.add_prompts({prompt_key(t): Prompt(t, {"text": make_sample(i + 3)[2]["text"]}) for i, t in enumerate(["", "a cat"])},
                       {"text": SCHEMA["text"]})
     return root / w.manifest.files["prompts"]["path"]
-
 
 
 def test_a_damaged_prompts_file_is_refused_naming_it_and_how_to_rebuild_it(tmp_path):
@@ -147,7 +141,6 @@ def test_a_damaged_prompts_file_is_refused_naming_it_and_how_to_rebuild_it(tmp_p
     assert sorted(p.text for p in Cache(tmp_path).prompts().values()) == ["", "a cat"]
 
 
-
 def test_a_prompts_file_damaged_past_reading_is_a_format_error_naming_it(tmp_path):
     from shards.prompts import read_prompts
 
@@ -156,7 +149,6 @@ def test_a_prompts_file_damaged_past_reading_is_a_format_error_naming_it(tmp_pat
     path.write_bytes(data.replace(b'"__prompt__"', b'"__prompt_X"', 1))
     with pytest.raises(FormatError, match=re.escape(str(path))):
         read_prompts(path)
-
 
 
 def test_prompts_read_once_stay_as_checked_when_the_file_changes_later(tmp_path):

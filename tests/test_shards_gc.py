@@ -44,7 +44,6 @@ def test_gc_keeps_what_a_resumable_run_needs(tmp_path):
     assert report.generations == [] and report.stale_readers and verify(cache).retired == 0
 
 
-
 def test_gc_keeps_every_needed_generation_in_one_replay_and_the_log_loads_after_it(tmp_path, monkeypatch):
     import importlib
     import shutil
@@ -84,7 +83,6 @@ def test_gc_keeps_every_needed_generation_in_one_replay_and_the_log_loads_after_
     assert len(Cache(root)) == 12 - 2 + 3 and verify(root).ok
 
 
-
 def test_gc_and_writers_exclude_each_other(tmp_path):
     from typer.testing import CliRunner
 
@@ -109,7 +107,6 @@ def test_gc_and_writers_exclude_each_other(tmp_path):
     assert CliRunner().invoke(app, ["gc", str(tmp_path)]).exit_code == 0 and len(Cache(tmp_path)) == 4
 
 
-
 def test_gc_after_compactions_keeps_a_checkpointed_generation_loadable(tmp_path, monkeypatch):
     import shards.generations
     from shards import gc, register_reader
@@ -128,7 +125,6 @@ def test_gc_after_compactions_keeps_a_checkpointed_generation_loadable(tmp_path,
     assert gc(cache).generations == [9]
     assert [Cache(cache, generation=9)[i].key for i in range(10)] == [f"key{i:05d}" for i in range(10)]
     assert len(Cache(cache)) == 21
-
 
 
 def test_gc_and_writers_never_delete_through_a_symbolic_link(tmp_path):
@@ -154,7 +150,6 @@ def test_gc_and_writers_never_delete_through_a_symbolic_link(tmp_path):
     result = cli("gc", root)
     assert result.exit_code == 0 and "96x96 is a symbolic link" in result.output
     assert sorted(p.name for p in outside.iterdir()) == sorted(names) and len(Cache(root)) == 8
-
 
 
 @pytest.fixture
@@ -203,7 +198,6 @@ def read_only(monkeypatch):
     return apply
 
 
-
 @pytest.mark.parametrize("lock_file", [False, True], ids=["no lock file", "a run's lock file"])
 def test_gc_on_a_read_only_cache_names_it_and_deletes_nothing(tmp_path, read_only, lock_file):
     write_cache(tmp_path, range(6), max_shard_samples=2)
@@ -219,7 +213,6 @@ def test_gc_on_a_read_only_cache_names_it_and_deletes_nothing(tmp_path, read_onl
     assert files(tmp_path) == before
     dry = cli("gc", tmp_path, "--dry-run")  # reading needs no write: the dry run still says what would go
     assert dry.exit_code == (0 if lock_file else 2) and files(tmp_path) == before
-
 
 
 @pytest.mark.parametrize("damage", ["not JSON", "no run", "no generation", "checkpoint not JSON"])
@@ -254,7 +247,6 @@ def test_gc_refuses_a_damaged_run_registration_naming_it(tmp_path, damage):
     assert gc(root).deleted
 
 
-
 def test_gc_refuses_when_the_snapshot_kept_for_a_run_is_lost(tmp_path, monkeypatch):
     from shards import register_reader
 
@@ -280,7 +272,6 @@ def test_gc_refuses_when_the_snapshot_kept_for_a_run_is_lost(tmp_path, monkeypat
     assert [s.key for s in Cache(root, generation=1)] == ["key00000", "key00001"]
 
 
-
 def test_gc_creates_no_file_to_learn_it_may_write(tmp_path, monkeypatch):
     write_cache(tmp_path, range(6), max_shard_samples=2)
     with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
@@ -296,7 +287,6 @@ def test_gc_creates_no_file_to_learn_it_may_write(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "open", recording_open)
     gc(tmp_path)  # a gc killed after such a file was made would leave it for verify to report
     assert not [p for p in created if ".gc-" in p]
-
 
 
 def test_verify_takes_a_probe_file_of_an_interrupted_gc_for_a_harmless_leftover(tmp_path):

@@ -49,7 +49,6 @@ def test_remove_commits_a_generation_and_readers_of_the_last_keep_reading(tmp_pa
         Cache(tmp_path, generation=before.generation)
 
 
-
 def test_commits_cost_one_small_file_and_snapshots_replay_exactly(tmp_path, monkeypatch):
     import shards.generations
 
@@ -70,14 +69,12 @@ def test_commits_cost_one_small_file_and_snapshots_replay_exactly(tmp_path, monk
     assert list(from_snapshot.manifest.samples()) == list(replayed.manifest.samples())
 
 
-
 def test_readers_keep_a_bounded_number_of_shards_open(tmp_path):
     write_cache(tmp_path, range(40), max_shard_samples=1)
     cache = Cache(tmp_path, max_open=3)
     for i in range(len(cache)):
         cache[i]
         assert len(cache._readers) <= 3
-
 
 
 def test_a_manifest_path_outside_the_cache_is_refused(tmp_path):
@@ -90,7 +87,6 @@ def test_a_manifest_path_outside_the_cache_is_refused(tmp_path):
         Cache(tmp_path)
     report = verify(tmp_path)
     assert not report.ok and "outside the cache" in report.problems[0][1]
-
 
 
 def test_a_version_1_cache_is_refused_then_upgraded_in_place(tmp_path):
@@ -126,7 +122,6 @@ def test_a_version_1_cache_is_refused_then_upgraded_in_place(tmp_path):
     assert verify(tmp_path).ok and (tmp_path / "index.v1.json").exists()
 
 
-
 def test_prompts_are_stored_merged_and_verified(tmp_path):
     from shards import Prompt, prompt_key
 
@@ -144,7 +139,6 @@ def test_prompts_are_stored_merged_and_verified(tmp_path):
     path = tmp_path / Cache(tmp_path).manifest.files["prompts"]["path"]
     path.write_bytes(b"garbage")
     assert verify(tmp_path).bad_files == [str(path)]
-
 
 
 def test_sample_index_by_source_without_opening_a_shard(tmp_path, monkeypatch):
@@ -173,7 +167,6 @@ def test_sample_index_by_source_without_opening_a_shard(tmp_path, monkeypatch):
         monkeypatch.undo()
 
 
-
 def test_an_old_generation_reads_repaired_copies_with_one_load(tmp_path, monkeypatch):
     import shards.reader
 
@@ -199,7 +192,6 @@ def test_an_old_generation_reads_repaired_copies_with_one_load(tmp_path, monkeyp
     assert cache.check_files() == []
 
 
-
 def test_concurrent_writers_commit_only_what_still_applies(tmp_path):
     from shards import CacheBusy
 
@@ -218,7 +210,6 @@ def test_concurrent_writers_commit_only_what_still_applies(tmp_path):
     assert verify(tmp_path).ok
 
 
-
 DAMAGED_COMMITS = {
     "add outside": {"add": [{"path": "../outside.safetensors", "bucket": [64, 64], "samples": 1, "bytes": 1, "sha256": "00" * 32,
                              "field_bytes": {}, "keys": ["x"]}]},
@@ -230,7 +221,6 @@ DAMAGED_COMMITS = {
     "add without keys": {"add": [{"path": "64x64/r00000-000009.safetensors", "bucket": [64, 64], "samples": 1, "bytes": 1,
                                   "sha256": "00" * 32, "field_bytes": {}}]},
 }
-
 
 
 @pytest.mark.parametrize("damage", list(DAMAGED_COMMITS))
@@ -257,7 +247,6 @@ def test_every_reader_refuses_a_damaged_commit(tmp_path, damage):
     assert not report.ok and message in report.problems[0][1]
 
 
-
 def test_a_snapshot_listing_a_path_outside_the_cache_is_refused(tmp_path):
     import shards.generations
 
@@ -270,14 +259,12 @@ def test_a_snapshot_listing_a_path_outside_the_cache_is_refused(tmp_path):
     assert "outside the cache" in verify(tmp_path).problems[0][1]
 
 
-
 def test_auxiliary_files_stay_inside_the_cache(tmp_path):
     with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
         w.write(*make_sample(0))
         with pytest.raises(ValueError, match="outside the cache"):
             w.add_file("decoder", "vae/../../decoder.json", b"{}")
     assert verify(tmp_path).ok and not (tmp_path.parent / "decoder.json").exists()
-
 
 
 def test_compaction_keeps_three_snapshots_and_every_generation_loads(tmp_path, monkeypatch):
@@ -292,7 +279,6 @@ def test_compaction_keeps_three_snapshots_and_every_generation_loads(tmp_path, m
     newest = Cache(tmp_path).generation
     for g in range(newest + 1):  # a reader of any generation still loads it (log + the oldest snapshot)
         assert len(Cache(tmp_path, generation=g)) == g + 1
-
 
 
 def test_a_removal_never_launders_a_damaged_sample(tmp_path):
