@@ -15,6 +15,7 @@ MODULES = (
     "sana",
     "sd3",
     "flux",
+    "qwen_image",
 )
 
 FAMILIES: list[Family] = [import_module(f"{__name__}.{module}").FAMILY for module in MODULES]

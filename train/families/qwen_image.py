@@ -1,0 +1,140 @@
+"""Qwen-Image: a 60-block double-stream MMDiT over the latents packed into 2 x 2 patches and Qwen2.5-VL's caption tokens
+with a mask; flow matching whose shift follows the image's sequence length (its scheduler's base and max shift), and
+sampled as QwenImagePipeline samples: its scheduler and sigmas, true classifier-free guidance against the empty caption
+with its norm-rescaled combination, one transformer pass per caption."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from train.families.base import Family, ModelPreset
+
+# The published scheduler's config (scheduler/scheduler_config.json of Qwen/Qwen-Image): mu from the image's sequence
+# length between these points, the exponential time shift, and sampling stretched to end at sigma 0.02.
+SCHEDULER = {
+    "base_image_seq_len": 256, "max_image_seq_len": 8192, "base_shift": 0.5, "max_shift": 0.9, "num_train_timesteps": 1000,
+    "shift": 1.0, "shift_terminal": 0.02, "use_dynamic_shifting": True, "time_shift_type": "exponential",
+    "invert_sigmas": False, "stochastic_sampling": False, "use_beta_sigmas": False, "use_exponential_sigmas": False,
+    "use_karras_sigmas": False,
+}
+# Qwen-Image's features at CPU size: double-stream blocks, 3-axis RoPE (the axes sum to the head width), 16 latent
+# channels packed 2 x 2 (in_channels 64), the tiny Qwen2.5-VL's width.
+TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=32, guidance_embeds=False, axes_dims_rope=(4, 6, 6))
+# Parameter counts of the published encoders (diffusers 0.42.1 / transformers 5.24 modules, counted on the meta device):
+# the VAE's default config is the published one; Qwen2.5-VL-7B-Instruct whole, as the pipeline loads it (vision tower
+# and LM head included).
+ENCODERS = {"Qwen-Image VAE (AutoencoderKLQwenImage)": 126_892_531,
+            "Qwen2.5-VL-7B (Qwen2_5_VLForConditionalGeneration)": 8_292_166_656}
+
+
+class QwenImage(Family):
+    name = "qwen-image"
+    title = "Qwen-Image"
+    transformer = "QwenImageTransformer2DModel"
+    pipeline = "QwenImagePipeline"
+    # lora_targets: the attention projections, as diffusers' train_dreambooth_lora_qwen_image.py (the base default)
+    null_caption = "empty"  # what the pipeline encodes for an empty negative prompt
+    no_controlnet = ("--controlnet trains the ControlNets of the families that have one here; Qwen-Image ControlNet training "
+                     "is not built yet")
+
+    def presets(self):
+        # validation as QwenImagePipeline's defaults: 50 steps, true_cfg_scale 4; captions cut at 512 tokens as it cuts them
+        return {
+            "qwen-image": lambda: ModelPreset("qwen-image", self.name, "Qwen/Qwen-Image", "qwen_image_transformer.json", "flow",
+                                              "flow", dynamic_shift=True, released_dtype="bf16", encoder_parameters=ENCODERS,
+                                              text_tokens=512, validation_steps=50, guidance_scale=4.0),
+            "tiny-qwen-image": lambda: ModelPreset("tiny-qwen-image", self.name, None, TINY, "flow", "flow", dynamic_shift=True,
+                                                   base_resolution=256, text_tokens=64, guidance_scale=4.0),
+        }
+
+    def latent_channels(self, config: Mapping) -> int:
+        return config["in_channels"] // 4  # in_channels count the 2 x 2 packed patch
+
+    def channels_name(self) -> str:
+        return "in_channels / 4 (2 x 2 packed)"
+
+    def output_channels(self, config: Mapping) -> int:
+        return config.get("out_channels") or self.latent_channels(config)  # unpacked back to the latent's
+
+    def latent_patch(self, config: Mapping) -> int:
+        return config.get("patch_size", 2)
+
+    def text_width(self, config: Mapping) -> int:
+        return config["joint_attention_dim"]
+
+    def mu(self, image_tokens: int) -> float:
+        """The pipeline's calculate_shift with its scheduler's points (256 tokens -> 0.5, 8192 -> 0.9)."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+        s = SCHEDULER
+        return calculate_shift(image_tokens, s["base_image_seq_len"], s["max_image_seq_len"], s["base_shift"], s["max_shift"])
+
+    def forward(self, model, config, xt, t, batch, guidance):
+        """As QwenImagePipeline calls it: the latents packed into 2 x 2 patches (B, h/2 * w/2, 4C) with their
+        `img_shapes`, the caption tokens with their mask (none when the batch holds no padding, as the pipeline's
+        `encode_prompt` returns), the timestep as sigma (t / 1000); the prediction unpacked to (B, C, h, w)."""
+        from diffusers import QwenImagePipeline
+
+        if config.get("guidance_embeds"):
+            raise ValueError("this Qwen-Image transformer has guidance_embeds set, which QwenImageTransformer2DModel cannot "
+                             "run; train the published architecture (guidance_embeds false)")
+        b, c, h, w = xt.shape
+        packed = QwenImagePipeline._pack_latents(xt, b, c, h, w)
+        mask = batch.get("text_mask")
+        out = model(hidden_states=packed, encoder_hidden_states=batch["text"].to(xt.dtype), encoder_hidden_states_mask=mask,
+                    timestep=t / 1000, img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
+        # sizes given in latent pixels: a scale factor of 1; the VAE's frame axis dropped
+        return QwenImagePipeline._unpack_latents(out, h, w, 1)[:, :, 0]
+
+    # --- validation, as QwenImagePipeline samples ---
+
+    def sampling_scheduler(self, objective, pixels):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        if objective.dynamic_shift:  # the published scheduler (a run with a fixed shift samples with that shift)
+            return FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER)
+        return super().sampling_scheduler(objective, pixels)
+
+    def set_timesteps(self, scheduler, objective, steps, pixels, device):
+        # the pipeline's sigmas, shifted by mu of the image's sequence length when dynamic; its first step index
+        mu = objective.mu(pixels) if objective.dynamic_shift else None
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu, device=device)
+        scheduler.set_begin_index(0)
+
+    def denoise(self, forward, scheduler, latents, text, *, guidance, channels, autocast):
+        """One pass on the caption and, when `guidance` > 1, one on the null caption (each alone, its valid tokens
+        without a mask, as the pipeline encodes a single prompt), combined by `combine`."""
+        null, caption = (single(text, j) for j in (0, 1))
+        for t in scheduler.timesteps:
+            with autocast:
+                pred = forward(latents, t.expand(1), caption).float()
+                if guidance > 1:
+                    pred = self.combine(forward(latents, t.expand(1), null).float(), pred, guidance)
+            latents = scheduler.step(pred, t, latents).prev_sample
+        return latents
+
+    def combine(self, uncond, cond, guidance):
+        """True classifier-free guidance rescaled to the conditional prediction's norm per image token, the norms taken
+        over the packed patch's channels as the pipeline takes them."""
+        from diffusers import QwenImagePipeline
+
+        b, c, h, w = cond.shape
+        cond_p, uncond_p = (QwenImagePipeline._pack_latents(x, b, c, h, w) for x in (cond, uncond))
+        combined = uncond_p + guidance * (cond_p - uncond_p)
+        combined = combined * (torch.norm(cond_p, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
+        return QwenImagePipeline._unpack_latents(combined, h, w, 1)[:, :, 0]
+
+
+def single(text: dict, j: int) -> dict:
+    """Caption `j` of a collated batch alone: its valid tokens (1, L_j, D) and no mask."""
+    tokens = text["text"][j]
+    if "text_mask" in text:
+        tokens = tokens[text["text_mask"][j].to(torch.bool)]
+    return {"text": tokens[None]}
+
+
+FAMILY = QwenImage()
