@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from precompute.families import FAMILIES, family
+from precompute import families
 from precompute.families.base import Preset, TextEncoderSpec
 
 
@@ -23,23 +23,23 @@ def real_first(names: list[str]) -> list[str]:
 
 def preset_names() -> list[str]:
     """Every preset's name, as --help and the errors list them."""
-    return real_first([name for f in FAMILIES for name in f.presets()])
+    return real_first([name for f in families.FAMILIES for name in f.presets()])
 
 
 def text_encoder_names() -> list[str]:
     """Every text encoder `--text-encoder` may name."""
-    return real_first([name for f in FAMILIES for name in f.text_encoders()])
+    return real_first([name for f in families.FAMILIES for name in f.text_encoders()])
 
 
 def get_preset(name: str) -> Preset:
-    for f in FAMILIES:
+    for f in families.FAMILIES:
         if name in (presets := f.presets()):
             return presets[name]
     raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(preset_names())}")
 
 
 def get_text_encoder(name: str) -> TextEncoderSpec:
-    for f in FAMILIES:
+    for f in families.FAMILIES:
         if name in (encoders := f.text_encoders()):
             return encoders[name]
     raise ValueError(f"unknown text encoder {name!r}; choose one of {', '.join(text_encoder_names())}")
@@ -47,8 +47,8 @@ def get_text_encoder(name: str) -> TextEncoderSpec:
 
 def save_tiny(preset: Preset, directory) -> None:
     """Write a tiny preset's components in the diffusers layout, to load back with `from_pretrained` (--pretrained)."""
-    family(preset.family).save_tiny_vae(preset.vae, str(directory))
-    family(preset.text.family).save_tiny_text(preset.text, str(directory))
+    families.family(preset.family).save_tiny_vae(preset.vae, str(directory))
+    families.family(preset.text.family).save_tiny_text(preset.text, str(directory))
 
 
 def weights_digest(module: torch.nn.Module, samples: int = 4096) -> str:
