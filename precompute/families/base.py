@@ -97,8 +97,8 @@ class TextSide:
     """A text encoder, loaded: its models and tokenizers by subfolder in pipeline order, and the family's stock
     pipeline built with only those (no transformer, VAE or scheduler).
 
-    `instruction`: the lines the pipeline prepends to every caption, or None (its digest is in the fingerprint).
-    The last model and tokenizer are the ones whose token limit is `spec.max_length`."""
+    `instruction`: the lines the pipeline wraps every caption in (an instruction prompt, a template), or None; the
+    fingerprint records their digest."""
 
     spec: TextEncoderSpec
     modules: dict[str, torch.nn.Module]
