@@ -209,7 +209,7 @@ def test_the_published_vae_config_is_sd3s_architecture_with_fluxs_factors():
 
 
 def test_the_tiny_transformer_takes_what_tiny_flux_caches(built):
-    from train import presets as transformers
+    from train import families as transformers
 
     spec, preset = Cache(built["cache"]).spec, transformers.get_preset("tiny-flux")
     config = preset.transformer_config()

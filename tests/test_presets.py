@@ -6,7 +6,7 @@ import pytest
 
 from precompute import presets as encoders
 from shards import Cache
-from train import presets as transformers
+from train import families as transformers
 
 LEGACY = Path(__file__).resolve().parent / "data" / "cache-v2-3b95788"
 
@@ -32,4 +32,4 @@ def test_a_tiny_transformer_takes_what_its_tiny_encoders_cached(name):
     config = preset.transformer_config()
     assert spec.latent.channels == config["in_channels"] and spec.latent.downsample == preset.latent_downsample
     assert spec.text.tokens == preset.text_tokens
-    assert (spec.text.width if spec.text.layout == "masked" else spec.text.t5_width) == transformers.text_width(config)
+    assert (spec.text.width if spec.text.layout == "masked" else spec.text.t5_width) == transformers.get_family(preset.family).text_width(config)

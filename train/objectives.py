@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from diffusers import DDPMScheduler
-from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
+from diffusers.training_utils import compute_density_for_timestep_sampling
 
 # (noisy latents, timesteps, batch) -> prediction with the latents' channels first
 ModelFn = Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]
@@ -94,8 +94,13 @@ class FlowMatching:
         return shift * u / (1 + (shift - 1) * u)
 
     def weights(self, sigmas: torch.Tensor) -> torch.Tensor:
-        """Per-sample loss weights (diffusers' `compute_loss_weighting_for_sd3`)."""
-        return compute_loss_weighting_for_sd3(self.weighting_scheme, sigmas.float())
+        """Per-sample loss weights, as diffusers' `training_utils` weights a rectified-flow loss (tests compare them)."""
+        s = sigmas.float()
+        if self.weighting_scheme == "sigma_sqrt":
+            return s**-2.0
+        if self.weighting_scheme == "cosmap":
+            return 2 / (math.pi * (1 - 2 * s + 2 * s**2))
+        return torch.ones_like(s)
 
     def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1)
                  ) -> tuple[torch.Tensor, torch.Tensor]:
