@@ -28,13 +28,10 @@ not bytes. One torch thread, warm page cache (everything was just written), on t
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
-import random
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,263 +43,19 @@ import typer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shards  # noqa: E402
-from shards import Cache, Field, ShardWriter  # noqa: E402
-from shards.manifest import compact, snapshots  # noqa: E402
+from bench.scale_build import build  # noqa: E402
 
 torch.set_num_threads(1)
 
-SCHEMA = {
-    "latent_mean": Field(torch.bfloat16),
-    "latent_std": Field(torch.bfloat16),
-    "text": Field(torch.bfloat16, ragged=True),
-    "original_size": Field(torch.int32),
-}
-FINGERPRINT = {"vae": {"id": "bench-vae", "scaling_factor": 0.13025}, "text_encoder": {"id": "bench-t5", "max_length": 300}}
-BUCKETS = [(64, 64), (48, 80), (80, 48)]
 # Samples per shard of the default sizes: as many shards as the time budget allows, and more shards than
 # vm.max_map_count at 1M. Other sizes: at most ~72k shards.
 PER_SHARD = {10_000: 1, 100_000: 4, 1_000_000: 14}
-REAL_FSYNC = os.fsync
-
-
-def key(i: int) -> str:
-    return f"{i * 0x9E3779B97F4A7C15 % 2**64:016x}"  # an odd multiplier mod 2^64: unique, hash-like
-
-
-def source(i: int) -> str:
-    return f"images/{i // 10_000:05d}/{i:09d}.jpg"
-
-
-def stamp(i: int) -> int:
-    return (i * 0x2545F4914F6CDD1D) % 2**63
-
-
-def set_fsync(on: bool) -> None:
-    os.fsync = REAL_FSYNC if on else (lambda fd: None)
-
-
-def written_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
-
-
-def memory(field: str) -> int:
-    """A line of /proc/self/status in bytes, e.g. VmRSS (resident now) or VmHWM (its peak)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-def reset_peak() -> int:
-    """Start VmHWM afresh at the current RSS, and return that. (Not ru_maxrss: Linux copies the parent's into
-    a child at fork, so a child of the big builder process would report the builder's peak.)"""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return memory("VmRSS")
-
-
-def peak_growth(before: int) -> int:
-    return memory("VmHWM") - before
-
-
-def mapped_shards() -> int:
-    with open("/proc/self/maps") as f:
-        return sum(".safetensors" in line for line in f)
-
-
-def build_pool() -> dict[tuple[int, int], list[dict[str, torch.Tensor]]]:
-    """Per bucket, 7 samples (text of 1-7 tokens) reused under fresh keys."""
-    g = torch.Generator().manual_seed(0)
-    pool = {}
-    for h, w in BUCKETS:
-        pool[(h, w)] = [{"latent_mean": torch.randn(4, h // 8, w // 8, generator=g).bfloat16(),  # (4, h/8, w/8)
-                         "latent_std": torch.rand(4, h // 8, w // 8, generator=g).bfloat16(),
-                         "text": torch.randn(tokens, 16, generator=g).bfloat16(),  # (L, 16)
-                         "original_size": torch.tensor([h, w], dtype=torch.int32)} for tokens in range(1, 8)]
-    return pool
-
-
-def build(root: Path, n: int, per_shard: int, window: int, fsync_always: bool) -> dict:
-    """Write n samples, shard k holding samples [k S, (k+1) S) of bucket k % 3, so shard k is generation k;
-    time the commits of shards [1, 1 + window) and the last `window`."""
-    count = math.ceil(n / per_shard)
-    windows = {"start": range(1, 1 + window), "end": range(count - window, count)}
-    records: dict[str, list[dict]] = {"start": [], "end": []}
-    current: dict[str, tuple[float, float, int]] = {}
-    phase = None
-    pool = build_pool()
-    t_build = time.perf_counter()
-    writer = ShardWriter(root, FINGERPRINT, SCHEMA, max_shard_samples=per_shard)
-
-    def timed(fn, name):
-        def call(*args, **kwargs):
-            if phase is None:
-                return fn(*args, **kwargs)
-            b0, c0, t0 = written_bytes(), time.thread_time(), time.perf_counter()
-            out = fn(*args, **kwargs)
-            current[name] = (time.perf_counter() - t0, time.thread_time() - c0, written_bytes() - b0)
-            return out
-        return call
-
-    writer.commit, writer._flush_slot = timed(writer.commit, "commit"), timed(writer._flush_slot, "publish")
-    try:
-        for k in range(count):
-            phase = next((p for p, r in windows.items() if k in r), None)
-            if phase and k == windows[phase].start:
-                os.sync()  # the bulk's dirty pages are written back now, not by the window's fsyncs
-            set_fsync(phase is not None or fsync_always)
-            bucket = BUCKETS[k % len(BUCKETS)]
-            for i in range(k * per_shard, min(n, (k + 1) * per_shard)):
-                writer.write(key(i), bucket, pool[bucket][i % 7], source=source(i), stamp=stamp(i))
-            if k == count - 1 and n % per_shard:
-                writer.flush()  # the last shard, partial
-            if phase:
-                records[phase].append(dict(current))
-                current.clear()
-        phase = None
-        writer.finish()
-    finally:
-        set_fsync(True)
-        writer.close()
-    assert writer.manifest.generation == count - 1, "one commit per shard"
-    build_s = time.perf_counter() - t_build
-
-    # One more snapshot of the final state, as the writer takes them (fsync on), into a scratch directory:
-    # the cache itself keeps the log tail a reader replays.
-    os.sync()
-    scratch = root.parent / f"{root.name}-snapshot"
-    scratch.mkdir()
-    b0, t0 = written_bytes(), time.perf_counter()
-    compact(scratch, writer.manifest)
-    snap_s, snap_b = time.perf_counter() - t0, written_bytes() - b0
-    shutil.rmtree(scratch)
-    taken = snapshots(root)
-    gap = taken[-1] - taken[-2] if len(taken) > 1 else count
-
-    out = {"samples": n, "shards": count, "per_shard": per_shard, "build_s": build_s, "snapshot_s": snap_s,
-           "snapshot_bytes": snap_b, "snapshot_gap": gap, "snapshots_kept": len(taken),
-           "snapshots_kept_bytes": sum(p.stat().st_size for p in (root / shards.manifest.SNAPSHOT_DIR).glob("*.safetensors"))}
-    for name, recs in records.items():
-        commit_s, commit_cpu, commit_b = ([r["commit"][m] for r in recs] for m in range(3))
-        # commits that took a snapshot write far more than the median one; the amortized figure counts
-        # snapshots once, through snapshot / gap
-        ordinary = [(s, b) for s, b in zip(commit_s, commit_b) if b < 10 * statistics.median(commit_b)]
-        out[name] = {"commits": len(recs), "commit_s_median": statistics.median(commit_s),
-                     "commit_s_max": max(commit_s), "commit_cpu_s_median": statistics.median(commit_cpu), "commit_bytes_median": statistics.median(commit_b),
-                     "publish_s_median": statistics.median(r["publish"][0] for r in recs),
-                     "amortized_s": statistics.fmean(s for s, _ in ordinary) + snap_s / gap,
-                     "amortized_bytes": statistics.fmean(b for _, b in ordinary) + snap_b / gap}
-    return out
-
-
-# ---- measured in a fresh process each (see `in_child`) ------------------------------------------------
-
-def measure_load(root: str) -> dict:
-    before, t0 = reset_peak(), time.perf_counter()
-    cache = Cache(root)
-    seconds = time.perf_counter() - t0
-    return {"load_s": seconds, "load_peak_bytes": peak_growth(before), "samples": len(cache)}
-
-
-def measure_decide(root: str, n: int, budget_s: float) -> dict:
-    inputs = [(source(i), key(i), stamp(i)) for i in range(n)]  # the run's listing of its inputs, not timed
-    before, t0 = reset_peak(), time.perf_counter()
-    manifest = shards.load(root)
-    load_s = time.perf_counter() - t0
-    if hasattr(manifest, "by_source"):
-        table = manifest.by_source()
-        indexed, method = n, "Manifest.by_source()"
-    else:
-        table, indexed, method = {}, 0, "Manifest.samples()"
-        for k, s, st, *_ in manifest.samples():
-            table[s] = (k, st)
-            indexed += 1
-            if indexed % 256 == 0 and time.perf_counter() - t0 > budget_s:
-                break
-    index_s = time.perf_counter() - t0 - load_s
-    t1 = time.perf_counter()
-    unchanged = sum(tuple(table.get(s, ())[:2]) == (k, st) for s, k, st in inputs)
-    lookup_s = time.perf_counter() - t1
-    total = load_s + index_s * n / indexed + lookup_s  # the table's rate so far, when unfinished
-    return {"decide_s": total, "decide_complete": indexed == n, "decide_indexed": indexed, "decide_load_s": load_s,
-            "decide_lookup_s": lookup_s, "decide_peak_bytes": peak_growth(before), "unchanged": unchanged,
-            "decide_method": method}
-
-
-def measure_readers(root: str, max_reads: int, seed: int = 0) -> dict:
-    cache = Cache(root)
-    rng = random.Random(seed)
-    counts = cache.shards.column("samples").tolist()
-    if len(cache) <= max_reads:
-        order = list(range(len(cache)))
-    else:  # one sample of every shard: every shard is opened once
-        starts = list(itertools.accumulate(counts, initial=0))
-        order = [starts[j] + rng.randrange(counts[j]) for j in range(len(counts))]
-    rng.shuffle(order)
-    most_open = most_mapped = 0
-    t0 = time.perf_counter()
-    for r, i in enumerate(order):
-        for t in cache[i].fields.values():
-            t.clone()
-        most_open = max(most_open, len(cache._readers))
-        if r % 32 == 0:
-            most_mapped = max(most_mapped, mapped_shards())
-    most_mapped = max(most_mapped, mapped_shards())
-    return {"reads": len(order), "read_s": time.perf_counter() - t0, "max_open_readers": most_open,
-            "max_mapped": most_mapped, "max_map_count": int(Path("/proc/sys/vm/max_map_count").read_text())}
-
-
-class RawSamples:
-    """What the trainer's stream asks of its samples, without a model's text layout: the fields copied out."""
-
-    def __init__(self, cache: Cache):
-        self.cache = cache
-
-    def batch(self, epoch: int, indices: list[int], passes: list[int] | None = None) -> dict:
-        return {"fields": [{k: t.clone() for k, t in self.cache[i].fields.items()} for i in indices], "keys": indices}
-
-    def shards_of(self, indices: list[int]) -> list:
-        return [(self.cache, j) for j in sorted({self.cache.locate(i)[0] for i in indices})]
-
-
-def measure_trainer_start(root: str, batch: int = 64) -> dict:
-    """A trainer's start on this cache, resumed in the middle of an epoch: open the generation, build the data
-    order, jump to the batch, build it through the stream. Seconds and peak RSS growth (the model aside)."""
-    from train.data import BatchPlan, BatchStream, Epoch
-
-    before, t0 = reset_peak(), time.perf_counter()
-    cache = Cache(root)
-    plan = BatchPlan.of(cache, batch, seed=0)
-    middle = plan.batches_per_epoch() // 2
-    stream = BatchStream(Epoch(3, plan, RawSamples(cache), middle), workers=1, prefetch=4, readahead=64)
-    first = next(stream)
-    seconds = time.perf_counter() - t0
-    stream.close()
-    return {"start_s": seconds, "start_peak_bytes": peak_growth(before), "start_batch": first["cursor"] - 1}
-
-
-def measure_epoch(root: str, batch: int = 64) -> dict:
-    """One whole epoch through the trainer's stream (every shard opened, read ahead, mapped and unmapped)."""
-    from train.data import BatchPlan, BatchStream, Epoch
-
-    before, t0 = reset_peak(), time.perf_counter()
-    cache = Cache(root)
-    plan = BatchPlan.of(cache, batch, seed=0)
-    seen, most_mapped = 0, 0
-    with BatchStream(Epoch(0, plan, RawSamples(cache)), workers=1, prefetch=4, readahead=64) as stream:
-        for k in range(plan.batches_per_epoch()):
-            seen += len(next(stream)["keys"])
-            if k % 64 == 0:
-                most_mapped = max(most_mapped, mapped_shards())
-        read_ahead = dict(stream.read_ahead)
-    return {"epoch_s": time.perf_counter() - t0, "epoch_samples": seen, "epoch_peak_bytes": peak_growth(before),
-            "epoch_max_mapped": most_mapped, "epoch_read_ahead_shards": read_ahead["shards"],
-            "epoch_read_ahead_failed": read_ahead["failed"]}
 
 
 def in_child(func: str, *args, timeout: float = 1800) -> dict:
-    """`func(*args)` of this file in a fresh Python process (its memory and mappings are its own)."""
-    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).parent)!r}); import scale; "
-            f"print(json.dumps(scale.{func}(*{args!r})))")
+    """`func(*args)` of bench/scale_measure.py in a fresh Python process (its memory and mappings are its own)."""
+    code = (f"import sys, json; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
+            f"import bench.scale_measure as m; print(json.dumps(m.{func}(*{args!r})))")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env)
     if done.returncode:
