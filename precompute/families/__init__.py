@@ -22,6 +22,7 @@ FAMILIES: tuple[Family, ...] = (
     load("sd3"),
     load("flux"),
     load("qwen_image"),
+    load("z_image"),
 )
 
 DEFAULT_PRESET = "tiny-sana"  # what `python -m precompute` encodes with when --model is not given

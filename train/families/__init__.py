@@ -16,6 +16,7 @@ MODULES = (
     "sd3",
     "flux",
     "qwen_image",
+    "z_image",
 )
 
 FAMILIES: list[Family] = [import_module(f"{__name__}.{module}").FAMILY for module in MODULES]
