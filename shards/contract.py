@@ -62,13 +62,13 @@ class DecoderRecipe:
         return out
 
     @classmethod
-    def from_json(cls, data: dict) -> "DecoderRecipe":
+    def from_json(cls, data: dict) -> DecoderRecipe:
         mean, std = data.get("latents_mean"), data.get("latents_std")
         return cls(data["class"], data["source"], data["scaling_factor"], data["shift_factor"], data.get("subfolder"),
                    data.get("revision"), bool(data.get("in_cache")), None if mean is None else tuple(mean),
                    None if std is None else tuple(std), bool(data.get("frame_axis")))
 
-    def located(self, root: Path) -> "DecoderRecipe":
+    def located(self, root: Path) -> DecoderRecipe:
         """The recipe with weights stored in the cache at `root` given by their full path."""
         if not self.in_cache:
             return self
@@ -135,7 +135,7 @@ class LatentSpec:
         return out
 
     @classmethod
-    def from_fingerprint(cls, vae: dict) -> "LatentSpec":
+    def from_fingerprint(cls, vae: dict) -> LatentSpec:
         mean, std = vae.get("latents_mean"), vae.get("latents_std")
         return cls(vae["latent_channels"], vae["downsample"], vae.get("scaling_factor", 1.0), vae.get("shift_factor", 0.0),
                    vae.get("posterior", "deterministic"), None if mean is None else tuple(mean),
@@ -199,7 +199,7 @@ class TextSpec:
         return out
 
     @classmethod
-    def from_fingerprint(cls, text: dict) -> "TextSpec":
+    def from_fingerprint(cls, text: dict) -> TextSpec:
         layout = text.get("layout") or {"kind": "masked"}
         if layout["kind"] == "masked":
             return cls("masked", text.get("hidden_size"), text["max_length"])
@@ -231,7 +231,7 @@ class CacheSpec:
                 **({"decoder": self.decoder.to_json()} if self.decoder else {})}
 
     @classmethod
-    def of(cls, manifest, root: Path | str = "") -> "CacheSpec":
+    def of(cls, manifest, root: Path | str = "") -> CacheSpec:
         """The spec of a manifest (`shards.Manifest`); a cache not written by this product's stage one is refused,
         naming the missing fields."""
         fp = manifest.fingerprint

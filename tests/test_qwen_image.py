@@ -23,6 +23,8 @@ from precompute.sample_data import draw_sample
 from shards import Cache, LatentSpec, prompt_key, verify
 from train.families.base import TextInput
 
+pytestmark = pytest.mark.model  # tiny diffusers and transformers models
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN = dict(workers=0, progress=False, batch_size=2, storage_dtype="fp32")
 TOKENS = 64  # tiny-qwen-image's caption limit

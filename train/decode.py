@@ -82,7 +82,7 @@ def decode(vae: torch.nn.Module, recipe: DecoderRecipe, latents: torch.Tensor) -
     return [Image.fromarray(p) for p in pixels]
 
 
-def grid(title: str, rows: list[tuple[str, list]]) -> "Image.Image":
+def grid(title: str, rows: list[tuple[str, list]]) -> Image.Image:
     """One row per label; images of different sizes are centred in equal cells."""
     from PIL import Image, ImageDraw
 

@@ -5,7 +5,7 @@ with its norm-rescaled combination, one transformer pass per caption."""
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import torch
