@@ -3,7 +3,7 @@
 A stage's config is a dataclass whose fields carry their default, help and, for a number, its valid range (`opt`);
 a `Literal` annotation is the list of valid values. `check_options` refuses anything else in code, `typer_parameters`
 turns the fields into the command's options (their help shows the range) and `config_file_parameter` reads the same
-options from a JSON file, so `--help`, the CLI, the file and the config agree by construction.
+options from a TOML or JSON file, so `--help`, the CLI, the file and the config agree by construction.
 This module lives in `shards` because it is the one package both stages import.
 """
 
@@ -209,8 +209,9 @@ def typer_parameters(cls, names: typing.Iterable[str] | None = None, *, aliases:
     return params
 
 
-def _json_value(annotation, field: dataclasses.Field, value):
-    """`value` read from JSON as field `field` takes it (a float for a float field), or ValueError saying why not."""
+def _file_value(annotation, field: dataclasses.Field, value):
+    """`value` read from a config file as field `field` takes it (a float for a float field), or ValueError saying
+    why not."""
     kind, optional, many = _parts(annotation)
     if value is None:
         if optional:
@@ -218,8 +219,8 @@ def _json_value(annotation, field: dataclasses.Field, value):
         raise ValueError("null: give a value (leave the key out for the default)")
     if many:
         if not isinstance(value, list):
-            raise ValueError(f"{_shown(value)}: must be a list (the option is repeatable), e.g. [{json.dumps(value)}]")
-        return [_json_value(kind, field, v) for v in value]
+            raise ValueError(f"{_shown(value)}: must be a list (the option is repeatable), e.g. [{_example(value)}]")
+        return [_file_value(kind, field, v) for v in value]
     choices = literal_choices(kind)
     if choices:
         if value not in choices or not isinstance(value, str):
@@ -228,7 +229,7 @@ def _json_value(annotation, field: dataclasses.Field, value):
     wanted = {bool: (bool, "true or false"), int: (int, "an integer"), float: ((int, float), "a number"),
               str: (str, "a string"), Path: (str, "a path (a string)")}.get(kind)
     if wanted is None:
-        raise AssertionError(f"no JSON reading for {kind}")
+        raise AssertionError(f"no file reading for {kind}")
     if not isinstance(value, wanted[0]) or (isinstance(value, bool) and kind is not bool):
         raise ValueError(f"{_shown(value)}: must be {wanted[1]}")
     if kind is Path and "\0" in value:
@@ -243,21 +244,14 @@ def _json_value(annotation, field: dataclasses.Field, value):
     return value
 
 
-def read_config_file(cls, path) -> dict:
-    """The options JSON file `path` gives dataclass `cls`'s fields: an object whose keys are field names, each
-    value of the field's type and within its range. Anything else raises ValueError naming the file and key."""
-    where = f"--config {path}"
+def _example(value) -> str:
     try:
-        raw = Path(path).read_bytes()
-    except OSError as e:
-        raise ValueError(f"{where}: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    if not text.strip():
-        raise ValueError(f'{where} is empty: write a JSON object of options, e.g. {{"steps": 100}}')
+        return json.dumps(value)
+    except (TypeError, ValueError):  # a TOML date, say
+        return _shown(value)
 
+
+def _parse_json(text: str, where: str) -> object:
     def no_repeats(pairs):
         keys = [k for k, _ in pairs]
         if repeated := sorted({k for k in keys if keys.count(k) > 1}):
@@ -267,13 +261,47 @@ def read_config_file(cls, path) -> dict:
     try:
         data = json.loads(text, object_pairs_hook=no_repeats)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not valid JSON ({e})") from None
+        raise ValueError(f"{where}: not valid JSON ({e}); a TOML file's name ends in .toml") from None
     except RecursionError:
         raise ValueError(f"{where}: nested too deeply to be a file of options") from None
     except ValueError as e:  # a repeated key, or an integer of more digits than Python reads
         raise ValueError(str(e) if str(e).startswith(where) else f"{where}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a JSON object of options, e.g. {{\"steps\": 100}}; it holds {type(data).__name__}")
+    return data
+
+
+def _parse_toml(text: str, where: str) -> dict:
+    import tomllib
+
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:  # a repeated key too
+        raise ValueError(f"{where}: not valid TOML ({e})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply to be a file of options") from None
+    except ValueError as e:  # an integer of more digits than Python reads
+        raise ValueError(f"{where}: {e}") from None
+
+
+def read_config_file(cls, path) -> dict:
+    """The options file `path` gives dataclass `cls`'s fields: TOML if its name ends in .toml, else JSON; a table
+    (object) whose keys are the field names (the flags' names with underscores), each value of the field's type and
+    within its range. Anything else raises ValueError naming the file and key; an unknown key names the closest one."""
+    where = f"--config {path}"
+    toml = str(path).lower().endswith(".toml")
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{where}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if not text.strip():
+        example = "steps = 100" if toml else '{"steps": 100}'
+        raise ValueError(f"{where} is empty: write the options as {'TOML' if toml else 'a JSON object'}, e.g. {example}")
+    data = _parse_toml(text, where) if toml else _parse_json(text, where)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     if unknown := sorted(set(data) - set(fields)):
         hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(k.replace("-", "_").lstrip("_"),
@@ -284,14 +312,14 @@ def read_config_file(cls, path) -> dict:
     values = {}
     for key, value in data.items():
         try:
-            values[key] = _json_value(hints[key], fields[key], value)
+            values[key] = _file_value(hints[key], fields[key], value)
         except ValueError as e:
             raise ValueError(f"{where}: {key} {e}") from None
     return values
 
 
 def config_file_parameter(cls) -> inspect.Parameter:
-    """A `--config FILE` option for a command built from dataclass `cls`: the JSON file's values become the
+    """A `--config FILE` option for a command built from dataclass `cls`: the file's values become the
     options' defaults (flags on the command line still win); see `read_config_file` for what is refused."""
     import typer
 
@@ -304,5 +332,6 @@ def config_file_parameter(cls) -> inspect.Parameter:
             ctx.default_map = {**(ctx.default_map or {}), **data}
         return value
 
-    option = typer.Option(None, callback=load, is_eager=True, help="JSON file of options (flags given beside it win).")
+    option = typer.Option(None, callback=load, is_eager=True, help="File of options, TOML (its name ends in .toml) or JSON: "
+                          "keys are the flags' names with underscores, e.g. lora_rank = 16 (flags given beside it win).")
     return inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=option)

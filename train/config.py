@@ -79,16 +79,14 @@ class ModelOptions:
                 "for the backward pass (python -m train plan shows both).")
 
     def check(self) -> None:
-        from train.presets import PRESETS, get_preset
+        from train.families import PRESETS, get_family, get_preset
 
         if self.model not in PRESETS:
             raise ValueError(f"--model {self.model!r}: choose one of {', '.join(PRESETS)}")
         if self.pretrained_controlnet:
             self.controlnet = True
-        if self.controlnet:
-            from train.controlnet import controlnet_class
-
-            controlnet_class(get_preset(self.model).family)  # refuses a family without a ControlNet, saying why
+        if self.controlnet and (family := get_family(get_preset(self.model).family)).controlnet is None:
+            raise ValueError(family.no_controlnet)
         if self.controlnet and self.lora_rank:
             raise ValueError("--controlnet with --lora-rank: a ControlNet run trains the ControlNet alone beside the frozen "
                              "transformer; LoRA adapters on that transformer would be a second trained model, which its "
@@ -313,7 +311,7 @@ class ValidationOptions:
 
     def check(self) -> None:
         if self.validation_steps is None or self.guidance_scale is None:  # the preset's sampling defaults
-            from train.presets import get_preset
+            from train.families import get_preset
 
             preset = get_preset(self.model)
             self.validation_steps = preset.validation_steps if self.validation_steps is None else self.validation_steps

@@ -15,7 +15,7 @@ from train.cache import largest_bucket
 from train.config import TrainConfig
 from train.data import TrainingSamples
 from train.metrics import device_memory
-from train.plan import PlanConfig, ema_placement, measure_peak, plan
+from train.plan import PlanConfig, measure_peak, plan
 from train.step import TrainStep
 from train.validate import Validator, generate
 
@@ -25,15 +25,12 @@ def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: in
     """The memory plan of this run (its objective, at the cache's largest bucket); `controlnet_layers`: the depth of
     the ControlNet the run built (a pretrained or resumed one has its own)."""
     largest = largest_bucket(cache)
-    ema = ema_placement(cfg.ema_decay, cfg.ema_device)
-    return plan(PlanConfig(cfg.model, batch_size=cfg.batch_size, bucket=(largest.height, largest.width), precision=cfg.precision,
-                           weights_dtype=cfg.weights_dtype, optimizer=cfg.optimizer, grad_checkpointing=cfg.grad_checkpointing,
-                           ema=ema, world_size=world, parallel="fsdp" if parallel == "fsdp" else "ddp",
-                           fsdp_cpu_offload=cfg.fsdp_cpu_offload, text_tokens=cache.spec.text.tokens,
-                           gpu_memory=device_memory(device), lora_rank=cfg.lora_rank, lora_targets=tuple(cfg.lora_targets),
-                           controlnet=cfg.controlnet, controlnet_layers=controlnet_layers or cfg.controlnet_layers,
-                           base_quant=cfg.base_quant, blocks_to_swap=cfg.blocks_to_swap),
-                objective)
+    # the ControlNet planned is one of the depth built, whatever its weights
+    setup = PlanConfig.of_run(cfg, bucket=(largest.height, largest.width), world_size=world,
+                              parallel="fsdp" if parallel == "fsdp" else "ddp", text_tokens=cache.spec.text.tokens,
+                              gpu_memory=device_memory(device), pretrained_controlnet=None,
+                              controlnet_layers=controlnet_layers or cfg.controlnet_layers)
+    return plan(setup, objective)
 
 
 def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: TrainStep, validator: Validator | None, preset,
