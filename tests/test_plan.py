@@ -11,8 +11,10 @@ import torch
 
 from train.config import TrainConfig
 from train.model import build_model, build_optimizer, build_run_objective, build_schedule
-from train.plan import PlanConfig, measure_peak, plan
-from train.presets import PRESETS, TINY_SANA, get_preset, text_width
+from train.plan import measure_peak, plan
+from train.plan_config import PlanConfig
+from train.families import PRESETS, get_family, get_preset
+from train.families.sana import TINY as TINY_SANA
 from train.step import TrainStep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +52,7 @@ def measured(model: str, batch: int, bucket, optimizer: str, ckpt: str, tokens: 
                      world=1, device=cpu)
     down, c = preset.latent_downsample, net.module.config.in_channels
     batch = {"latents": torch.randn(batch, c, bucket[0] // down, bucket[1] // down), "bucket": bucket, "keys": ["k"] * batch,
-             "text": torch.randn(batch, tokens, text_width(net.module.config)), "text_mask": torch.ones(batch, tokens, dtype=torch.bool)}
+             "text": torch.randn(batch, tokens, get_family(preset.family).text_width(net.module.config)), "text_mask": torch.ones(batch, tokens, dtype=torch.bool)}
 
     def one_step():
         step.accumulate(batch, 0)

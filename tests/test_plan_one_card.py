@@ -5,7 +5,8 @@ import functools
 
 import pytest
 
-from train.plan import GiB, PlanConfig, plan
+from train.plan import plan
+from train.plan_config import GiB, PlanConfig
 
 
 @functools.cache

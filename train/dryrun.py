@@ -15,7 +15,8 @@ from train.cache import largest_bucket
 from train.config import TrainConfig
 from train.data import TrainingSamples
 from train.metrics import device_memory
-from train.plan import PlanConfig, measure_peak, plan
+from train.plan import measure_peak, plan
+from train.plan_config import PlanConfig
 from train.step import TrainStep
 from train.validate import Validator, generate
 

@@ -1,0 +1,58 @@
+"""`python -m train plan MODEL`: the memory plan of a training setup, its options those of `PlanConfig` (the trainer's
+own fields: the same names, defaults, help and checks) and a few of the command's (the bucket, the devices' memory)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Optional
+
+import typer
+
+from shards.options import typer_parameters
+from train.families import PRESETS
+from train.plan_config import PlanConfig
+
+# the options of `PlanConfig` the command takes, in --help's order (the rest do not change the plan)
+OPTIONS = ("batch_size", "precision", "weights_dtype", "optimizer", "grad_checkpointing", "ema_decay", "ema_device",
+           "world_size", "parallel", "fsdp_cpu_offload", "text_tokens", "lora_rank", "lora_targets", "controlnet",
+           "controlnet_layers", "base_quant", "blocks_to_swap")
+EXIT_INPUT = 2  # as `python -m train`: bad options
+
+
+def plan_command(model: str, *, resolution: Optional[int] = None, bucket: Optional[str] = None, gpu_memory: str = "80GB",
+                 as_json: bool = False, **options) -> None:
+    """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
+    like the trainer's mean the same and default the same."""
+    from shards import Bucket
+    from train.families import get_preset
+    from train.plan import format_plan, parse_bytes, plan
+
+    try:
+        size = tuple(Bucket.parse(bucket)) if bucket else (resolution or get_preset(model).base_resolution,) * 2
+        result = plan(PlanConfig(model, bucket=size, gpu_memory=parse_bytes(gpu_memory), **options))
+    except ValueError as e:  # the message says what to do; no traceback
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(EXIT_INPUT) from None
+    print(json.dumps(result, indent=1) if as_json else format_plan(result))
+
+
+def _parameters() -> list[inspect.Parameter]:
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    return [
+        inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
+                          default=typer.Argument(..., help=f"Preset: {', '.join(PRESETS)}.")),
+        *typer_parameters(PlanConfig, OPTIONS[:1]),
+        inspect.Parameter("resolution", keyword, annotation=Optional[int], default=typer.Option(
+            None, min=8, help="Square bucket of this many pixels a side (default: the preset's base resolution).")),
+        inspect.Parameter("bucket", keyword, annotation=Optional[str], default=typer.Option(
+            None, help="Bucket HxW (instead of --resolution).")),
+        *typer_parameters(PlanConfig, OPTIONS[1:]),
+        inspect.Parameter("gpu_memory", keyword, annotation=str, default=typer.Option(
+            "80GB", help="Memory of one device, e.g. 48GB.")),
+        inspect.Parameter("as_json", keyword, annotation=bool, default=typer.Option(
+            False, "--json", help="Print the figures as JSON.")),
+    ]
+
+
+plan_command.__signature__ = inspect.Signature(_parameters())
