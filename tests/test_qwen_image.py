@@ -185,7 +185,7 @@ def test_the_stored_decoder_decodes_as_the_pipeline_does(built, stock):
 
     cache = Cache(built["cache"])
     recipe = decoder_recipe(cache)
-    assert recipe.in_cache and (recipe.latents_mean, recipe.latents_std) == (LATENTS_MEAN, LATENTS_STD)
+    assert recipe.in_cache and recipe.frame_axis and (recipe.latents_mean, recipe.latents_std) == (LATENTS_MEAN, LATENTS_STD)
     z = cache[0]["latent_mean"][None]  # (1, 16, h, w)
     ours = np.asarray(decode(load_decoder(recipe, torch.device("cpu")), recipe, z)[0], dtype=np.int16)
     vae = stock.vae
@@ -226,3 +226,27 @@ def test_the_real_preset_loads_the_published_layout_with_from_pretrained(parts, 
         assert torch.equal(a["text"], b["text"])
     x = torch.randint(0, 256, (1, 3, 64, 96), dtype=torch.uint8)
     assert all(torch.equal(real.encode_images(x)[k], tiny.encode_images(x)[k]) for k in ("latent_mean", "latent_std"))
+
+
+def test_the_per_channel_normalisation_is_recorded_only_where_it_is_used():
+    """A spec or recipe without per-channel statistics writes exactly the JSON it always wrote (existing caches keep
+    their fingerprints and manifests); with them, both round-trip; one value per channel or the spec is refused."""
+    from shards import DecoderRecipe, FormatError
+
+    kl = LatentSpec(16, 8, 0.3611, 0.1159, "mean_std")
+    assert kl.fingerprint() == {"scaling_factor": 0.3611, "shift_factor": 0.1159, "latent_channels": 16, "downsample": 8,
+                                "posterior": "mean_std", "stored": "(z - shift_factor) * scaling_factor"}
+    plain = DecoderRecipe("AutoencoderKL", "vae", 0.3611, 0.1159, in_cache=True)
+    assert plain.to_json() == {"class": "AutoencoderKL", "scaling_factor": 0.3611, "shift_factor": 0.1159, "source": "vae",
+                               "subfolder": None, "revision": None, "in_cache": True}
+    assert DecoderRecipe.from_json(json.loads(json.dumps(plain.to_json()))) == plain
+
+    spec = LatentSpec(16, 8, 1.0, 0.0, "mean_std", LATENTS_MEAN, LATENTS_STD)
+    assert LatentSpec.from_fingerprint(json.loads(json.dumps(spec.fingerprint()))) == spec
+    recipe = DecoderRecipe("AutoencoderKLQwenImage", "vae", 1.0, 0.0, in_cache=True, latents_mean=LATENTS_MEAN,
+                           latents_std=LATENTS_STD, frame_axis=True)
+    assert DecoderRecipe.from_json(json.loads(json.dumps(recipe.to_json()))) == recipe
+    with pytest.raises(FormatError, match="one value per latent channel"):
+        LatentSpec(16, 8, 1.0, 0.0, "mean_std", LATENTS_MEAN[:4], LATENTS_STD[:4])
+    with pytest.raises(FormatError, match="latents_std finite and above 0"):
+        LatentSpec(16, 8, 1.0, 0.0, "mean_std", LATENTS_MEAN, (0.0,) * 16)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import textwrap
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,9 +31,6 @@ def decoder_recipe(cache: Cache) -> DecoderRecipe:
     recipe = cache.spec.decoder
     if recipe is None:
         raise ValueError(f"{cache.root} records no VAE decoder; re-run this version's `make precompute` on it (only what is missing is encoded)")
-    latent = cache.spec.latent
-    if recipe.latents_mean is None and latent.latents_mean is not None:  # the fingerprint says how latents were stored
-        recipe = replace(recipe, latents_mean=latent.latents_mean, latents_std=latent.latents_std)
     return recipe.located(cache.root)
 
 
@@ -49,11 +45,6 @@ def load_decoder(recipe: DecoderRecipe, device: torch.device) -> torch.nn.Module
     if hasattr(vae, "quant_conv"):
         vae.quant_conv = None
     return vae.to(device).eval().requires_grad_(False)
-
-
-def takes_video(vae: torch.nn.Module) -> bool:
-    """A VAE whose decoder convolves in 3-D decodes (B, C, T, h, w) video."""
-    return isinstance(getattr(vae.decoder, "conv_in", None), torch.nn.Conv3d)
 
 
 def unscale(recipe: DecoderRecipe, latents: torch.Tensor) -> torch.Tensor:
@@ -74,7 +65,7 @@ def decode(vae: torch.nn.Module, recipe: DecoderRecipe, latents: torch.Tensor) -
     from PIL import Image
 
     z = unscale(recipe, latents.to(vae.device))
-    if recipe.frame_axis or takes_video(vae):  # the image is one frame, (B, C, 1, h, w) in and out
+    if recipe.frame_axis:  # a video VAE: the image is one frame, (B, C, 1, h, w) in and out
         pixels = vae.decode(z[:, :, None]).sample[:, :, 0].float().clamp(-1, 1)
     else:
         pixels = vae.decode(z).sample.float().clamp(-1, 1)
