@@ -23,12 +23,13 @@ Load = Callable[[torch.dtype, "str | None"], torch.nn.Module]
 
 @dataclass
 class FrozenBase:
-    """`transformer`: frozen but for its LoRA adapters (`adapter`: their peft config) or, full fine-tuning, all
-    trainable; `controlnet`: the ControlNet trained beside it (fp32), or None."""
+    """`transformer`: frozen but for its LoRA adapters (`adapter`: their peft config, on `adapted_layers` layers) or,
+    full fine-tuning, all trainable; `controlnet`: the ControlNet trained beside it (fp32), or None."""
 
     transformer: torch.nn.Module
     controlnet: torch.nn.Module | None = None
     adapter: object | None = None
+    adapted_layers: int = 0
 
 
 def build_frozen(cfg, preset: ModelPreset, load: Load, *, dtype: torch.dtype | None = None,
@@ -57,8 +58,8 @@ def build_frozen(cfg, preset: ModelPreset, load: Load, *, dtype: torch.dtype | N
 
     adapter = lora.lora_config(preset.family, cfg.lora_rank, cfg.lora_alpha, list(cfg.lora_targets), cfg.lora_dropout)
     with place:
-        lora.add_lora(transformer, adapter, adapter_dtype, seed=seed)
-    return FrozenBase(transformer, adapter=adapter)
+        layers = lora.add_lora(transformer, adapter, adapter_dtype, seed=seed)
+    return FrozenBase(transformer, adapter=adapter, adapted_layers=layers)
 
 
 def _with_controlnet(cfg, preset: ModelPreset, load: Load, dtype: torch.dtype, quant: str | None, place,
