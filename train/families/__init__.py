@@ -4,8 +4,8 @@ Presets, the family of a cache (`CacheSpec.family`) and the reader of a cache's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import import_module
-from typing import Callable
 
 from train.families.base import Family, ModelPreset, TextInput
 

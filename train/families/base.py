@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, ClassVar, Mapping
+from typing import ClassVar
 
 import torch
 
@@ -123,12 +124,12 @@ class TextInput:
             out.update(text=text, text_mask=mask)
         return out
 
-    def problems(self, spec: TextSpec, config: Mapping, family: "Family") -> list[str]:
+    def problems(self, spec: TextSpec, config: Mapping, family: Family) -> list[str]:
         """What in a cache's text spec of this layout the transformer cannot take (widths), one line each."""
         width = family.text_width(config)
         return [] if spec.width == width else [f"text width: cache {spec.width}, model {width}"]
 
-    def example(self, config: Mapping, family: "Family", batch: int, tokens: int, dtype: torch.dtype,
+    def example(self, config: Mapping, family: Family, batch: int, tokens: int, dtype: torch.dtype,
                 device: torch.device | str = "meta") -> dict[str, torch.Tensor]:
         """A collated batch's text fields of `tokens` caption tokens (what the planner traces)."""
         return {"text": torch.zeros(batch, tokens, family.text_width(config), device=device, dtype=dtype),

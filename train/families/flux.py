@@ -5,8 +5,8 @@ samples: its sigmas and mu, one pass per step, no classifier-free guidance. Adap
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 import torch

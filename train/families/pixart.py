@@ -3,8 +3,8 @@ channels, DPM-Solver sampling; diffusers' PixArtSigmaPipeline has no LoRA loader
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import torch
 

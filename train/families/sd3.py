@@ -5,7 +5,7 @@ beside it (`StableDiffusion3ControlNetPipeline`)."""
 from __future__ import annotations
 
 import types
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
