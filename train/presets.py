@@ -14,9 +14,8 @@ from typing import Literal
 import torch
 
 from train import families
-from train.families import PRESETS, get_preset  # noqa: F401  (callers not yet moved to train.families)
+from train.families import get_preset  # noqa: F401  (callers not yet moved to train.families)
 from train.families.base import ModelPreset
-from train.families.sana import TINY as TINY_SANA  # noqa: F401  (callers not yet moved to train.families)
 
 
 @dataclass(frozen=True)
@@ -125,12 +124,3 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks in order of a family's transformer or ControlNet (`Family.blocks`)."""
     return families.family_of_module(model).blocks(model)
 
-
-def text_width(config) -> int:
-    """Width of the text embeddings the transformer consumes (for callers not yet asking `Family.text_width`)."""
-    return config["joint_attention_dim"] if "joint_attention_dim" in config else config["caption_channels"]
-
-
-def latent_channels(family: str, config) -> int:
-    """Channels of the cached latent the transformer takes (`Family.latent_channels`)."""
-    return families.get_family(family).latent_channels(config)
