@@ -1,5 +1,6 @@
-"""A writer's shard files on disk: one written durably under its fresh name, and the files a killed writer of the
-same rank left behind removed before a new one starts.
+"""A writer's shard files on disk: one written durably under its fresh name, rows copied out of one (a removal
+keeps the other samples of a shard), and the files a killed writer of the same rank left behind removed before a
+new one starts.
 
 Shard names carry the writer's rank and a sequence number per rank and bucket (`shards.layout`), so the
 processes of a multi-process run never write the same name, and a file whose sequence number is past the last
@@ -11,9 +12,13 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
+import torch
+
 from shards.atomic import TMP_SUFFIX, atomic_write_bytes, fsync_dir
 from shards.buckets import Bucket
 from shards.layout import LOG_DIR, SNAPSHOT_DIR, cache_files, parse_shard_name, shard_name
+from shards.reader import REPAIR, ShardReader
+from shards.schema import CorruptSample, sample_digest
 
 
 def write_shard_file(root: Path, bucket: Bucket, rank: int, seq: int, data: bytes) -> Path:
@@ -36,6 +41,28 @@ def write_shard_file(root: Path, bucket: Bucket, rank: int, seq: int, data: byte
                                    f"free space and re-run: everything committed so far is kept") from None
         raise
     return path
+
+
+def intact_rows(root: Path, path: str, rows: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+    """Copies of rows of shard `path` (relative to the cache `root`), each checked against its stored digest: a
+    removal never turns a damaged sample into one with a fresh, valid digest.
+
+    Raises:
+        CorruptSample: the shard is missing, or a row does not match its digest; the message names the repair.
+    """
+    try:
+        reader = ShardReader(root / path)
+    except FileNotFoundError:
+        raise CorruptSample(f"{root / path} is listed but missing, and samples it holds are kept: "
+                            f"{REPAIR.format(root=root)}") from None
+    out = []
+    for i in rows:
+        fields = {n: t.clone() for n, t in reader.fields(i).items()}
+        if sample_digest(reader.keys[i], fields) != reader.digest(i):
+            raise CorruptSample(f"sample {reader.keys[i]} (row {i} of {reader.path}) does not match its stored digest; "
+                                f"nothing was removed. {REPAIR.format(root=root)}")
+        out.append((i, fields))
+    return out
 
 
 def remove_leftovers(root: Path, rank: int, next_seq: dict[str, int]) -> None:

@@ -1,7 +1,7 @@
 """ShardWriter: buffers samples per bucket, publishes each shard atomically, then commits it to the log.
 
 The checks a sample passes and the encoding of a shard file are in `shards.encode`; writing a shard file and
-removing a killed writer's leftovers in `shards.shard_files`; the locks a writer holds in `shards.lock`.
+copying rows out of one and removing a killed writer's leftovers in `shards.shard_files`; the locks a writer holds in `shards.lock`.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from shards.lock import CacheLock, writers_lock
 from shards.log import exists, missing_manifest, write_commit, write_pointer
 from shards.manifest import Manifest
 from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, stored_prompts
-from shards.reader import REPAIR, ShardReader
-from shards.schema import CacheBusy, CorruptSample, Schema, sample_digest, schema_to_json, validate_schema
-from shards.shard_files import remove_leftovers, write_shard_file
+from shards.schema import CacheBusy, Schema, schema_to_json, validate_schema
+from shards.shard_files import intact_rows, remove_leftovers, write_shard_file
 from shards.table import ShardEntry
 
 
@@ -288,7 +287,7 @@ class ShardWriter:
             removed += len(drop)
             retired.append(entry.path)
             items = [(shard_keys[i], fields, sources[i], stamps[i])
-                     for i, fields in self._intact_samples(entry.path, [i for i in range(len(shard_keys)) if i not in drop])]
+                     for i, fields in intact_rows(self.root, entry.path, [i for i in range(len(shard_keys)) if i not in drop])]
             if items:
                 added.append(self._write_shard(entry.bucket, items, entry.dataset).to_json())
         if retired:
@@ -318,23 +317,6 @@ class ShardWriter:
         if samples and old != new:
             self.commit(rename_dataset=[[old, new]])
         return samples
-
-    def _intact_samples(self, path: str, rows: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        """Copies of rows of shard `path`, each checked against its stored digest: a removal never turns a
-        damaged sample into one with a fresh, valid digest."""
-        try:
-            reader = ShardReader(self.root / path)
-        except FileNotFoundError:
-            raise CorruptSample(f"{self.root / path} is listed but missing, and samples it holds are kept: "
-                                f"{REPAIR.format(root=self.root)}") from None
-        out = []
-        for i in rows:
-            fields = {n: t.clone() for n, t in reader.fields(i).items()}
-            if sample_digest(reader.keys[i], fields) != reader.digest(i):
-                raise CorruptSample(f"sample {reader.keys[i]} (row {i} of {reader.path}) does not match its stored digest; "
-                                    f"nothing was removed. {REPAIR.format(root=self.root)}")
-            out.append((i, fields))
-        return out
 
     def replace(self, path: str, samples: list[tuple[str, dict[str, torch.Tensor]]]) -> str:
         """Commit a repaired copy of shard `path`: the same keys in the same order, freshly encoded. Readers
