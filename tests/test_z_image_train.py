@@ -221,15 +221,10 @@ def losses(run) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if "loss" in line]
 
 
-def export(run, out, *args):
-    result = subprocess.run([sys.executable, "-m", "train", "export", str(run), "--out", str(out), *args], cwd=ROOT,
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr[-2000:]
-
-
 def test_tiny_z_image_trains_resumes_exactly_and_its_export_generates_through_the_stock_pipeline(z_cache, parts, tmp_path):
     from diffusers import ZImageTransformer2DModel
 
+    from train.export import export
     from train.loop import train
 
     straight = train(cfg(z_cache, tmp_path / "straight", validate=True, validation_bucket=["256x256"]))
@@ -250,7 +245,7 @@ def test_tiny_z_image_lora_trains_adapters_alone_resumes_exactly_and_loads_into_
     from diffusers import ZImageTransformer2DModel
 
     from train.checkpoint import complete_checkpoints
-    from train.export import load_model
+    from train.export import export, load_model
     from train.loop import train
 
     lora = dict(lora_rank=4, lora_alpha=8, lr=1e-2)
@@ -279,7 +274,7 @@ def test_tiny_z_image_lora_trains_adapters_alone_resumes_exactly_and_loads_into_
     after = generate(pipe)
     assert torch.isfinite(after).all() and not torch.allclose(before, after)
 
-    export(tmp_path / "straight", tmp_path / "merged", "--merge-lora")  # the adapters folded into a plain transformer
+    export(tmp_path / "straight", tmp_path / "merged", merge_lora=True)  # the adapters folded into a plain transformer
     pipe.unload_lora_weights()
     pipe.transformer = ZImageTransformer2DModel.from_pretrained(tmp_path / "merged", subfolder="transformer")
     assert torch.allclose(generate(pipe), after, rtol=1e-4, atol=1e-4)
