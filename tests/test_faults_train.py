@@ -18,7 +18,7 @@ from shards import Cache, CacheLock, CacheSpec, DecoderRecipe, FormatError, Late
 from train.__main__ import app
 from train.cache import check_cache
 from train.checkpoint import complete_checkpoints
-from train.families import PRESETS, get_preset
+from train.families import PRESETS, get_family, get_preset
 
 ROOT = Path(__file__).resolve().parents[1]
 LEGACY = ROOT / "tests" / "data" / "cache-v2-3b95788"
@@ -166,8 +166,8 @@ def fitting_cache(root: Path, name: str) -> Cache:
     config (only what stage two checks before loading weights is real)."""
     preset = get_preset(name)
     config = preset.transformer_config()
-    family = preset.family
-    channels = config["in_channels"] // 4 if family == "flux" else config["in_channels"]
+    family, kind = preset.family, get_family(preset.family)
+    channels = kind.latent_channels(config)
     down = 32 if family == "sana" else 8
     latent = LatentSpec(channels, down, 0.5, 0.0, "deterministic" if family == "sana" else "mean_std")
     joint = config.get("joint_attention_dim")
@@ -177,7 +177,7 @@ def fitting_cache(root: Path, name: str) -> Cache:
     elif family == "flux":
         text = TextSpec("flux", joint, 512, t5_tokens=512, pooled_width=pooled, t5_width=joint)
     else:
-        text = TextSpec("masked", config["caption_channels"], 300)
+        text = TextSpec(kind.text.layout, kind.text_width(config), 300)
     fingerprint = {"vae": {"id": f"{name}-vae", **latent.fingerprint()}, "text_encoder": {"id": f"{name}-text", **text.fingerprint()},
                    "storage_dtype": "bf16"}
     schema = {f: shards.Field(torch.bfloat16) for f in latent.fields}
