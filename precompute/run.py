@@ -13,11 +13,12 @@ import hashlib
 import json
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -25,12 +26,12 @@ from tqdm import tqdm
 from precompute.config import DEFAULT_BATCH, PrecomputeConfig
 from precompute.distributed import gather, lock_cache, setup_distributed
 from precompute.encode import Encoders, best_device
-from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
+from precompute.encoding import EncodingPass, Tally
 from precompute.families.base import Preset
-from precompute.removal import (RemovalRefused, cached_inputs, damaged_shards, forget_created, removal_refused, removals,
-                                replace_damaged, warn_damaged)
+from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
+from precompute.removal import RemovalRefused, cached_inputs, damaged_shards, forget_created, removal_refused, removals, replace_damaged, warn_damaged
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
-from shards import CONTROL_PREFIX, FLIP_PREFIX, CacheSpec, Prompt, ShardWriter, exists, load, prompt_key
+from shards import CacheSpec, Prompt, ShardWriter, exists, load, prompt_key
 from shards.atomic import atomic_write_bytes
 from shards.options import torch_dtype
 
@@ -75,35 +76,100 @@ def run(config: PrecomputeConfig) -> dict:
     return summary
 
 
+@dataclass
+class Inputs:
+    """What a rank reads: per source, the samples cached before (key -> input) and its listing; the loader over
+    them all; when repairing, the damaged shards and the keys of their samples."""
+
+    sources: list
+    previous: dict[str, dict[str, str]]
+    listings: dict
+    batches: Iterator
+    total: int | None
+    damaged: dict[str, list[str]] = field(default_factory=dict)
+    needed: set[str] | None = None
+
+
 def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, t_start: float) -> dict:
-    is_main, cache, repair = rank == 0, config.cache, config.repair
-    preset, policy, storage = config.preset(), config.policy(), torch_dtype(config.storage_dtype)
-    batch_size = config.batch_size or DEFAULT_BATCH[device.type]
-    # 1. what the cache holds, from its manifest alone (no shard is opened), read under the lock; then the
-    # inputs of every source, split disjointly by global rank. A source's scope is its own samples: new,
-    # changed and removed count within it, and other sources are never touched. The loader's workers start
-    # reading images now, while the encoders load.
-    manifest = load(cache) if exists(cache) else None
+    manifest = load(config.cache) if exists(config.cache) else None
     check_control(config, manifest)
+    # 1. what the cache holds, from its manifest alone (no shard is opened), read under the lock; then the inputs of
+    # every source, split disjointly by global rank. The loader's workers start reading images now, while the
+    # encoders load.
+    inputs = open_all_inputs(config, manifest, device, rank, world)
+    if inputs is None:  # a repair with nothing damaged
+        return {"repaired_shards": 0, "repaired_samples": 0, "unrepairable": []}
+    # 2. encoders and the fingerprint of everything that determines the cached values; a cache built differently is
+    # refused before anything is encoded
+    try:
+        enc = Encoders(config.preset(), device, vae_dtype=config.vae_dtype, text_dtype=config.text_dtype, pretrained=config.pretrained)
+        fingerprint, schema = check_cache(config, enc, manifest, inputs, is_main=rank == 0)
+    except BaseException:
+        del inputs.batches  # stops the workers now, not when the traceback is freed
+        raise
+    # 3. encode per bucket as images arrive, write shards
+    storage = torch_dtype(config.storage_dtype)
+    writer = ShardWriter(config.cache, fingerprint, schema, rank=rank, max_shard_bytes=config.max_shard_mb << 20)
+    tally = Tally(by_source={s.name: Counter() for s in inputs.sources})
+    for name, listing in inputs.listings.items():
+        for failure in listing.failures:
+            tally.fail({**failure, "dataset": name})
+    stamps = {s.name: manifest.by_source(s.name) if manifest and inputs.needed is None else {} for s in inputs.sources}
+    encoding = EncodingPass(enc, writer, schema, storage, config.batch_size or DEFAULT_BATCH[device.type], config.text_batch_size,
+                            config.control, inputs.previous, stamps, inputs.needed, tally)
+    bar = tqdm(total=inputs.total, unit="img", desc=f"precompute[{rank}]" if world > 1 else "precompute",
+               disable=not config.progress or rank != 0, dynamic_ncols=True)
+    try:
+        encoding.run(inputs.batches, bar)
+        writer.restamp(tally.restamps)
+        if inputs.needed is not None:
+            summary = replace_damaged(writer, inputs.damaged, tally.repaired, partial(cached_inputs, manifest, inputs.sources), config.cache)
+        writer.finish()
+    except BaseException:
+        writer.close()  # everything committed so far stays valid; buffered samples are redone next run
+        raise
+    finally:
+        bar.close()
+    if inputs.needed is not None:
+        return summary
+    # 4. rank 0: remove what is gone on evidence, store prompt embeddings and the decoder recipe
+    parts = gather({"counts": tally.counts, "by_source": tally.by_source, "failures": tally.failures, "seen": tally.seen,
+                    "loop_s": tally.loop_s, "wait_s": tally.wait_s,
+                    "complete": {name: i.complete for name, i in inputs.listings.items()}}, world)
+    summary, refused = {}, None
+    if rank == 0:
+        summary, refused = finish(config, enc, fingerprint, schema, inputs, parts, t_start)
+    if world > 1:
+        dist.barrier()
+    if refused is not None:
+        raise refused
+    return summary
+
+
+def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, rank: int, world: int) -> Inputs | None:
+    """Every source's inputs for this rank, and the loader over them. A source's scope is its own samples: new,
+    changed and removed count within it, and other sources are never touched. Repairing, only the damaged samples'
+    inputs are read (a folder's others are not listed; a tar's are skipped by key); None if nothing is damaged."""
+    cache, repair = config.cache, config.repair
     sources = config.sources()
     previous = {s.name: {key: src for key, src, *_ in manifest.samples(s.name)} if manifest else {} for s in sources}
     everything = frozenset(k for k, *_ in manifest.samples()) if manifest else frozenset()
-    damaged: dict[str, list[str]] = {}
+    damaged, needed = {}, None
     if repair:
         if manifest is None:
             raise FileNotFoundError(f"{cache} holds no cache to repair; build it with `make precompute DATA=... CACHE={cache}`")
         damaged = damaged_shards(cache, manifest)
         if not damaged:
             print(f"{cache}: every shard of generation {manifest.generation} is intact; nothing to repair", file=sys.stderr)
-            return {"repaired_shards": 0, "repaired_samples": 0, "unrepairable": []}
+            return None
         needed = {k for keys in damaged.values() for k in keys}
-        # only the damaged samples' inputs are read (a folder's others are not listed; a tar's are skipped by key)
         skip = everything - needed
     else:
         skip = everything  # an input whose content is cached in another source is read, then counted a duplicate
-        if manifest is not None and is_main:
+        if manifest is not None and rank == 0:
             warn_damaged(cache, manifest)
     parts, listings = [], {}
+    policy = config.policy()
     for source in sources:
         mine = previous[source.name]
         known = {} if repair else unsalted(manifest.by_source(source.name), source) if manifest else {}
@@ -122,186 +188,68 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     workers = max(i.workers for i in listings.values())
     loader = build_loader(SourcesDataset(parts), workers, device)
     batches = iter(loader)  # forks the workers before any encoder weights exist in this process
+    return Inputs(sources, previous, listings, batches, total, damaged, needed)
 
-    # 2. encoders and the fingerprint of everything that determines the cached values; a cache built
-    # differently is refused before anything is encoded
-    try:
-        enc = Encoders(preset, device, vae_dtype=config.vae_dtype, text_dtype=config.text_dtype, pretrained=config.pretrained)
-        bad = [b.name for b in policy.buckets if b.height % enc.downsample or b.width % enc.downsample]
-        if bad:
-            raise ValueError(f"buckets {bad} of the {preset.base_resolution} table are not multiples of the VAE's "
-                             f"downsampling factor {enc.downsample}; choose a preset with another base resolution")
-        # dtypes by torch's names ("bfloat16"), as every cache records them, whatever the option's spelling
-        fingerprint = {**enc.fingerprint(), "storage_dtype": str(storage).removeprefix("torch."), "buckets": policy.fingerprint(),
-                       "captions": {"caption_column": config.caption_column, "caption_keys": list(config.caption_key)}}
-        if config.control:  # the cache holds control latents: never mixed with a cache without them (check_control)
-            fingerprint["control"] = enc.latent_spec().control_fingerprint()
-        schema = cache_schema(enc, storage, manifest, sources, cache, config.control)
-        if manifest is not None:
-            manifest.check_compatible(fingerprint, schema, cache)
-        growth = sum(max(0, (i.listed or 0) - len(previous[name])) for name, i in listings.items())
-        if config.check_disk and is_main and growth and not repair:
-            check_disk_space(cache, estimate_bytes_per_sample(enc, policy, storage, control=config.control) * growth)
-    except BaseException:
-        del batches  # stops the workers now, not when the traceback is freed
-        raise
 
-    # 3. encode per bucket as images arrive, write shards
-    writer = ShardWriter(cache, fingerprint, schema, rank=rank, max_shard_bytes=config.max_shard_mb << 20)
-    counts: Counter = Counter()
-    by_source: dict[str, Counter] = {s.name: Counter() for s in sources}
-    failures: list[dict] = [{**f, "dataset": name} for name, i in listings.items() for f in i.failures]
-    counts["failed"] += len(failures)
-    for f in failures:
-        by_source[f["dataset"]]["failed"] += 1
-    seen: dict[str, tuple[str, str]] = {}  # key -> (source name, input)
-    restamps: dict[str, int] = {}
-    repaired: dict[str, dict[str, torch.Tensor]] = {}  # key -> fields, re-encoded for a damaged shard
-    pending: dict = defaultdict(list)
+def check_cache(config: PrecomputeConfig, enc: Encoders, manifest, inputs: Inputs, is_main: bool) -> tuple[dict, dict]:
+    """The run's fingerprint and schema, checked against the cache's (a cache built otherwise is refused) and the
+    buckets' fit to the VAE; with room on disk for the new samples."""
+    policy, storage = config.policy(), torch_dtype(config.storage_dtype)
+    bad = [b.name for b in policy.buckets if b.height % enc.downsample or b.width % enc.downsample]
+    if bad:
+        raise ValueError(f"buckets {bad} of the {enc.preset.base_resolution} table are not multiples of the VAE's "
+                         f"downsampling factor {enc.downsample}; choose a preset with another base resolution")
+    # dtypes by torch's names ("bfloat16"), as every cache records them, whatever the option's spelling
+    fingerprint = {**enc.fingerprint(), "storage_dtype": str(storage).removeprefix("torch."), "buckets": policy.fingerprint(),
+                   "captions": {"caption_column": config.caption_column, "caption_keys": list(config.caption_key)}}
+    if config.control:  # the cache holds control latents: never mixed with a cache without them (check_control)
+        fingerprint["control"] = enc.latent_spec().control_fingerprint()
+    schema = cache_schema(enc, storage, manifest, inputs.sources, config.cache, config.control)
+    if manifest is not None:
+        manifest.check_compatible(fingerprint, schema, config.cache)
+    growth = sum(max(0, (i.listed or 0) - len(inputs.previous[name])) for name, i in inputs.listings.items())
+    if config.check_disk and is_main and growth and not config.repair:
+        check_disk_space(config.cache, estimate_bytes_per_sample(enc, policy, storage, control=config.control) * growth)
+    return fingerprint, schema
 
-    flipped_fields = [name for name in enc.latent_spec().flipped_fields if name in schema]
 
-    def encode_and_write(items: list[dict]) -> None:
-        latents = enc.encode_images(torch.stack([it["pixels"] for it in items]))  # (B, C, h, w) each
-        flips = [j for j, it in enumerate(items) if it.get("flip")]
-        mirrored = enc.encode_images(torch.stack([items[j]["pixels"].flip(-1) for j in flips])) if flips else {}
-        # the control images, cropped as their images, through the same VAE: the pipelines' control latents
-        controls = enc.encode_images(torch.stack([it["control_pixels"] for it in items])) if config.control else {}
-        captions = [c for it in items for c in it["captions"]]
-        texts, truncated = [], []
-        for i in range(0, len(captions), config.text_batch_size):
-            batch = enc.encode_text(captions[i : i + config.text_batch_size])
-            texts += batch.fields
-            truncated += batch.truncated
-        counts["captions_truncated"] += sum(truncated)
-        at = 0
-        for j, it in enumerate(items):
-            mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field
-            at += len(it["captions"])
-            fields = {name: t[j].to(storage) for name, t in latents.items()}
-            for name in flipped_fields:  # one row: the flipped image's latent; none for a source without flip
-                plain = latents[name.removeprefix(FLIP_PREFIX)]
-                row = mirrored[name.removeprefix(FLIP_PREFIX)][flips.index(j)][None] if j in flips else plain[j][None][:0]
-                fields[name] = row.to(storage)
-            fields.update({CONTROL_PREFIX + name: t[j].to(storage) for name, t in controls.items()})
-            fields.update({name: torch.cat([c[name] for c in mine]).to(storage) for name in mine[0]})
-            fields["text_lengths"] = torch.tensor([c["text"].shape[0] if "text" in c else 0 for c in mine], dtype=torch.int32)
-            fields["original_size"] = torch.tensor(it["original_size"], dtype=torch.int32)
-            fields["crop"] = torch.tensor(it["crop"], dtype=torch.int32)
-            fields["source"] = torch.frombuffer(bytearray(it["source"].encode("utf-8", "surrogateescape")), dtype=torch.uint8)
-            bad_fields = [n for n, t in fields.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-            if bad_fields:
-                failures.append({"source": it["source"], "reason": "non_finite", "detail": f"fields {bad_fields}"})
-                counts["failed"] += 1
-                continue
-            if repair:
-                repaired[it["key"]] = fields
-                continue
-            if writer.listed(it["key"]):  # the same image and captions, committed by another rank meanwhile
-                counts["duplicate"] += 1
-                continue
-            writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0), dataset=it["dataset"])
-            outcome = "changed" if it["source"] in inputs_of[it["dataset"]] else "new"
-            counts[outcome] += 1
-            by_source[it["dataset"]][outcome] += 1
-
-    stamps_of = {s.name: manifest.by_source(s.name) if manifest and not repair else {} for s in sources}
-    inputs_of = {name: set(mine.values()) for name, mine in previous.items()}  # what a "changed" input was cached as
-    bar = tqdm(total=total, unit="img", desc=f"precompute[{rank}]" if world > 1 else "precompute",
-               disable=not config.progress or not is_main, dynamic_ncols=True)
-    t_loop = time.perf_counter()
-    wait_s = 0.0  # time blocked on the loader: near zero when decoding is hidden behind encoding
-    try:
-        while True:
-            t_wait = time.perf_counter()
-            item = next(batches, None)
-            wait_s += time.perf_counter() - t_wait
-            if item is None:
-                break
-            for name in ("pixels", "control_pixels"):
-                if isinstance(item.get(name), np.ndarray):
-                    item[name] = torch.from_numpy(item[name])
-            bar.update(1)
-            status, name = item["status"], item["dataset"]
-            if status == "failed":  # a damaged tar stands for the samples it did not yield (`samples`)
-                failures.append({k: item[k] for k in ("source", "reason", "detail", "dataset", "samples") if k in item})
-                counts["failed"] += item.get("samples", 1)
-                by_source[name]["failed"] += item.get("samples", 1)
-            elif item["key"] in seen or (status == "unchanged" and item["key"] not in previous[name] and not repair):
-                counts["duplicate"] += 1  # twice in this run, or cached in another source
-                by_source[name]["duplicate"] += 1
-            elif status == "unchanged":
-                seen[item["key"]] = (name, item["source"])
-                counts["unchanged"] += 1
-                by_source[name]["unchanged"] += 1
-                cached = stamps_of[name].get(item["source"])
-                if cached and cached[0] == item["key"] and item.get("stamp") and cached[1] != item["stamp"]:
-                    restamps[item["key"]] = item["stamp"]  # touched, same content: next time it is not read
-            elif repair and item["key"] not in needed:
-                counts["changed_since"] += 1  # the input changed after it was cached: a plain re-run updates it
-            else:
-                seen[item["key"]] = (name, item["source"])
-                if item.get("caption_fallback"):  # not UTF-8: read in the encoding named, reported in the summary
-                    counts[f"caption_fallback:{item['caption_fallback']}"] += 1
-                pending[item["bucket"]].append(item)
-                if len(pending[item["bucket"]]) >= batch_size:
-                    encode_and_write(pending.pop(item["bucket"]))
-            bar.set_postfix(new=counts["new"] + counts["changed"], unchanged=counts["unchanged"], failed=counts["failed"], refresh=False)
-        for bucket in sorted(pending):
-            encode_and_write(pending.pop(bucket))
-        writer.restamp(restamps)
-        if repair:
-            summary = replace_damaged(writer, damaged, repaired, partial(cached_inputs, manifest, sources), cache)
-        writer.finish()
-        loop_s = time.perf_counter() - t_loop
-    except BaseException:
-        writer.close()  # everything committed so far stays valid; buffered samples are redone next run
-        raise
-    finally:
-        bar.close()
-
-    if repair:
-        return summary
-
-    # 4. rank 0: remove what is gone on evidence, store prompt embeddings and the decoder recipe
-    parts = gather({"counts": counts, "by_source": by_source, "failures": failures, "seen": seen, "loop_s": loop_s,
-                    "wait_s": wait_s, "complete": {name: i.complete for name, i in listings.items()}}, world)
-    summary: dict = {}
+def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: dict, inputs: Inputs, parts: list[dict],
+           t_start: float) -> tuple[dict, RemovalRefused | None]:
+    """Rank 0, after every rank's pass: each source's removals on the evidence of its own listing, the prompts, the
+    decoder recipe and the sources' records committed; failures.jsonl and the summary. Returns the summary and the
+    refusal to raise once every rank is done (what was encoded is kept)."""
+    cache, sources, previous = config.cache, inputs.sources, inputs.previous
+    counts = sum((Counter(p["counts"]) for p in parts), Counter())
+    by_source = {s.name: sum((Counter(p["by_source"][s.name]) for p in parts), Counter()) for s in sources}
+    failures = sorted((f for p in parts for f in p["failures"]), key=lambda f: (f["dataset"], f["source"]))
+    stale: set[str] = set()
     refused = None
-    if is_main:
-        counts = sum((Counter(p["counts"]) for p in parts), Counter())
-        by_source = {s.name: sum((Counter(p["by_source"][s.name]) for p in parts), Counter()) for s in sources}
-        failures = sorted((f for p in parts for f in p["failures"]), key=lambda f: (f["dataset"], f["source"]))
-        stale: set[str] = set()
-        for source in sources:  # each source's removals, on the evidence of its own listing
-            name, mine = source.name, previous[source.name]
-            seen_keys = {k for p in parts for k, (n, _) in p["seen"].items() if n == name}
-            gone_or_changed, kept = removals(mine, seen_keys, {f["source"] for f in failures if f["dataset"] == name},
-                                             all(p["complete"][name] for p in parts))
-            read = {src for p in parts for n, src in p["seen"].values() if n == name}
-            changed = {k for k in gone_or_changed if mine[k] in read}
-            gone = gone_or_changed - changed  # inputs no longer listed (changed ones were re-encoded)
-            refusal = removal_refused(config, source, gone, mine)
-            if refusal is not None:
-                refused, gone = refused or refusal, set()
-            stale |= changed | gone
-            by_source[name]["removed"] = len(gone)
-            by_source[name]["kept_unreadable"] = kept
-        with ShardWriter(cache, fingerprint, schema) as final:
-            final.remove(stale)
-            store_prompts(final, enc, config.validation_prompt, storage)
-            store_decoder(final, enc, preset)
-            record_sources(final, sources)
-        counts["removed"] = sum(c["removed"] for c in by_source.values())
-        counts["kept_unreadable"] = sum(c["kept_unreadable"] for c in by_source.values())
-        atomic_write_bytes(cache / "failures.jsonl", "".join(json.dumps(f) + "\n" for f in failures).encode())
-        summary = report(cache, counts, failures, time.perf_counter() - t_start, max(p["loop_s"] for p in parts), by_source)
-        summary["data_wait_fraction"] = sum(p["wait_s"] for p in parts) / max(sum(p["loop_s"] for p in parts), 1e-9)
-    if world > 1:
-        dist.barrier()
-    if refused is not None:
-        raise refused
-    return summary
+    for source in sources:
+        name, mine = source.name, previous[source.name]
+        seen_keys = {k for p in parts for k, (n, _) in p["seen"].items() if n == name}
+        gone_or_changed, kept = removals(mine, seen_keys, {f["source"] for f in failures if f["dataset"] == name},
+                                         all(p["complete"][name] for p in parts))
+        read = {src for p in parts for n, src in p["seen"].values() if n == name}
+        changed = {k for k in gone_or_changed if mine[k] in read}
+        gone = gone_or_changed - changed  # inputs no longer listed (changed ones were re-encoded)
+        refusal = removal_refused(config, source, gone, mine)
+        if refusal is not None:
+            refused, gone = refused or refusal, set()
+        stale |= changed | gone
+        by_source[name]["removed"] = len(gone)
+        by_source[name]["kept_unreadable"] = kept
+    storage = torch_dtype(config.storage_dtype)
+    with ShardWriter(cache, fingerprint, schema) as final:
+        final.remove(stale)
+        store_prompts(final, enc, config.validation_prompt, storage)
+        store_decoder(final, enc, enc.preset)
+        record_sources(final, sources)
+    counts["removed"] = sum(c["removed"] for c in by_source.values())
+    counts["kept_unreadable"] = sum(c["kept_unreadable"] for c in by_source.values())
+    atomic_write_bytes(cache / "failures.jsonl", "".join(json.dumps(f) + "\n" for f in failures).encode())
+    summary = report(cache, counts, failures, time.perf_counter() - t_start, max(p["loop_s"] for p in parts), by_source)
+    summary["data_wait_fraction"] = sum(p["wait_s"] for p in parts) / max(sum(p["loop_s"] for p in parts), 1e-9)
+    return summary, refused
 
 
 def cache_schema(enc: Encoders, storage: torch.dtype, manifest, sources: list, cache: Path, control: bool = False) -> dict:

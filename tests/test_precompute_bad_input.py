@@ -4,6 +4,7 @@ import io
 import json
 
 import numpy as np
+import torch
 import pytest
 from PIL import Image
 
@@ -134,3 +135,24 @@ def test_upscale_and_aspect_options():
     wide = png(Image.new("RGB", (1000, 40)))
     clamped = prepare(Record("w", wide, [CAPTION]), policy(extreme_aspect="clamp", allow_upscale=True))
     assert clamped["status"] == "ok" and clamped["bucket"] == (128, 512)  # the widest bucket
+
+
+def test_a_sample_encoded_to_non_finite_values_is_a_named_failure(tmp_path, monkeypatch):
+    """A VAE that overflows on one image (NaN latents) fails that sample by name and source; the others are cached."""
+    from precompute.encode import Encoders
+
+    for i, colour in enumerate([(200, 10, 10), (10, 200, 10)]):
+        Image.new("RGB", (256, 256), colour).save(tmp_path / f"img{i}.png")
+        (tmp_path / f"img{i}.txt").write_text(CAPTION)
+    encode_images = Encoders.encode_images
+
+    def overflowing(self, pixels):
+        fields = encode_images(self, pixels)
+        red = pixels[:, 0].float().mean(dim=(1, 2)) > 100  # img0 is the red one
+        return {name: torch.where(red[:, None, None, None], torch.nan, t) for name, t in fields.items()}
+
+    monkeypatch.setattr(Encoders, "encode_images", overflowing)
+    summary = precompute(str(tmp_path), "tiny-sana", str(tmp_path / "cache"), workers=0, batch_size=2, max_failure_fraction=1.0)
+    failures = [json.loads(line) for line in (tmp_path / "cache" / "failures.jsonl").read_text().splitlines()]
+    assert [(f["reason"], f["source"].endswith("img0.png"), f["dataset"]) for f in failures] == [("non_finite", True, tmp_path.name)]
+    assert summary["failed"] == 1 and len(Cache(tmp_path / "cache")) == 1

@@ -1,0 +1,181 @@
+"""Stage one's pass over a rank's inputs: each decoded input is sorted (failed, duplicate, unchanged, to encode),
+batched per bucket, encoded, checked and written; what the pass found is tallied for the run's summary."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from precompute.encode import Encoders
+from shards import CONTROL_PREFIX, FLIP_PREFIX, ShardWriter
+
+
+@dataclass
+class Tally:
+    """What one rank's pass found: counts overall and per source, the failures, and the keys it saw.
+
+    Args:
+        counts: outcomes of the whole pass (new, changed, unchanged, duplicate, failed, captions_truncated, ...).
+        by_source: the same per source name.
+        failures: one record per failed input (source, reason, detail, dataset).
+        seen: key -> (source name, input) of every input read and kept (encoded or unchanged).
+        restamps: key -> stamp of unchanged inputs whose stamp moved (touched, same content).
+        repaired: key -> fields re-encoded for a damaged shard (`--repair`).
+        loop_s, wait_s: time in the pass, and of it blocked on the loader.
+    """
+
+    counts: Counter = field(default_factory=Counter)
+    by_source: dict[str, Counter] = field(default_factory=dict)
+    failures: list[dict] = field(default_factory=list)
+    seen: dict[str, tuple[str, str]] = field(default_factory=dict)
+    restamps: dict[str, int] = field(default_factory=dict)
+    repaired: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    loop_s: float = 0.0
+    wait_s: float = 0.0
+
+    def fail(self, record: dict, samples: int = 1) -> None:
+        self.failures.append(record)
+        self.counts["failed"] += samples
+        if "dataset" in record:
+            self.by_source[record["dataset"]]["failed"] += samples
+
+    def count(self, outcome: str, source: str) -> None:
+        self.counts[outcome] += 1
+        self.by_source[source][outcome] += 1
+
+
+@dataclass
+class EncodingPass:
+    """One rank's pass: `run(batches)` reads every decoded input, encodes the ones to write in batches of one
+    bucket, and writes them (or keeps them in `tally.repaired`, repairing).
+
+    Args:
+        enc: the encoders.
+        writer: the rank's shard writer.
+        schema: the cache's fields (a cache without flipped latents has none to fill).
+        storage: the stored dtype.
+        batch_size: images per encoder batch; text_batch_size: captions per text-encoder batch.
+        control: the inputs carry control images, encoded like their images.
+        previous: per source, key -> input of the samples cached before this run.
+        stamps: per source, input -> (key, stamp) cached (empty when repairing).
+        needed: repairing: the keys of the damaged shards' samples (None: not repairing).
+    """
+
+    enc: Encoders
+    writer: ShardWriter
+    schema: dict
+    storage: torch.dtype
+    batch_size: int
+    text_batch_size: int
+    control: bool
+    previous: dict[str, dict[str, str]]
+    stamps: dict[str, dict]
+    needed: set[str] | None
+    tally: Tally
+
+    def __post_init__(self) -> None:
+        self.flipped_fields = [name for name in self.enc.latent_spec().flipped_fields if name in self.schema]
+        self.cached_inputs = {name: set(mine.values()) for name, mine in self.previous.items()}  # "changed" if cached as one
+        self.pending: dict = defaultdict(list)
+
+    @property
+    def repair(self) -> bool:
+        return self.needed is not None
+
+    def run(self, batches, bar: tqdm) -> None:
+        t_loop = time.perf_counter()
+        while True:
+            t_wait = time.perf_counter()
+            item = next(batches, None)
+            self.tally.wait_s += time.perf_counter() - t_wait  # near zero when decoding is hidden behind encoding
+            if item is None:
+                break
+            bar.update(1)
+            self.take(item)
+            counts = self.tally.counts
+            bar.set_postfix(new=counts["new"] + counts["changed"], unchanged=counts["unchanged"], failed=counts["failed"], refresh=False)
+        for bucket in sorted(self.pending):
+            self.encode_and_write(self.pending.pop(bucket))
+        self.tally.loop_s = time.perf_counter() - t_loop
+
+    def take(self, item: dict) -> None:
+        """Sort one decoded input; an input to encode waits for a full batch of its bucket."""
+        tally, status, name = self.tally, item["status"], item["dataset"]
+        for key in ("pixels", "control_pixels"):
+            if isinstance(item.get(key), np.ndarray):
+                item[key] = torch.from_numpy(item[key])
+        if status == "failed":  # a damaged tar stands for the samples it did not yield (`samples`)
+            tally.fail({k: item[k] for k in ("source", "reason", "detail", "dataset", "samples") if k in item}, item.get("samples", 1))
+        elif item["key"] in tally.seen or (status == "unchanged" and item["key"] not in self.previous[name] and not self.repair):
+            tally.count("duplicate", name)  # twice in this run, or cached in another source
+        elif status == "unchanged":
+            tally.seen[item["key"]] = (name, item["source"])
+            tally.count("unchanged", name)
+            cached = self.stamps[name].get(item["source"])
+            if cached and cached[0] == item["key"] and item.get("stamp") and cached[1] != item["stamp"]:
+                tally.restamps[item["key"]] = item["stamp"]  # touched, same content: next time it is not read
+        elif self.repair and item["key"] not in self.needed:
+            tally.counts["changed_since"] += 1  # the input changed after it was cached: a plain re-run updates it
+        else:
+            tally.seen[item["key"]] = (name, item["source"])
+            if item.get("caption_fallback"):  # not UTF-8: read in the encoding named, reported in the summary
+                tally.counts[f"caption_fallback:{item['caption_fallback']}"] += 1
+            self.pending[item["bucket"]].append(item)
+            if len(self.pending[item["bucket"]]) >= self.batch_size:
+                self.encode_and_write(self.pending.pop(item["bucket"]))
+
+    def encode_and_write(self, items: list[dict]) -> None:
+        """Encode one bucket's batch (images, flipped images, control images, captions) and write each sample."""
+        enc, tally = self.enc, self.tally
+        latents = enc.encode_images(torch.stack([it["pixels"] for it in items]))  # (B, C, h, w) each
+        flips = [j for j, it in enumerate(items) if it.get("flip")]
+        mirrored = enc.encode_images(torch.stack([items[j]["pixels"].flip(-1) for j in flips])) if flips else {}
+        # the control images, cropped as their images, through the same VAE: the pipelines' control latents
+        controls = enc.encode_images(torch.stack([it["control_pixels"] for it in items])) if self.control else {}
+        texts = self.encode_captions([c for it in items for c in it["captions"]])
+        at = 0
+        for j, it in enumerate(items):
+            mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field
+            at += len(it["captions"])
+            fields = self.sample_fields(it, j, latents, mirrored, flips, controls, mine)
+            bad_fields = [n for n, t in fields.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+            if bad_fields:
+                tally.fail({"source": it["source"], "reason": "non_finite", "detail": f"fields {bad_fields}", "dataset": it["dataset"]})
+            elif self.repair:
+                tally.repaired[it["key"]] = fields
+            elif self.writer.listed(it["key"]):  # the same image and captions, committed by another rank meanwhile
+                tally.counts["duplicate"] += 1
+            else:
+                self.writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0), dataset=it["dataset"])
+                tally.count("changed" if it["source"] in self.cached_inputs[it["dataset"]] else "new", it["dataset"])
+
+    def encode_captions(self, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+        texts, truncated = [], 0
+        for i in range(0, len(captions), self.text_batch_size):
+            batch = self.enc.encode_text(captions[i : i + self.text_batch_size])
+            texts += batch.fields
+            truncated += sum(batch.truncated)
+        self.tally.counts["captions_truncated"] += truncated
+        return texts
+
+    def sample_fields(self, it: dict, j: int, latents: dict, mirrored: dict, flips: list[int], controls: dict,
+                      captions: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The stored fields of the batch's `j`th sample `it`, in the storage dtype."""
+        storage = self.storage
+        fields = {name: t[j].to(storage) for name, t in latents.items()}
+        for name in self.flipped_fields:  # one row: the flipped image's latent; none for a source without flip
+            plain = latents[name.removeprefix(FLIP_PREFIX)]
+            row = mirrored[name.removeprefix(FLIP_PREFIX)][flips.index(j)][None] if j in flips else plain[j][None][:0]
+            fields[name] = row.to(storage)
+        fields.update({CONTROL_PREFIX + name: t[j].to(storage) for name, t in controls.items()})
+        fields.update({name: torch.cat([c[name] for c in captions]).to(storage) for name in captions[0]})
+        fields["text_lengths"] = torch.tensor([c["text"].shape[0] if "text" in c else 0 for c in captions], dtype=torch.int32)
+        fields["original_size"] = torch.tensor(it["original_size"], dtype=torch.int32)
+        fields["crop"] = torch.tensor(it["crop"], dtype=torch.int32)
+        fields["source"] = torch.frombuffer(bytearray(it["source"].encode("utf-8", "surrogateescape")), dtype=torch.uint8)
+        return fields
