@@ -267,3 +267,14 @@ def test_tiny_qwen_image_lora_trains_adapters_alone_resumes_exactly_and_loads_in
     pipe.load_lora_weights(tmp_path / "lora")
     after = generate_latents(pipe)
     assert torch.isfinite(after).all() and not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("setup", [dict(lora_rank=4), dict(lora_rank=4, grad_checkpointing="all", blocks_to_swap=1,
+                                                             weights_dtype="bf16", precision="bf16")], ids=["lora", "swap"])
+def test_dry_run_measures_one_qwen_image_step_next_to_the_plan(qwen_cache, tmp_path, setup):
+    """The planner traces the family's inputs (packed latents, caption tokens and mask) as a step runs them, with a
+    swapped block too."""
+    result = train(TrainConfig(**{**dict(model="tiny-qwen-image", cache=qwen_cache, run=tmp_path, batch_size=4, precision="fp32",
+                                         progress=False, dry_run=True, validation_steps=2), **setup}))
+    assert result["bucket"] == "256x256"
+    assert abs(result["predicted_peak"] / result["measured_peak"] - 1) <= 0.15, result
