@@ -49,8 +49,8 @@ class ZImage(Family):
     # diffusers' Z-Image LoRA trainers and loaders: attention q, k, v, out and the SwiGLU feed-forward of every block
     # (the refiners' too: the names match by suffix)
     lora_targets = ATTENTION + FEED_FORWARD
-    no_controlnet = ("Z-Image's ControlNet (ZImageControlNetModel, the VideoX-Fun union control) is not trained by this "
-                     "version; --controlnet trains the families that have one here")
+    no_controlnet = ("Z-Image's ControlNet (diffusers' ZImageControlNetModel) is not trained by this version; --controlnet "
+                     "trains the families whose ControlNet it builds")
 
     def presets(self):
         # ZImagePipeline's default token limit is 512; both models were released in bf16 and their schedulers shift
