@@ -288,3 +288,24 @@ def test_plan_counts_z_image_and_its_encoders():
     assert result["parameters"] == 6_154_908_736
     # the Flux VAE and Qwen3-4B (without its LM head), in bf16
     assert result["peak_with_encoders_resident"] - result["predicted_peak"] == 2 * (83_819_683 + 4_022_468_096)
+
+
+@pytest.mark.slow
+def test_fsdp_shards_the_refiners_and_the_layers_and_matches_one_process(z_cache, tmp_path):
+    """Two processes under FSDP (each refiner and main block sharded) train what one process does with the same
+    global batch."""
+    import os
+
+    def launch(run, nproc, *args):
+        runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+        out = subprocess.run([*runner, "-m", "train", "--model", "tiny-z-image", "--cache", str(z_cache), "--run-dir", str(run),
+                              "--precision", "fp32", "--log-every", "1", "--no-validate", "--no-progress", "--lr", "1e-3",
+                              "--steps", "4", *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout
+
+    launch(tmp_path / "one", 1, "--batch-size", "4")
+    log = launch(tmp_path / "fsdp", 2, "--batch-size", "2", "--parallel", "fsdp")
+    assert "FSDP over 2 ranks: 4 ZImageTransformerBlock blocks sharded" in log  # a noise and a context refiner, 2 layers
+    assert losses(tmp_path / "fsdp") == pytest.approx(losses(tmp_path / "one"), rel=1e-4) and len(losses(tmp_path / "one")) == 4
