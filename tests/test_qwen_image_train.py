@@ -196,6 +196,7 @@ def test_the_published_architecture_has_its_parameter_count():
     assert (preset.validation_steps, preset.guidance_scale) == (50, 4.0)  # QwenImagePipeline's defaults
 
 
+@pytest.mark.slow  # plans the real 20B model (the count alone is checked above, on the meta device)
 def test_plan_counts_qwen_image_and_its_encoders():
     out = subprocess.run([sys.executable, "-m", "train", "plan", "qwen-image", "--batch-size", "1", "--json"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
