@@ -240,6 +240,12 @@ def test_tiny_qwen_image_trains_resumes_exactly_and_its_export_generates_through
                                         generator=torch.Generator().manual_seed(0)).images[0]
     assert image.shape == (256, 256, 3) and np.isfinite(image).all() and float(image.std()) > 0
 
+    out = subprocess.run([sys.executable, "-m", "train", "sample", str(tmp_path / "straight"), "--prompt-cache", str(qwen_cache),
+                          "--validation-bucket", "256x256", "--out", str(tmp_path / "samples")], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert len(list((tmp_path / "samples").glob("*-256x256-seed0.png"))) == len(VALIDATION_PROMPTS)
+
 
 def test_tiny_qwen_image_lora_trains_adapters_alone_resumes_exactly_and_loads_into_the_pipeline(qwen_cache, parts, tmp_path):
     lora = dict(lora_rank=4, lora_alpha=8, lr=1e-2)
