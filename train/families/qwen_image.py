@@ -75,8 +75,9 @@ class QwenImage(Family):
 
     def forward(self, model, config, xt, t, batch, guidance):
         """As QwenImagePipeline calls it: the latents packed into 2 x 2 patches (B, h/2 * w/2, 4C) with their
-        `img_shapes`, the caption tokens with their mask (none when the batch holds no padding, as the pipeline's
-        `encode_prompt` returns), the timestep as sigma (t / 1000); the prediction unpacked to (B, C, h, w)."""
+        `img_shapes`, the caption tokens with the batch's mask (validation's single captions have none, as the
+        pipeline's `encode_prompt` returns none for them), the timestep as sigma (t / 1000); the prediction unpacked
+        to (B, C, h, w)."""
         from diffusers import QwenImagePipeline
 
         if config.get("guidance_embeds"):
