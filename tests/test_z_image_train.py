@@ -290,6 +290,33 @@ def test_plan_counts_z_image_and_its_encoders():
     assert result["peak_with_encoders_resident"] - result["predicted_peak"] == 2 * (83_819_683 + 4_022_468_096)
 
 
+@pytest.fixture(scope="module")
+def long_cache(tmp_path_factory):
+    """A tiny-z-image cache whose captions all reach the token limit (what the planner assumes of every caption)."""
+    from precompute.run import main as precompute
+    from precompute.sample_data import make_folder
+
+    root = tmp_path_factory.mktemp("z_image_long")
+    data = make_folder(root / "data", count=4)
+    long = "a " + " and ".join(["large red circle on a blue background"] * 12)
+    for caption in data.glob("*.txt"):
+        caption.write_text(long)
+    summary = precompute(str(data), "tiny-z-image", root / "cache", workers=0, progress=False, validation_prompt=[long])
+    assert summary["captions_truncated"] == 4
+    return root / "cache"
+
+
+@pytest.mark.parametrize("setup", [dict(lora_rank=4), dict(lora_rank=4, grad_checkpointing="all")], ids=["lora", "checkpointed"])
+def test_dry_run_measures_one_z_image_step_next_to_the_plan(long_cache, tmp_path, setup):
+    """The planner traces the single stream the transformer builds (image patches and the caption's tokens, each padded
+    to a multiple of 32) at the cache's token limit; a step on captions that reach it measures what was planned."""
+    from train.config import TrainConfig
+    from train.loop import train
+
+    result = train(TrainConfig(**{**dict(model="tiny-z-image", cache=long_cache, run=tmp_path, batch_size=8, precision="fp32",
+                                         progress=False, dry_run=True, validation_steps=2), **setup}))
+    assert abs(result["predicted_peak"] / result["measured_peak"] - 1) <= 0.15, result
+
 @pytest.mark.slow
 def test_fsdp_shards_the_refiners_and_the_layers_and_matches_one_process(z_cache, tmp_path):
     """Two processes under FSDP (each refiner and main block sharded) train what one process does with the same
