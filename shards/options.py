@@ -15,6 +15,7 @@ import inspect
 import json
 import math
 import numbers
+import re
 import types
 import typing
 from pathlib import Path
@@ -277,7 +278,10 @@ def _parse_toml(text: str, where: str) -> dict:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:  # a repeated key too
-        raise ValueError(f"{where}: not valid TOML ({e})") from None
+        at = re.search(r"at line (\d+)", str(e))
+        lines = text.splitlines()
+        line = lines[int(at.group(1)) - 1] if at and 0 < int(at.group(1)) <= len(lines) else ""
+        raise ValueError(f"{where}: not valid TOML ({e})" + (f": {_shown(line)}" if line.strip() else "")) from None
     except RecursionError:
         raise ValueError(f"{where}: nested too deeply to be a file of options") from None
     except ValueError as e:  # an integer of more digits than Python reads

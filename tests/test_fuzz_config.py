@@ -131,6 +131,28 @@ def test_random_config_files_are_loaded_or_refused_naming_the_file_and_key(tmp_p
     check(stage, tmp_path / "missing.json", set())
 
 
+def toml_text(rng: random.Random, cls) -> tuple[bytes, set[str]]:
+    """A random TOML file's bytes: keys of the options (or near them) with values written as JSON writes them
+    (TOML for strings, numbers, booleans and arrays; not for null, NaN or objects), or damaged TOML."""
+    raw, keys = file_text(rng, cls)
+    if not keys:
+        return rng.choice([raw, b"steps = ", b"[steps]\nsteps = 1\n", b"steps = 1\nsteps = 2\n", b"a.b = 1\n", b"steps = 1979-05-27\n",
+                           b"lr = nan\n", b"lr = inf\n", b"seed = 99999999999999999999\n"]), set()
+    data = json.loads(raw)
+    return "".join(f"{json.dumps(k)} = {json.dumps(v)}\n" for k, v in data.items()).encode(), keys
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_random_toml_config_files_are_loaded_or_refused_naming_the_file_and_key(tmp_path, stage):
+    rng = random.Random(f"{SEED}-{stage}-toml")
+    _, cls, _ = STAGES[stage]
+    for i in range(100):
+        raw, keys = toml_text(rng, cls)
+        path = tmp_path / f"options-{i}.toml"
+        path.write_bytes(raw)
+        check(stage, path, keys)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_random_option_values_in_code_are_taken_or_refused_naming_the_option(stage):
     rng = random.Random(f"{SEED}-{stage}-code")
