@@ -23,6 +23,8 @@ FAMILIES: list[Family] = [import_module(f"{__name__}.{module}").FAMILY for modul
 # every family's presets by name (a dict, so a test may replace one): the released ones first, then the CPU-sized ones
 PRESETS: dict[str, Callable[[], ModelPreset]] = dict(sorted(
     ((name, make) for f in FAMILIES for name, make in f.presets().items()), key=lambda item: item[0].startswith("tiny-")))
+# the preset a run trains when none is named: CPU-sized, for a first run
+DEFAULT_PRESET = "tiny-sana"
 
 
 def get_preset(name: str) -> ModelPreset:
