@@ -15,6 +15,7 @@ import torch
 
 from shards.options import DTYPES
 from train import quant as quantization
+from train.families import family_of_module
 from train.families.base import ModelPreset
 
 # load(dtype, quant) -> the transformer in `dtype`, its Linear weights quantized as `quant` says (None: not)
@@ -103,8 +104,6 @@ def meta_loader(preset: ModelPreset) -> Load:
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a family's transformer or ControlNet, in order."""
-    from train.families import family_of_module
-
     return family_of_module(model).blocks(model)
 
 
