@@ -3,6 +3,7 @@ the learning-rate schedule, the EMA and the objective, built from the run's conf
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from train.config import TrainConfig
 from train.ema import EMA
 from train.families import get_family
 from train.families.base import ModelPreset
+from train.frozen import build_frozen, recomputed_blocks, swapped_blocks
 from train.objectives import build_objective
 from train.presets import build_transformer, model_forward, resolve_weights, transformer_blocks
 from train.swap import BlockSwap, checkpointed_forward
@@ -68,9 +70,9 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
     if cfg.lora_rank:
         if weights.kind == "fresh" and preset.repo is not None:
             raise ValueError("LoRA on random weights adapts nothing: start from the preset's released weights or --pretrained")
-        model = build_transformer(preset, weights, cfg.seed, weights_dtype, quant=base_quant(cfg))
-        adapter = lora.lora_config(preset.family, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, cfg.lora_dropout)
-        layers = lora.add_lora(model, adapter, seed=cfg.seed)
+        built = build_frozen(cfg, preset, functools.partial(released, preset, weights, cfg.seed), seed=cfg.seed)
+        model, adapter = built.transformer, built.adapter
+        layers = built.adapted_layers
         if resume_from:
             adapters = resume_from / checkpoint.ADAPTER_DIR
             lora.load_adapter_state(model, lora.read_adapter(adapters), adapters)
@@ -104,26 +106,13 @@ def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, paral
     still keep activations: the ControlNet's residuals enter them)."""
     if weights.kind == "fresh" and preset.repo is not None:
         raise ValueError("a ControlNet on a random transformer steers nothing: start from the preset's released weights or --pretrained")
-    # a new ControlNet copies the transformer's first blocks: from its weights as released, before the base is quantized
-    new = not resume_from and not cfg.pretrained_controlnet
-    if new and base_quant(cfg):  # the copy's source in the quantized base's own dtype, not a 4-byte --weights-dtype
-        transformer = build_transformer(preset, weights, cfg.seed, quant.BASE_DTYPE)
-    else:
-        transformer = build_transformer(preset, weights, cfg.seed, DTYPES[cfg.weights_dtype], quant=base_quant(cfg))
-    transformer.requires_grad_(False)
-    if resume_from:
-        if not checkpoint.is_controlnet(resume_from):
-            raise ValueError(f"{resume_from} holds no ControlNet ({controlnet.CONTROLNET_DIR}/): it is not a ControlNet run's "
-                             f"checkpoint; start a new run (another --run-dir, or --resume '')")
-        net = controlnet.load_checkpoint(resume_from, preset.family)
-        controlnet.check_fits(net, transformer, preset.family)
-    else:
-        net = controlnet.build_controlnet(transformer, preset.family, layers=cfg.controlnet_layers,
-                                          pretrained=cfg.pretrained_controlnet, seed=cfg.seed)
-    if new and base_quant(cfg):
-        del transformer
-        transformer = build_transformer(preset, weights, cfg.seed, DTYPES[cfg.weights_dtype], quant=base_quant(cfg))
-        transformer.requires_grad_(False)
+    if resume_from and not checkpoint.is_controlnet(resume_from):
+        raise ValueError(f"{resume_from} holds no ControlNet ({controlnet.CONTROLNET_DIR}/): it is not a ControlNet run's "
+                         f"checkpoint; start a new run (another --run-dir, or --resume '')")
+    resumed = functools.partial(resumed_controlnet, resume_from, preset.family) if resume_from else None
+    built = build_frozen(cfg, preset, functools.partial(released, preset, weights, cfg.seed), controlnet_of=resumed,
+                         seed=cfg.seed)
+    transformer, net = built.transformer, built.controlnet
     origin = f"from {resume_from.name}" if resume_from else (cfg.pretrained_controlnet or "new from the transformer's first blocks")
     trained = sum(p.numel() for p in net.parameters())
     say(f"{type(net).__name__} ({origin}): {net.config.num_layers} blocks, {trained:,} trainable parameters; transformer "
@@ -143,6 +132,18 @@ def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, paral
                                             latent=latent)
     record = state.get("weights") if resume_from else weights.to_json()
     return Model(transformer, wrapped, forward, [p for p in net.parameters() if p.requires_grad], None, record, controlnet=net)
+
+
+def released(preset: ModelPreset, weights, seed: int, dtype: torch.dtype, quantized: str | None) -> torch.nn.Module:
+    """`train.frozen`'s `load`: the transformer from the run's weights."""
+    return build_transformer(preset, weights, seed, dtype, quant=quantized)
+
+
+def resumed_controlnet(resume_from: Path, family: str, transformer: torch.nn.Module) -> torch.nn.Module:
+    """`train.frozen`'s `controlnet_of` for a resumed run: the checkpoint's ControlNet, checked against the transformer."""
+    net = controlnet.load_checkpoint(resume_from, family)
+    controlnet.check_fits(net, transformer, family)
+    return net
 
 
 def distribute(cfg: TrainConfig, model: torch.nn.Module, parallel: str, world: int, device: torch.device,
@@ -185,7 +186,7 @@ def checkpoint_blocks(model: torch.nn.Module, every: int, skip=()) -> int:
         model.enable_gradient_checkpointing()
         return len(transformer_blocks(model))
     skipped = {id(b) for b in skip}
-    chosen = [b for b in transformer_blocks(model)[every - 1 :: every] if id(b) not in skipped]
+    chosen = [b for b in recomputed_blocks(model, every) if id(b) not in skipped]
     for block in chosen:
         block.forward = checkpointed_forward(block.forward)
     return len(chosen)
@@ -208,10 +209,8 @@ def build_swap(cfg: TrainConfig, model: torch.nn.Module, device: torch.device, s
     checkpointing wraps its blocks, since it checkpoints the blocks it swaps itself."""
     if not cfg.blocks_to_swap:
         return None
-    blocks = transformer_blocks(model)
-    if cfg.blocks_to_swap > len(blocks):
-        raise ValueError(f"--blocks-to-swap {cfg.blocks_to_swap}: the transformer has {len(blocks)} blocks; choose at most that")
-    swap = BlockSwap(blocks, cfg.blocks_to_swap, device)
+    swapped_blocks(model, cfg.blocks_to_swap)  # at most the transformer's blocks
+    swap = BlockSwap(transformer_blocks(model), cfg.blocks_to_swap, device)
     say(swap.describe())
     if device.type == "cpu":
         log.warning("--blocks-to-swap on the CPU: the weights are in CPU memory already, so swapping saves nothing and the "
