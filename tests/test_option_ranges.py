@@ -222,7 +222,7 @@ def test_an_adapter_error_is_blamed_on_the_targets_only_when_none_matched():
 @pytest.mark.parametrize("args, message", [
     (["plan", "tiny-sana", "--ema-decay", "1.5"], "must be in [0, 1)"),
     (["plan", "tiny-sana", "--batch-size", "0"], "must be at least 1"),
-    (["plan", "tiny-sana", "--world-size", "0"], "greater than or equal to 1"),
+    (["plan", "tiny-sana", "--world-size", "0"], "--world-size 0: must be at least 1"),
     (["sample", "run", "--prompt-cache", "cache", "--guidance-scale", "nan"], "finite"),
 ])
 def test_plan_and_sample_refuse_what_the_trainer_refuses(args, message, monkeypatch):

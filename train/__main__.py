@@ -7,7 +7,6 @@ Also `python -m train export RUN --out DIR` (diffusers-format weights), `python 
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import sys
 from pathlib import Path
@@ -16,9 +15,10 @@ from typing import List, Literal, Optional
 import typer
 
 from shards import DamagedCache
-from shards.options import Dtype, config_file_parameter, default_of, help_of, range_check, typer_parameters
-from train.config import Optimizer, TrainConfig
-from train.families import FAMILIES, PRESETS
+from shards.options import Dtype, config_file_parameter, help_of, range_check, typer_parameters
+from train.config import TrainConfig
+from train.families import FAMILIES
+from train.plan_command import plan_command
 
 # torchrun's own parser would take `--run` for an abbreviation of its `--run-path`
 OPTION_NAMES = {"run": ("--run-dir",)}
@@ -51,8 +51,6 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 app.command(help=__doc__)(command)
 
 tools = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
-# The planner also knows an optimizer no maintained library trains with (came-8bit), for comparison.
-PlanOptimizer = Literal[Optimizer, Literal["came-8bit"]]
 
 
 def like_train(name: str, default=None, help: str | None = None):
@@ -133,57 +131,7 @@ def sample_command(
     _run(go)
 
 
-@tools.command("plan")
-def plan_command(
-    model: str = typer.Argument(..., help=f"Preset: {', '.join(PRESETS)}."),
-    batch_size: int = like_train("batch_size", default_of(TrainConfig, "batch_size")),
-    resolution: Optional[int] = typer.Option(None, min=8, help="Square bucket of this many pixels a side (default: the preset's base "
-                                             "resolution, 1024; 512 or 256 for some)."),
-    bucket: Optional[str] = typer.Option(None, help="Bucket HxW (instead of --resolution)."),
-    precision: Dtype = like_train("precision", default_of(TrainConfig, "precision"), help="Autocast precision: fp32, bf16 or fp16."),
-    weights_dtype: Literal["fp32", "bf16"] = like_train("weights_dtype", default_of(TrainConfig, "weights_dtype")),
-    optimizer: PlanOptimizer = like_train("optimizer", default_of(TrainConfig, "optimizer"),
-                                          help=help_of(TrainConfig, "optimizer") + " Planning only: came-8bit (no maintained "
-                                                                                    "implementation to train with)."),
-    grad_checkpointing: str = like_train("grad_checkpointing", default_of(TrainConfig, "grad_checkpointing")),
-    ema_decay: float = like_train("ema_decay", default_of(TrainConfig, "ema_decay"), help="EMA decay (0: no EMA; above 0: plan "
-                                  "its shadow weights on --ema-device)."),
-    ema_device: Literal["device", "cpu"] = like_train("ema_device", default_of(TrainConfig, "ema_device")),
-    world_size: int = typer.Option(1, min=1, help="Number of devices."),
-    parallel: Literal["auto", "ddp", "fsdp"] = like_train("parallel", default_of(TrainConfig, "parallel"),
-                                                   help="auto or ddp (replicated weights) or fsdp (sharded over --world-size)."),
-    fsdp_cpu_offload: bool = like_train("fsdp_cpu_offload", default_of(TrainConfig, "fsdp_cpu_offload")),
-    text_tokens: Optional[int] = typer.Option(None, min=1, help="Caption tokens to plan for (default: the preset's limit, the most "
-                                              "tokens stage one caches for one caption of it)."),
-    gpu_memory: str = typer.Option("80GB", help="Memory of one device, e.g. 48GB."),
-    lora_rank: int = like_train("lora_rank", default_of(TrainConfig, "lora_rank"), help="Plan LoRA adapters of this rank on the "
-                                "frozen transformer (0: full fine-tuning); --weights-dtype is then the base's dtype."),
-    lora_targets: List[str] = like_train("lora_targets", []),
-    controlnet: bool = like_train("controlnet", False, help="Plan a ControlNet trained beside the frozen transformer (its "
-                                  "gradients, optimizer states and EMA alone, fp32; --weights-dtype is the transformer's dtype); "
-                                  "activations are traced through both models."),
-    controlnet_layers: Optional[int] = like_train("controlnet_layers", None),
-    base_quant: Literal["none", "int8", "fp8", "nf4"] = like_train("base_quant", default_of(TrainConfig, "base_quant")),
-    blocks_to_swap: int = like_train("blocks_to_swap", default_of(TrainConfig, "blocks_to_swap")),
-    as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
-) -> None:
-    """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
-    like the trainer's mean the same and default the same."""
-    from shards import Bucket
-    from train.families import get_preset
-    from train.plan import PlanConfig, ema_placement, format_plan, parse_bytes, plan
-
-    def go():
-        size = tuple(Bucket.parse(bucket)) if bucket else (resolution or get_preset(model).base_resolution,) * 2
-        result = plan(PlanConfig(model, batch_size=batch_size, bucket=size, precision=precision, weights_dtype=weights_dtype,
-                                 optimizer=optimizer, grad_checkpointing=grad_checkpointing,
-                                 ema=ema_placement(ema_decay, ema_device), world_size=world_size,
-                                 parallel="fsdp" if parallel == "fsdp" else "ddp",
-                                 fsdp_cpu_offload=fsdp_cpu_offload, text_tokens=text_tokens, gpu_memory=parse_bytes(gpu_memory),
-                                 lora_rank=lora_rank, lora_targets=tuple(lora_targets), controlnet=controlnet,
-                                 controlnet_layers=controlnet_layers, base_quant=base_quant, blocks_to_swap=blocks_to_swap))
-        print(json.dumps(result, indent=1) if as_json else format_plan(result))
-    _run(go)
+tools.command("plan")(plan_command)
 
 
 def _run(fn) -> None:

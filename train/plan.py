@@ -30,12 +30,6 @@ from train.plan_trace import trace_activations
 CARD_RESERVED = 0.75 * GiB
 
 
-def ema_placement(decay: float, device: str) -> str:
-    """The plan's EMA ("off", "device" or "cpu") from the trainer's --ema-decay and --ema-device, for callers that
-    pass `PlanConfig` the placement alone."""
-    return "off" if decay <= 0 else device
-
-
 @dataclass
 class _Budget:
     """What a step holds besides its batch's activations, and those of the traced batch and of one more sample."""

@@ -5,7 +5,7 @@ line is built from it."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import InitVar, dataclass
+from dataclasses import dataclass
 from typing import Literal
 
 from shards.options import check_options, help_of, opt
@@ -34,14 +34,8 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
     text_tokens: int | None = opt(None, "Caption tokens to plan for (default: the preset's limit, as stage one caches "
                                         "them).", at_least=1)
     gpu_memory: float = opt(80 * GiB, "Memory of one device in bytes.", above=0)
-    # The EMA's placement alone ("off", "device", "cpu"), as the plan command of train/__main__.py passes it until it
-    # takes --ema-decay and --ema-device as they are: remove with that call.
-    ema: InitVar[str | None] = None
 
-    def __post_init__(self, ema: str | None) -> None:
-        if ema is not None:
-            # any decay in (0, 1) plans alike: the plan counts where the EMA's weights are, not how they move
-            self.ema_decay, self.ema_device = (0.0, self.ema_device) if ema == "off" else (self.ema_decay or 0.9999, ema)
+    def __post_init__(self) -> None:
         check_options(self)
         for concern in (ModelOptions, MemoryOptions, ParallelOptions):
             concern.check(self)
