@@ -4,7 +4,6 @@ not in code, help texts or comments (generic code asks the family object)."""
 import re
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Each family name as code spells it: lower case, Title or UPPER case, and the camel-case class-name forms.
@@ -44,7 +43,6 @@ def test_precompute_names_no_family_outside_its_families():
     assert not found, "a family named outside precompute/families/ (ask the family object):\n" + "\n".join(found)
 
 
-@pytest.mark.xfail(strict=False, reason="train/ moves to families")
 def test_train_names_no_family_outside_its_families():
     found = family_names("train")
     assert not found, "a family named outside train/families/ (ask the family object):\n" + "\n".join(found)

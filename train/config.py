@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from shards.options import SEED_MAX, Dtype, check_options, opt
+from train.families import DEFAULT_PRESET
 
 Optimizer = Literal["adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit"]
 # diffusers' flow-matching trainers' `--weighting_scheme`: it sets the timestep density and the loss weight together
@@ -44,7 +45,7 @@ class ModelOptions:
     """What trains: the preset, the weights it starts from, and LoRA adapters or a ControlNet on the frozen
     transformer (quantized or not). Reads `precision`."""
 
-    model: str = opt("tiny-sana", "Preset (see the README's table; python -m train plan --help lists them).")
+    model: str = opt(DEFAULT_PRESET, "Preset (see the README's table; python -m train plan --help lists them).")
     pretrained: str | None = opt(None, "Weights to start from: a Hub id or a directory with a transformer/ subfolder (default: "
                                        "the preset's released weights; tiny presets: seeded random weights).")
     revision: str | None = opt(None, "Hub revision (branch, tag or commit) of the weights (default: the preset's).")
