@@ -18,10 +18,11 @@ from shards import TextSpec
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
 from train.data import TextLayout
+from train.families import get_preset
 from train.families.qwen_image import ENCODERS, SCHEDULER
 from train.loop import train
 from train.model import build_run_objective, null_caption
-from train.presets import build_transformer, get_preset, model_forward
+from train.presets import build_transformer, model_forward
 
 pytestmark = pytest.mark.model  # tiny diffusers and transformers models
 

@@ -14,7 +14,6 @@ from typing import Literal
 import torch
 
 from train import families
-from train.families import get_preset  # noqa: F401  (callers not yet moved to train.families)
 from train.families.base import ModelPreset
 
 
