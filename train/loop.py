@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ from train.config import TrainConfig
 from train.data import BatchPlan, BatchStream, CacheSamples, Epoch, TrainingSamples
 from train.dryrun import dry_run, startup_plan
 from train.families import get_preset
+from train.families.base import ModelPreset
 from train.metrics import Metrics, write_memory_report
 from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption
 from train.plan import format_plan
@@ -52,34 +53,22 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         raise ValueError(f"--weighting-scheme {cfg.weighting_scheme} sets flow matching timesteps; {cfg.model} trains with DDPM")
     cfg.run.mkdir(parents=True, exist_ok=True)
 
-    def finished() -> dict | None:
-        if not saved or saved["step"] < cfg.steps or cfg.dry_run:
-            return None
-        say(f"{cfg.run} already finished: {resume_from.name} is at step {saved['step']} of --steps {cfg.steps}. Nothing to do; "
-            f"pass a larger --steps to train further.")
-        return {"step": saved["step"], "epoch": saved["epoch"], "elapsed_s": time.perf_counter() - t_start, "grids": [],
-                "last_loss": None, "checkpoint": str(resume_from), "finished": True}
-
     resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)
     saved = checkpoint.load_state(resume_from) if resume_from else {}
-    if done := finished():  # nothing to do writes nothing, not even the name of the run directory's owner
+    if done := finished(cfg, resume_from, saved, t_start, say):  # nothing to do writes nothing, not even the name of the run directory's owner
         return done
     lock = own_run(cfg.run, is_main)  # one process owns the run directory (under torchrun: rank 0 for all)
     if lock is not None:
         held.callback(lock.release)
     resume_from = checkpoint.resolve_resume(cfg.run, cfg.resume)  # again as its owner: another run may have saved since
     saved = checkpoint.load_state(resume_from) if resume_from else {}
-    if done := finished():
+    if done := finished(cfg, resume_from, saved, t_start, say):
         return done
 
-    # 1. the cache must fit the model, checked before any weights load. Every rank reads the generation rank 0
-    # opened (or the one the checkpoint's epoch was reading), registered for `shards gc` at once. With several
-    # caches, the first is the run's cache for everything but the data (validation prompts, the plan).
-    def open_all(generations: list[int | None]) -> list:
-        return [open_generation(c, cfg.run, is_main, g, local_cache=cfg.local_cache, local_cache_gb=cfg.local_cache_gb)
-                for c, g in zip(cfg.cache, generations)]
-
-    group = open_all(saved_generations(saved, len(cfg.cache)))
+    # 1. the cache must fit the model, checked before any weights load. With several caches, the first is the run's
+    # cache for everything but the data (validation prompts, the plan).
+    epochs = Epochs(cfg, preset, rank, world)
+    group = epochs.open_all(saved_generations(saved, len(cfg.cache)))
     cache = group[0]
     config = preset.transformer_config()
     for c in group:
@@ -114,28 +103,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     step = TrainStep(cfg, model, objective, optimizer, scheduler, scaler, ema, parallel=parallel, rank=rank, world=world,
                      device=device)
 
-    # 3. data: one bucket per batch, the same number of batches on every rank. An epoch reads the cache generation
-    # it started with; samples committed or removed meanwhile count from the next epoch on.
-    def epoch_of(number: int, cs: list, start: int = 0) -> Epoch:
-        plan = BatchPlan.of(cs, cfg.batch_size, seed=cfg.seed, rank=rank, world_size=world, remainder=cfg.remainder,
-                            shuffle_shards=cfg.shuffle_shards, weights=cfg.cache_weight or None)
-        if not plan.batches_per_epoch():
-            where = ", ".join(f"{c.location} (generation {c.generation})" for c in cs)
-            if not sum(len(c) for c in cs):
-                raise ValueError(f"{where} holds no samples: nothing to train on. Encode a dataset into it with python -m "
-                                 f"precompute DATA --model {cfg.model} --cache {cs[0].location}, or point --cache at a "
-                                 f"cache that holds one")
-            raise ValueError(f"{where} holds no full batch of {cfg.batch_size} x {world} sample(s) in any bucket with "
-                             f"--remainder {cfg.remainder}; use a smaller --batch-size"
-                             + (" or --remainder repeat" if cfg.remainder != "repeat" else ""))
-        parts, offset = [], 0
-        for c in cs:
-            parts.append(TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, preset),
-                                         check_digests=cfg.check_digests, offset=offset, control=cfg.controlnet))
-            offset += len(c)
-        return Epoch(number, plan, parts[0] if len(parts) == 1 else CacheSamples(parts), start)
-
-    first = epoch_of(progress.epoch, group, progress.cursor)
+    # 3. data (`Epochs`)
+    first = epochs.epoch_of(progress.epoch, group, progress.cursor)
     dataset = first.samples
     say(f"{first.plan.batches_per_epoch()} batches of {cfg.batch_size} x {world} rank(s) per epoch")
     draws = first.plan.draws_by_source()
@@ -165,47 +134,14 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     handlers[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, lambda signum, frame: stop.update(memory=True))
     held.callback(restore_handlers, handlers)  # also when the run stops with an error
     validated_at = None
-
-    def validate() -> None:
-        """Queue a validation grid of this step; its time is left out of the throughput."""
-        nonlocal validated_at
-        t0 = time.perf_counter()
-        validator.run(model.module, progress.step, DTYPES[cfg.precision], ema, model.params, submit=is_main,
-                      controlnet=model.controlnet, forward=controlled)
-        validated_at = progress.step
-        metrics.report_grids(validator.finished())
-        metrics.exclude(time.perf_counter() - t0)
-
-    def save() -> None:
-        if not finite_weights(model.params, device):  # a checkpoint of non-finite weights resumes nothing
-            raise Diverged(f"the weights became non-finite by step {progress.step}; no checkpoint was written. "
-                           f"{resume_hint(cfg)} To try: a lower --lr (this run: {cfg.lr:g}), a smaller --grad-clip "
-                           f"(this run: {cfg.grad_clip:g}), --precision bf16 or fp32 (this run: {cfg.precision}).")
-        progress.smoothed, progress.drawn = metrics.smoothed, dict(metrics.drawn)
-        state.save(progress, group, run_config)
-
     damaged: list[DamagedCache] = []
     bar = tqdm(total=cfg.steps, initial=progress.step, unit="step", disable=not cfg.progress or not is_main, dynamic_ncols=True)
     caches = {progress.epoch: group}  # the generations each epoch in flight reads
     stream = BatchStream(first, workers=cfg.workers, prefetch=cfg.prefetch, readahead=cfg.readahead, pin=device.type == "cuda")
     prefetch = Prefetcher(stream, device)
-
-    def hand_over() -> None:
-        """Open the next epoch's generation (the same on every rank) before this epoch's last batches are taken."""
-        number = stream.position[0] + 1
-        try:
-            nxt = open_all([None] * len(cfg.cache))
-            for c in nxt:
-                check_cache_files(c, is_main, ("prompts",))
-        except DamagedCache as e:  # every rank checks the same generation: all stop where the epoch begins
-            stream.add_epoch(Epoch(number, None, None, error=e))
-            return
-        caches[number] = nxt
-        stream.add_epoch(epoch_of(number, nxt))
-
     try:
         if stream.needs_epoch():
-            hand_over()
+            epochs.hand_over(stream, caches)
         for batch in until_damaged(prefetch, damaged):
             if world > 1 and distributed.any_across(False, device):  # a rank's batch is damaged: all stop here
                 damaged.append(DamagedCache("another rank read a damaged sample (its error names the shard)."))
@@ -213,10 +149,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             if batch["epoch"] != progress.epoch:  # the epoch before is done
                 caches.pop(progress.epoch, None)
                 group = caches[batch["epoch"]]
-                cache = group[0]
             progress.epoch, progress.cursor = batch["epoch"], batch["cursor"]
             if stream.needs_epoch():
-                hand_over()
+                epochs.hand_over(stream, caches)
             if not step.accumulate(batch, progress.step):
                 continue
             try:
@@ -242,9 +177,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 stop["memory"] = False
                 write_memory_report(cfg.run / ("memory.txt" if world == 1 else f"memory-rank{rank}.txt"), device, progress.step)
             if validator is not None and cfg.validate_every and progress.step % cfg.validate_every == 0:
-                validate()
+                validate(validator, state, progress.step, metrics, controlled)
+                validated_at = progress.step
             if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0:
-                save()
+                save(state, progress, metrics, group, run_config, device)
             if progress.step >= cfg.steps or stop["signal"] is not None:
                 break
         else:
@@ -255,7 +191,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     bar.close()
     if damaged:  # checkpoint at the last whole step, then stop: resuming redoes the step whose batch was damaged
         progress.cursor -= step.rewind()
-        save()  # every rank stopped at the same batch
+        save(state, progress, metrics, group, run_config, device)  # every rank stopped at the same batch
         metrics.close(plot=False)
         if validator is not None:
             validator.close()
@@ -264,10 +200,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         resumes = f"; {kept[-1]} resumes the run" if kept else ""
         kind = CorruptSample if isinstance(damaged[0], CorruptSample) else DamagedCache
         raise kind(f"{damaged[0]} Training stopped at step {progress.step}{resumes} once it is repaired.")
-    save()
+    save(state, progress, metrics, group, run_config, device)
     if validator is not None:
         if stop["signal"] is None and validated_at != progress.step:
-            validate()
+            validate(validator, state, progress.step, metrics, controlled)
         metrics.report_grids(validator.finished(wait=True))
     metrics.close()
     restore_handlers(handlers)  # a signal during the last checkpoint or validation was only recorded
@@ -281,6 +217,89 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     say(f"run {cfg.run}: step {progress.step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
         f"loss curve {cfg.run / 'loss.png'}")
     return summary
+
+
+def finished(cfg: TrainConfig, resume_from: Path | None, saved: dict, t_start: float, say) -> dict | None:
+    """The summary of a run its newest checkpoint already finished (nothing to do), or None."""
+    if not saved or saved["step"] < cfg.steps or cfg.dry_run:
+        return None
+    say(f"{cfg.run} already finished: {resume_from.name} is at step {saved['step']} of --steps {cfg.steps}. Nothing to do; "
+        f"pass a larger --steps to train further.")
+    return {"step": saved["step"], "epoch": saved["epoch"], "elapsed_s": time.perf_counter() - t_start, "grids": [],
+            "last_loss": None, "checkpoint": str(resume_from), "finished": True}
+
+
+@dataclass
+class Epochs:
+    """The run's epochs: one bucket per batch, the same number of batches on every rank. An epoch reads the cache
+    generation it started with; samples committed or removed meanwhile count from the next epoch on."""
+
+    cfg: TrainConfig
+    preset: ModelPreset
+    rank: int
+    world: int
+
+    def open_all(self, generations: list[int | None]) -> list:
+        """The run's caches at `generations` (None: the newest). Every rank reads the generation rank 0 opened (or the
+        one the checkpoint's epoch was reading), registered for `shards gc` at once."""
+        cfg = self.cfg
+        return [open_generation(c, cfg.run, self.rank == 0, g, local_cache=cfg.local_cache, local_cache_gb=cfg.local_cache_gb)
+                for c, g in zip(cfg.cache, generations)]
+
+    def epoch_of(self, number: int, cs: list, start: int = 0) -> Epoch:
+        cfg, world = self.cfg, self.world
+        plan = BatchPlan.of(cs, cfg.batch_size, seed=cfg.seed, rank=self.rank, world_size=world, remainder=cfg.remainder,
+                            shuffle_shards=cfg.shuffle_shards, weights=cfg.cache_weight or None)
+        if not plan.batches_per_epoch():
+            where = ", ".join(f"{c.location} (generation {c.generation})" for c in cs)
+            if not sum(len(c) for c in cs):
+                raise ValueError(f"{where} holds no samples: nothing to train on. Encode a dataset into it with python -m "
+                                 f"precompute DATA --model {cfg.model} --cache {cs[0].location}, or point --cache at a "
+                                 f"cache that holds one")
+            raise ValueError(f"{where} holds no full batch of {cfg.batch_size} x {world} sample(s) in any bucket with "
+                             f"--remainder {cfg.remainder}; use a smaller --batch-size"
+                             + (" or --remainder repeat" if cfg.remainder != "repeat" else ""))
+        parts, offset = [], 0
+        for c in cs:
+            parts.append(TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, self.preset),
+                                         check_digests=cfg.check_digests, offset=offset, control=cfg.controlnet))
+            offset += len(c)
+        return Epoch(number, plan, parts[0] if len(parts) == 1 else CacheSamples(parts), start)
+
+    def hand_over(self, stream: BatchStream, caches: dict[int, list]) -> None:
+        """Open the next epoch's generation (the same on every rank) before this epoch's last batches are taken;
+        `caches`: the generations each epoch in flight reads."""
+        number = stream.position[0] + 1
+        try:
+            nxt = self.open_all([None] * len(self.cfg.cache))
+            for c in nxt:
+                check_cache_files(c, self.rank == 0, ("prompts",))
+        except DamagedCache as e:  # every rank checks the same generation: all stop where the epoch begins
+            stream.add_epoch(Epoch(number, None, None, error=e))
+            return
+        caches[number] = nxt
+        stream.add_epoch(self.epoch_of(number, nxt))
+
+
+def validate(validator: Validator, state: TrainState, step: int, metrics: Metrics, controlled) -> None:
+    """Queue a validation grid of `step`; its time is left out of the throughput."""
+    t0 = time.perf_counter()
+    model = state.model
+    validator.run(model.module, step, DTYPES[state.cfg.precision], state.ema, model.params, submit=state.rank == 0,
+                  controlnet=model.controlnet, forward=controlled)
+    metrics.report_grids(validator.finished())
+    metrics.exclude(time.perf_counter() - t0)
+
+
+def save(state: TrainState, progress, metrics: Metrics, group: list, run_config: dict, device: torch.device) -> None:
+    """Checkpoint `progress` (`group`: the caches the current epoch reads), never of non-finite weights."""
+    cfg = state.cfg
+    if not finite_weights(state.model.params, device):  # a checkpoint of non-finite weights resumes nothing
+        raise Diverged(f"the weights became non-finite by step {progress.step}; no checkpoint was written. "
+                       f"{resume_hint(cfg)} To try: a lower --lr (this run: {cfg.lr:g}), a smaller --grad-clip "
+                       f"(this run: {cfg.grad_clip:g}), --precision bf16 or fp32 (this run: {cfg.precision}).")
+    progress.smoothed, progress.drawn = metrics.smoothed, dict(metrics.drawn)
+    state.save(progress, group, run_config)
 
 
 def finite_weights(params, device: torch.device) -> bool:
@@ -305,7 +324,8 @@ def restore_handlers(handlers: dict) -> None:
 
 
 def parallelism(cfg: TrainConfig, world: int, device: torch.device) -> str:
-    """none (one process), ddp or fsdp; refuses combinations that cannot work, saying what would."""
+    """none (one process), ddp or fsdp; refuses combinations that cannot work, saying what would (those that need no
+    knowledge of the processes, e.g. fsdp with LoRA, were refused with the options: `ParallelOptions.check`)."""
     parallel = "none" if world == 1 else ("ddp" if cfg.parallel == "auto" else cfg.parallel)
     if cfg.parallel == "fsdp" and world == 1:
         raise ValueError("--parallel fsdp shards over processes: launch with torchrun (make train NPROC=2 ...)")
@@ -313,11 +333,6 @@ def parallelism(cfg: TrainConfig, world: int, device: torch.device) -> str:
         raise ValueError("--parallel fsdp trains in bf16 or fp32 (fp16 would need a sharded loss scaler); use --precision bf16")
     if cfg.fsdp_cpu_offload and (parallel != "fsdp" or device.type != "cuda"):
         raise ValueError("--fsdp-cpu-offload moves FSDP's shards between GPU and CPU memory: it needs --parallel fsdp on CUDA")
-    if parallel == "fsdp" and cfg.lora_rank:
-        raise ValueError("LoRA trains with the frozen base replicated on every GPU: use --parallel ddp (the default)")
-    if parallel == "fsdp" and cfg.controlnet:
-        raise ValueError("--controlnet trains with the frozen transformer and the ControlNet replicated on every GPU (DDP "
-                         "wraps the ControlNet alone): use --parallel ddp (the default)")
     if parallel == "fsdp" and cfg.ema_decay > 0 and cfg.ema_device == "cpu":
         raise ValueError("under FSDP the EMA is sharded like the weights; use --fsdp-cpu-offload instead of --ema-device cpu")
     return parallel
