@@ -2,7 +2,7 @@
 
 A cache of Sana-1600M-size samples (bf16 latent (32, 32, 32) at 1024 px, bf16 Gemma-2 text (L, 2304), L
 uniform in 120..300; ~1 MB each, 128 MiB shards as stage one writes them) is read the way training reads
-it: `train.data.BatchPlan` (shards shuffled and grouped by --shuffle-shards, samples shuffled within a
+it: `train.order.BatchPlan` (shards shuffled and grouped by --shuffle-shards, samples shuffled within a
 group) and `train.data.BatchStream` (batches built by background threads, whole shards read ahead).
 Every round drops the cache's pages first (cold: posix_fadvise DONTNEED) or reads them once before (warm);
 rounds of each kind run side by side in one process with one torch thread.
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Stats, Timer, drop_pages, pin_threads, read_bytes, sana_samples_for, write_sana_cache  # noqa: E402
 
 from shards import Cache  # noqa: E402
-from train.data import BatchPlan, BatchStream, Epoch, TrainingSamples  # noqa: E402
-from train.data import read_whole  # noqa: E402
+from train.data import BatchStream, Epoch, TrainingSamples, read_whole  # noqa: E402
+from train.order import BatchPlan  # noqa: E402
 
 
 def used_bytes(cache: Cache, indices: list[int]) -> int:

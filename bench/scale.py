@@ -139,7 +139,7 @@ def main(
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_tables(rows, window, fsync_always)
-    print("\ntrainer: start = open the cache, build the data order (train.data.BatchPlan), jump to the middle of an "
+    print("\ntrainer: start = open the cache, build the data order (train.order.BatchPlan), jump to the middle of an "
           "epoch and build that batch of 64 through the stream, in a fresh process; peak = its RSS growth. epoch = "
           "one whole epoch through the stream (the largest size up to --epoch-max).")
     for r in rows:

@@ -113,7 +113,8 @@ class RawSamples:
 def measure_trainer_start(root: str, batch: int = 64) -> dict:
     """A trainer's start on this cache, resumed in the middle of an epoch: open the generation, build the data
     order, jump to the batch, build it through the stream. Seconds and peak RSS growth (the model aside)."""
-    from train.data import BatchPlan, BatchStream, Epoch
+    from train.data import BatchStream, Epoch
+    from train.order import BatchPlan
 
     before, t0 = reset_peak(), time.perf_counter()
     cache = Cache(root)
@@ -128,7 +129,8 @@ def measure_trainer_start(root: str, batch: int = 64) -> dict:
 
 def measure_epoch(root: str, batch: int = 64) -> dict:
     """One whole epoch through the trainer's stream (every shard opened, read ahead, mapped and unmapped)."""
-    from train.data import BatchPlan, BatchStream, Epoch
+    from train.data import BatchStream, Epoch
+    from train.order import BatchPlan
 
     before, t0 = reset_peak(), time.perf_counter()
     cache = Cache(root)

@@ -451,7 +451,7 @@ def test_validation_samples_cached_items_with_the_training_weights_alone(caches,
 
 
 def derived(item) -> int:
-    from train.data import derived_seed
+    from train.order import derived_seed
 
     return derived_seed(0, 0, *item.control.shape)
 

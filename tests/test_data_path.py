@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from shards import Bucket, Cache, CorruptSample
-from train.data import BatchPlan, BatchStream, Epoch, TrainingSamples
+from train.data import BatchStream, Epoch, TrainingSamples
+from train.order import BatchPlan
 
 
 def spans(bucket_sizes: dict, per_shard: int) -> dict:

@@ -17,8 +17,8 @@ from precompute.sample_data import make_folder
 from shards import Bucket
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
-from train.data import BatchPlan
 from train.loop import train
+from train.order import BatchPlan
 
 ROOT = Path(__file__).resolve().parents[1]
 

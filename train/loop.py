@@ -20,12 +20,13 @@ from shards.options import DTYPES
 from train import checkpoint, controlnet, distributed, trackers
 from train.cache import check_cache, check_cache_files, check_same_caches, check_same_encoders, open_generation, saved_generations, until_damaged
 from train.config import TrainConfig
-from train.data import BatchPlan, BatchStream, CacheSamples, Epoch, TrainingSamples
+from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples
 from train.dryrun import dry_run, startup_plan
 from train.families import get_preset
 from train.families.base import ModelPreset
 from train.metrics import Metrics, write_memory_report
 from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption
+from train.order import BatchPlan
 from train.plan import format_plan
 from train.prefetch import Prefetcher
 from train.state import TrainState, own_run
