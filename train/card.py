@@ -227,21 +227,22 @@ def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str |
     revision = f', revision="{base.revision}"' if base.kind == "hub" and base.revision else ""
     kind_of = get_family(family)
     pipe = kind_of.pipeline
+    extra = f", {kind_of.usage_call_args()}" if kind_of.usage_call_args() else ""
     if kind == "controlnet":
         pipe, model = kind_of.controlnet.pipeline, kind_of.controlnet.model
         return "\n".join([
             "import torch", f"from diffusers import {pipe}, {model}", "",
             f'controlnet = {model}.from_pretrained("{location}", subfolder="controlnet", torch_dtype=torch.bfloat16)',
             f'pipe = {pipe}.from_pretrained("{source}"{revision}, controlnet=controlnet, torch_dtype=torch.bfloat16).to("cuda"){note}',
-            'image = pipe("a prompt", control_image=control_image).images[0]  # control_image: a PIL image like the training ones'])
+            f'image = pipe("a prompt", control_image=control_image{extra}).images[0]  # control_image: a PIL image like the training ones'])
     if kind == "full":
         model = kind_of.transformer
         return "\n".join([
             "import torch", f"from diffusers import {pipe}, {model}", "",
             f'transformer = {model}.from_pretrained("{location}", subfolder="transformer", torch_dtype=torch.bfloat16)',
             f'pipe = {pipe}.from_pretrained("{source}"{revision}, transformer=transformer, torch_dtype=torch.bfloat16).to("cuda"){note}',
-            'image = pipe("a prompt").images[0]'])
+            f'image = pipe("a prompt"{extra}).images[0]'])
     imports, loading = kind_of.lora_usage(location, weight_name)
     lines = ["import torch", f"from diffusers import {pipe}", *imports]
     lines += ["", f'pipe = {pipe}.from_pretrained("{source}"{revision}, torch_dtype=torch.bfloat16).to("cuda"){note}']
-    return "\n".join(lines + loading + ['image = pipe("a prompt").images[0]'])
+    return "\n".join(lines + loading + [f'image = pipe("a prompt"{extra}).images[0]'])

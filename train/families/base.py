@@ -335,6 +335,11 @@ class Family(ABC):
         name = f', weight_name="{weight_name}"' if weight_name else ""
         return [], [f'pipe.load_lora_weights("{location}"{name})']
 
+    def usage_call_args(self) -> str:
+        """Keyword arguments after the prompt in the export card's `pipe("a prompt", ...)` call, for a pipeline whose
+        defaults do not sample as the trained model wants (e.g. no guidance without a negative prompt); "" for none."""
+        return ""
+
     def tags(self) -> list[str]:
         """The export card's tags naming the family."""
         return [self.name, f"{self.name}-diffusers"]
