@@ -99,7 +99,9 @@ def save_adapter(directory: Path, family: str, state: dict[str, torch.Tensor], c
     kind = families.get_family(family)
     if lora_format not in kind.lora_formats:
         raise ValueError(f"LoRA format {lora_format!r}: {family} adapters are written as {', '.join(kind.lora_formats)}")
-    return kind.save_adapter(Path(directory), state, config, lora_format, fold)
+    written = kind.save_adapter(Path(directory), state, config, lora_format, fold)
+    # None: the family's pipeline loads the file its own save_lora_weights writes
+    return written if written is not None else save_diffusers(Path(directory), kind.pipeline_class(), state, config, fold)
 
 
 def save_diffusers(directory: Path, pipeline: type, state: dict[str, torch.Tensor], config, fold: bool) -> Path:

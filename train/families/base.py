@@ -14,6 +14,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib import import_module
 from pathlib import Path
 from typing import ClassVar
 
@@ -79,9 +80,7 @@ class ModelPreset:
 
     @property
     def transformer_class(self) -> type:
-        from train.families import get_family  # the registry imports this module
-
-        return get_family(self.family).transformer_class()
+        return registry().get_family(self.family).transformer_class()
 
     def transformer_config(self) -> dict:
         cfg = self.config if isinstance(self.config, dict) else json.loads((CONFIGS / self.config).read_text())
@@ -239,10 +238,9 @@ class Family(ABC):
         if spec.latent.channels != channels:
             problems.append(f"latent channels: cache {spec.latent.channels}, model {self.channels_name()} {channels}")
         if spec.text.layout != self.text.layout:  # widths of another layout mean nothing to this model: not compared
-            from train.families import layout_description
-
-            problems.append(f"text layout: cache {spec.text.layout!r} ({layout_description(spec.text.layout)}), model "
-                            f"{self.name} takes {self.text.layout!r} ({layout_description(self.text.layout)})")
+            describe = registry().layout_description
+            problems.append(f"text layout: cache {spec.text.layout!r} ({describe(spec.text.layout)}), model "
+                            f"{self.name} takes {self.text.layout!r} ({describe(self.text.layout)})")
         else:
             problems += self.text.problems(spec.text, config, self)
         return problems
@@ -323,12 +321,12 @@ class Family(ABC):
 
     # --- LoRA and export ---
 
-    def save_adapter(self, directory: Path, state: dict[str, torch.Tensor], config, lora_format: str, fold: bool) -> Path:
+    def save_adapter(self, directory: Path, state: dict[str, torch.Tensor], config, lora_format: str,
+                     fold: bool) -> Path | None:
         """Write adapters (`<module>.lora_A.weight` -> tensor) in `lora_format` (one of `lora_formats`) as the
-        family's pipeline loads them; returns the file. Default: the pipeline's `save_lora_weights` file."""
-        from train import lora
-
-        return lora.save_diffusers(directory, self.pipeline_class(), state, config, fold)
+        family's pipeline loads them; returns the file, or None where that is the file the pipeline's own
+        `save_lora_weights` writes, which `train.lora.save_adapter` then writes (the default)."""
+        return None
 
     def lora_usage(self, location: str, weight_name: str | None) -> tuple[list[str], list[str]]:
         """(imports, statements) that load exported adapters into `pipe`, the family's pipeline."""
@@ -343,3 +341,9 @@ class Family(ABC):
     def tags(self) -> list[str]:
         """The export card's tags naming the family."""
         return [self.name, f"{self.name}-diffusers"]
+
+
+def registry():
+    """The registry of families (`train.families`), which imports this module: looked up by name when a method
+    needs another family, once every family is registered, so that the interface depends on none of them."""
+    return import_module("train.families")
