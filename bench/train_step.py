@@ -61,7 +61,8 @@ from precompute.presets import get_preset as encoder_preset  # noqa: E402
 from precompute.sample_data import make_folder  # noqa: E402
 from shards import Cache  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
-from train.data import BatchPlan, BatchStream, Epoch, TrainingSamples  # noqa: E402
+from train.data import BatchStream, Epoch, TrainingSamples  # noqa: E402
+from train.order import BatchPlan  # noqa: E402
 from train.model import build_model, build_optimizer, build_run_objective, build_schedule  # noqa: E402
 from train.families import get_preset  # noqa: E402
 from train.families.base import ModelPreset  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 
 from shards import CONTROL_PREFIX, FLIP_PREFIX, Cache, DamagedCache, TextSpec, prompt_key
 from train.families import text_input
-from train.order import BatchPlan, PlannedBatch, derived_seed, seeded_generator  # noqa: F401  (derived_seed: train.validate's)
+from train.order import BatchPlan, PlannedBatch, seeded_generator
 
 log = logging.getLogger("train")
 

@@ -19,7 +19,8 @@ import torch
 from shards import Bucket, Cache
 from shards.prompts import prompt_key
 from shards.remote import is_url
-from train.data import TextLayout, derived_seed
+from train.data import TextLayout
+from train.order import derived_seed
 from train.decode import Decoder, decoder_recipe
 from train.families import get_family
 from train.families.base import ModelPreset
