@@ -13,8 +13,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -176,7 +176,7 @@ class Stats:
     worst: float
 
     @classmethod
-    def of(cls, values: Iterable[float]) -> "Stats":
+    def of(cls, values: Iterable[float]) -> Stats:
         v = sorted(values)
         if not v:
             raise ValueError("no measurements")
@@ -186,7 +186,7 @@ class Stats:
 class Timer:
     """`with Timer() as t: ...` then `t.s` (wall seconds); `t.read` is read_bytes() over the block (None if unknown)."""
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self._r0, self._t0 = read_bytes(), time.perf_counter()
         return self
 

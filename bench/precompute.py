@@ -105,7 +105,7 @@ def main(
         # This machine is shared and its speed drifts: the three run back to back in each round, and each
         # round's ratios compare like with like (reported as the median, beside best vs. best).
         rounds = []
-        for r in range(repeats):
+        for _r in range(repeats):
             bare = count / bare_encoders(enc, items, batch_size)
             shutil.rmtree(work / "cache", ignore_errors=True)
             run = precompute(str(data), model, work / "cache", workers=workers, batch_size=batch_size,

@@ -62,11 +62,11 @@ from precompute.sample_data import make_folder  # noqa: E402
 from shards import Cache  # noqa: E402
 from train.config import TrainConfig  # noqa: E402
 from train.data import BatchStream, Epoch, TrainingSamples  # noqa: E402
-from train.order import BatchPlan  # noqa: E402
-from train.model import build_model, build_optimizer, build_run_objective, build_schedule  # noqa: E402
 from train.families import get_preset  # noqa: E402
 from train.families.base import ModelPreset  # noqa: E402
 from train.families.sana import TINY as TINY_SANA  # noqa: E402
+from train.model import build_model, build_optimizer, build_run_objective, build_schedule  # noqa: E402
+from train.order import BatchPlan  # noqa: E402
 from train.step import TrainStep  # noqa: E402
 
 # SanaTransformer2DModel sizes: (width, layers, head dim). A step at batch 4 on one thread of this machine's CPU:

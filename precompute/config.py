@@ -12,10 +12,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from precompute.folders import CAPTION_COLUMN
-from precompute.images import ImagePolicy
 from precompute.families import DEFAULT_PRESET, family
 from precompute.families.base import Preset
+from precompute.folders import CAPTION_COLUMN
+from precompute.images import ImagePolicy
 from precompute.presets import get_preset, get_text_encoder, preset_names, text_encoder_names
 from precompute.sources import Source, sources_of
 from shards import bucket_table

@@ -15,9 +15,9 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
-from typing import Iterator
 
 import torch
 

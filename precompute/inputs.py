@@ -16,11 +16,11 @@ import torch
 
 from precompute.config import PrecomputeConfig
 from precompute.distributed import die_with_parent
-from precompute.sources import Source
 from precompute.folders import CONTROL_COLUMN, FolderDataset, list_folder, with_control_folder
 from precompute.hfdata import CONTROL_COLUMN as HF_CONTROL_COLUMN
 from precompute.hfdata import HFDataset, is_hf_dataset, list_hf
 from precompute.images import ImagePolicy
+from precompute.sources import Source
 from precompute.tars import TarDataset, expand_tar_urls, is_tar_source
 
 # Reasons a sample is skipped; each is counted and written to failures.jsonl.

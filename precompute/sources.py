@@ -26,10 +26,11 @@ import hashlib
 import math
 import os
 import re
-import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path, PurePath, PurePosixPath
 from urllib.parse import urlsplit
+
+import tomllib
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,15 @@ import json
 import posixpath
 import re
 import tarfile
+from collections.abc import Iterator
 from glob import has_magic
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from precompute.folders import IMAGE_EXTENSIONS, METADATA_FILES, metadata_captions
-from precompute.paths import names_under
 from precompute.images import ImagePolicy, Record, prepare
+from precompute.paths import names_under
 
 STREAMED = ("http://", "https://", "pipe:")  # opened by webdataset's gopen, read once as a stream
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif")  # a sample's image, the first present

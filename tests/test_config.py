@@ -12,8 +12,17 @@ from typer.testing import CliRunner
 import train.loop
 import train.plan
 from train.__main__ import app as train_app
-from train.config import (DataOptions, MemoryOptions, ModelOptions, ObjectiveOptions, OptimizerOptions, ParallelOptions,
-                          RunOptions, TrainConfig, ValidationOptions)
+from train.config import (
+    DataOptions,
+    MemoryOptions,
+    ModelOptions,
+    ObjectiveOptions,
+    OptimizerOptions,
+    ParallelOptions,
+    RunOptions,
+    TrainConfig,
+    ValidationOptions,
+)
 from train.families import FAMILIES
 from train.plan_command import plan_command
 from train.plan_config import PlanConfig

@@ -19,7 +19,7 @@ from precompute.folders import list_folder
 from precompute.images import Record, prepare
 from precompute.run import main as precompute
 from precompute.sample_data import draw_sample
-from shards import CONTROL_PREFIX, CacheSpec, Cache, load
+from shards import CONTROL_PREFIX, Cache, CacheSpec, load
 
 RUN = dict(workers=0, progress=False, batch_size=1, max_shard_mb=0, storage_dtype="fp32")
 POLICY = PrecomputeConfig("unused", control=True).policy()

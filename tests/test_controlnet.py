@@ -167,7 +167,7 @@ def test_the_controlled_forward_is_what_the_stock_pipeline_computes(tmp_path, mo
             net.register_to_config(force_zeros_for_pooled_projection=zeros)
         pipe(VALIDATION_PROMPTS[0], control_image=control_image, height=256, width=256, num_inference_steps=1, guidance_scale=4.5,
              output_type="latent", generator=torch.Generator().manual_seed(0), **pipeline_kwargs(model))
-        (cn_args, cn_kwargs), (tr_args, tr_kwargs), expected = seen["cn"], seen["tr"], seen["out"]
+        (_cn_args, cn_kwargs), (tr_args, tr_kwargs), expected = seen["cn"], seen["tr"], seen["out"]
         xt = tr_kwargs.get("hidden_states", tr_args[0] if tr_args else None)
         cond = cn_kwargs["controlnet_cond"]
         if model == "tiny-sd3":
@@ -411,7 +411,7 @@ def test_validation_samples_cached_items_with_the_training_weights_alone(caches,
             p.copy_(s)
         assert torch.equal(sampler_step(item, steps=2), latents[0])
         assert not torch.allclose(sampler_step(item, torch.zeros_like(item.control), steps=2), latents[0])  # control steers
-        for p, (k, v) in zip(net.params, ((k, v) for k, v in weights.items() if k in dict(net.controlnet.named_parameters()))):
+        for p, (_k, v) in zip(net.params, ((k, v) for k, v in weights.items() if k in dict(net.controlnet.named_parameters()))):
             p.copy_(v)
 
     # The profiler counts a tensor once it sees it: every measured call first touches every weight and the EMA, so

@@ -4,7 +4,6 @@ not in code, help texts or comments (generic code asks the family object)."""
 import re
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 # Each family name as code spells it: lower case, Title or UPPER case, and the camel-case class-name forms.
 NAMES = ["pixart", "PixArt", "sana", "sd3", "sd35", "flux", "qwen", "z-image", "z_image", "zimage", "ZImage", "wan", "kontext"]

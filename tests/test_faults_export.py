@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import VALIDATION_PROMPTS
 from typer.testing import CliRunner
 
-from conftest import VALIDATION_PROMPTS
 from train import checkpoint
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 
 from precompute.__main__ import prompts_app
 from precompute.config import PrecomputeConfig
-from precompute.families.flux import FAMILY as FLUX, TINY_POOLED_WIDTH as TINY_FLUX_POOLED_WIDTH
+from precompute.families.flux import FAMILY as FLUX
+from precompute.families.flux import TINY_POOLED_WIDTH as TINY_FLUX_POOLED_WIDTH
 from precompute.families.parts import TINY_T5_WIDTH
 from precompute.presets import get_preset, save_tiny
 from precompute.run import main as precompute

@@ -2,7 +2,6 @@
 range (or NaN, or infinite) is refused before anything runs, naming the option as typed, and --help shows the range."""
 
 import dataclasses
-import math
 import re
 import typing
 
@@ -196,7 +195,7 @@ def test_a_command_that_takes_an_option_without_its_config_checks_the_same_range
 
     @tool.command()
     def plan(ema_decay: float = typer.Option(0.0, callback=range_check(TrainConfig, "ema_decay")),
-             validation_steps: typing.Optional[int] = typer.Option(None, callback=range_check(TrainConfig, "validation_steps"))):
+             validation_steps: int | None = typer.Option(None, callback=range_check(TrainConfig, "validation_steps"))):
         print("planned")
 
     assert CliRunner().invoke(tool, ["--validation-steps", "3"]).output == "planned\n"

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from train.config import TrainConfig
+from train.families import PRESETS, get_family, get_preset
+from train.families.sana import TINY as TINY_SANA
 from train.model import build_model, build_optimizer, build_run_objective, build_schedule
 from train.plan import measure_peak, plan
 from train.plan_config import PlanConfig
-from train.families import PRESETS, get_family, get_preset
-from train.families.sana import TINY as TINY_SANA
 from train.step import TrainStep
 
 ROOT = Path(__file__).resolve().parents[1]

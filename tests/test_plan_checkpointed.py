@@ -5,8 +5,8 @@ copy each adapted layer's input under autocast; the plan traces both."""
 from pathlib import Path
 
 import pytest
-
 from conftest import VALIDATION_PROMPTS
+
 from train.config import TrainConfig
 from train.loop import train
 

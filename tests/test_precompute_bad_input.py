@@ -4,8 +4,8 @@ import io
 import json
 
 import numpy as np
-import torch
 import pytest
+import torch
 from PIL import Image
 
 from precompute.config import PrecomputeConfig

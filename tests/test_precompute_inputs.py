@@ -25,7 +25,7 @@ as_root = pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whateve
 def deadline(seconds: int = 10):
     """Fail instead of hanging: opening a FIFO for reading blocks until a writer appears."""
     def expire(signum, frame):
-        raise TimeoutError("blocked for %d s: a FIFO was opened" % seconds)
+        raise TimeoutError(f"blocked for {seconds} s: a FIFO was opened")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.alarm(seconds)

@@ -8,9 +8,9 @@ import types
 from pathlib import Path
 
 import pytest
+from conftest import VALIDATION_PROMPTS
 from PIL import Image, ImageFilter, ImageOps
 
-from conftest import VALIDATION_PROMPTS
 from shards import Cache
 from train import lora
 from train.config import TrainConfig
@@ -87,7 +87,7 @@ def test_a_lora_export_has_a_card_with_base_adapters_training_data_grid_and_load
     for bucket, stats in cache.manifest.buckets().items():
         assert f"{bucket.height}×{bucket.width}: {stats.samples}" in text
     assert "fresh weights from the tiny-sana config (seed 0)" in text
-    assert f'SanaPipeline.from_pretrained("BASE"' in snippet(text) and f'pipe.load_lora_weights("{out}")' in snippet(text)
+    assert 'SanaPipeline.from_pretrained("BASE"' in snippet(text) and f'pipe.load_lora_weights("{out}")' in snippet(text)
     assert files(out) == [".cachedit-export.json", "README.md", "images/samples-step00000004.png", lora.DIFFUSERS_FILE, "training.json"]
 
 
@@ -262,9 +262,10 @@ def test_export_options_are_checked_before_anything_is_written(runs, tmp_path):
 
 
 def test_lora_format_kohya_reaches_the_adapter_writer_and_the_card_names_the_file(runs, tmp_path):
+    from safetensors.torch import load_file
+
     from precompute.run import main as precompute
     from precompute.sample_data import make_folder
-    from safetensors.torch import load_file
 
     precompute(str(make_folder(tmp_path / "data", count=8)), "tiny-flux", tmp_path / "cache", workers=0, progress=False,
                validation_prompt=list(VALIDATION_PROMPTS))

@@ -8,8 +8,8 @@ import struct
 import sys
 
 import pytest
-
 from conftest import VALIDATION_PROMPTS
+
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
 from train.loop import train

@@ -79,9 +79,9 @@ def test_offline_without_a_local_copy_names_the_repository_and_the_way_out():
 def test_an_unreachable_hub_fails_at_once_instead_of_hanging():
     """No HF_HUB_OFFLINE and no network (or, where there is one, no such repository): the loader answers with
     the message; the timeout only guards the test against a hang."""
-    code = ("import sys; sys.path.insert(0, %r)\n"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
             "from train.families import get_preset\nfrom train.presets import resolve_weights\n"
-            "try:\n    resolve_weights(get_preset('tiny-sana'), 'cachedit-tests/no-such-model')\nexcept ValueError as e:\n    print('ERROR', e)\n") % str(ROOT)
+            "try:\n    resolve_weights(get_preset('tiny-sana'), 'cachedit-tests/no-such-model')\nexcept ValueError as e:\n    print('ERROR', e)\n")
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env["HF_HOME"] = "/nonexistent-hf-home"  # no cached snapshot to fall back on
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

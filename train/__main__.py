@@ -10,7 +10,7 @@ import inspect
 import logging
 import sys
 from pathlib import Path
-from typing import List, Literal, Optional
+from typing import Literal
 
 import typer
 
@@ -68,13 +68,13 @@ def export_command(
                              "A ControlNet run's ControlNet goes to OUT/controlnet (the family's ControlNet model class: "
                              "from_pretrained(OUT, subfolder=\"controlnet\")). Every export has a model card, OUT/README.md."),
     ema: bool = typer.Option(False, help="Export the EMA weights instead of the trained ones."),
-    dtype: Optional[Dtype] = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
+    dtype: Dtype | None = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
     merge_lora: bool = typer.Option(False, help="A LoRA run: fold the adapters into the base weights and write the whole "
                                     "transformer to OUT/transformer (for pipelines without a LoRA loader)."),
     lora_format: Literal["diffusers", "kohya"] = typer.Option("diffusers", help="A LoRA run's adapter format: diffusers (what "
                                                                "the family's pipeline writes) or kohya (" + KOHYA_FAMILIES + " only; ComfyUI "
                                                                "and kohya's tools load it, and so does load_lora_weights)."),
-    push_to_hub: Optional[str] = typer.Option(None, metavar="REPO", help="After exporting, upload OUT to this Hub model "
+    push_to_hub: str | None = typer.Option(None, metavar="REPO", help="After exporting, upload OUT to this Hub model "
                                               "repository (owner/name; created if missing). Needs a login (hf auth login, "
                                               "formerly huggingface-cli login) or HF_TOKEN."),
     private: bool = typer.Option(False, help="With --push-to-hub: create the repository private."),
@@ -108,16 +108,16 @@ RUNS_OWN = " Default: the run's own setting."
 def sample_command(
     run: Path = typer.Argument(..., help="Run directory (its newest complete checkpoint) or one checkpoint directory."),
     prompt_cache: Path = typer.Option(..., help="Cache whose prompts.safetensors holds the prompts' embeddings."),
-    validation_prompt: List[str] = typer.Option([], help="Prompt to sample (repeatable; default: every prompt in the cache)."),
-    validation_bucket: List[str] = like_train("validation_bucket", []),
-    validation_steps: Optional[int] = like_train("validation_steps", help=help_of(TrainConfig, "validation_steps") + RUNS_OWN),
-    guidance_scale: Optional[float] = like_train("guidance_scale", help=help_of(TrainConfig, "guidance_scale") + RUNS_OWN),
-    validation_seed: Optional[int] = like_train("validation_seed", help=help_of(TrainConfig, "validation_seed") + RUNS_OWN),
+    validation_prompt: list[str] = typer.Option([], help="Prompt to sample (repeatable; default: every prompt in the cache)."),
+    validation_bucket: list[str] = like_train("validation_bucket", []),
+    validation_steps: int | None = like_train("validation_steps", help=help_of(TrainConfig, "validation_steps") + RUNS_OWN),
+    guidance_scale: float | None = like_train("guidance_scale", help=help_of(TrainConfig, "guidance_scale") + RUNS_OWN),
+    validation_seed: int | None = like_train("validation_seed", help=help_of(TrainConfig, "validation_seed") + RUNS_OWN),
     ema: bool = typer.Option(False, help="Sample with the EMA weights."),
-    precision: Optional[Dtype] = like_train("precision", help="Autocast precision of the transformer: fp32, bf16 or fp16." + RUNS_OWN),
-    decode_device: Optional[Literal["cpu", "device"]] = like_train(
+    precision: Dtype | None = like_train("precision", help="Autocast precision of the transformer: fp32, bf16 or fp16." + RUNS_OWN),
+    decode_device: Literal["cpu", "device"] | None = like_train(
         "decode_device", help="Decode on the cpu or on the device the transformer ran on (freed first)." + RUNS_OWN),
-    out: Optional[Path] = typer.Option(None, help="Output directory (default: CHECKPOINT/samples)."),
+    out: Path | None = typer.Option(None, help="Output directory (default: CHECKPOINT/samples)."),
 ) -> None:
     """Images for cached prompts from any checkpoint: one PNG per prompt and bucket. Options mean what the
     trainer's validation options mean."""
@@ -145,7 +145,7 @@ def _run(fn) -> None:
         typer.echo(f"error: {e}", err=True)
         # DamagedCache is a ValueError: exit 3, the repair is in the message
         raise typer.Exit(EXIT_DAMAGED if isinstance(e, DamagedCache) else EXIT_BUSY if isinstance(e, RunBusy)
-                         else EXIT_DIVERGED if isinstance(e, Diverged) else EXIT_INPUT)
+                         else EXIT_DIVERGED if isinstance(e, Diverged) else EXIT_INPUT) from None
 
 
 def main() -> None:

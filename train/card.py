@@ -39,7 +39,7 @@ class Base:
     commit: str | None = None
 
     @classmethod
-    def of(cls, state: dict) -> "Base":
+    def of(cls, state: dict) -> Base:
         record, cfg = state.get("weights"), state["config"]
         if record is not None:
             return cls(record["kind"], record["source"], record.get("revision"), record.get("commit"))

@@ -14,8 +14,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ class TextLayout:
     spec: TextSpec = TextSpec("masked", None, 0)
 
     @classmethod
-    def of(cls, cache: Cache) -> "TextLayout":
+    def of(cls, cache: Cache) -> TextLayout:
         return cls(cache.spec.text)
 
     @property

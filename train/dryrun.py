@@ -4,8 +4,7 @@ measured beside the plan, nothing saved."""
 from __future__ import annotations
 
 import itertools
-
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -13,8 +13,8 @@ there) and each rank takes its slice, so N processes train what one process with
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

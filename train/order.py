@@ -11,8 +11,8 @@ import hashlib
 import heapq
 import math
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -176,7 +176,7 @@ class BatchPlan:
         self._epochs: OrderedDict[tuple[int, int, int], _BucketEpoch] = OrderedDict()  # a few recent (epoch, stream, pass)
 
     @classmethod
-    def of(cls, cache, batch_size: int, *, weights: list[float] | None = None, **kwargs) -> "BatchPlan":
+    def of(cls, cache, batch_size: int, *, weights: list[float] | None = None, **kwargs) -> BatchPlan:
         """The plan of a `shards.Cache`'s generation (or of several caches', their samples numbered one after
         the other), from their shard tables (no shard is opened): a stream per bucket and source, each source
         drawn by the share stage one recorded for it; with `weights`, every cache's draws are scaled to its
@@ -221,7 +221,7 @@ class BatchPlan:
     def batches_per_epoch(self) -> int:
         return sum(self.counts)
 
-    def fork(self) -> "BatchPlan":
+    def fork(self) -> BatchPlan:
         """The same plan with its own memo of shuffles, for another thread (the shard tables are shared)."""
         twin = copy.copy(self)
         twin._epochs = OrderedDict()

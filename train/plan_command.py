@@ -20,7 +20,7 @@ OPTIONS = ("batch_size", "precision", "weights_dtype", "optimizer", "grad_checkp
 EXIT_INPUT = 2  # as `python -m train`: bad options
 
 
-def plan_command(model: str, *, resolution: Optional[int] = None, bucket: Optional[str] = None, gpu_memory: str = "80GB",
+def plan_command(model: str, *, resolution: int | None = None, bucket: str | None = None, gpu_memory: str = "80GB",
                  as_json: bool = False, **options) -> None:
     """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
     like the trainer's mean the same and default the same."""

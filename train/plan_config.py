@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shards.options import check_options, help_of, opt
-from train.config import (DataOptions, MemoryOptions, ModelOptions, Optimizer, OptimizerOptions, ParallelOptions, TrainConfig,
-                          shared)
+from train.config import DataOptions, MemoryOptions, ModelOptions, Optimizer, OptimizerOptions, ParallelOptions, TrainConfig, shared
 
 GiB = 2**30
 # The planner also knows an optimizer no maintained library trains with (came-8bit), for comparison.
@@ -41,7 +40,7 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
             concern.check(self)
 
     @classmethod
-    def of_run(cls, cfg: TrainConfig, **plan_only) -> "PlanConfig":
+    def of_run(cls, cfg: TrainConfig, **plan_only) -> PlanConfig:
         """The plan of training run `cfg`: its options this config shares, and `plan_only`'s (which win)."""
         names = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(cfg)}
         return cls(**{**{name: getattr(cfg, name) for name in names}, **plan_only})

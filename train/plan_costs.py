@@ -16,6 +16,7 @@ import torch
 
 from train import quant as quantization
 
+
 def optimizer_state_bytes(params: list[torch.Tensor], optimizer: str, weight_bytes: int) -> int:
     """Bytes of optimizer state for `params`, as each optimizer allocates it."""
     total = 0

@@ -93,7 +93,7 @@ def _family_forward(family, model, guidance: float, xt: torch.Tensor, t: torch.T
     return family.forward(model, model.config, xt, t, batch, guidance)
 
 
-def _backward_peak(out: torch.Tensor, modules: list, live: "_Lifetimes") -> int:
+def _backward_peak(out: torch.Tensor, modules: list, live: _Lifetimes) -> int:
     """The peak of live tensors while backward runs from `out`; trained parameters' gradients are not counted."""
     if not out.requires_grad:
         return 0

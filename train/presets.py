@@ -47,7 +47,7 @@ class Weights:
         return {"kind": self.kind, "source": self.source, "revision": self.revision, "commit": self.commit}
 
 
-def resolve_weights(preset: "ModelPreset", pretrained: str | None = None, revision: str | None = None,
+def resolve_weights(preset: ModelPreset, pretrained: str | None = None, revision: str | None = None,
                     from_scratch: bool = False, seed: int = 0) -> Weights:
     """The weights a run starts from: `pretrained` (a directory or Hub id), else the preset's released
     weights; fresh seeded ones for tiny presets or with `from_scratch`.

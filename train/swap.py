@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.utils.checkpoint

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -20,10 +20,10 @@ from shards import Bucket, Cache
 from shards.prompts import prompt_key
 from shards.remote import is_url
 from train.data import TextLayout
-from train.order import derived_seed
 from train.decode import Decoder, decoder_recipe
 from train.families import get_family
 from train.families.base import ModelPreset
+from train.order import derived_seed
 from train.presets import model_forward
 
 

@@ -8,7 +8,7 @@ in-process from a small vocabulary, so every preset runs offline on a CPU in sec
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -95,10 +95,10 @@ class SD3(Family):
         if spec.drop_t5:
             # encode_prompt needs the transformer's joint width for the zero T5 tokens; the CLIP half is
             # the pipeline's own per-encoder call, concatenated as encode_prompt does.
-            (l, pooled_l), (g, pooled_g) = (
+            (clip_l, pooled_l), (clip_g, pooled_g) = (
                 pipeline._get_clip_prompt_embeds(captions, device=device, clip_model_index=i) for i in (0, 1)
             )
-            clip, pooled, t5 = torch.cat([l, g], dim=-1), torch.cat([pooled_l, pooled_g], dim=-1), None
+            clip, pooled, t5 = torch.cat([clip_l, clip_g], dim=-1), torch.cat([pooled_l, pooled_g], dim=-1), None
         else:
             joint, _, pooled, _ = pipeline.encode_prompt(captions, None, None, device=device, do_classifier_free_guidance=False,
                                                          max_sequence_length=spec.max_length)
