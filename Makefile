@@ -43,7 +43,7 @@ option = $(if $(2),$(1) $(2))
 # Cache sizes of the scale benchmark (make bench); SCALE_SIZES=10000,100000,1000000 adds the 1M-sample cache (~9 min more).
 SCALE_SIZES ?= 10000,100000
 
-.PHONY: install test test-slow fuzz bench precompute train plan demo clean
+.PHONY: install lint test test-fast test-slow fuzz bench precompute train plan demo clean
 
 install: $(VENV)/.installed
 
@@ -53,10 +53,17 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-# `make test` is the quick suite (under 10 minutes on 2 cores); `make test-slow` the slower end-to-end tests
-# (torchrun runs, the memory planner's real-size plans); CI runs both.
-test: install
+lint: install
+	$(PY) -m ruff check .
+
+# `make test` is the lint and the quick suite (under 10 minutes on 2 cores); `make test-fast` the tests that start no
+# model (the format, the readers, the options; about 2 minutes); `make test-slow` the slower end-to-end tests
+# (torchrun runs, the memory planner's real-size plans); CI runs `make test` and `make test-slow`.
+test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow and not model" $(PYTEST_ARGS)
 
 test-slow: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m slow $(PYTEST_ARGS)
@@ -67,7 +74,7 @@ FUZZ_CASES ?= 3000
 FUZZ_SEED ?= 0
 FUZZ_KINDS ?=
 fuzz: install
-	$(PY) -m tests.format_fuzz --cases $(FUZZ_CASES) --seed $(FUZZ_SEED) --keep-going $(call option,--kinds,$(FUZZ_KINDS))
+	$(PY) -m tests.format.format_fuzz --cases $(FUZZ_CASES) --seed $(FUZZ_SEED) --keep-going $(call option,--kinds,$(FUZZ_KINDS))
 
 bench: install
 	$(PY) bench/shards_read.py
