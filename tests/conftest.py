@@ -115,3 +115,35 @@ def train_processes(nproc: int, run, *args: str):
                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     return out
+
+
+def stage_one_cache(root: Path, model: str, count: int = 8) -> Path:
+    """ROOT/cache: stage one's cache of `count` sample images for `model`, with the validation prompts."""
+    from precompute.run import main as precompute
+    from precompute.sample_data import make_folder
+
+    data = make_folder(root / "data", count=count)
+    precompute(str(data), model, root / "cache", workers=0, progress=False, validation_prompt=VALIDATION_PROMPTS)
+    return root / "cache"
+
+
+def losses(run: Path) -> list[float]:
+    """A run's logged losses, step by step (metrics.jsonl)."""
+    import json
+
+    return [json.loads(line)["loss"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if "loss" in line]
+
+
+def record_calls(model) -> list[dict]:
+    """Every call's keyword arguments to `model` (cloned), and what it returned under "out"."""
+    calls = []
+
+    def pre(module, args, kwargs):
+        calls.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+    def post(module, args, kwargs, out):
+        calls[-1]["out"] = out[0].clone()
+
+    model.register_forward_pre_hook(pre, with_kwargs=True)
+    model.register_forward_hook(post, with_kwargs=True)
+    return calls

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import VALIDATION_PROMPTS
+from conftest import VALIDATION_PROMPTS, losses, record_calls, stage_one_cache
 
 from train.checkpoint import complete_checkpoints
 from train.config import TrainConfig
@@ -34,13 +34,7 @@ SCHNELL_SCHEDULER = {**DEV_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": Fals
 @pytest.fixture(scope="module")
 def flux_cache(tmp_path_factory):
     """A tiny-flux cache of 8 sample images built by stage one, with two validation prompts."""
-    from precompute.run import main as precompute
-    from precompute.sample_data import make_folder
-
-    root = tmp_path_factory.mktemp("flux")
-    data = make_folder(root / "data", count=8)
-    precompute(str(data), "tiny-flux", root / "cache", workers=0, progress=False, validation_prompt=VALIDATION_PROMPTS)
-    return root / "cache"
+    return stage_one_cache(tmp_path_factory.mktemp("flux"), "tiny-flux")
 
 
 @pytest.fixture(scope="module")
@@ -66,19 +60,6 @@ def stock_flux(transformer, parts: Path, scheduler: dict = DEV_SCHEDULER):
         tokenizer_2=AutoTokenizer.from_pretrained(parts / "tokenizer_2"), transformer=transformer)
 
 
-def record_calls(model) -> list[dict]:
-    """Every call's keyword arguments to `model` (cloned), and what it returned under "out"."""
-    calls = []
-
-    def pre(module, args, kwargs):
-        calls.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
-
-    def post(module, args, kwargs, out):
-        calls[-1]["out"] = out[0].clone()
-
-    model.register_forward_pre_hook(pre, with_kwargs=True)
-    model.register_forward_hook(post, with_kwargs=True)
-    return calls
 
 
 def cfg(cache, run, **kw):
@@ -87,8 +68,6 @@ def cfg(cache, run, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if "loss" in line]
 
 
 @pytest.mark.parametrize("guidance_embeds", [True, False], ids=["dev", "schnell"])

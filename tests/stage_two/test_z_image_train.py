@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import VALIDATION_PROMPTS
+from conftest import VALIDATION_PROMPTS, losses, stage_one_cache
 
 from train.families.base import TextInput
 from train.families.z_image import FAMILY, TINY, pipeline_default
@@ -175,13 +175,7 @@ def test_the_published_transformer_has_six_billion_parameters():
 @pytest.fixture(scope="module")
 def z_cache(tmp_path_factory):
     """A tiny-z-image cache of 8 sample images built by stage one, with two validation prompts."""
-    from precompute.run import main as precompute
-    from precompute.sample_data import make_folder
-
-    root = tmp_path_factory.mktemp("z_image")
-    data = make_folder(root / "data", count=8)
-    precompute(str(data), "tiny-z-image", root / "cache", workers=0, progress=False, validation_prompt=VALIDATION_PROMPTS)
-    return root / "cache"
+    return stage_one_cache(tmp_path_factory.mktemp("z_image"), "tiny-z-image")
 
 
 @pytest.fixture(scope="module")
@@ -219,8 +213,6 @@ def cfg(cache, run, **kw):
     return TrainConfig(**{**base, **kw})
 
 
-def losses(run) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if "loss" in line]
 
 
 def test_tiny_z_image_trains_resumes_exactly_and_its_export_generates_through_the_stock_pipeline(z_cache, parts, tmp_path):
