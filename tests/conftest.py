@@ -147,3 +147,28 @@ def record_calls(model) -> list[dict]:
     model.register_forward_pre_hook(pre, with_kwargs=True)
     model.register_forward_hook(post, with_kwargs=True)
     return calls
+
+
+def captioned_cache(root: Path, model: str, long_caption: str, prompt: str, seed: int = 3) -> dict:
+    """Stage one's `model` cache (ROOT/cache, fp32) of three sample images listed in a metadata.jsonl: the first with
+    two captions, the third with `long_caption` (over the token limit), and `prompt` as validation prompt. Returns
+    root, data, cache, the run's summary and each image's captions."""
+    import json
+    import random
+
+    from precompute.run import main as precompute
+    from precompute.sample_data import draw_sample
+
+    data = root / "data"
+    data.mkdir()
+    rng = random.Random(seed)
+    captions, rows = {}, []
+    for i in range(3):
+        img, caption = draw_sample(rng)
+        img.save(data / f"{i}.png")
+        captions[f"{i}.png"] = [caption, f"{caption} with a stripe"] if i == 0 else [long_caption if i == 2 else caption]
+        rows.append(json.dumps({"file_name": f"{i}.png", "text": captions[f"{i}.png"]}))
+    (data / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    summary = precompute(str(data), model, root / "cache", validation_prompt=[prompt], workers=0, progress=False, batch_size=2,
+                         storage_dtype="fp32")
+    return {"root": root, "data": data, "cache": root / "cache", "summary": summary, "captions": captions}

@@ -3,7 +3,6 @@ caption with its padding, CLIP-L's pooled vector, the VAE posterior shifted and 
 name the published weights."""
 
 import json
-import random
 import re
 import shutil
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import captioned_cache
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -21,7 +21,6 @@ from precompute.families.flux import TINY_POOLED_WIDTH as TINY_FLUX_POOLED_WIDTH
 from precompute.families.parts import TINY_T5_WIDTH
 from precompute.presets import get_preset, save_tiny
 from precompute.run import main as precompute
-from precompute.sample_data import draw_sample
 from shards import Cache, TextSpec, prompt_key, verify
 
 pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models (left out of make test-fast)
@@ -37,19 +36,7 @@ LONG = "a " + " and ".join(["large red circle on a blue background"] * 5)  # ove
 def built(tmp_path_factory):
     """A tiny-flux cache of three images (one with two captions, one with a caption over the token limit) and one
     validation prompt; the images and each one's captions."""
-    root = tmp_path_factory.mktemp("flux")
-    data = root / "data"
-    data.mkdir()
-    rng = random.Random(3)
-    captions, rows = {}, []
-    for i in range(3):
-        img, caption = draw_sample(rng)
-        img.save(data / f"{i}.png")
-        captions[f"{i}.png"] = [caption, f"{caption} with a stripe"] if i == 0 else [LONG if i == 2 else caption]
-        rows.append(json.dumps({"file_name": f"{i}.png", "text": captions[f"{i}.png"]}))
-    (data / "metadata.jsonl").write_text("\n".join(rows) + "\n")
-    summary = precompute(str(data), "tiny-flux", root / "cache", validation_prompt=[PROMPT], **RUN)
-    return {"root": root, "data": data, "cache": root / "cache", "summary": summary, "captions": captions}
+    return captioned_cache(tmp_path_factory.mktemp("flux"), "tiny-flux", LONG, PROMPT, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the pipeline decodes, and the real preset loads the published layout with `from_
 
 import hashlib
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -13,20 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import captioned_cache
 from PIL import Image
 
 from precompute.encode import Encoders
 from precompute.families.qwen_image import FAMILY, LATENTS_MEAN, LATENTS_STD, check_template, tiny_tokenizer
 from precompute.presets import get_preset
-from precompute.run import main as precompute
-from precompute.sample_data import draw_sample
 from shards import Cache, LatentSpec, prompt_key, verify
 from train.families.base import TextInput
 
 pytestmark = pytest.mark.model  # tiny diffusers and transformers models
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = dict(workers=0, progress=False, batch_size=2, storage_dtype="fp32")
 TOKENS = 64  # tiny-qwen-image's caption limit
 PROMPT = "a large red circle on a blue background"
 LONG = "a " + " and ".join(["large red circle on a blue background"] * 12)  # over 64 tokens: cut as the pipeline cuts
@@ -36,19 +33,7 @@ LONG = "a " + " and ".join(["large red circle on a blue background"] * 12)  # ov
 def built(tmp_path_factory):
     """A tiny-qwen-image cache of three images (one with two captions, one with a caption over the token limit) and one
     validation prompt; the images and each one's captions."""
-    root = tmp_path_factory.mktemp("qwen")
-    data = root / "data"
-    data.mkdir()
-    rng = random.Random(3)
-    captions, rows = {}, []
-    for i in range(3):
-        img, caption = draw_sample(rng)
-        img.save(data / f"{i}.png")
-        captions[f"{i}.png"] = [caption, f"{caption} with a stripe"] if i == 0 else [LONG if i == 2 else caption]
-        rows.append(json.dumps({"file_name": f"{i}.png", "text": captions[f"{i}.png"]}))
-    (data / "metadata.jsonl").write_text("\n".join(rows) + "\n")
-    summary = precompute(str(data), "tiny-qwen-image", root / "cache", validation_prompt=[PROMPT], **RUN)
-    return {"data": data, "cache": root / "cache", "summary": summary, "captions": captions}
+    return captioned_cache(tmp_path_factory.mktemp("qwen"), "tiny-qwen-image", LONG, PROMPT, seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -3,25 +3,22 @@ valid tokens of Qwen3's second-to-last layer, in the chat template — and the F
 ZImageImg2ImgPipeline encodes an image; the real presets name the published weights."""
 
 import json
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import captioned_cache
 from PIL import Image
 
 from precompute.config import PrecomputeConfig
 from precompute.families.z_image import FAMILY, TINY_WIDTH
 from precompute.presets import get_preset
-from precompute.run import main as precompute
-from precompute.sample_data import draw_sample
 from shards import Cache, TextSpec, prompt_key, verify
 
 pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models (left out of make test-fast)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "precompute" / "configs"
-RUN = dict(workers=0, progress=False, batch_size=2, storage_dtype="fp32")
 TOKENS = 64  # tiny-qwen3's limit, of the templated caption
 PROMPT = "a large red circle on a blue background"
 LONG = "a " + " and ".join(["large red circle on a blue background"] * 12)  # over 64 tokens: truncated
@@ -30,19 +27,7 @@ LONG = "a " + " and ".join(["large red circle on a blue background"] * 12)  # ov
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """A tiny-z-image cache of three images (one with two captions, one over the token limit) and a validation prompt."""
-    root = tmp_path_factory.mktemp("z_image")
-    data = root / "data"
-    data.mkdir()
-    rng = random.Random(5)
-    captions, rows = {}, []
-    for i in range(3):
-        img, caption = draw_sample(rng)
-        img.save(data / f"{i}.png")
-        captions[f"{i}.png"] = [caption, f"{caption} with a stripe"] if i == 0 else [LONG if i == 2 else caption]
-        rows.append(json.dumps({"file_name": f"{i}.png", "text": captions[f"{i}.png"]}))
-    (data / "metadata.jsonl").write_text("\n".join(rows) + "\n")
-    summary = precompute(str(data), "tiny-z-image", root / "cache", validation_prompt=[PROMPT], **RUN)
-    return {"data": data, "cache": root / "cache", "summary": summary, "captions": captions}
+    return captioned_cache(tmp_path_factory.mktemp("z_image"), "tiny-z-image", LONG, PROMPT, seed=5)
 
 
 @pytest.fixture(scope="module")
