@@ -159,9 +159,10 @@ class Family(ABC):
 
     # -- the text side: the family of `TextEncoderSpec.family` ------------------------------------------------------
 
-    @abstractmethod
     def text_subfolders(self, spec: TextEncoderSpec) -> list[tuple[str, str]]:
-        """(model subfolder, tokenizer subfolder) of each of the encoder's models, in pipeline order."""
+        """(model subfolder, tokenizer subfolder) of each of the encoder's models, in pipeline order: by default the
+        spec's one model and tokenizer."""
+        return [(spec.subfolder, spec.tokenizer_subfolder)]
 
     @abstractmethod
     def load_text(self, spec: TextEncoderSpec, repo: str | None, dtype: torch.dtype) -> TextSide:

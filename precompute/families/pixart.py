@@ -39,9 +39,6 @@ class PixArt(Family):
     def encode_images(self, vae, x: torch.Tensor, latent: LatentSpec) -> dict[str, torch.Tensor]:
         return parts.encode_kl(vae, x, latent)
 
-    def text_subfolders(self, spec: TextEncoderSpec) -> list[tuple[str, str]]:
-        return [(spec.subfolder, spec.tokenizer_subfolder)]
-
     def load_text(self, spec: TextEncoderSpec, repo: str | None, dtype: torch.dtype) -> TextSide:
         from diffusers import PixArtSigmaPipeline
         from transformers import T5EncoderModel

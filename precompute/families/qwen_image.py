@@ -129,9 +129,6 @@ class QwenImage(Family):
 
     # -- the text side --
 
-    def text_subfolders(self, spec: TextEncoderSpec) -> list[tuple[str, str]]:
-        return [(spec.subfolder, spec.tokenizer_subfolder)]
-
     def load_text(self, spec: TextEncoderSpec, repo: str | None, dtype: torch.dtype) -> TextSide:
         from diffusers import QwenImagePipeline
         from transformers import Qwen2_5_VLForConditionalGeneration

@@ -98,9 +98,6 @@ class Sana(Family):
     def encode_images(self, vae, x: torch.Tensor, latent: LatentSpec) -> dict[str, torch.Tensor]:
         return {"latent": (vae.encode(x).latent.float() - latent.shift_factor) * latent.scaling_factor}
 
-    def text_subfolders(self, spec: TextEncoderSpec) -> list[tuple[str, str]]:
-        return [(spec.subfolder, spec.tokenizer_subfolder)]
-
     def load_text(self, spec: TextEncoderSpec, repo: str | None, dtype: torch.dtype) -> TextSide:
         from diffusers import SanaPipeline
         from transformers import Gemma2Model

@@ -87,9 +87,6 @@ class ZImage(Family):
 
     # -- the text side: Qwen3 through ZImagePipeline.encode_prompt ---------------------------------------------------
 
-    def text_subfolders(self, spec: TextEncoderSpec) -> list[tuple[str, str]]:
-        return [(spec.subfolder, spec.tokenizer_subfolder)]
-
     def load_text(self, spec: TextEncoderSpec, repo: str | None, dtype: torch.dtype) -> TextSide:
         from diffusers import ZImagePipeline
         from transformers import Qwen3Model
