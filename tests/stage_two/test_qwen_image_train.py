@@ -252,7 +252,7 @@ def test_tiny_qwen_image_lora_trains_adapters_alone_resumes_exactly_and_loads_in
     pipe = stock_qwen(build_transformer(get_preset("tiny-qwen-image"), None, 0), parts)
     before = generate_latents(pipe)
     pipe.load_lora_weights(tmp_path / "lora")
-    assert 'negative_prompt=" "' in (tmp_path / "lora" / "README.md").read_text()
+    assert 'negative_prompt=""' in (tmp_path / "lora" / "README.md").read_text()
     after = generate_latents(pipe)
     assert torch.isfinite(after).all() and not torch.allclose(before, after)
 
@@ -263,7 +263,7 @@ def test_the_export_card_samples_with_true_cfg_as_validation_does(kind):
     from train.card import Base, usage
 
     code = usage("qwen-image", kind, Base("hub", "Qwen/Qwen-Image"), "owner/export")
-    assert 'image = pipe("a prompt", negative_prompt=" ", true_cfg_scale=4.0).images[0]' in code
+    assert 'image = pipe("a prompt", negative_prompt="", true_cfg_scale=4.0).images[0]' in code
 
 
 @pytest.mark.parametrize("setup", [dict(lora_rank=4), dict(lora_rank=4, grad_checkpointing="all", blocks_to_swap=1,

@@ -53,7 +53,7 @@ class QwenImage(Family):
 
     def usage_call_args(self) -> str:
         # QwenImagePipeline guides (true CFG) only when given a negative prompt, as validation samples
-        return 'negative_prompt=" ", true_cfg_scale=4.0'
+        return 'negative_prompt="", true_cfg_scale=4.0'
 
     def latent_channels(self, config: Mapping) -> int:
         return config["in_channels"] // 4  # in_channels count the 2 x 2 packed patch
