@@ -15,8 +15,8 @@ import torch
 
 from shards.options import DTYPES
 from train import quant as quantization
-from train.families import family_of_module
 from train.families.base import ModelPreset
+from train.presets import transformer_blocks
 
 # load(dtype, quant) -> the transformer in `dtype`, its Linear weights quantized as `quant` says (None: not)
 Load = Callable[[torch.dtype, "str | None"], torch.nn.Module]
@@ -102,14 +102,9 @@ def meta_loader(preset: ModelPreset) -> Load:
     return functools.partial(load_meta, preset)
 
 
-def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a family's transformer or ControlNet, in order."""
-    return family_of_module(model).blocks(model)
-
-
 def swapped_blocks(model: torch.nn.Module, count: int) -> list[torch.nn.Module]:
     """The last `count` blocks, whose frozen weights --blocks-to-swap keeps in CPU memory."""
-    resident = blocks(model)
+    resident = transformer_blocks(model)
     if count > len(resident):
         raise ValueError(f"--blocks-to-swap {count}: the transformer has {len(resident)} blocks; choose at most that")
     return resident[len(resident) - count:]
@@ -118,7 +113,7 @@ def swapped_blocks(model: torch.nn.Module, count: int) -> list[torch.nn.Module]:
 def recomputed_blocks(model: torch.nn.Module, every: int, swapped: int = 0) -> list[torch.nn.Module]:
     """The blocks the backward pass recomputes: every `every`-th (--grad-checkpointing every-K; 0: none) and the
     `swapped` last ones (the block swap checkpoints the blocks it swaps)."""
-    chosen = blocks(model)
+    chosen = transformer_blocks(model)
     return [b for j, b in enumerate(chosen) if (every and j % every == every - 1) or j >= len(chosen) - swapped]
 
 

@@ -19,11 +19,12 @@ from shards import Bucket, bucket_table
 from shards.options import DTYPE_BYTES, DTYPES
 from train.config import TrainConfig
 from train.families import get_family, get_preset
-from train.frozen import blocks, build_frozen, meta_loader, quiet_diffusers, swapped_blocks
+from train.frozen import build_frozen, meta_loader, quiet_diffusers, swapped_blocks
 from train.model import build_run_objective
 from train.plan_config import GiB, PlanConfig
 from train.plan_costs import cpu_peak, frozen_bytes, objective_bytes, optimizer_state_bytes
 from train.plan_trace import trace_activations
+from train.presets import transformer_blocks
 
 # What a card loses before the first tensor: the CUDA context (~0.3-0.5 GiB with torch's kernels), cuBLAS and cuDNN
 # workspaces, and the caching allocator's rounding and fragmentation (`largest_batch_by_card`)
@@ -92,7 +93,7 @@ def plan(pc: PlanConfig, objective=None) -> dict:
         components["swapped blocks in flight"] = max(sum(swapped[i:i + 3]) for i in range(max(1, len(swapped) - 2)))
     if pc.parallel == "fsdp" and pc.world_size > 1:
         # one block's full parameters gathered in the compute dtype, and the next prefetched
-        block_params = max(sum(p.numel() for p in b.parameters()) for b in blocks(model))
+        block_params = max(sum(p.numel() for p in b.parameters()) for b in transformer_blocks(model))
         components["fsdp all-gather buffers"] = 2 * block_params * DTYPE_BYTES[pc.precision]
 
     config = preset.transformer_config()

@@ -14,7 +14,8 @@ from torch.utils._pytree import tree_leaves, tree_map
 from shards.options import default_of
 from train.config import ObjectiveOptions
 from train.families import get_family
-from train.frozen import blocks, recomputed_blocks
+from train.frozen import recomputed_blocks
+from train.presets import transformer_blocks
 from train.swap import checkpointed_forward, inner_tensors
 
 
@@ -38,7 +39,7 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     t = torch.full((batch,), 500.0, device="meta")
 
     modules = [model] + ([controlnet] if controlnet is not None else [])
-    every_block = [b for m in modules for b in blocks(m)]
+    every_block = [b for m in modules for b in transformer_blocks(m)]
     saved = _SavedTensors({st._cdata for m in modules for p in m.parameters() for st in _storages(p)})
     hooks = []
     for i, block in enumerate(every_block):
