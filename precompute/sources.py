@@ -30,7 +30,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path, PurePath, PurePosixPath
 from urllib.parse import urlsplit
 
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+    import tomli as tomllib
 
 
 @dataclass(frozen=True)

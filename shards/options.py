@@ -273,7 +273,10 @@ def _parse_json(text: str, where: str) -> object:
 
 
 def _parse_toml(text: str, where: str) -> dict:
-    import tomllib
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser, as a package
+        import tomli as tomllib
 
     try:
         return tomllib.loads(text)
