@@ -17,9 +17,9 @@ from precompute.families.base import Preset
 from precompute.folders import CAPTION_COLUMN
 from precompute.images import ImagePolicy
 from precompute.presets import get_preset, get_text_encoder, preset_names, text_encoder_names
-from precompute.sources import Source, sources_of
+from precompute.sources import MAX_VARIANTS, TAG_KEYS, Source, check_tags, is_dataset_file, sources_of
 from shards import bucket_table
-from shards.options import Dtype, check_options, flag, opt
+from shards.options import Dtype, check_options, default_of, flag, opt
 
 # Images per VAE batch. Large batches pay on GPUs; on CPUs a batch's activations fall out of the caches
 # and every image costs more (make bench, its default tiny preset: 42 img/s at batch 1, 31 at 4, 21 at 8).
@@ -72,6 +72,25 @@ class PrecomputeConfig:
     caption_column: str = opt(CAPTION_COLUMN, "Caption column of metadata.jsonl/.csv (a string or a list of captions).")
     caption_key: list[str] = opt(["caption", "text", "prompt"], "Keys of a tar sample's .json whose values are captions "
                                                                 "(repeatable); all found are encoded.")
+    caption_variants: int = opt(1, "DATA as one source: cache up to N versions of each caption, drawn uniformly by "
+                                   "training (1: the caption as written). Variant 0 is the caption's tags in written "
+                                   "order; the others are shuffled (--shuffle-tags) and thinned (--tag-dropout), never "
+                                   "the caption prefix or the kept tags. Each variant stores the caption's text "
+                                   "embeddings again. A dataset file sets caption_variants per [[source]].",
+                                at_least=1, at_most=MAX_VARIANTS)
+    shuffle_tags: bool = opt(False, "DATA as one source: the caption variants shuffle the caption's tags (kohya's "
+                                    "--shuffle_caption, precomputed: needs --caption-variants 2 or more).")
+    keep_tokens: int = opt(0, "DATA as one source: the first N tags of a caption stay in place and are never dropped "
+                              "(kohya's --keep_tokens).", at_least=0)
+    tag_separator: str = opt(",", "DATA as one source: what separates a caption's tags (kohya's --caption_separator); "
+                                  "variants join them as the caption does (its first separator, with the spaces "
+                                  "around it).")
+    keep_tokens_separator: str | None = opt(None, "DATA as one source: kohya's --keep_tokens_separator (e.g. '|||'): in "
+                                                  "a caption holding it, the text before it stays in place (instead of "
+                                                  "--keep-tokens) and the text after a second one stays at the end.")
+    tag_dropout: float = opt(0.0, "DATA as one source: the probability of leaving out each tag that is not kept, per "
+                                  "variant (kohya's --caption_tag_dropout_rate; needs --caption-variants 2 or more).",
+                             at_least=0, below=1)
     control: bool = opt(False, "ControlNet training: every image pairs with a control image whose latent is cached beside "
                                "its own, encoded by the same VAE after the image's bucket, resize and crop (a control "
                                "image of another size but the same aspect ratio, within 1 %, is resized to match). Found "
@@ -121,6 +140,7 @@ class PrecomputeConfig:
         if not self.data:
             raise ValueError("DATA is empty: name a folder of images, a metadata file's folder, webdataset tars or a dataset file")
         self.remove_source = list(self.remove_source)
+        self.check_tags()
         listed = {s.name for s in self.sources()}
         if both := sorted(listed & set(self.remove_source)):
             raise ValueError(f"--remove-source {both[0]}: DATA lists that source too; remove it from the dataset file first")
@@ -152,10 +172,26 @@ class PrecomputeConfig:
         if self.repair and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--repair runs in one process (it re-encodes only the damaged shards' samples); run it without torchrun")
 
+    def check_tags(self) -> None:
+        """The caption-variant options: for DATA as one source, valid together; a dataset file sets them per source."""
+        given = {key for key in TAG_KEYS if getattr(self, key) != default_of(PrecomputeConfig, key)}
+        if given and is_dataset_file(self.data):
+            key = min(given, key=TAG_KEYS.index)
+            raise ValueError(f"{flag(key)}: DATA is a dataset file, whose sources set their own caption variants: write "
+                             f"{key} = ... in the [[source]] tables it applies to")
+        problem = check_tags({key: getattr(self, key) for key in TAG_KEYS}, given, flag)
+        if problem:
+            key, message = problem
+            value = getattr(self, key)
+            raise ValueError(f"{flag(key)}{'' if isinstance(value, bool) else f' {value!r}'}: {message}")
+
     def sources(self) -> list[Source]:
-        """DATA as its sources: a dataset file's, or one source named after the path (checked once, then kept)."""
+        """DATA as its sources: a dataset file's, or one source named after the path with the run's caption-variant
+        options (checked once, then kept)."""
         if not hasattr(self, "_sources"):
             self._sources = sources_of(self.data)
+            if not is_dataset_file(self.data):
+                self._sources = [replace(self._sources[0], **{key: getattr(self, key) for key in TAG_KEYS})]
         return self._sources
 
     def preset(self) -> Preset:

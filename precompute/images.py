@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from precompute.captions import TagOptions, caption_variants
 from shards import Bucket, aspect_error, nearest_bucket
 
 PREPROCESSING_VERSION = 1  # bump when anything below changes the pixels or captions produced
@@ -40,6 +41,7 @@ class ImagePolicy:
         caption_prefix: put before every caption of the source (a trigger word).
         default_caption: the caption of an image that has none (otherwise skipped as missing or empty).
         flip: the source's samples also cache the latent of the horizontally flipped image.
+        tags: how the source's captions become variants (`precompute.captions`); None: each as written.
         control: every image pairs with a control image (`Record.control`), resized and cropped as the image is;
             an image without one is skipped.
     """
@@ -53,6 +55,7 @@ class ImagePolicy:
     caption_prefix: str = ""
     default_caption: str | None = None
     flip: bool = False
+    tags: TagOptions | None = None
     control: bool = False
 
     def fingerprint(self) -> dict:
@@ -214,7 +217,8 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
 
     Returns:
         A dict with `status` ("ok", "unchanged" or "failed") and `source`; "ok" adds `key`, `bucket`,
-        `pixels` (3, H, W) uint8, `captions`, `original_size` (h, w), `crop` (top, left, h, w), with
+        `pixels` (3, H, W) uint8, `captions` (after the prefix; with `policy.tags`, every caption's variants),
+        `original_size` (h, w), `crop` (top, left, h, w), with
         `policy.control` `control_pixels` (3, H, W) uint8 (the control image resized and cropped as the image)
         and, when a caption was not UTF-8, `caption_fallback` (the encoding it was read in, "cp1252" or
         "latin-1"); "unchanged" adds `key`; "failed" adds `reason` and `detail`.
@@ -235,7 +239,9 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         return failed(record.control_missing, record.control_detail)
     if policy.control and not record.control:
         return failed("corrupt_control", "zero-byte control image")
-    captions = [policy.caption_prefix + c for c in captions]
+    # the content seeds the variants: the same input gives the same captions, hence the same key, on every run
+    seed = hashlib.sha256(record.image).digest() if policy.tags is not None else b""
+    captions = caption_variants(captions, policy.tags, policy.caption_prefix, seed)
     key = content_key(record.image, captions, policy.flip, record.control if policy.control else None)
     if key in skip_keys:
         return {"status": "unchanged", "source": record.source, "key": key}

@@ -75,7 +75,8 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
         keys: keys already cached: an input of one of them is reported unchanged after reading.
     """
     data = source.path
-    policy = replace(policy, caption_prefix=source.caption_prefix, default_caption=source.default_caption, flip=source.flip)
+    policy = replace(policy, caption_prefix=source.caption_prefix, default_caption=source.default_caption, flip=source.flip,
+                     tags=source.tags())
     tar = is_tar_source(data)
     hf = not tar and is_hf_dataset(data)
     in_tar = "a tar sample holds its control image as its KEY.control.png member"

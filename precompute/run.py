@@ -207,9 +207,12 @@ def check_cache(config: PrecomputeConfig, enc: Encoders, manifest, inputs: Input
     schema = cache_schema(enc, storage, manifest, inputs.sources, config.cache, config.control)
     if manifest is not None:
         manifest.check_compatible(fingerprint, schema, config.cache)
-    growth = sum(max(0, (i.listed or 0) - len(inputs.previous[name])) for name, i in inputs.listings.items())
-    if config.check_disk and is_main and growth and not config.repair:
-        check_disk_space(config.cache, estimate_bytes_per_sample(enc, policy, storage, control=config.control) * growth)
+    growth = {s.name: max(0, (inputs.listings[s.name].listed or 0) - len(inputs.previous[s.name])) for s in inputs.sources}
+    if config.check_disk and is_main and any(growth.values()) and not config.repair:
+        # a source's caption variants are that many captions per sample (fewer where some were identical)
+        need = sum(n * estimate_bytes_per_sample(enc, policy, storage, captions=s.caption_variants, control=config.control)
+                   for s in inputs.sources if (n := growth[s.name]))
+        check_disk_space(config.cache, need)
     return fingerprint, schema
 
 

@@ -8,9 +8,16 @@ repeats = 3                # or: weight = 0.25 (a share of each epoch); default 
 caption_prefix = "sks dog, "
 default_caption = "a photo of sks dog"   # for images without a caption
 flip = true                # also cache the horizontally flipped latent; training draws one of the two
+caption_variants = 4       # tag-list captions: up to 4 versions of each caption, one drawn per step
+shuffle_tags = true        # ... with the tags shuffled (kohya's shuffle_caption)
+keep_tokens = 1            # ... except the first tag (after caption_prefix, which always stays first)
+tag_dropout = 0.1          # ... and each other tag dropped with this probability
 # with --control (ControlNet caches), where a folder's control images are, when not beside the images:
 control = "/data/photos-canny"   # /data/photos-canny/a/x.png is the control image of /data/photos/a/x.jpg
 ```
+
+`tag_separator` (default ",") separates a caption's tags; `keep_tokens_separator` (kohya's, e.g. "|||") keeps the text
+before it in place instead of `keep_tokens` (`precompute.captions` says how variants are made).
 
 `control_column` names the control image column of a Hugging Face dataset (default `control_image`) or of a
 folder's metadata.jsonl/.csv (default `control_file_name`).
@@ -29,6 +36,8 @@ import re
 from dataclasses import dataclass, fields
 from pathlib import Path, PurePath, PurePosixPath
 from urllib.parse import urlsplit
+
+from precompute.captions import TagOptions
 
 try:
     import tomllib
@@ -56,6 +65,9 @@ class Source:
             relative names, with any image extension (`control/a/x.png` for `a/x.jpg`), instead of sidecars.
         control_column: with --control, the control image column of a Hugging Face dataset (default
             `control_image`) or of a folder's metadata.jsonl/.csv (default `control_file_name`).
+        caption_variants, shuffle_tags, keep_tokens, tag_separator, keep_tokens_separator, tag_dropout: each
+            caption cached as up to `caption_variants` versions, its tags shuffled and dropped
+            (`precompute.captions.TagOptions`, which `tags()` builds); 1: the caption as written.
     """
 
     name: str
@@ -70,17 +82,39 @@ class Source:
     split: str = "train"
     control: str | None = None
     control_column: str | None = None
+    caption_variants: int = 1
+    shuffle_tags: bool = False
+    keep_tokens: int = 0
+    tag_separator: str = ","
+    keep_tokens_separator: str | None = None
+    tag_dropout: float = 0.0
     from_file: bool = False  # listed by a dataset file (messages name it), rather than DATA itself
 
+    def tags(self) -> TagOptions | None:
+        """How the source's captions become variants; None: each caption is cached as written."""
+        if self.caption_variants == 1:
+            return None
+        return TagOptions(self.caption_variants, self.shuffle_tags, self.keep_tokens, self.tag_separator,
+                          self.keep_tokens_separator, self.tag_dropout)
+
+    def tag_record(self) -> dict:
+        """The caption-variant options, as the manifest records them (nothing for a source without variants)."""
+        if self.tags() is None:
+            return {}
+        return {key: getattr(self, key) for key in TAG_KEYS if getattr(self, key) is not None}
+
     def salt(self) -> int:
-        """Mixed into every input stamp of the source (0: nothing to mix), so that editing its caption options,
-        `flip` or where its control images are makes an incremental run read its inputs again instead of calling
-        them unchanged."""
-        if not (self.caption_prefix or self.default_caption is not None or self.flip or self.control or self.control_column):
+        """Mixed into every input stamp of the source (0: nothing to mix), so that editing its caption options
+        (variants included), `flip` or where its control images are makes an incremental run read its inputs again
+        instead of calling them unchanged."""
+        if not (self.caption_prefix or self.default_caption is not None or self.flip or self.control or self.control_column
+                or self.tags()):
             return 0
         text = f"{self.caption_prefix}\0{self.default_caption}\0{self.flip}"
         if self.control or self.control_column:  # absent from the text otherwise: the salts of older caches stay
             text += f"\0{self.control}\0{self.control_column}"
+        if self.tags():  # likewise
+            text += "\0tags" + "".join(f"\0{key}={getattr(self, key)!r}" for key in TAG_KEYS)
         return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big") >> 1 or 1
 
     def record(self) -> dict:
@@ -89,9 +123,12 @@ class Source:
         optional = {k: v for k, v in (("caption_prefix", self.caption_prefix), ("default_caption", self.default_caption),
                                       ("flip", self.flip), ("control", self.control),
                                       ("control_column", self.control_column)) if v}
-        return {"path": self.path, **share, **optional}
+        return {"path": self.path, **share, **optional, **self.tag_record()}
 
 
+# the caption-variant keys, which `check_tags` checks together
+TAG_KEYS = ("caption_variants", "shuffle_tags", "keep_tokens", "tag_separator", "keep_tokens_separator", "tag_dropout")
+MAX_VARIANTS = 64  # each variant stores the caption's text embeddings again
 KEYS = {f.name for f in fields(Source)} - {"from_file"}  # what a [[source]] table may set
 KEY_HELP = {  # `python -m precompute --help` lists these
     "name": "the source's name in the cache (default: the path's last component)",
@@ -110,6 +147,20 @@ KEY_HELP = {  # `python -m precompute --help` lists these
                "x.control.png",
     "control_column": "with --control: the control image column of a Hugging Face dataset (default control_image) or "
                       "of the folder's metadata.jsonl/.csv (default control_file_name)",
+    "caption_variants": f"cache up to N versions of each caption (1 to {MAX_VARIANTS}; default 1, the caption as written); "
+                        "training draws one of a sample's captions uniformly each time. Variant 0 is the caption's tags "
+                        "in written order; the others are shuffled (shuffle_tags) and thinned (tag_dropout). Each variant "
+                        "stores the caption's text embeddings again",
+    "shuffle_tags": "true: variants shuffle the caption's tags (kohya's shuffle_caption, precomputed); needs "
+                    "caption_variants >= 2",
+    "keep_tokens": "the first N tags of a caption stay in place and are never dropped (after caption_prefix, which "
+                   "always stays first; default 0)",
+    "tag_separator": "what separates a caption's tags (default \",\"; kohya's caption_separator); variants join them "
+                     "as the caption does (its first separator, with the spaces around it)",
+    "keep_tokens_separator": "kohya's keep_tokens_separator (e.g. \"|||\"): in a caption holding it, the text before "
+                             "it stays in place (instead of keep_tokens) and the text after a second one stays at the end",
+    "tag_dropout": "the probability of leaving out each tag that is not kept, per variant (0 <= p < 1; kohya's "
+                   "caption_tag_dropout_rate); needs caption_variants >= 2",
 }
 assert set(KEY_HELP) == KEYS
 NAME = re.compile(r"[^\t\n\r/\\]+")  # printable in `shards ls`' tab-separated lines; not a path
@@ -186,9 +237,14 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         for key, value in table.items():
             problem = _check(key, value)
             if problem:
-                raise ValueError(f"{where(i, key)}: {key} = {value!r}: {problem}")
+                raise ValueError(f"{where(i, key)}: {_label(table)}{key} = {value!r}: {problem}")
         if "repeats" in table and "weight" in table:
             raise ValueError(f"{where(i, 'weight')}: give repeats or weight, not both")
+        tag_values = {key: table.get(key, getattr(Source, key)) for key in TAG_KEYS}
+        problem = check_tags(tag_values, set(table))
+        if problem:
+            key, message = problem
+            raise ValueError(f"{where(i, key)}: {_label(table)}{key} = {tag_values[key]!r}: {message}")
         values = dict(table)
         values.setdefault("name", default_name(values["path"]))
         if not NAME.fullmatch(values["name"]):
@@ -221,10 +277,35 @@ def read_dataset_file(file: str | Path) -> list[Source]:
     return sources
 
 
+def _label(table: dict) -> str:
+    """How a message names the source of a [[source]] table: "source 'name': ", or nothing when its name and path
+    are themselves amiss."""
+    name = table.get("name")
+    if isinstance(name, str):
+        return f"source {name!r}: "
+    return f"source {default_name(table['path'])!r}: " if isinstance(table.get("path"), str) else ""
+
+
 def _check(key: str, value) -> str | None:
     """Why `value` is not a valid `key` of a source, or None."""
     if key == "flip":
         return None if isinstance(value, bool) else "must be true or false"
+    if key in ("shuffle_tags",):
+        return None if isinstance(value, bool) else "must be true or false"
+    if key == "keep_tokens":
+        return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else "must be a whole number ≥ 0"
+    if key == "caption_variants":
+        ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_VARIANTS
+        return None if ok else f"must be a whole number from 1 to {MAX_VARIANTS} (each variant stores the caption's text again)"
+    if key == "tag_dropout":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+        return None if ok else "must be a number from 0 up to (not including) 1"
+    if key in ("tag_separator", "keep_tokens_separator"):
+        if not isinstance(value, str):
+            return "must be a string"
+        if not value:
+            return "must not be empty"
+        return "must not hold a NUL character" if "\x00" in value else None
     if key in ("name", "path", "caption_prefix", "image_column", "caption_column", "split", "default_caption", "control",
                "control_column"):
         if not isinstance(value, str):
@@ -239,6 +320,32 @@ def _check(key: str, value) -> str | None:
     if key == "weight":
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
         return None if ok else "must be a finite number above 0"
+    return None
+
+
+def check_tags(values: dict, given: set[str], name=lambda key: key) -> tuple[str, str] | None:
+    """Why a source's caption-variant options (`TAG_KEYS` -> value) are refused, alone or together, as (the key to
+    change, the problem), or None. `given`: the keys set (a default is not a mistake); `name`: how the message names
+    another key (a dataset file's key, or a command line's flag)."""
+    for key in TAG_KEYS:
+        problem = _check(key, values[key]) if values[key] is not None else None
+        if problem:
+            return key, problem
+    variants, shuffle, dropout = values["caption_variants"], values["shuffle_tags"], values["tag_dropout"]
+    varies = shuffle or dropout > 0
+    if variants > 1 and not varies:
+        return "caption_variants", (f"nothing varies the caption: set {name('shuffle_tags')} (and/or "
+                                    f"{name('tag_dropout')}), or leave {name('caption_variants')} at 1")
+    if varies and variants == 1:
+        key = "shuffle_tags" if shuffle else "tag_dropout"
+        return key, (f"the text embeddings are cached, so shuffled or thinned captions are precomputed: set "
+                     f"{name('caption_variants')} to the number of versions to cache per caption (2 or more, e.g. 4; "
+                     f"each stores the caption's text again)")
+    for key in ("keep_tokens", "tag_separator", "keep_tokens_separator"):
+        if key in given and not varies:
+            return key, f"applies to caption variants only: set {name('shuffle_tags')} or {name('tag_dropout')} too"
+    if values["keep_tokens_separator"] is not None and values["keep_tokens_separator"] == values["tag_separator"]:
+        return "keep_tokens_separator", f"must differ from {name('tag_separator')} ({values['tag_separator']!r})"
     return None
 
 

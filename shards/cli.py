@@ -47,6 +47,7 @@ def summary(cache: Cache) -> dict:
     m = cache.manifest
     field_bytes = dict(zip(m.shards.fields, (int(v) for v in m.shards.column("field_bytes").sum(0))))
     n = max(m.num_samples, 1)
+    captions = m.captions()
     return {
         "root": str(cache.root),
         "samples": m.num_samples,
@@ -59,11 +60,34 @@ def summary(cache: Cache) -> dict:
         "buckets": {b.name: {"samples": st.samples, "shards": st.shards, "bytes": st.bytes} for b, st in m.buckets().items()},
         # the named sources of stage one's dataset file ("": samples cached without a name), with what stage one
         # recorded of each (its path, repeats or weight, caption options)
-        "sources": {name: {**totals, **m.extra.get("sources", {}).get(name, {})} for name, totals in m.datasets().items()},
+        "sources": {name: {**totals, **m.extra.get("sources", {}).get(name, {}), **_captions(captions, name, totals)}
+                    for name, totals in m.datasets().items()},
         "generation": m.generation,
         "fingerprint_sha256": m.fingerprint_sha256,
         "fingerprint": m.fingerprint,
     }
+
+
+def _captions(captions: dict[str, int], name: str, totals: dict) -> dict:
+    """A source's caption count and captions per sample (several: a list of captions, or caption variants)."""
+    if name not in captions:
+        return {}
+    return {"captions": captions[name], "captions_per_sample": captions[name] / max(totals["samples"], 1)}
+
+
+# the caption-variant options stage one records of a source, as `inspect` shows them (the dataset file's keys)
+VARIANT_KEYS = ("shuffle_tags", "keep_tokens", "keep_tokens_separator", "tag_dropout", "tag_separator")
+
+
+def _caption_line(src: dict) -> str | None:
+    """A source's captions per sample and its caption variants, when it has either."""
+    parts = []
+    if src.get("caption_variants", 1) > 1:
+        options = [k if v is True else f"{k} {v!r}" for k in VARIANT_KEYS if (v := src.get(k)) not in (None, False, 0)]
+        parts.append(f"caption_variants {src['caption_variants']} ({', '.join(options)})")
+    if "captions_per_sample" in src and (parts or src["captions_per_sample"] != 1):
+        parts.insert(0, f"{src['captions_per_sample']:.2f} captions per sample ({src['captions']} in all)")
+    return "; ".join(parts) or None
 
 
 @app.command()
@@ -88,6 +112,8 @@ def inspect(
         share = f"weight {src['weight']:g}" if src.get("weight") is not None else f"repeats {src.get('repeats', 1)}"
         typer.echo(f"  {name or '(unnamed)':<24} {src['samples']:>9} samples {src['shards']:>7} shards {_human(src['bytes']):>10}"
                    f"  {share}  {src.get('path', '')}")
+        if line := _caption_line(src):
+            typer.echo(f"  {'':<24} {line}")
     typer.echo("\nfields (bytes per sample):")
     for name, f in info["fields"].items():
         typer.echo(f"  {name:<24} {f['kind']:<7} {f['dtype']:<9} {_human(f['bytes_per_sample']):>10}")

@@ -107,6 +107,17 @@ class Manifest:
         return {str(name): {"samples": int(n[names == name].sum()), "shards": int((names == name).sum()),
                             "bytes": int(b[names == name].sum())} for name in sorted(set(names.tolist()))}
 
+    def captions(self) -> dict[str, int]:
+        """Captions per dataset, from the shard table alone: the rows of its shards' `text_lengths` field (one int32
+        per caption; its bytes less the (N + 1) int64 offsets); {} for a cache without that field."""
+        spec = self.schema.get("text_lengths")
+        if spec is None or not spec.ragged or "text_lengths" not in self.shards.fields:
+            return {}
+        names = np.array(self.shards.datasets(), dtype=object)
+        stored = self.shards.column("field_bytes")[:, self.shards.fields.index("text_lengths")]
+        rows = (stored - 8 * (self.shards.column("samples") + 1)) // spec.dtype.itemsize
+        return {str(name): int(rows[names == name].sum()) for name in sorted(set(names.tolist()))}
+
     # -- the sample index --------------------------------------------------------------------------
     def samples(self, dataset: str | None = None) -> Iterator[tuple[str, str, int, int, int]]:
         """(key, source, stamp, shard index, row in shard) of every sample (of one dataset), in global index order."""

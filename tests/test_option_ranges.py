@@ -76,7 +76,13 @@ PRECOMPUTE = {
     "max_removal_fraction": ([1.5, -0.1, NAN], [0.0, 1.0]),
     "max_failure_fraction": ([1.01, -0.5, INF], [0.0, 1.0]),
     "max_shard_mb": ([-1], [0, 1]),  # 0: a shard per sample
+    "caption_variants": ([0, -1, 65], [2, 64]),  # 1 (the default): the caption as written
+    "keep_tokens": ([-1], [0, 3]),
+    "tag_dropout": ([-0.1, 1.0, NAN], [0.5, 0.99]),  # 1 would drop every tag that is not kept
 }
+# what an accepted value needs beside it
+PRECOMPUTE_CONTEXT = {"caption_variants": dict(shuffle_tags=True), "keep_tokens": dict(shuffle_tags=True, caption_variants=2),
+                      "tag_dropout": dict(caption_variants=2)}
 
 
 def numeric_fields(cls) -> set[str]:
@@ -125,7 +131,7 @@ def test_a_precompute_option_outside_its_range_is_refused_naming_it(name, value)
 
 @pytest.mark.parametrize("name, value", accepted(PRECOMPUTE))
 def test_a_precompute_option_within_its_range_is_taken(name, value):
-    assert getattr(PrecomputeConfig("data", **{name: value}), name) == value
+    assert getattr(PrecomputeConfig("data", **{**PRECOMPUTE_CONTEXT.get(name, {}), name: value}), name) == value
 
 
 @pytest.fixture
