@@ -90,10 +90,11 @@ class Record:
 CONTROL_ASPECT_TOLERANCE = 0.01
 
 
-def content_key(image: bytes, captions: list[str], flip: bool = False, control: bytes | None = None) -> str:
+def content_key(image, captions: list[str], flip: bool = False, control: bytes | None = None) -> str:
     """A sample's key: sha256 of the image bytes and every caption, whether its flipped view is cached too, and
-    the control image's bytes when it has one (a caption never holds NUL, so the markers cannot be a caption)."""
-    h = hashlib.sha256(image)
+    the control image's bytes when it has one (a caption never holds NUL, so the markers cannot be a caption).
+    `image`: the bytes, or a sha256 object that has hashed them (not changed here)."""
+    h = hashlib.sha256(image) if isinstance(image, (bytes, bytearray, memoryview)) else image.copy()
     for c in captions:
         h.update(b"\x00" + c.encode("utf-8"))
     if flip:
@@ -239,10 +240,10 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         return failed(record.control_missing, record.control_detail)
     if policy.control and not record.control:
         return failed("corrupt_control", "zero-byte control image")
-    # the content seeds the variants: the same input gives the same captions, hence the same key, on every run
-    seed = hashlib.sha256(record.image).digest() if policy.tags is not None else b""
-    captions = caption_variants(captions, policy.tags, policy.caption_prefix, seed)
-    key = content_key(record.image, captions, policy.flip, record.control if policy.control else None)
+    # the image's bytes seed the variants: the same input gives the same captions, hence the same key, on every run
+    image_hash = hashlib.sha256(record.image)
+    captions = caption_variants(captions, policy.tags, policy.caption_prefix, image_hash.digest())
+    key = content_key(image_hash, captions, policy.flip, record.control if policy.control else None)
     if key in skip_keys:
         return {"status": "unchanged", "source": record.source, "key": key}
     img, reason, detail = decode_image(record.image, policy.max_pixels)
