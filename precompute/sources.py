@@ -241,7 +241,7 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         if "repeats" in table and "weight" in table:
             raise ValueError(f"{where(i, 'weight')}: give repeats or weight, not both")
         tag_values = {key: table.get(key, getattr(Source, key)) for key in TAG_KEYS}
-        problem = check_tags(tag_values, set(table))
+        problem = check_tags(tag_values, {key for key in TAG_KEYS if tag_values[key] != getattr(Source, key)})
         if problem:
             key, message = problem
             raise ValueError(f"{where(i, key)}: {_label(table)}{key} = {tag_values[key]!r}: {message}")
@@ -325,8 +325,8 @@ def _check(key: str, value) -> str | None:
 
 def check_tags(values: dict, given: set[str], name=lambda key: key) -> tuple[str, str] | None:
     """Why a source's caption-variant options (`TAG_KEYS` -> value) are refused, alone or together, as (the key to
-    change, the problem), or None. `given`: the keys set (a default is not a mistake); `name`: how the message names
-    another key (a dataset file's key, or a command line's flag)."""
+    change, the problem), or None. `given`: the keys set to other than their default (a default is not a mistake);
+    `name`: how the message names another key (a dataset file's key, or a command line's flag)."""
     for key in TAG_KEYS:
         problem = _check(key, values[key]) if values[key] is not None else None
         if problem:
