@@ -108,12 +108,12 @@ class Source:
         (variants included), `flip` or where its control images are makes an incremental run read its inputs again
         instead of calling them unchanged."""
         if not (self.caption_prefix or self.default_caption is not None or self.flip or self.control or self.control_column
-                or self.tags()):
+                or self.tags() is not None):
             return 0
         text = f"{self.caption_prefix}\0{self.default_caption}\0{self.flip}"
         if self.control or self.control_column:  # absent from the text otherwise: the salts of older caches stay
             text += f"\0{self.control}\0{self.control_column}"
-        if self.tags():  # likewise
+        if self.tags() is not None:  # likewise
             text += "\0tags" + "".join(f"\0{key}={getattr(self, key)!r}" for key in TAG_KEYS)
         return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big") >> 1 or 1
 
@@ -288,9 +288,7 @@ def _label(table: dict) -> str:
 
 def _check(key: str, value) -> str | None:
     """Why `value` is not a valid `key` of a source, or None."""
-    if key == "flip":
-        return None if isinstance(value, bool) else "must be true or false"
-    if key in ("shuffle_tags",):
+    if key in ("flip", "shuffle_tags"):
         return None if isinstance(value, bool) else "must be true or false"
     if key == "keep_tokens":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else "must be a whole number ≥ 0"
