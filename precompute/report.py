@@ -48,6 +48,7 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
     by_reason = Counter(f["reason"] for f in failures)
     field_bytes = dict(zip(manifest.shards.fields, (int(v) for v in manifest.shards.column("field_bytes").sum(0))))
     n = max(manifest.num_samples, 1)
+    captions = manifest.captions()  # per source; several per sample: caption lists or caption variants
     summary = {
         "encoded": encoded,
         "new": counts["new"],
@@ -67,6 +68,7 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         "generation": manifest.generation,
         "buckets": {b.name: st.samples for b, st in manifest.buckets().items()},
         "sources": {name: {"samples": in_cache.get(name, {}).get("samples", 0),
+                           **({"captions": captions[name]} if name in captions else {}),
                            **{k: c[k] for k in ("new", "changed", "unchanged", "removed", "duplicate", "failed")}}
                     for name, c in (by_source or {}).items()},
         "other_sources": {name: t["samples"] for name, t in in_cache.items() if name not in (by_source or {})},
@@ -81,7 +83,9 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
           f"removed {summary['removed']}; duplicates {summary['duplicates']}", file=out)
     for name, c in summary["sources"].items():
         print(f"    source {name!r}: {c['samples']} samples; new {c['new']} / changed {c['changed']} / unchanged "
-              f"{c['unchanged']} / removed {c['removed']}; duplicates {c['duplicate']}, failed {c['failed']}", file=out)
+              f"{c['unchanged']} / removed {c['removed']}; duplicates {c['duplicate']}, failed {c['failed']}"
+              + (f"; {c['captions'] / c['samples']:.2f} captions per sample" if c.get("captions", c["samples"]) != c["samples"] else ""),
+              file=out)
     for name, n in summary["other_sources"].items():
         print(f"    source {name or '(unnamed)'!r}: {n} samples, not in this run (kept)", file=out)
     if summary["kept_unreadable"]:

@@ -43,6 +43,7 @@ def built(tmp_path_factory):
     file.write_text(f'[[source]]\nname = "tags"\npath = "data"\n{OPTIONS}', encoding="utf-8")
     summary = precompute(str(file), "tiny-sana", root / "cache", **RUN)
     assert summary["new"] == len(CAPTIONS) and summary["failed"] == 0
+    assert summary["sources"]["tags"]["captions"] == 14  # 4 + 4 + 4 + 2 (the run's summary says so per source)
     return root
 
 

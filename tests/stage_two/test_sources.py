@@ -102,7 +102,7 @@ def test_two_sources_in_one_cache_and_runs_that_touch_only_their_own(tmp_path, t
     # DATA=b alone: b is unchanged, photos is another source and is kept whole
     (b / "00000.png").unlink()
     summary = precompute(str(b), "tiny-sana", cache, **RUN)
-    assert summary["sources"] == {"b": {"samples": 3, "new": 0, "changed": 0, "unchanged": 3, "removed": 1,
+    assert summary["sources"] == {"b": {"samples": 3, "captions": 3, "new": 0, "changed": 0, "unchanged": 3, "removed": 1,
                                         "duplicate": 0, "failed": 0}}
     assert summary["other_sources"] == {"photos": 6}
     assert {n: s["samples"] for n, s in inspect_sources(cache).items()} == {"photos": 6, "b": 3}
