@@ -12,6 +12,7 @@ caption_variants = 4       # tag-list captions: up to 4 versions of each caption
 shuffle_tags = true        # ... with the tags shuffled (kohya's shuffle_caption)
 keep_tokens = 1            # ... except the first tag (after caption_prefix, which always stays first)
 tag_dropout = 0.1          # ... and each other tag dropped with this probability
+# eval = true              # held out of training: a run reports its loss (the held-out loss), never trains on it
 # with --control (ControlNet caches), where a folder's control images are, when not beside the images:
 control = "/data/photos-canny"   # /data/photos-canny/a/x.png is the control image of /data/photos/a/x.jpg
 ```
@@ -68,6 +69,8 @@ class Source:
         caption_variants, shuffle_tags, keep_tokens, tag_separator, keep_tokens_separator, tag_dropout: each
             caption cached as up to `caption_variants` versions, its tags shuffled and dropped
             (`precompute.captions.TagOptions`, which `tags()` builds); 1: the caption as written.
+        eval: held out of training: stage two never draws its samples and reports their loss (the held-out loss);
+            recorded in the manifest, so it changes no sample of the cache.
     """
 
     name: str
@@ -88,6 +91,7 @@ class Source:
     tag_separator: str = ","
     keep_tokens_separator: str | None = None
     tag_dropout: float = 0.0
+    eval: bool = False
     from_file: bool = False  # listed by a dataset file (messages name it), rather than DATA itself
 
     def tags(self) -> TagOptions | None:
@@ -122,7 +126,7 @@ class Source:
         share = {"weight": self.weight} if self.weight is not None else {"repeats": self.repeats or 1}
         optional = {k: v for k, v in (("caption_prefix", self.caption_prefix), ("default_caption", self.default_caption),
                                       ("flip", self.flip), ("control", self.control),
-                                      ("control_column", self.control_column)) if v}
+                                      ("control_column", self.control_column), ("eval", self.eval)) if v}
         return {"path": self.path, **share, **optional, **self.tag_record()}
 
 
@@ -161,6 +165,8 @@ KEY_HELP = {  # `python -m precompute --help` lists these
                              "it stays in place (instead of keep_tokens) and the text after a second one stays at the end",
     "tag_dropout": "the probability of leaving out each tag that is not kept, per variant (0 <= p < 1; kohya's "
                    "caption_tag_dropout_rate); needs caption_variants >= 2",
+    "eval": "true: hold the source out of training; stage two reports its loss every --eval-every steps (the held-out "
+            "loss) and never trains on it",
 }
 assert set(KEY_HELP) == KEYS
 NAME = re.compile(r"[^\t\n\r/\\]+")  # printable in `shards ls`' tab-separated lines; not a path
@@ -288,7 +294,7 @@ def _label(table: dict) -> str:
 
 def _check(key: str, value) -> str | None:
     """Why `value` is not a valid `key` of a source, or None."""
-    if key in ("flip", "shuffle_tags"):
+    if key in ("flip", "shuffle_tags", "eval"):
         return None if isinstance(value, bool) else "must be true or false"
     if key == "keep_tokens":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else "must be a whole number ≥ 0"

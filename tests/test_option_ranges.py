@@ -53,7 +53,11 @@ TRAIN = {
     "validate_every": ([-1], [0]),  # 0: only at the end (documented)
     "validation_steps": ([0], [1]),
     "guidance_scale": ([-1.0, NAN], [0.0, 4.5]),
-    "guidance_scale_train": ([-1.0, INF], [0.0, 3.5]),
+    "train_guidance": ([-1.0, INF], [0.0, 1.0]),
+    "eval_fraction": ([1.0, -0.1, NAN], [0.0, 0.05]),
+    "eval_every": ([-1], [0, 10]),  # 0: only at the end (documented)
+    "eval_batches": ([-1], [0, 4]),  # 0: all (documented)
+    "eval_timesteps": ([0], [1, 8]),
     "validation_seed": ([-1, 2**64], [0]),
     "validation_items": ([-1], [0]),  # 0: no grids (documented)
     "lora_rank": ([-1], [0, 4]),

@@ -284,7 +284,7 @@ def is_controlnet(path: Path) -> bool:
 APPLIED_ON_RESUME = ("steps", "lr", "warmup_steps", "lr_schedule", "weight_decay", "grad_clip", "grad_accum", "ema_decay",
                      "ema_every", "caption_dropout", "caption_dropout_embedding", "weighting_scheme", "logit_mean", "logit_std",
                      "mode_scale", "precondition_outputs", "flow_shift", "resolution_shift", "learned_variance", "lora_dropout",
-                     "controlnet_conditioning_scale", "guidance_scale_train", "base_quant", "blocks_to_swap", "lr_cycles", "lr_power", "lr_end")
+                     "controlnet_conditioning_scale", "train_guidance", "base_quant", "blocks_to_swap", "lr_cycles", "lr_power", "lr_end")
 REFUSED_ON_RESUME = {
     "model": "the checkpoint holds another preset's weights",
     "optimizer": "its moments do not carry over to another optimizer",
@@ -293,6 +293,7 @@ REFUSED_ON_RESUME = {
     "remainder": "the epoch's batches depend on it",
     "shuffle_shards": "the epoch's batches depend on it",
     "cache_weight": "the epoch's batches depend on it",
+    "eval_fraction": "which samples train and which are held out depends on it",
     "lora_rank": "LoRA adapters resume with the rank, alpha and targets they were trained with",
     "lora_alpha": "LoRA adapters resume with the rank, alpha and targets they were trained with",
     "lora_targets": "LoRA adapters resume with the rank, alpha and targets they were trained with",

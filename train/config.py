@@ -282,9 +282,13 @@ class ObjectiveOptions:
     learned_variance: bool | None = opt(
         None, "DDPM models with variance channels: train them with the VLB term as their reference trainer does (learned-range "
               "sigma, mean detached). Default: on for full fine-tuning, off for LoRA (an epsilon-only loss).")
-    guidance_scale_train: float = opt(3.5, "Models with a guidance embedding (guidance-distilled): the guidance value fed to it "
-                                           "while training, as diffusers' LoRA trainers for them (--guidance_scale 3.5).",
-                                           at_least=0)
+    train_guidance: float | None = opt(
+        None, "Models with a guidance embedding (guidance-distilled): the value fed to it while training. Default: the "
+              "preset's, 1.0, as kohya, SimpleTuner and ai-toolkit train them: the embedding was distilled from "
+              "classifier-free guidance, and the loss target (the data's velocity) is the unguided prediction, which the "
+              "model gives at guidance 1; training at 3.5 teaches the embedding that 3.5 means no guidance. Validation "
+              "still samples at --guidance-scale (the preset's, e.g. 3.5). A resumed run keeps the value it trained with "
+              "unless this is given.", at_least=0)
 
 
 @dataclass
@@ -323,6 +327,28 @@ class ValidationOptions:
 
 
 @dataclass
+class EvalOptions:
+    """The held-out loss: samples no batch trains on, their loss at fixed timesteps and noise. Reads
+    `validate_every`, `checkpoint_every` and `steps`."""
+
+    eval_fraction: float = opt(0.0, "Hold this fraction of every source's samples out of training (chosen by a hash of each "
+                                    "sample's key: the same samples in every run, resume, world size and as the cache "
+                                    "grows) and report their loss (--eval-every). Sources the dataset file marks eval = "
+                                    "true are held out whole, with or without it. 0: only those.", at_least=0, below=1)
+    eval_every: int | None = opt(None, "Compute the held-out loss every N steps, and at the end (0: only at the end). "
+                                       "Default: --validate-every if set, else --checkpoint-every.", at_least=0)
+    eval_batches: int = opt(0, "Evaluate at most this many batches of held-out samples (each source and bucket takes its "
+                               "turn; the same ones every time); 0: all of them.", at_least=0)
+    eval_timesteps: int = opt(8, "Fixed noise levels each held-out sample is evaluated at: the training timestep density's "
+                                 "quantiles (flow matching) or evenly spaced timesteps (DDPM), each with noise fixed by "
+                                 "the sample's key. Each costs one forward of the batch.", at_least=1)
+
+    def check(self) -> None:
+        if self.eval_every is None:
+            self.eval_every = self.validate_every or self.checkpoint_every
+
+
+@dataclass
 class RunOptions:
     """The run itself: its directory and seed, checkpoints, resuming, logs and trackers. Reads `model`."""
 
@@ -354,7 +380,7 @@ class RunOptions:
 
 # dataclasses collects fields from the last base to the first: --help lists the model first, the run last
 @dataclass
-class TrainConfig(RunOptions, ValidationOptions, ObjectiveOptions, OptimizerOptions, DataOptions, ParallelOptions,
+class TrainConfig(RunOptions, EvalOptions, ValidationOptions, ObjectiveOptions, OptimizerOptions, DataOptions, ParallelOptions,
                   MemoryOptions, ModelOptions):
     """Every option of a training run, one concern per base class; the CLI is built from it (see `python -m train
     --help`). A number's range is declared with it (`opt(..., at_least=1)`), shown in --help and checked before
@@ -362,8 +388,8 @@ class TrainConfig(RunOptions, ValidationOptions, ObjectiveOptions, OptimizerOpti
 
     def __post_init__(self) -> None:
         check_options(self)
-        for concern in (ModelOptions, DataOptions, RunOptions, ValidationOptions, MemoryOptions, ParallelOptions,
-                        OptimizerOptions):
+        for concern in (ModelOptions, DataOptions, RunOptions, ValidationOptions, EvalOptions, MemoryOptions,
+                        ParallelOptions, OptimizerOptions):
             concern.check(self)
 
 

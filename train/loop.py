@@ -22,13 +22,15 @@ from train.cache import check_cache, check_cache_files, check_same_caches, check
 from train.config import TrainConfig
 from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples
 from train.dryrun import dry_run, startup_plan
+from train.evaluate import Evaluator, eval_due
 from train.families import get_preset
 from train.families.base import ModelPreset
 from train.metrics import Metrics, write_memory_report
-from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption
+from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption, train_guidance
 from train.order import BatchPlan
 from train.plan import format_plan
 from train.prefetch import Prefetcher
+from train.presets import model_forward
 from train.state import TrainState, own_run
 from train.step import Diverged, TrainStep
 from train.validate import Validator, add_prompts_command
@@ -83,6 +85,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     validator = build_validator(cfg, cache, preset, objective, device, say)  # missing prompts stop the run here
     if validator is not None:
         check_cache_files(cache, is_main, ("decoder",))  # the VAE decoder's weights the cache stores, before they load
+    cfg.train_guidance = train_guidance(cfg, preset, saved)  # recorded as the value this run trains with
     run_config = {k: [str(c) for c in v] if k == "cache" else str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     if saved:
         for change in checkpoint.check_resumable(resume_from, saved, run_config, world, parallel,
@@ -117,6 +120,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             label = f"{first.plan.labels[k]}/" if first.plan.labels else ""
             for name, totals in c.manifest.datasets().items():
                 say(f"  source {name or '(unnamed)'}: {totals['samples']} samples, {draws.get(label + name, 0)} drawn per epoch")
+    if cfg.train_guidance is not None:
+        say(f"guidance embedding at {cfg.train_guidance:g} in training (the unguided target), validation at {cfg.guidance_scale:g}")
+    evaluator = build_evaluator(cfg, group, objective, rank, world, device)
+    if evaluator is not None:
+        say(evaluator.describe())
     if is_main or cfg.dry_run:
         planned = startup_plan(cfg, cache, device, world, parallel, objective,
                                model.controlnet.config.num_layers if model.controlnet is not None else None)
@@ -168,8 +176,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             bar.update(1)
             if world > 1 and distributed.any_across(stop["signal"] is not None, device):
                 stop["signal"] = stop["signal"] or signal.SIGTERM  # a signal to any rank stops all at this step
-            if progress.step % cfg.log_every == 0 or progress.step == cfg.steps:
-                record = metrics.log(progress.step, float(scheduler.get_last_lr()[0]), grad_norm, prefetch.wait_s)
+            held = None  # the held-out loss, logged with this step
+            if evaluator is not None and eval_due(progress.step, cfg.eval_every, cfg.steps):
+                held = evaluate(evaluator, model, cfg, preset, controlled)
+                metrics.exclude(held["eval_s"])
+            if progress.step % cfg.log_every == 0 or progress.step == cfg.steps or held:
+                record = metrics.log(progress.step, float(scheduler.get_last_lr()[0]), grad_norm, prefetch.wait_s, held)
                 if validator is not None:
                     metrics.report_grids(validator.finished())
                 bar.set_postfix(loss=f"{record['loss']:.4f}", smooth=f"{record['smoothed_loss']:.4f}", lr=f"{record['lr']:.2e}",
@@ -250,7 +262,7 @@ class Epochs:
     def epoch_of(self, number: int, cs: list, start: int = 0) -> Epoch:
         cfg, world = self.cfg, self.world
         plan = BatchPlan.of(cs, cfg.batch_size, seed=cfg.seed, rank=self.rank, world_size=world, remainder=cfg.remainder,
-                            shuffle_shards=cfg.shuffle_shards, weights=cfg.cache_weight or None)
+                            shuffle_shards=cfg.shuffle_shards, weights=cfg.cache_weight or None, eval_fraction=cfg.eval_fraction)
         if not plan.batches_per_epoch():
             where = ", ".join(f"{c.location} (generation {c.generation})" for c in cs)
             if not sum(len(c) for c in cs):
@@ -290,6 +302,21 @@ def validate(validator: Validator, state: TrainState, step: int, metrics: Metric
                   controlnet=model.controlnet, forward=controlled)
     metrics.report_grids(validator.finished())
     metrics.exclude(time.perf_counter() - t0)
+
+
+def build_evaluator(cfg: TrainConfig, group: list, objective, rank: int, world: int, device: torch.device) -> Evaluator | None:
+    """The held-out loss of the run's caches (the generations it started with), or None when nothing is held out."""
+    evaluator = Evaluator(group, objective, fraction=cfg.eval_fraction, batch_size=cfg.batch_size, rank=rank, world=world,
+                          timesteps=cfg.eval_timesteps, limit=cfg.eval_batches, device=device,
+                          precision=DTYPES[cfg.precision], control=cfg.controlnet)
+    return evaluator if evaluator else None
+
+
+def evaluate(evaluator: Evaluator, model, cfg: TrainConfig, preset: ModelPreset, controlled) -> dict:
+    """The held-out loss of the weights now, computed with the module itself (not through DDP: no collective but the
+    loss sums; FSDP's module is its own), the ControlNet run's with its ControlNet."""
+    forward = controlled or model_forward(model.module, preset.family, guidance=cfg.train_guidance)
+    return evaluator.run(forward, [m for m in (model.module, model.controlnet) if m is not None])
 
 
 def save(state: TrainState, progress, metrics: Metrics, group: list, run_config: dict, device: torch.device) -> None:

@@ -1,5 +1,6 @@
 """What a run reports: `metrics.jsonl` (the record; a resumed run rewrites it from its step), the trackers asked for
-(TensorBoard, wandb), validation grids, `loss.png` at the end, and memory reports on request."""
+(TensorBoard, wandb), validation grids, `loss.png` at the end (the held-out loss beside the training loss), and memory
+reports on request."""
 
 from __future__ import annotations
 
@@ -82,9 +83,10 @@ class Metrics:
         """Leave `seconds` (validation) out of the window's throughput."""
         self.t0 += seconds
 
-    def log(self, step: int, lr: float, grad_norm: float, data_wait: float) -> dict:
+    def log(self, step: int, lr: float, grad_norm: float, data_wait: float, held: dict | None = None) -> dict:
         """Close the window at `step` (every rank calls this: losses and timestep bins are summed across ranks).
-        `data_wait`: seconds the run has waited for data so far."""
+        `data_wait`: seconds the run has waited for data so far; `held`: the held-out loss computed at `step`
+        (`train.evaluate.Evaluator.run`), recorded with it."""
         elapsed = time.perf_counter() - self.t0
         world = distributed.world_size()
         local = [float(self.loss), float(self.smooth_sum), *self.bins.flatten().tolist()]  # the window's one read
@@ -97,12 +99,16 @@ class Metrics:
             "data_wait": (data_wait - self.wait) / elapsed, "peak_memory": peak_memory(self.device),
             "loss_by_timestep": [s / c if c else None for s, c in zip(sums, counts)],
             "precision": self.precision, "samples_by_source": dict(self.drawn),
+            **(held or {}),
         }
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.trackers is not None:
             self.trackers.log({name: record[name] for name in SCALARS}, step)
+            if held:  # eval/loss, and eval/loss/SOURCE with several sources
+                self.trackers.log({"loss": held["eval_loss"], **{f"loss/{name}": value for name, value in
+                                                                 held.get("eval_loss_by_source", {}).items()}}, step, "eval")
         self.losses.append((step, mean))
         self._new_window(data_wait)
         return record
@@ -186,6 +192,9 @@ def plot_losses(run: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], alpha=0.4, label="loss")
     ax.plot([r["step"] for r in rows], [r["smoothed_loss"] for r in rows], label="smoothed")
+    held = [r for r in rows if r.get("eval_loss") is not None]
+    if held:  # the held-out loss: the same loss at fixed timesteps and noise, on samples never trained on
+        ax.plot([r["step"] for r in held], [r["eval_loss"] for r in held], marker="o", label="held-out (eval)")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title(str(run))

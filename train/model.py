@@ -94,7 +94,7 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
     net = distribute(cfg, model, parallel, world, device, say, swap=swap)
     # a resumed run keeps the record of the weights it started from (a LoRA base re-resolved now may name a newer commit)
     record = state.get("weights") if resume_from else weights.to_json()
-    return Model(model, net, model_forward(net, preset.family, guidance=cfg.guidance_scale_train),
+    return Model(model, net, model_forward(net, preset.family, guidance=train_guidance(cfg, preset)),
                  [p for p in model.parameters() if p.requires_grad], adapter, record)
 
 
@@ -132,6 +132,17 @@ def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, paral
                                             latent=latent)
     record = state.get("weights") if resume_from else weights.to_json()
     return Model(transformer, wrapped, forward, [p for p in net.parameters() if p.requires_grad], None, record, controlnet=net)
+
+
+def train_guidance(cfg: TrainConfig, preset: ModelPreset, saved: dict | None = None) -> float | None:
+    """The value a guidance-distilled model's guidance embedding gets while training: --train-guidance, else the value
+    the checkpoint `saved` trained with (a resumed run goes on as it began; runs before the option was renamed recorded
+    it as guidance_scale_train), else the preset's (None for a model without the embedding)."""
+    if cfg.train_guidance is not None or preset.train_guidance is None:
+        return cfg.train_guidance
+    was = (saved or {}).get("config", {})
+    recorded = was.get("train_guidance", was.get("guidance_scale_train"))
+    return float(recorded) if recorded is not None else preset.train_guidance
 
 
 def released(preset: ModelPreset, weights, seed: int, dtype: torch.dtype, quantized: str | None) -> torch.nn.Module:

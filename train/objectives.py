@@ -1,4 +1,5 @@
-"""Training objectives: `loss, t = objective(model_fn, batch, generator)` and nothing else in the loop.
+"""Training objectives: `loss, t = objective(model_fn, batch, generator)` and nothing else in the loop; the held-out
+loss takes the same loss at fixed timesteps and noise (`fixed_times`, `loss_at`).
 
 Flow matching (rectified flow): x_t = (1 - s) x_0 + s n, the model predicts n - x_0 at timestep 1000 s, with the
 timestep density and loss weighting of diffusers' rectified-flow trainers and a timestep shift (fixed, scaled with
@@ -110,6 +111,12 @@ class FlowMatching:
         pixels = batch["bucket"][0] * batch["bucket"][1]
         s = global_slice(self.sigmas(n * part[1], pixels, generator, x0.device), n, part)
         noise = global_slice(torch.randn((n * part[1], *x0.shape[1:]), generator=generator, device=x0.device), n, part)
+        return self.loss_at(model_fn, batch, s, noise), s
+
+    def loss_at(self, model_fn: ModelFn, batch: dict, s: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Per-sample losses (B,) at noise levels `s` (B,) with this `noise` (B, C, h, w): the training loss, given
+        its draws."""
+        x0 = batch["latents"]
         s4 = s[:, None, None, None]
         xt = (1 - s4) * x0 + s4 * noise
         pred = model_fn(xt, s * 1000, batch).float()
@@ -117,8 +124,23 @@ class FlowMatching:
             pred, target = xt.float() - s4 * pred, x0.float()  # the x0 the velocity implies, against the clean latent
         else:
             target = (noise - x0).float()
-        loss = F.mse_loss(pred, target, reduction="none").mean(dim=(1, 2, 3)) * self.weights(s)
-        return loss, s
+        return F.mse_loss(pred, target, reduction="none").mean(dim=(1, 2, 3)) * self.weights(s)
+
+    def fixed_times(self, n: int, pixels: int) -> torch.Tensor:
+        """`n` fixed noise levels for a bucket of `pixels`: the quantiles (k + 1/2) / n of the training density,
+        shifted as training shifts (n,). Their mean loss is a stratified estimate of the training loss's expectation,
+        without its sampling noise."""
+        q = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+        kind = DENSITY[self.weighting_scheme]
+        if kind == "logit_normal":
+            u = torch.sigmoid(self.logit_mean + self.logit_std * math.sqrt(2.0) * torch.special.erfinv(2 * q - 1))
+        elif kind == "mode":  # diffusers' mode density maps a uniform v to this, decreasing in v: quantile q is v = 1 - q
+            v = 1 - q
+            u = 1 - v - self.mode_scale * (torch.cos(math.pi * v / 2) ** 2 - 1 + v)
+        else:
+            u = q
+        shift = self.shift_at(pixels)
+        return (shift * u / (1 + (shift - 1) * u)).float()
 
 
 class DDPM:
@@ -145,10 +167,21 @@ class DDPM:
     def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1)
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         x0 = batch["latents"]
-        n, c = x0.shape[:2]
+        n = x0.shape[0]
         total = self.scheduler.config.num_train_timesteps
         t = global_slice(torch.randint(0, total, (n * part[1],), generator=generator, device=x0.device), n, part)
         noise = global_slice(torch.randn((n * part[1], *x0.shape[1:]), generator=generator, device=x0.device), n, part)
+        return self.loss_at(model_fn, batch, t, noise), t.float() / total
+
+    def fixed_times(self, n: int, pixels: int) -> torch.Tensor:
+        """`n` fixed timesteps, evenly spaced over the uniform training range: the midpoints of n equal bins (n,)."""
+        total = self.scheduler.config.num_train_timesteps
+        return ((torch.arange(n, dtype=torch.float64) + 0.5) * total / n).long().clamp(0, total - 1)
+
+    def loss_at(self, model_fn: ModelFn, batch: dict, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Per-sample losses (B,) at timesteps `t` (B,) with this `noise` (B, C, h, w)."""
+        x0 = batch["latents"]
+        c = x0.shape[1]
         xt = self.scheduler.add_noise(x0, noise, t)
         target = noise if self.prediction == "epsilon" else self.scheduler.get_velocity(x0, noise, t)
         out = model_fn(xt, t, batch).float()
@@ -158,7 +191,7 @@ class DDPM:
             if out.shape[1] != 2 * c:
                 raise ValueError(f"--learned-variance needs a model with 2 x {c} output channels; this one has {out.shape[1]}")
             loss = loss + vlb_terms(self.scheduler, x0.float(), xt.float(), t, pred.detach(), out[:, c:])
-        return loss, t.float() / total
+        return loss
 
 
 def vlb_terms(scheduler: DDPMScheduler, x0: torch.Tensor, xt: torch.Tensor, t: torch.Tensor, eps: torch.Tensor,

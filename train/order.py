@@ -66,6 +66,53 @@ def source_draws(samples: dict[Stream, int], records: dict[str, dict]) -> dict[S
     return out
 
 
+def is_eval_source(record: dict) -> bool:
+    """Whether stage one marked the source `eval = true`: held out of training, its loss computed on it."""
+    return bool(record.get("eval"))
+
+
+def key_fraction(key: str) -> float:
+    """Where a sample key falls in [0, 1), uniformly: a function of the key alone, so a sample held out of training is
+    held out in every run, resume, world size and generation of the cache."""
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8, person=b"held-out").digest()
+    return int.from_bytes(digest, "little") / 2.0**64
+
+
+_held_in_shard: dict[tuple[str, str, float], tuple[np.ndarray, np.ndarray]] = {}  # a shard never changes: hashed once
+
+
+def held_out(caches, fraction: float) -> dict[Stream, tuple[np.ndarray, np.ndarray]]:
+    """The samples no training batch draws, per stream, as (global indices, their keys' place in [0, 1)) in index
+    order: every sample of a source stage one marked `eval = true`, and, of the other sources, those whose key falls
+    below `fraction` (`key_fraction`). Read from the manifests' sample index, no shard opened; each shard's keys are
+    hashed once per process (a new generation hashes only its new shards). With several caches, their samples are
+    numbered one after the other, as `BatchPlan.of` numbers them."""
+    caches = caches if isinstance(caches, (list, tuple)) else [caches]
+    out: dict[Stream, list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+    offset = 0
+    for c, one in enumerate(caches):
+        records = one.manifest.extra.get("sources", {})
+        names, table = one.shards.datasets(), one.shards
+        heights, widths = table.column("height"), table.column("width")
+        for j, name in enumerate(names):
+            share = 1.0 if is_eval_source(records.get(name, {})) else fraction
+            if share <= 0:
+                continue
+            entry = table[j]
+            memo = (entry.path, entry.sha256, share)
+            if memo not in _held_in_shard:
+                where = np.array([key_fraction(k) for k in table.samples_of(int(table.rows[j]))[0]], dtype=np.float64)
+                rows = np.flatnonzero(where < share)
+                _held_in_shard[memo] = (rows, where[rows])
+            rows, where = _held_in_shard[memo]
+            if len(rows):
+                stream = Stream(Bucket(int(heights[j]), int(widths[j])), name, c)
+                out[stream].append((rows + int(one.shard_starts[j]) + offset, where))
+        offset += len(one)
+    return {st: (np.concatenate([i for i, _ in parts]), np.concatenate([w for _, w in parts]))
+            for st, parts in sorted(out.items())}
+
+
 def cache_labels(locations: list[str]) -> list[str]:
     """Short names of a run's caches: the last component of each location, numbered where two are alike."""
     names = [location.rstrip("/").rsplit("/", 1)[-1] for location in locations]
@@ -124,6 +171,11 @@ class BatchPlan:
     stream of its own, batches never mix sources, and a stream drawn more often than it has samples (repeats,
     or a large weight) shuffles anew for every pass over it within the epoch.
 
+    Held-out samples (`held_out`: a source marked `eval = true`, or `--eval-fraction` of every other) are left out here,
+    in the plan: a stream's shards count only the samples it trains on, and the o-th of those in a shard is found by a
+    bisection over the sorted held-out indices (memory O(held-out), no per-sample table), so no batch of any epoch
+    holds one. Without held-out samples, the plan and its seeds are those of a plan that never heard of them.
+
     Global batches hold `batch_size * world_size` samples and are the same on every rank (a function of
     seed and epoch alone); rank r takes slice r of each. So every rank gets the same number of batches of
     the same shape at every step, and N ranks see exactly the samples one process with the global batch
@@ -138,11 +190,12 @@ class BatchPlan:
         seed, rank, world_size: the run's.
         remainder: "repeat" or "drop".
         shuffle_shards: shards whose samples are shuffled together.
+        held_out: global indices of the samples never drawn (any order), or None.
     """
 
     def __init__(self, ranges: dict[Bucket | Stream, list[range] | tuple[np.ndarray, np.ndarray]], batch_size: int,
                  seed: int = 0, rank: int = 0, world_size: int = 1, remainder: str = "repeat", shuffle_shards: int = 4,
-                 draws: dict[Stream, int] | None = None):
+                 draws: dict[Stream, int] | None = None, held_out: np.ndarray | None = None):
         if remainder not in ("repeat", "drop"):
             raise ValueError(f"remainder {remainder!r}: choose repeat or drop")
         if batch_size < 1 or shuffle_shards < 1:
@@ -154,12 +207,18 @@ class BatchPlan:
         self._starts: list[np.ndarray] = []  # per stream: its shards' first global index
         self._sizes: list[np.ndarray] = []  # and their sample counts
         ranges = {key if isinstance(key, Stream) else Stream(key): spans for key, spans in ranges.items()}
+        # sorted held-out indices, and how many trained samples come before each: the o-th trained sample after
+        # index i0 is found by one bisection (`_trained`)
+        self._held = np.unique(np.asarray(held_out if held_out is not None else [], dtype=np.int64))
+        self._held_before = self._held - np.arange(len(self._held))
         for stream, spans in sorted(ranges.items()):
             if isinstance(spans, tuple):
                 starts, stops = (np.asarray(a, dtype=np.int64) for a in spans)
             else:
                 starts = np.fromiter((r.start for r in spans), dtype=np.int64, count=len(spans))
                 stops = np.fromiter((r.stop for r in spans), dtype=np.int64, count=len(spans))
+            if len(self._held):  # the samples each shard trains on
+                stops = stops - (np.searchsorted(self._held, stops) - np.searchsorted(self._held, starts))
             keep = stops > starts
             if keep.any() and (draws is None or draws.get(stream, 0) > 0):
                 self.streams.append(stream)
@@ -176,24 +235,33 @@ class BatchPlan:
         self._epochs: OrderedDict[tuple[int, int, int], _BucketEpoch] = OrderedDict()  # a few recent (epoch, stream, pass)
 
     @classmethod
-    def of(cls, cache, batch_size: int, *, weights: list[float] | None = None, **kwargs) -> BatchPlan:
+    def of(cls, cache, batch_size: int, *, weights: list[float] | None = None, eval_fraction: float = 0.0,
+           **kwargs) -> BatchPlan:
         """The plan of a `shards.Cache`'s generation (or of several caches', their samples numbered one after
         the other), from their shard tables (no shard is opened): a stream per bucket and source, each source
         drawn by the share stage one recorded for it; with `weights`, every cache's draws are scaled to its
-        share of the epoch."""
+        share of the epoch. Held-out samples (`held_out`: sources marked `eval = true`, and `eval_fraction` of the
+        others by key) are never drawn; a source's share counts the samples it trains on."""
         caches = cache if isinstance(cache, (list, tuple)) else [cache]
-        ranges, draws, offset, totals = {}, {}, 0, []
+        held = held_out(caches, eval_fraction) if eval_fraction > 0 or any(
+            is_eval_source(r) for one in caches for r in one.manifest.extra.get("sources", {}).values()) else {}
+        ranges, draws, offset, totals, excluded = {}, {}, 0, [], []
         for c, one in enumerate(caches):
             starts = one.shard_starts + offset
             heights, widths = one.shards.column("height"), one.shards.column("width")
             names = np.array(one.shards.datasets(), dtype=object)
+            records = one.manifest.extra.get("sources", {})
             samples = {}
             for h, w, name in sorted(set(zip(heights.tolist(), widths.tolist(), names.tolist()))):
+                if is_eval_source(records.get(name, {})):  # no stream: nothing of it is drawn
+                    continue
                 mine = np.flatnonzero((heights == h) & (widths == w) & (names == name))
                 stream = Stream(Bucket(int(h), int(w)), name, c)
                 ranges[stream] = (starts[mine], starts[mine + 1])
-                samples[stream] = int((starts[mine + 1] - starts[mine]).sum())
-            mine = source_draws(samples, one.manifest.extra.get("sources", {}))
+                out = held[stream][0] if stream in held else np.zeros(0, np.int64)
+                excluded.append(out)
+                samples[stream] = int((starts[mine + 1] - starts[mine]).sum()) - len(out)
+            mine = source_draws({st: n for st, n in samples.items() if n > 0}, records)
             draws |= mine
             totals.append(sum(mine.values()))
             offset += len(one)
@@ -201,7 +269,7 @@ class BatchPlan:
             target = _whole({c: sum(totals) * w / sum(weights) for c, w in enumerate(weights)})
             draws = {st: d for c in range(len(caches)) if totals[c] for st, d in _whole(
                 {st: d * target[c] / totals[c] for st, d in draws.items() if st.cache == c}).items()}
-        plan = cls(ranges, batch_size, draws=draws, **kwargs)
+        plan = cls(ranges, batch_size, draws=draws, held_out=np.concatenate(excluded) if excluded else None, **kwargs)
         if len(caches) > 1:
             plan.labels = cache_labels([getattr(one, "location", str(one.root)) for one in caches])
         return plan
@@ -276,7 +344,14 @@ class BatchPlan:
         perm, starts, ends = self._window(epoch, b, p, w, be)
         o = int(perm[q - be.window_starts[w]])
         s = int(np.searchsorted(ends, o, side="right"))
-        return int(starts[s]) + o - (int(ends[s - 1]) if s else 0), p
+        return self._trained(int(starts[s]), o - (int(ends[s - 1]) if s else 0)), p
+
+    def _trained(self, start: int, r: int) -> int:
+        """The global index of the `r`-th trained (not held-out) sample from index `start` on."""
+        if not len(self._held):
+            return start + r
+        t = start - int(np.searchsorted(self._held, start)) + r  # trained samples before it, over all indices
+        return t + int(np.searchsorted(self._held_before, t, side="right"))
 
     def global_batch(self, epoch: int, b: int, k: int) -> tuple[list[int], list[int] | None]:
         """The samples of stream `b`'s `k`-th global batch in `epoch`, and the pass that drew each (None when all

@@ -11,8 +11,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from shards.options import default_of
-from train.config import ObjectiveOptions
 from train.families import get_family
 from train.frozen import recomputed_blocks
 from train.presets import transformer_blocks
@@ -52,7 +50,7 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
 
         forward = controlled_forward(model, controlnet, preset.family)
     else:
-        forward = functools.partial(_family_forward, family, model, default_of(ObjectiveOptions, "guidance_scale_train"))
+        forward = functools.partial(_family_forward, family, model, preset.train_guidance)
     with _fused_attention(), autocast, torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
         out = forward(x, t, inputs)
     # What the loss holds while every activation is still saved: at the end of the forward pass, and at its peak

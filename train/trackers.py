@@ -58,12 +58,13 @@ class Trackers:
             self.wandb.define_metric("validation_step")
             self.wandb.define_metric("validation", step_metric="validation_step")
 
-    def log(self, scalars: dict[str, float], step: int) -> None:
+    def log(self, scalars: dict[str, float], step: int, group: str = "train") -> None:
+        """Scalars of `step` under `group/` ("train", or "eval" for the held-out loss)."""
         if self.tensorboard is not None:
             for name, value in scalars.items():
-                self.tensorboard.add_scalar(f"train/{name}", value, step)
+                self.tensorboard.add_scalar(f"{group}/{name}", value, step)
         if self.wandb is not None:
-            self.wandb.log({f"train/{name}": value for name, value in scalars.items()}, step=step)
+            self.wandb.log({f"{group}/{name}": value for name, value in scalars.items()}, step=step)
             self.wandb_step = max(self.wandb_step, step)
 
     def image(self, path: str, step: int) -> None:

@@ -14,6 +14,7 @@ import train.plan
 from train.__main__ import app as train_app
 from train.config import (
     DataOptions,
+    EvalOptions,
     MemoryOptions,
     ModelOptions,
     ObjectiveOptions,
@@ -29,7 +30,7 @@ from train.plan_config import PlanConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONCERNS = (ModelOptions, MemoryOptions, ParallelOptions, DataOptions, OptimizerOptions, ObjectiveOptions, ValidationOptions,
-            RunOptions)
+            EvalOptions, RunOptions)
 WIDE = {"COLUMNS": "250", "TERMINAL_WIDTH": "250"}
 
 

@@ -339,3 +339,42 @@ def test_validation_samples_what_the_stock_pipeline_samples(variant):
     stock = FluxPipeline._unpack_latents(out, height, width, 8)[0]
     assert ours.shape == stock.shape and torch.allclose(ours, stock, atol=1e-5)
     assert not torch.allclose(ours, noise[0], atol=1e-2)  # it sampled
+
+
+def test_flux_dev_trains_at_guidance_one_and_validates_at_three_and_a_half():
+    """FLUX.1-dev's guidance embedding gets 1.0 in training (the loss target is the unguided velocity), 3.5 in validation;
+    --train-guidance overrides it; a resumed run keeps what it trained with (runs before the option's rename recorded
+    it as guidance_scale_train); schnell, without the embedding, takes none."""
+    from train.card import describe_training
+    from train.model import train_guidance
+
+    dev, schnell = get_preset("flux-dev"), get_preset("flux-schnell")
+    assert (train_guidance(TrainConfig(model="flux-dev"), dev), TrainConfig(model="flux-dev").guidance_scale) == (1.0, 3.5)
+    assert train_guidance(TrainConfig(model="flux-dev", train_guidance=3.5), dev) == 3.5
+    assert train_guidance(TrainConfig(model="flux-dev"), dev, {"config": {"guidance_scale_train": 3.5}}) == 3.5
+    assert train_guidance(TrainConfig(model="flux-dev"), dev, {"config": {"train_guidance": 1.0}}) == 1.0
+    assert train_guidance(TrainConfig(model="flux-dev", train_guidance=2.0), dev, {"config": {"train_guidance": 1.0}}) == 2.0
+    assert not schnell.transformer_config()["guidance_embeds"] and schnell.train_guidance is None
+    assert train_guidance(TrainConfig(model="flux-schnell"), schnell, {"config": {"guidance_scale_train": 3.5}}) is None
+    rows = describe_training({"step": 1, "config": {**dataclasses.asdict(TrainConfig(model="flux-dev", train_guidance=1.0)),
+                                                    "cache": []}}, ema=False)
+    assert "| guidance embedding | 1 in training (the unguided target); validation sampled at guidance_scale 3.5" in "\n".join(rows)
+
+
+def test_tiny_flux_feeds_its_guidance_embedding_1_in_training_and_3_5_in_validation(flux_cache, tmp_path, monkeypatch):
+    from train.families import flux
+
+    seen, forward = [], flux.Flux.forward
+
+    def recording(self, model, config, xt, t, batch, guidance):
+        seen.append((torch.is_grad_enabled(), guidance))
+        return forward(self, model, config, xt, t, batch, guidance)
+
+    monkeypatch.setattr(flux.Flux, "forward", recording)
+    train(cfg(flux_cache, tmp_path / "run", steps=2, validate=True, validation_steps=1, validation_bucket=["256x256"],
+              eval_fraction=0.3, eval_timesteps=1))
+    training = {g for grad, g in seen if grad}
+    sampled = {g for grad, g in seen if not grad}
+    assert training == {1.0} and sampled == {1.0, 3.5}  # the held-out loss is the training loss: at 1.0 too
+    train(cfg(flux_cache, tmp_path / "given", steps=1, train_guidance=3.5))
+    assert {g for grad, g in seen[-1:]} == {3.5}

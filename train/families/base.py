@@ -59,6 +59,8 @@ class ModelPreset:
         revision: Hub revision of `repo` (None: its default branch).
         validation_steps, guidance_scale: how validation samples by default (`--validation-steps`,
             `--guidance-scale`).
+        train_guidance: the value a guidance-distilled model's guidance embedding gets while training
+            (`--train-guidance`); None for models without one.
     """
 
     name: str
@@ -77,6 +79,7 @@ class ModelPreset:
     revision: str | None = None
     validation_steps: int = 20
     guidance_scale: float = 4.5
+    train_guidance: float | None = None
 
     @property
     def transformer_class(self) -> type:

@@ -74,15 +74,20 @@ class Flux(Family):
     def presets(self):
         # dev shifts by the image's sequence length; schnell samples unshifted (its scheduler: shift 1, no dynamic
         # shifting); validation as FluxPipeline's defaults (dev: 28 steps at distilled guidance 3.5; schnell: the 4
-        # steps it was distilled for, no guidance)
+        # steps it was distilled for, no guidance). dev trains with its guidance embedding at 1.0, as kohya's
+        # sd-scripts, SimpleTuner and ai-toolkit train it: the loss target is the data's velocity, the unguided
+        # prediction, which the distilled embedding gives at guidance 1; training at 3.5 would teach it that 3.5 means
+        # no guidance, and sampling at 3.5 would then be unguided (washed out)
         return {
             "flux-dev": lambda: preset("flux-dev", self.name, "black-forest-labs/FLUX.1-dev", "flux_dev_transformer.json",
-                                       dynamic_shift=True, text_tokens=512, validation_steps=28, guidance_scale=3.5),
+                                       dynamic_shift=True, text_tokens=512, validation_steps=28, guidance_scale=3.5,
+                                       train_guidance=1.0),
             "flux-schnell": lambda: preset("flux-schnell", self.name, "black-forest-labs/FLUX.1-schnell",
                                            "flux_schnell_transformer.json", text_tokens=256, validation_steps=4,
                                            guidance_scale=0.0),
             "tiny-flux": lambda: ModelPreset("tiny-flux", self.name, None, TINY, "flow", "flow", dynamic_shift=True,
-                                             base_resolution=256, text_tokens=32, guidance_scale=3.5),
+                                             base_resolution=256, text_tokens=32, guidance_scale=3.5,
+                                             train_guidance=1.0),
         }
 
     def blocks(self, model):
@@ -123,7 +128,7 @@ class Flux(Family):
         g = None
         if config["guidance_embeds"]:
             if guidance is None:
-                raise ValueError("this Flux transformer embeds a guidance value (FLUX.1-dev): give one (--guidance-scale-train)")
+                raise ValueError("this Flux transformer embeds a guidance value (FLUX.1-dev): give one (--train-guidance)")
             g = torch.full((b,), float(guidance), device=xt.device, dtype=torch.float32)
         out = model(hidden_states=packed, encoder_hidden_states=text, pooled_projections=batch["pooled"].to(xt.dtype),
                     timestep=t / 1000, img_ids=img_ids, txt_ids=txt_ids, guidance=g, return_dict=False)[0]

@@ -1,0 +1,175 @@
+"""The held-out loss: the training loss of samples no batch trains on, at fixed timesteps and noise.
+
+The held-out samples are the plan's (`train.order.held_out`: sources stage one marked `eval = true`, and
+`--eval-fraction` of the others by key hash); training never draws them. Every `--eval-every` steps each of them is
+taken at `--eval-timesteps` fixed noise levels (the training density's quantiles, `fixed_times`) with noise fixed by
+its key and the level, its latent the cached posterior's mean (or the deterministic latent) and its first caption,
+never dropped or flipped. So the number moves only with the weights: comparable across steps, runs, resumes and world
+sizes, drawn beside the training loss (it is the same loss, averaged over the same density).
+
+It runs without gradients, in eval mode (no dropout), on the trained weights (the ones the training loss measures;
+an EMA's quality is what the validation grids show), and draws nothing from any RNG the training reads: a run with
+it trains exactly as one without. Ranks split every global batch as training does and sum their losses; every rank
+runs the same number of forwards of the same shapes (the last batch of a stream is completed with its first samples,
+which count for nothing), so FSDP's gathers line up. Memory: a forward without gradients, at most the training
+batch's: nothing the memory planner need add.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from train import distributed
+from train.data import TextLayout
+from train.order import cache_labels, derived_seed, held_out
+
+EVAL_NOISE = 4_000_037  # a stream of seeds of its own: no seed a training draw uses
+
+
+@dataclass(frozen=True)
+class EvalBatch:
+    """A global batch of held-out samples: one source and bucket, `indices` (global, `batch_size x world` long) of
+    which the first `real` count (the rest complete the batch)."""
+
+    source: str
+    indices: list[int]
+    where: list[float]  # each sample's key_fraction: its noise seed
+    real: int
+
+
+def eval_batches(held: dict, global_size: int, labels: list[str] | None, limit: int = 0) -> list[EvalBatch]:
+    """The held-out samples (`train.order.held_out`) as global batches, each of one stream, its samples in key-hash
+    order (so a prefix of a stream is a random subset of it); streams take turns, and `limit` (0: all) keeps the first
+    batches of that order: every source and bucket is evaluated on as many as it can be."""
+    per_stream = []
+    for stream, (indices, where) in held.items():
+        order = np.argsort(where, kind="stable")
+        indices, where = indices[order], where[order]
+        name = stream.source if labels is None else f"{labels[stream.cache]}/{stream.source}"
+        batches = []
+        for a in range(0, len(indices), global_size):
+            take = np.arange(a, a + global_size) % len(indices)  # a short last batch: completed from the start
+            batches.append(EvalBatch(name, indices[take].tolist(), where[take].tolist(), min(global_size, len(indices) - a)))
+        per_stream.append(batches)
+    out = [b for k in range(max(map(len, per_stream), default=0)) for batches in per_stream if k < len(batches)
+           for b in [batches[k]]]
+    return out[:limit] if limit else out
+
+
+class Evaluator:
+    """The run's held-out loss (see the module's docstring).
+
+    Args:
+        caches: the run's caches (the generations it started with: the held-out set stays fixed for the run).
+        objective: the run's `FlowMatching` or `DDPM`.
+        fraction: `--eval-fraction`.
+        batch_size, rank, world: the run's (every global batch is split as training splits it).
+        timesteps: the fixed noise levels per sample.
+        limit: at most this many global batches (0: all).
+        control: ControlNet runs: batches carry the samples' control latents.
+        device, precision: where and under which autocast dtype the forwards run.
+    """
+
+    def __init__(self, caches: list, objective, *, fraction: float, batch_size: int, rank: int, world: int,
+                 timesteps: int, limit: int, device: torch.device, precision: torch.dtype, control: bool = False):
+        self.caches, self.objective, self.control = caches, objective, control
+        self.batch_size, self.rank, self.timesteps, self.device = batch_size, rank, timesteps, device
+        self.starts = np.cumsum([0] + [len(c) for c in caches])
+        labels = cache_labels([c.location for c in caches]) if len(caches) > 1 else None
+        held = held_out(caches, fraction)
+        self.samples = {}  # held-out samples per source
+        for stream, (indices, _) in held.items():
+            name = stream.source if labels is None else f"{labels[stream.cache]}/{stream.source}"
+            self.samples[name] = self.samples.get(name, 0) + len(indices)
+        self.batches = eval_batches(held, batch_size * world, labels, limit)
+        self.evaluated = sum(b.real for b in self.batches)
+        self.sources = sorted({b.source for b in self.batches})
+        self.layouts = [TextLayout.of(c) for c in caches]
+        self.autocast = torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
+
+    def __bool__(self) -> bool:
+        return bool(self.batches)
+
+    def describe(self) -> str:
+        held = ", ".join(f"{name or '(unnamed)'} {n}" for name, n in sorted(self.samples.items()))
+        return (f"held-out loss on {self.evaluated} of {sum(self.samples.values())} held-out samples ({held}), "
+                f"{len(self.batches)} batch(es) at {self.timesteps} fixed timesteps each")
+
+    def _batch(self, eb: EvalBatch) -> dict:
+        """This rank's slice of a held-out batch, on the device, with its noise and which samples count."""
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        indices, where = eb.indices[mine], eb.where[mine]
+        k = int(np.searchsorted(self.starts, indices[0], side="right")) - 1
+        cache, layout = self.caches[k], self.layouts[k]
+        latent = cache.spec.latent
+        latents, controls, conds = [], [], []
+        for i in indices:
+            s = cache[i - int(self.starts[k])]
+            shape = latent.shape(s.bucket.height, s.bucket.width)
+            latents.append(s.fields[latent.fields[0]].float().reshape(shape))  # the posterior's mean, or the latent
+            if self.control:
+                controls.append(s.fields[latent.control_fields[0]].float().reshape(shape))
+            conds.append(layout.caption(s.fields, 0))
+        batch = {"latents": torch.stack(latents), **({"control": torch.stack(controls)} if self.control else {}),
+                 **layout.collate(conds), "bucket": (s.bucket.height, s.bucket.width)}
+        batch = {n: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for n, v in batch.items()}
+        position = self.rank * self.batch_size + torch.arange(len(indices))
+        batch["weight"] = (position < eb.real).float().to(self.device)  # (B,) 0 for the samples completing the batch
+        batch["where"] = where
+        return batch
+
+    def _noise(self, where: list[float], t: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """The fixed noise of each sample (by its key) at level `t` (B, C, h, w), drawn on the CPU: the same numbers on
+        any device."""
+        return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(
+            derived_seed(EVAL_NOISE, int(w * 2**53), t))) for w in where]).to(self.device)
+
+    @torch.no_grad()
+    def run(self, forward, modules: list[torch.nn.Module]) -> dict:
+        """The held-out loss of the weights now: {"eval_loss", "eval_loss_by_source" (with several sources),
+        "eval_loss_by_timestep", "eval_samples", "eval_s"}, the same on every rank. `forward`: the family's call of the
+        trained weights (`train.presets.model_forward`, or the ControlNet run's), unwrapped from DDP; `modules`: the
+        trained modules, put in eval mode for the pass."""
+        t0 = time.perf_counter()
+        was = [m.training for m in modules]
+        for m in modules:
+            m.eval()
+        k = len(self.sources)
+        sums = torch.zeros(k + self.timesteps, 2, dtype=torch.float64, device=self.device)  # per source, per level
+        try:
+            for eb in self.batches:
+                batch = self._batch(eb)
+                weight, where = batch.pop("weight"), batch.pop("where")
+                x0 = batch["latents"]
+                times = self.objective.fixed_times(self.timesteps, batch["bucket"][0] * batch["bucket"][1])
+                row = self.sources.index(eb.source)
+                for j, t in enumerate(times.tolist()):
+                    noise = self._noise(where, j, tuple(x0.shape[1:]))
+                    level = torch.full((x0.shape[0],), t, device=self.device, dtype=times.dtype)
+                    with self.autocast:
+                        loss = self.objective.loss_at(forward, batch, level, noise).double()
+                    total = torch.stack([(loss * weight).sum(), weight.double().sum()])
+                    sums[row] += total
+                    sums[k + j] += total
+        finally:
+            for m, mode in zip(modules, was):
+                m.train(mode)
+        flat = distributed.sum_across(sums.flatten().tolist(), self.device)
+        per = [(flat[2 * r], flat[2 * r + 1]) for r in range(k + self.timesteps)]
+        total = sum(s for s, _ in per[:k]), sum(n for _, n in per[:k])
+        out = {"eval_loss": total[0] / total[1] if total[1] else float("nan"),
+               "eval_loss_by_timestep": [s / n if n else None for s, n in per[k:]],
+               "eval_samples": self.evaluated}
+        if k > 1:
+            out["eval_loss_by_source"] = {name or "(unnamed)": s / n for name, (s, n) in zip(self.sources, per[:k]) if n}
+        out["eval_s"] = time.perf_counter() - t0
+        return out
+
+
+def eval_due(step: int, every: int, last: int) -> bool:
+    """Whether the held-out loss is computed after `step`: every `every` steps (0: only at the end) and at the last."""
+    return (every > 0 and step % every == 0) or step == last
