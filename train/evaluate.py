@@ -42,22 +42,25 @@ class EvalBatch:
 
 
 def eval_batches(held: dict, global_size: int, labels: list[str] | None, limit: int = 0) -> list[EvalBatch]:
-    """The held-out samples (`train.order.held_out`) as global batches, each of one stream, its samples in key-hash
-    order (so a prefix of a stream is a random subset of it); streams take turns, and `limit` (0: all) keeps the first
-    batches of that order: every source and bucket is evaluated on as many as it can be."""
+    """The held-out samples (`train.order.held_out`) as global batches, each of one stream (source and bucket). Streams
+    take turns batch by batch and `limit` (0: all) keeps the first batches of that order, so every stream is evaluated
+    on as many as it can be; a stream cut short keeps the samples first in key-hash order (a random subset of it, the
+    same every time). A stream's batches read its samples in index order: shard by shard."""
+    sizes = {stream: -(-len(indices) // global_size) for stream, (indices, _) in held.items()}
+    if limit:  # batches each stream gets in the first `limit` of the turns
+        turns = [stream for k in range(max(sizes.values(), default=0)) for stream in held if k < sizes[stream]][:limit]
+        sizes = {stream: turns.count(stream) for stream in held}
     per_stream = []
     for stream, (indices, where) in held.items():
-        order = np.argsort(where, kind="stable")
-        indices, where = indices[order], where[order]
+        keep = np.sort(np.argsort(where, kind="stable")[: sizes[stream] * global_size])
+        indices, where = indices[keep], where[keep]
         name = stream.source if labels is None else f"{labels[stream.cache]}/{stream.source}"
         batches = []
         for a in range(0, len(indices), global_size):
             take = np.arange(a, a + global_size) % len(indices)  # a short last batch: completed from the start
             batches.append(EvalBatch(name, indices[take].tolist(), where[take].tolist(), min(global_size, len(indices) - a)))
         per_stream.append(batches)
-    out = [b for k in range(max(map(len, per_stream), default=0)) for batches in per_stream if k < len(batches)
-           for b in [batches[k]]]
-    return out[:limit] if limit else out
+    return [batches[k] for k in range(max(map(len, per_stream), default=0)) for batches in per_stream if k < len(batches)]
 
 
 class Evaluator:

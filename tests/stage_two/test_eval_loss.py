@@ -126,6 +126,20 @@ def test_an_eval_source_is_read_from_the_dataset_file_and_recorded(tmp_path):
         read_dataset_file(file)
 
 
+def test_eval_batches_take_turns_and_a_limit_keeps_a_fixed_random_subset_read_in_index_order():
+    from shards import Bucket
+    from train.evaluate import eval_batches
+    from train.order import Stream
+
+    big, small = Stream(Bucket(64, 64), "a"), Stream(Bucket(48, 80), "a")
+    held = {big: (np.arange(10), np.linspace(0.9, 0.0, 10)), small: (np.arange(20, 23), np.array([0.3, 0.1, 0.2]))}
+    every = eval_batches(held, 4, None)
+    assert [(b.indices, b.real) for b in every] == [([0, 1, 2, 3], 4), ([20, 21, 22, 20], 3), ([4, 5, 6, 7], 4),
+                                                    ([8, 9, 0, 1], 2)]  # short batches completed, the extras not counted
+    assert [b.indices for b in eval_batches(held, 4, None, limit=1)] == [[6, 7, 8, 9]]  # the four lowest in key order
+    assert [b.indices for b in eval_batches(held, 4, None, limit=2)] == [[6, 7, 8, 9], [20, 21, 22, 20]]
+
+
 # ---- end to end --------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -223,3 +237,28 @@ def test_an_eval_source_is_evaluated_per_source_and_eval_batches_limits_it(tmp_p
                                                          if k not in eval_keys and key_fraction(k) < 0.25)
     train(config(tmp_path / "cache", tmp_path / "limited", eval_fraction=0.25, eval_batches=1, steps=1))
     assert 1 <= rows(tmp_path / "limited")[-1]["eval_samples"] <= 2 < last["eval_samples"]  # one batch of at most 2
+
+
+def test_a_run_resumes_only_with_the_fraction_it_held_out(cache, tmp_path):
+    from train.loop import train
+
+    train(config(cache, tmp_path / "run", steps=1))
+    with pytest.raises(ValueError, match="--eval-fraction 0.3, this run has 0.2: which samples train"):
+        train(config(cache, tmp_path / "run", eval_fraction=0.2))
+
+
+@pytest.mark.slow
+def test_two_ranks_share_the_held_out_batches_and_report_what_one_process_does(cache, tmp_path):
+    """Under DDP each rank evaluates its slice of every held-out batch and the sums are reduced: the same held-out loss
+    as one process with the global batch (and the same training losses)."""
+    from conftest import train_processes
+
+    args = ["--model", "tiny-sana", "--cache", str(cache), "--steps", "2", "--precision", "fp32", "--log-every", "1",
+            "--no-validate", "--no-progress", "--workers", "0", "--eval-fraction", "0.3", "--eval-every", "1",
+            "--eval-timesteps", "2"]
+    train_processes(1, tmp_path / "one", *args, "--batch-size", "4")
+    train_processes(2, tmp_path / "two", *args, "--batch-size", "2")
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
+    assert [r["eval_loss"] for r in two] == pytest.approx([r["eval_loss"] for r in one], rel=1e-5)
+    assert one[-1]["eval_samples"] == two[-1]["eval_samples"] > 0
