@@ -122,7 +122,7 @@ def test_an_eval_source_is_read_from_the_dataset_file_and_recorded(tmp_path):
     assert not a.eval and b.eval and b.record() == {"path": "/b", "repeats": 1, "eval": True}
     assert "eval" not in a.record() and a.salt() == b.salt() == 0  # the cached samples do not change
     file.write_text('[[source]]\npath = "/a"\neval = "yes"\n')
-    with pytest.raises(ValueError, match=r"data.toml:3: eval = 'yes': must be true or false"):
+    with pytest.raises(ValueError, match=r"data.toml:3: source 'a': eval = 'yes': must be true or false"):
         read_dataset_file(file)
 
 
