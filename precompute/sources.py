@@ -15,6 +15,12 @@ tag_dropout = 0.1          # ... and each other tag dropped with this probabilit
 # eval = true              # held out of training: a run reports its loss (the held-out loss), never trains on it
 # with --control (ControlNet caches), where a folder's control images are, when not beside the images:
 control = "/data/photos-canny"   # /data/photos-canny/a/x.png is the control image of /data/photos/a/x.jpg
+
+[[source]]                 # DreamBooth's class (regularisation) images, as kohya's is_reg
+path = "/data/dogs"
+default_caption = "a photo of a dog"
+is_reg = true              # a class source: training weights its batches' loss by prior_loss_weight
+prior_loss_weight = 1.0    # default 1.0; stage two's --prior-loss-weight overrides it
 ```
 
 `tag_separator` (default ",") separates a caption's tags; `keep_tokens_separator` (kohya's, e.g. "|||") keeps the text
@@ -71,6 +77,10 @@ class Source:
             (`precompute.captions.TagOptions`, which `tags()` builds); 1: the caption as written.
         eval: held out of training: stage two never draws its samples and reports their loss (the held-out loss);
             recorded in the manifest, so it changes no sample of the cache.
+        is_reg: a class (regularisation) source, as kohya's `is_reg`: DreamBooth's prior preservation images, whose
+            batches' loss training multiplies by `prior_loss_weight` (or, with `--preservation output`, takes against
+            the base model's own prediction). Its share of the epoch is its repeats or weight, as any source's.
+        prior_loss_weight: the loss weight of a class source's batches (default 1.0).
     """
 
     name: str
@@ -92,6 +102,8 @@ class Source:
     keep_tokens_separator: str | None = None
     tag_dropout: float = 0.0
     eval: bool = False
+    is_reg: bool = False
+    prior_loss_weight: float | None = None
     from_file: bool = False  # listed by a dataset file (messages name it), rather than DATA itself
 
     def tags(self) -> TagOptions | None:
@@ -127,7 +139,9 @@ class Source:
         optional = {k: v for k, v in (("caption_prefix", self.caption_prefix), ("default_caption", self.default_caption),
                                       ("flip", self.flip), ("control", self.control),
                                       ("control_column", self.control_column), ("eval", self.eval)) if v}
-        return {"path": self.path, **share, **optional, **self.tag_record()}
+        # a class source's role is written only for one (the records of other sources stay as they were)
+        role = {"is_reg": True, "prior_loss_weight": float(self.prior_loss_weight or 1.0)} if self.is_reg else {}
+        return {"path": self.path, **share, **optional, **self.tag_record(), **role}
 
 
 # the caption-variant keys, which `check_tags` checks together
@@ -167,6 +181,10 @@ KEY_HELP = {  # `python -m precompute --help` lists these
                    "caption_tag_dropout_rate); needs caption_variants >= 2",
     "eval": "true: hold the source out of training; stage two reports its loss every --eval-every steps (the held-out "
             "loss) and never trains on it",
+    "is_reg": "true: a class (regularisation) source, DreamBooth's prior preservation images (kohya's is_reg); training "
+              "weights its batches' loss by prior_loss_weight",
+    "prior_loss_weight": "with is_reg: the loss weight of the source's batches (> 0, default 1.0; stage two's "
+                         "--prior-loss-weight overrides it)",
 }
 assert set(KEY_HELP) == KEYS
 NAME = re.compile(r"[^\t\n\r/\\]+")  # printable in `shards ls`' tab-separated lines; not a path
@@ -251,6 +269,12 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         if problem:
             key, message = problem
             raise ValueError(f"{where(i, key)}: {_label(table)}{key} = {tag_values[key]!r}: {message}")
+        if "prior_loss_weight" in table and not table.get("is_reg"):
+            raise ValueError(f"{where(i, 'prior_loss_weight')}: prior_loss_weight weights the loss of a class source's "
+                             f"batches; add is_reg = true to this source, or drop prior_loss_weight")
+        if table.get("is_reg") and table.get("eval"):
+            raise ValueError(f"{where(i, 'is_reg')}: {_label(table)}is_reg and eval: an eval source is held out of "
+                             f"training, a class source trains; choose one")
         values = dict(table)
         values.setdefault("name", default_name(values["path"]))
         if not NAME.fullmatch(values["name"]):
@@ -294,7 +318,7 @@ def _label(table: dict) -> str:
 
 def _check(key: str, value) -> str | None:
     """Why `value` is not a valid `key` of a source, or None."""
-    if key in ("flip", "shuffle_tags", "eval"):
+    if key in ("flip", "shuffle_tags", "eval", "is_reg"):
         return None if isinstance(value, bool) else "must be true or false"
     if key == "keep_tokens":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else "must be a whole number ≥ 0"
@@ -321,7 +345,7 @@ def _check(key: str, value) -> str | None:
         return None
     if key == "repeats":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a whole number ≥ 1"
-    if key == "weight":
+    if key in ("weight", "prior_loss_weight"):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
         return None if ok else "must be a finite number above 0"
     return None

@@ -58,6 +58,7 @@ TRAIN = {
     "eval_every": ([-1], [0, 10]),  # 0: only at the end (documented)
     "eval_batches": ([-1], [0, 4]),  # 0: all (documented)
     "eval_timesteps": ([0], [1, 8]),
+    "prior_loss_weight": ([0.0, -1.0, INF, NAN], [0.5, 2.0]),
     "validation_seed": ([-1, 2**64], [0]),
     "validation_items": ([-1], [0]),  # 0: no grids (documented)
     "lora_rank": ([-1], [0, 4]),

@@ -19,6 +19,8 @@ from shards.options import SEED_MAX, Dtype, check_options, opt
 from train.families import DEFAULT_PRESET
 
 Optimizer = Literal["adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit"]
+# what class batches (of `is_reg` sources) train towards: their data, or the base model's prediction
+Preservation = Literal["prior", "output"]
 # diffusers' flow-matching trainers' `--weighting_scheme`: it sets the timestep density and the loss weight together
 WeightingScheme = Literal["logit_normal", "mode", "sigma_sqrt", "cosmap", "none"]
 # the mode density maps [0, 1] onto itself monotonically only for scales in [-1, 2 / (pi - 2) = 1.752...]
@@ -289,6 +291,19 @@ class ObjectiveOptions:
               "model gives at guidance 1; training at 3.5 teaches the embedding that 3.5 means no guidance. Validation "
               "still samples at --guidance-scale (the preset's, e.g. 3.5). A resumed run keeps the value it trained with "
               "unless this is given.", at_least=0)
+    prior_loss_weight: float | None = opt(
+        None, "The loss weight of class batches, those of a source the dataset file marks is_reg = true (DreamBooth's "
+              "class images): it multiplies their loss (default: each class source's prior_loss_weight, recorded by stage "
+              "one; 1.0 unless given there).", above=0)
+    preservation: Preservation = opt(
+        "prior", "What class batches train towards. prior: DreamBooth's prior preservation, the class images' own noise "
+                 "or velocity target. output: output preservation (ai-toolkit's Differential Output Preservation), the "
+                 "base model's own prediction, adapters off and without gradients, for the same noisy class latent and "
+                 "caption: the adapters learn to leave the class as the base draws it. One more forward per class batch "
+                 "(python -m train plan --preservation output shows its memory and compute). LoRA runs only.")
+
+    def check(self) -> None:
+        check_preservation(self)
 
 
 @dataclass
@@ -389,8 +404,22 @@ class TrainConfig(RunOptions, EvalOptions, ValidationOptions, ObjectiveOptions, 
     def __post_init__(self) -> None:
         check_options(self)
         for concern in (ModelOptions, DataOptions, RunOptions, ValidationOptions, EvalOptions, MemoryOptions,
-                        ParallelOptions, OptimizerOptions):
+                        ParallelOptions, OptimizerOptions, ObjectiveOptions):
             concern.check(self)
+
+
+def check_preservation(cfg) -> None:
+    """The rule of --preservation output, for the trainer's config and the planner's."""
+    if cfg.preservation != "output":
+        return
+    if cfg.controlnet:
+        raise ValueError("--preservation output takes the frozen transformer's prediction with the adapters off as the target "
+                         "of class batches; a ControlNet run has no adapters on it: use --preservation prior")
+    if not cfg.lora_rank:
+        raise ValueError("--preservation output needs the base model's prediction beside the trained one: with LoRA "
+                         "adapters (--lora-rank) the frozen base is that model, the adapters turned off for one forward. "
+                         "A full fine-tune would have to keep a second, frozen copy of every weight (twice the weights' "
+                         "memory): train LoRA adapters, or use --preservation prior")
 
 
 def parse_checkpointing(value: str) -> int:

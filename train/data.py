@@ -316,6 +316,8 @@ class BatchStream:
         if self.pin:
             batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         batch.update(epoch=epoch.number, cursor=planned.cursor + 1, source=planned.source)
+        if planned.source in epoch.plan.classes:  # a class source's batch: its loss is weighted (`TrainStep`)
+            batch["prior_loss_weight"] = epoch.plan.classes[planned.source]
         return batch
 
     def _put(self, q: queue.Queue, item) -> bool:

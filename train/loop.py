@@ -79,6 +79,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         if cfg.controlnet:  # a family with a ControlNet, a cache with control latents
             controlnet.check_cache(preset, c.spec, c.location)
     check_same_encoders(group)
+    check_class_sources(cfg, group)
     for c in group:  # every listed shard exists with its size; the empty caption and validation prompts are sound
         check_cache_files(c, is_main, ("prompts",))
     objective = build_run_objective(cfg, preset, config)
@@ -119,7 +120,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         if set(draws) != {""}:
             label = f"{first.plan.labels[k]}/" if first.plan.labels else ""
             for name, totals in c.manifest.datasets().items():
-                say(f"  source {name or '(unnamed)'}: {totals['samples']} samples, {draws.get(label + name, 0)} drawn per epoch")
+                weight = first.plan.classes.get(label + name)
+                role = "" if weight is None else (f", class (is_reg): loss weight "
+                                                  f"{weight if cfg.prior_loss_weight is None else cfg.prior_loss_weight:g}, "
+                                                  f"target {'the base model' if cfg.preservation == 'output' else 'its data'}")
+                say(f"  source {name or '(unnamed)'}: {totals['samples']} samples, {draws.get(label + name, 0)} drawn per "
+                    f"epoch{role}")
     if cfg.train_guidance is not None:
         say(f"guidance embedding at {cfg.train_guidance:g} in training (the unguided target), validation at {cfg.guidance_scale:g}")
     evaluator = build_evaluator(cfg, group, objective, rank, world, device)
@@ -136,7 +142,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     # trackers open before the signal handlers are swapped: one that fails to start leaves them as they were
     metrics = Metrics(cfg.run, progress.step, progress.smoothed, is_main=is_main, device=device, precision=cfg.precision,
                       drawn=progress.drawn, report_to=cfg.report_to, project=cfg.tracker_project,
-                      run_name=cfg.tracker_run_name, run_config=run_config)
+                      run_name=cfg.tracker_run_name, run_config=run_config, classes=bool(first.plan.classes))
     stop = {"signal": None, "memory": False}
     handlers = {s: signal.signal(s, lambda signum, frame: stop.update(signal=signum)) for s in (signal.SIGTERM, signal.SIGINT)}
     # `kill -USR1 PID` writes RUN/memory.txt at the next step
@@ -171,7 +177,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 continue
             grad_norm, micros = done
             for micro in micros:
-                metrics.add(micro.loss, micro.per_sample, micro.t, micro.samples * world, micro.source)
+                metrics.add(micro.loss, micro.per_sample, micro.t, micro.samples * world, micro.source, micro.class_loss)
             progress.step += 1
             bar.update(1)
             if world > 1 and distributed.any_across(stop["signal"] is not None, device):
@@ -230,6 +236,19 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     say(f"run {cfg.run}: step {progress.step}, checkpoint {summary['checkpoint']}, metrics {cfg.run / 'metrics.jsonl'}, "
         f"loss curve {cfg.run / 'loss.png'}")
     return summary
+
+
+def check_class_sources(cfg: TrainConfig, group: list) -> None:
+    """--prior-loss-weight and --preservation output act on class batches: refuse them for caches without a class
+    source, which would train as if they were not given."""
+    if cfg.prior_loss_weight is None and cfg.preservation == "prior":
+        return
+    if any(record.get("is_reg") for c in group for record in c.manifest.extra.get("sources", {}).values()):
+        return
+    given = "--preservation output" if cfg.preservation == "output" else f"--prior-loss-weight {cfg.prior_loss_weight:g}"
+    raise ValueError(f"{given} acts on the batches of class sources, and {', '.join(str(c.location) for c in group)} holds "
+                     f"none: mark the class images' source is_reg = true in the dataset file (and run stage one on it "
+                     f"again: only the record changes), or leave {given.split()[0]} out")
 
 
 def finished(cfg: TrainConfig, resume_from: Path | None, saved: dict, t_start: float, say) -> dict | None:

@@ -15,8 +15,10 @@ stock pipeline loads (`Family.save_adapter`, in one of `Family.lora_formats`):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -60,6 +62,22 @@ def add_lora(model: torch.nn.Module, config, adapter_dtype: torch.dtype = torch.
         raise ValueError(f"--lora-targets {','.join(sorted(config.target_modules))}: {e}") from None
     cast_training_params(model, dtype=adapter_dtype)  # adapters train in fp32 whatever the base's dtype
     return sum(1 for name, _ in model.named_modules() if name.endswith("lora_A"))
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """peft's `disable_adapter()` for adapters injected into `model` (no PeftModel wraps it): inside, every LoRA layer
+    computes its base layer alone; after, the adapters are on and trainable again. The weights are untouched."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
 
 
 def adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

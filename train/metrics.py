@@ -35,16 +35,19 @@ class Metrics:
         project: the trackers' project (wandb's).
         run_name: the run's name in the trackers (default: the run directory's name).
         run_config: the run's options, sent to the trackers.
+        classes: the run draws from class sources (`is_reg`): every record reports the class and instance losses.
     """
 
     def __init__(self, run: Path, step: int, smoothed: list, *, is_main: bool, device: torch.device,
                  precision: str, data_wait: float = 0.0, drawn: dict | None = None, report_to: list[str] | None = None,
-                 project: str = "cachedit", run_name: str | None = None, run_config: dict | None = None):
+                 project: str = "cachedit", run_name: str | None = None, run_config: dict | None = None,
+                 classes: bool = False):
         report_to = list(report_to or [])
         require(report_to)  # on every rank, so that all stop together
         self.run, self.is_main, self.device, self.precision = run, is_main, device, precision
         self.smooth_sum, self.smooth_n = smoothed
         self.drawn: Counter[str] = Counter(drawn or {})  # samples trained on per source, over the whole run
+        self.classes = classes  # (or a class batch was seen: from then on)
         self.losses: list[tuple[int, float]] = []
         self.grids: list[str] = []
         self.file = self.trackers = None
@@ -60,6 +63,8 @@ class Metrics:
         # sums kept on the device, read once per window: no step waits for the device to report a loss
         self.loss, self.n, self.samples, self.wait = torch.zeros((), device=self.device), 0, 0, data_wait
         self.bins = torch.zeros(2, TIMESTEP_BINS, device=self.device)  # loss sum and count per timestep bin
+        # class batches' (DreamBooth's class images) losses before their weight, and the other batches' losses
+        self.parts, self.part_n = torch.zeros(2, device=self.device), [0, 0]
         self.t0 = time.perf_counter()
 
     @property
@@ -69,10 +74,16 @@ class Metrics:
         total = distributed.sum_across([float(self.smooth_sum)], self.device)[0] / distributed.world_size()
         return [total, self.smooth_n]
 
-    def add(self, loss: torch.Tensor, per_sample: torch.Tensor, t: torch.Tensor, samples: int, source: str = "") -> None:
+    def add(self, loss: torch.Tensor, per_sample: torch.Tensor, t: torch.Tensor, samples: int, source: str = "",
+            class_loss: torch.Tensor | None = None) -> None:
         """One micro-batch: `loss` is this rank's mean, `per_sample` and `t` its samples', `samples` the global count,
-        drawn from `source` (every rank's slice of a global batch comes from the same one)."""
+        drawn from `source` (every rank's slice of a global batch comes from the same one); `class_loss`: a class
+        batch's mean loss before its prior_loss_weight (None: not a class batch)."""
         self.drawn[source] += samples
+        part = 0 if class_loss is None else 1
+        self.parts[part] += (loss if class_loss is None else class_loss).float()
+        self.part_n[part] += 1
+        self.classes = self.classes or class_loss is not None
         self.smooth_sum, self.smooth_n = 0.95 * self.smooth_sum + 0.05 * loss.float(), self.smooth_n + 1
         self.loss, self.n, self.samples = self.loss + loss.float(), self.n + 1, self.samples + samples
         which = (t.detach().float() * TIMESTEP_BINS).long().clamp(0, TIMESTEP_BINS - 1)
@@ -89,9 +100,12 @@ class Metrics:
         (`train.evaluate.Evaluator.run`), recorded with it."""
         elapsed = time.perf_counter() - self.t0
         world = distributed.world_size()
-        local = [float(self.loss), float(self.smooth_sum), *self.bins.flatten().tolist()]  # the window's one read
+        local = [float(self.loss), float(self.smooth_sum), *self.bins.flatten().tolist(), *self.parts.tolist()]  # one read
         flat = distributed.sum_across(local, self.device)
-        sums, counts = flat[2 : 2 + TIMESTEP_BINS], flat[2 + TIMESTEP_BINS :]
+        sums, counts = flat[2 : 2 + TIMESTEP_BINS], flat[2 + TIMESTEP_BINS : 2 + 2 * TIMESTEP_BINS]
+        # every rank's micro-batches are of the same kind (a global batch comes from one source): counts are alike
+        parts = {name: flat[2 + 2 * TIMESTEP_BINS + k] / world / n if n else None
+                 for k, (name, n) in enumerate(zip(("instance_loss", "class_loss"), self.part_n))}
         mean = flat[0] / world / max(self.n, 1)
         record = {
             "step": step, "loss": mean, "smoothed_loss": flat[1] / world / (1 - 0.95**self.smooth_n),  # over ~20 micro-batches
@@ -100,12 +114,13 @@ class Metrics:
             "loss_by_timestep": [s / c if c else None for s, c in zip(sums, counts)],
             "precision": self.precision, "samples_by_source": dict(self.drawn),
             **(held or {}),
+            **(parts if self.classes else {}),  # the class loss unweighted; `loss` is what trained, weighted
         }
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
         if self.trackers is not None:
-            self.trackers.log({name: record[name] for name in SCALARS}, step)
+            self.trackers.log({name: record[name] for name in (*SCALARS, *parts) if record.get(name) is not None}, step)
             if held:  # eval/loss, and eval/loss/SOURCE with several sources
                 self.trackers.log({"loss": held["eval_loss"], **{f"loss/{name}": value for name, value in
                                                                  held.get("eval_loss_by_source", {}).items()}}, step, "eval")

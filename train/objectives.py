@@ -103,27 +103,31 @@ class FlowMatching:
             return 2 / (math.pi * (1 - 2 * s + 2 * s**2))
         return torch.ones_like(s)
 
-    def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1)
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-sample losses (B,) and noise levels in [0, 1) (B,); `part` = (rank, world size)."""
+    def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1),
+                 target_fn: ModelFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-sample losses (B,) and noise levels in [0, 1) (B,); `part` = (rank, world size). `target_fn`: a
+        prediction to match instead of the data's velocity (output preservation: the base model's, no gradients)."""
         x0 = batch["latents"]  # (B, C, h, w)
         n = x0.shape[0]
         pixels = batch["bucket"][0] * batch["bucket"][1]
         s = global_slice(self.sigmas(n * part[1], pixels, generator, x0.device), n, part)
         noise = global_slice(torch.randn((n * part[1], *x0.shape[1:]), generator=generator, device=x0.device), n, part)
-        return self.loss_at(model_fn, batch, s, noise), s
+        return self.loss_at(model_fn, batch, s, noise, target_fn), s
 
-    def loss_at(self, model_fn: ModelFn, batch: dict, s: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    def loss_at(self, model_fn: ModelFn, batch: dict, s: torch.Tensor, noise: torch.Tensor,
+                target_fn: ModelFn | None = None) -> torch.Tensor:
         """Per-sample losses (B,) at noise levels `s` (B,) with this `noise` (B, C, h, w): the training loss, given
-        its draws."""
+        its draws (`target_fn`: as `__call__`'s)."""
         x0 = batch["latents"]
         s4 = s[:, None, None, None]
         xt = (1 - s4) * x0 + s4 * noise
+        # the target's forward first: its memory is freed before the trained forward saves its activations
+        base = target_fn(xt, s * 1000, batch).float() if target_fn is not None else None
         pred = model_fn(xt, s * 1000, batch).float()
-        if self.precondition_outputs:
-            pred, target = xt.float() - s4 * pred, x0.float()  # the x0 the velocity implies, against the clean latent
+        if self.precondition_outputs:  # the x0 the velocity implies, against the clean latent (or the base's x0)
+            pred, target = xt.float() - s4 * pred, x0.float() if base is None else xt.float() - s4 * base
         else:
-            target = (noise - x0).float()
+            target = (noise - x0).float() if base is None else base
         return F.mse_loss(pred, target, reduction="none").mean(dim=(1, 2, 3)) * self.weights(s)
 
     def fixed_times(self, n: int, pixels: int) -> torch.Tensor:
@@ -164,27 +168,34 @@ class DDPM:
         self.prediction = prediction
         self.learned_variance = learned_variance
 
-    def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1)
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1),
+                 target_fn: ModelFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `FlowMatching`'s; with `target_fn` the loss is against its prediction, the variance channels' too when
+        they train (in place of the VLB term)."""
         x0 = batch["latents"]
         n = x0.shape[0]
         total = self.scheduler.config.num_train_timesteps
         t = global_slice(torch.randint(0, total, (n * part[1],), generator=generator, device=x0.device), n, part)
         noise = global_slice(torch.randn((n * part[1], *x0.shape[1:]), generator=generator, device=x0.device), n, part)
-        return self.loss_at(model_fn, batch, t, noise), t.float() / total
+        return self.loss_at(model_fn, batch, t, noise, target_fn), t.float() / total
 
     def fixed_times(self, n: int, pixels: int) -> torch.Tensor:
         """`n` fixed timesteps, evenly spaced over the uniform training range: the midpoints of n equal bins (n,)."""
         total = self.scheduler.config.num_train_timesteps
         return ((torch.arange(n, dtype=torch.float64) + 0.5) * total / n).long().clamp(0, total - 1)
 
-    def loss_at(self, model_fn: ModelFn, batch: dict, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-        """Per-sample losses (B,) at timesteps `t` (B,) with this `noise` (B, C, h, w)."""
+    def loss_at(self, model_fn: ModelFn, batch: dict, t: torch.Tensor, noise: torch.Tensor,
+                target_fn: ModelFn | None = None) -> torch.Tensor:
+        """Per-sample losses (B,) at timesteps `t` (B,) with this `noise` (B, C, h, w) (`target_fn`: as `__call__`'s)."""
         x0 = batch["latents"]
         c = x0.shape[1]
         xt = self.scheduler.add_noise(x0, noise, t)
         target = noise if self.prediction == "epsilon" else self.scheduler.get_velocity(x0, noise, t)
+        base = target_fn(xt, t, batch).float() if target_fn is not None else None
         out = model_fn(xt, t, batch).float()
+        if base is not None:
+            trained = out.shape[1] if self.learned_variance else c
+            return F.mse_loss(out[:, :trained], base[:, :trained], reduction="none").mean(dim=(1, 2, 3))
         pred = out[:, :c]
         loss = F.mse_loss(pred, target.float(), reduction="none").mean(dim=(1, 2, 3))
         if self.learned_variance:

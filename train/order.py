@@ -232,6 +232,7 @@ class BatchPlan:
         # one source: the seeds of the plan before sources existed (its runs resume onto the same batches)
         self._single = len({(st.source, st.cache) for st in self.streams}) <= 1
         self.labels: list[str] | None = None  # with several caches, how batches name their source: "CACHE/SOURCE"
+        self.classes: dict[str, float] = {}  # class sources (`is_reg`) by `source_name`: their prior_loss_weight
         self._epochs: OrderedDict[tuple[int, int, int], _BucketEpoch] = OrderedDict()  # a few recent (epoch, stream, pass)
 
     @classmethod
@@ -272,6 +273,10 @@ class BatchPlan:
         plan = cls(ranges, batch_size, draws=draws, held_out=np.concatenate(excluded) if excluded else None, **kwargs)
         if len(caches) > 1:
             plan.labels = cache_labels([getattr(one, "location", str(one.root)) for one in caches])
+        for b, stream in enumerate(plan.streams):
+            record = caches[stream.cache].manifest.extra.get("sources", {}).get(stream.source, {})
+            if record.get("is_reg"):
+                plan.classes[plan.source_name(b)] = float(record.get("prior_loss_weight", 1.0))
         return plan
 
     def source_name(self, b: int) -> str:

@@ -23,7 +23,7 @@ from train.frozen import build_frozen, meta_loader, quiet_diffusers, swapped_blo
 from train.model import build_run_objective
 from train.plan_config import GiB, PlanConfig
 from train.plan_costs import cpu_peak, frozen_bytes, objective_bytes, optimizer_state_bytes
-from train.plan_trace import trace_activations
+from train.plan_trace import trace_activations, trace_base_forward, trace_flops
 from train.presets import transformer_blocks
 
 # What a card loses before the first tensor: the CUDA context (~0.3-0.5 GiB with torch's kernels), cuBLAS and cuDNN
@@ -109,8 +109,12 @@ def plan(pc: PlanConfig, objective=None) -> dict:
     components["activations"] = act
     grads = components["gradients"]
     static = sum(v for k, v in components.items() if k not in ("activations", "gradients"))
-    # Backward frees saved activations as it creates gradients: the step peaks at the larger of the two.
-    peak = static + max(act, grads)
+    preservation = preservation_costs(pc, preset) if pc.preservation == "output" else None
+    # Backward frees saved activations as it creates gradients: the step peaks at the larger of the two (and output
+    # preservation's forward, which runs before the trained one, of a class batch: the largest of the three).
+    peak = static + max(act, grads, preservation["peak"] if preservation else 0)
+    if preservation and preservation["peak"] > act:  # the batch is bounded by that forward's peak
+        act, per_sample = preservation["peak"], preservation["peak_per_sample"]
     budget = _Budget(static, grads, act, per_sample, pc.batch_size)
     # Per bucket of the preset's table: activations per sample scale with the bucket's pixels (every
     # layer is linear in the tokens with fused attention), so the traced slope is rescaled, not retraced.
@@ -138,6 +142,7 @@ def plan(pc: PlanConfig, objective=None) -> dict:
         "largest_batch_by_card": {f"{g}GB": budget.largest_batch(g * GiB - CARD_RESERVED) for g in (16, 24, 32, 40, 48, 80)},
         "largest_batch_per_bucket": by_bucket,
         "activation_bytes_per_sample": per_sample,
+        **({"preservation_forward": preservation} if preservation else {}),
     }
 
 
@@ -152,6 +157,24 @@ def activations(pc: PlanConfig, preset, batch: int, per_element: tuple[float, fl
     traced = trace_activations(built.transformer, preset, batch, pc.bucket, pc.text_tokens or preset.text_tokens, compute,
                                every, per_element, controlnet=net, swapped=pc.blocks_to_swap)
     return traced["checkpointed"] if every or pc.blocks_to_swap else traced["full"]
+
+
+def preservation_costs(pc: PlanConfig, preset) -> dict:
+    """What output preservation adds to a class batch's step: one forward of the base model (LoRA adapters off) without
+    gradients, before the trained forward. Its peak of live tensors (traced at the batch and one more sample: it grows
+    with the batch too) and its floating-point operations next to the step's (forward, backward, recomputations)."""
+    compute = DTYPES[pc.precision]
+    tokens = pc.text_tokens or preset.text_tokens
+
+    def built():
+        with quiet_diffusers():
+            return build_frozen(pc, preset, meta_loader(preset), dtype=compute, device="meta", adapter_dtype=compute).transformer
+
+    peak = trace_base_forward(built(), preset, pc.batch_size, pc.bucket, tokens, compute)
+    more = trace_base_forward(built(), preset, pc.batch_size + 1, pc.bucket, tokens, compute)
+    flops = trace_flops(built(), preset, pc.batch_size, pc.bucket, tokens, compute, pc.checkpoint_every_k(), pc.blocks_to_swap)
+    return {"peak": peak, "peak_per_sample": more - peak, "flops": flops["base_forward"], "step_flops": flops["step"],
+            "added_compute": flops["base_forward"] / flops["step"] if flops["step"] else 0.0}
 
 
 def format_plan(result: dict) -> str:
@@ -170,7 +193,16 @@ def format_plan(result: dict) -> str:
     ]
     for name, value in result["bytes"].items():
         lines.append(f"  {name:<24} {value / GiB:9.2f} GiB")
+    preservation = result.get("preservation_forward")
+    if preservation:
+        lines.append(f"  {'preservation forward':<24} {preservation['peak'] / GiB:9.2f} GiB at its peak (output preservation: "
+                     f"the base model, adapters off, no gradients, before each class batch's trained forward; the step "
+                     f"peaks at the largest of it, the activations and the gradients)")
     lines.append(f"  {'predicted peak':<24} {result['predicted_peak'] / GiB:9.2f} GiB per device")
+    if preservation:
+        lines.append(f"  output preservation adds {preservation['added_compute']:.0%} to a class batch's compute "
+                     f"({preservation['flops'] / 1e12:.3g} TFLOP on top of the step's {preservation['step_flops'] / 1e12:.3g}: "
+                     f"forward, backward and recomputations); instance batches are unchanged")
     if result["host_bytes"]:
         lines.append(f"  {'in pinned CPU memory':<24} {result['host_bytes'] / GiB:9.2f} GiB (the swapped blocks' frozen weights)")
     verdict = "fits" if result["fits"] else "does NOT fit"

@@ -9,7 +9,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shards.options import check_options, help_of, opt
-from train.config import DataOptions, MemoryOptions, ModelOptions, Optimizer, OptimizerOptions, ParallelOptions, TrainConfig, shared
+from train.config import (
+    DataOptions,
+    MemoryOptions,
+    ModelOptions,
+    ObjectiveOptions,
+    Optimizer,
+    OptimizerOptions,
+    ParallelOptions,
+    Preservation,
+    TrainConfig,
+    check_preservation,
+    shared,
+)
 
 GiB = 2**30
 # The planner also knows an optimizer no maintained library trains with (came-8bit), for comparison.
@@ -33,11 +45,13 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
     text_tokens: int | None = opt(None, "Caption tokens to plan for (default: the preset's limit, as stage one caches "
                                         "them).", at_least=1)
     gpu_memory: float = opt(80 * GiB, "Memory of one device in bytes.", above=0)
+    preservation: Preservation = shared(ObjectiveOptions, "preservation")
 
     def __post_init__(self) -> None:
         check_options(self)
         for concern in (ModelOptions, MemoryOptions, ParallelOptions):
             concern.check(self)
+        check_preservation(self)
 
     @classmethod
     def of_run(cls, cfg: TrainConfig, **plan_only) -> PlanConfig:

@@ -88,6 +88,51 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     return result
 
 
+def trace_base_forward(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype) -> int:
+    """Peak bytes of the tensors output preservation's forward creates (meta tensors, no memory used): the base model,
+    its LoRA adapters off, without gradients, so nothing is saved for backward; what counts is what is alive at once
+    (a block's temporaries, the residual stream, the prediction it returns and the step keeps as its target)."""
+    from train.lora import adapters_off
+
+    family = get_family(preset.family)
+    inputs = family.example_batch(model.config, preset, bucket, batch, text_tokens, dtype)  # zeros on the meta device
+    t = torch.full((batch,), 500.0, device="meta")
+    weights = {st._cdata for p in model.parameters() for st in _storages(p)}
+    live = _Lifetimes(weights | {st._cdata for v in (t, *inputs.values()) for st in _storages(v)})
+    autocast = _LowPrecisionMatmuls(dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    with _fused_attention(), autocast, adapters_off(model), torch.no_grad(), live:
+        out = family.forward(model, model.config, inputs["latents"], t, inputs, preset.train_guidance)
+        out.float()  # the objective's copy of the target, beside the prediction
+    return live.peak
+
+
+def trace_flops(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype, every: int = 0,
+                swapped: int = 0) -> dict:
+    """Floating-point operations (torch's FlopCounterMode, on the meta device) of output preservation's forward (the
+    base model, adapters off, no gradients) and of the training step's passes: its forward, its backward and the
+    recomputation of the blocks checkpointing or the block swap recompute (`every`, `swapped`). Installs the
+    recomputation on `model`'s blocks: give it a model built for this."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from train.lora import adapters_off
+
+    family = get_family(preset.family)
+    inputs = family.example_batch(model.config, preset, bucket, batch, text_tokens, dtype)
+    t = torch.full((batch,), 500.0, device="meta")
+    guidance = preset.train_guidance
+    counter = FlopCounterMode(display=False)
+    with counter, adapters_off(model), torch.no_grad():
+        family.forward(model, model.config, inputs["latents"], t, inputs, guidance)
+    base = counter.get_total_flops()
+    for block in recomputed_blocks(model, every, swapped):
+        block.forward = checkpointed_forward(block.forward)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        out = family.forward(model, model.config, inputs["latents"], t, inputs, guidance)
+        torch.autograd.backward(out.sum())
+    return {"base_forward": base, "step": counter.get_total_flops()}
+
+
 def _family_forward(family, model, guidance: float, xt: torch.Tensor, t: torch.Tensor, batch: dict) -> torch.Tensor:
     return family.forward(model, model.config, xt, t, batch, guidance)
 

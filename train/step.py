@@ -4,6 +4,10 @@ A step is `grad_accum` micro-batches, each forward and backward under autocast, 
 across ranks only on the last (DDP `no_sync`, FSDP `set_requires_gradient_sync`); a non-finite loss skips
 the step on every rank alike; then unscaling (fp16), clipping, the optimizer step with its stochastic
 rounding seeded by the step number, the schedule and the EMA.
+
+A batch of a class source (`is_reg`: DreamBooth's class images) has its loss multiplied by the source's
+prior_loss_weight (or --prior-loss-weight); with --preservation output its target is the base model's prediction,
+the LoRA adapters off and without gradients, for the same noisy latent and caption.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from shards.options import DTYPES
-from train import distributed
+from train import distributed, lora
 from train.config import TrainConfig
 from train.ema import EMA
 from train.model import Model
@@ -36,6 +40,7 @@ class MicroBatch:
     t: torch.Tensor  # and their timesteps in [0, 1)
     samples: int  # this rank's sample count
     source: str = ""  # the source (a named dataset of the cache) they were drawn from
+    class_loss: torch.Tensor | None = None  # a class batch's mean loss before its prior_loss_weight (None: not one)
 
 
 class TrainStep:
@@ -56,6 +61,12 @@ class TrainStep:
         self.keys: list[str] = []  # their samples, named when the step is skipped
         self.bad_in_row = 0
         self.bad_keys: list[list[str]] = []  # the samples of each skipped batch in a row
+        self.base_forward = None  # output preservation's target: the transformer with its adapters off, no gradients
+        if cfg.preservation == "output":
+            assert model.adapter is not None, "--preservation output is refused without LoRA adapters (config)"
+            # the run's own forward (its family's inputs, its guidance value): only the adapters differ; under DDP a forward
+            # without gradients prepares no reduction
+            self.base_forward = base_prediction(model.forward, model.module)
         optimizer.zero_grad(set_to_none=True)
 
     @property
@@ -74,12 +85,20 @@ class TrainStep:
         if self.parallel == "fsdp":
             self.model.module.set_requires_gradient_sync(last)
         no_sync = self.model.net.no_sync() if self.parallel == "ddp" and not last else contextlib.nullcontext()
+        weight = batch.get("prior_loss_weight")  # a class batch's (None: an instance batch)
+        if weight is not None and self.cfg.prior_loss_weight is not None:
+            weight = self.cfg.prior_loss_weight
+        target = self.base_forward if weight is not None else None
         with no_sync:
             with self.autocast:
-                per_sample, t = self.objective(self.model.forward, batch, g, part=(self.rank, self.world))
+                per_sample, t = self.objective(self.model.forward, batch, g, part=(self.rank, self.world), target_fn=target)
+                class_loss = per_sample.detach().mean() if weight is not None else None
+                if weight is not None:
+                    per_sample = per_sample * weight
                 loss = per_sample.mean()
             self.scaler.scale(loss / self.cfg.grad_accum).backward()
-        self.micros.append(MicroBatch(loss.detach(), per_sample.detach(), t, len(batch["keys"]), batch.get("source", "")))
+        self.micros.append(MicroBatch(loss.detach(), per_sample.detach(), t, len(batch["keys"]), batch.get("source", ""),
+                                      class_loss))
         self.keys += batch["keys"]
         return self.ready
 
@@ -129,3 +148,12 @@ class TrainStep:
                 f"{named}). The weights were not updated by them and no checkpoint was written. To "
                 f"try: a lower --lr (this run: {cfg.lr:g}), a smaller --grad-clip (this run: {cfg.grad_clip:g}, 0 is off), --precision bf16 "
                 f"or fp32 (this run: {cfg.precision}); if the same samples recur, check them with `python -m shards verify`.")
+
+
+def base_prediction(forward, module: torch.nn.Module):
+    """`forward` (noisy latents, timesteps, batch) -> the base model's prediction: `module`'s LoRA adapters off and no
+    gradients (nothing of it is kept for backward)."""
+    def predict(xt: torch.Tensor, t: torch.Tensor, batch: dict) -> torch.Tensor:
+        with torch.no_grad(), lora.adapters_off(module):
+            return forward(xt, t, batch)
+    return predict
