@@ -110,6 +110,8 @@ def inspect(
     typer.echo("\nsources:")
     for name, src in info["sources"].items():
         share = f"weight {src['weight']:g}" if src.get("weight") is not None else f"repeats {src.get('repeats', 1)}"
+        if src.get("is_reg"):  # a class (regularisation) source and the loss weight of its batches
+            share += f", class (is_reg), prior_loss_weight {src.get('prior_loss_weight', 1.0):g}"
         typer.echo(f"  {name or '(unnamed)':<24} {src['samples']:>9} samples {src['shards']:>7} shards {_human(src['bytes']):>10}"
                    f"  {share}  {src.get('path', '')}")
         if line := _caption_line(src):

@@ -42,6 +42,8 @@ def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: Trai
     indices = (first * cfg.batch_size)[: cfg.batch_size]
     batch = dataset.collate([dataset[(0, i)] for i in indices])
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    if cfg.preservation == "output":  # a class batch's step: output preservation's forward is measured with it
+        batch["prior_loss_weight"] = 1.0
 
     def one_step() -> None:
         while not step.ready:

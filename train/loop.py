@@ -135,6 +135,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         planned = startup_plan(cfg, cache, device, world, parallel, objective,
                                model.controlnet.config.num_layers if model.controlnet is not None else None)
         say(format_plan(planned))
+        if "preservation_forward" in planned and first.plan.classes:  # its time over an epoch: the class batches' share
+            plan_ = first.plan
+            share = sum(n for b, n in enumerate(plan_.counts) if plan_.source_name(b) in plan_.classes) / plan_.batches_per_epoch()
+            added = planned["preservation_forward"]["added_compute"]
+            say(f"output preservation: class batches are {share:.0%} of an epoch's, each {added:.0%} more compute: about "
+                f"{share * added:+.0%} for the epoch")
     if cfg.dry_run:
         return dry_run(cfg, cache, dataset, step, validator, preset, planned, device, say)
 

@@ -2,6 +2,7 @@
 and output preservation, whose target is the base model's own prediction with the LoRA adapters off."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -68,6 +69,26 @@ def test_a_wrong_class_key_is_refused_naming_the_line(tmp_path, body, line, mess
     with pytest.raises(ValueError, match=message) as e:
         read_dataset_file(file)
     assert f"{file}:{line}" in str(e.value)
+
+
+def test_marking_a_cached_source_as_class_encodes_nothing_again(tmp_path):
+    from typer.testing import CliRunner
+
+    from shards import load
+    from shards.cli import app as shards_app
+
+    dog, dogs = make_folder(tmp_path / "dog", count=2, seed=1), make_folder(tmp_path / "dogs", count=2, seed=2)
+    file = write_toml(tmp_path / "data.toml", f'[[source]]\npath = "{dog}"\n[[source]]\npath = "{dogs}"\n')
+    run = dict(workers=0, progress=False, batch_size=4, max_shard_mb=0)
+    precompute(str(file), "tiny-sana", tmp_path / "cache", **run)
+    write_toml(file, file.read_text() + "is_reg = true\nprior_loss_weight = 0.25\n")
+    summary = precompute(str(file), "tiny-sana", tmp_path / "cache", **run)
+    assert [s["unchanged"] for s in summary["sources"].values()] == [2, 2]
+    records = load(tmp_path / "cache").extra["sources"]
+    assert records["dogs"] == {"path": str(dogs), "repeats": 1, "is_reg": True, "prior_loss_weight": 0.25}
+    assert records["dog"] == {"path": str(dog), "repeats": 1}
+    shown = CliRunner().invoke(shards_app, ["inspect", str(tmp_path / "cache")]).output
+    assert "repeats 1, class (is_reg), prior_loss_weight 0.25" in shown
 
 
 # ---- stage two: one step -------------------------------------------------------------------------------------------
@@ -169,6 +190,28 @@ def test_output_preservation_targets_the_base_models_prediction(model, options):
     step.rewind()
     step.accumulate({k: v for k, v in batch.items() if k != "prior_loss_weight"}, 0)  # an instance batch: the data's
     assert torch.equal(step.micros[0].loss, step.objective(net.forward, batch, noise_of(cfg))[0].mean())
+
+
+@pytest.mark.parametrize("options", [{"base_quant": "int8"}, {"base_quant": "int8", "blocks_to_swap": 1, "grad_checkpointing": "all"}])
+def test_output_preservation_on_a_quantized_base_starts_at_zero(options):
+    pytest.importorskip("torchao")
+    preset = get_preset("tiny-sana")
+    cfg = TrainConfig(model="tiny-sana", lora_rank=4, precision="bf16", preservation="output", **options)
+    net = build_model(cfg, preset, "none", 1, CPU, resume_from=None, state={}, say=lambda *a: None)
+    optimizer = build_optimizer(cfg, net.params, CPU)
+    step = TrainStep(cfg, net, build_run_objective(cfg, preset, preset.transformer_config()), optimizer,
+                     build_schedule(cfg, optimizer), torch.amp.GradScaler("cpu", enabled=False), None, parallel="none", rank=0,
+                     world=1, device=CPU)
+    batch = {**batch_of(preset, net), "prior_loss_weight": 1.0}
+    step.accumulate(batch, 0)  # the quantized base with its adapters off is the target: exactly the trained model at step 0
+    assert torch.equal(step.micros[0].loss, torch.zeros(()))
+    step.rewind()
+    with torch.no_grad():
+        for name, p in net.module.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+    step.accumulate(batch, 0)
+    assert step.micros[0].loss > 0 and any(p.grad.any() for p in net.params)
 
 
 def test_output_preservation_needs_adapters():
@@ -313,3 +356,13 @@ def test_the_plan_command_takes_preservation(capsys):
     with pytest.raises(typer.Exit):
         plan_command("tiny-sana", resolution=128, preservation="output")
     assert "--preservation output needs" in capsys.readouterr().err
+
+
+def test_a_dry_run_measures_a_class_batchs_step_and_the_start_up_says_its_cost(class_cache, tmp_path, capsys):
+    from train.loop import train
+
+    summary = train(run_config(class_cache, tmp_path / "dry", 1, preservation="output", dry_run=True))
+    out = capsys.readouterr().out
+    assert summary["dry_run"] and summary["measured_peak"] > 0
+    assert re.search(r"output preservation: class batches are \d+% of an epoch's, each \d+% more compute: about \+\d+% for "
+                     r"the epoch", out), out
