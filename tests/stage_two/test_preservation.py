@@ -63,6 +63,7 @@ is_reg = true
     ('[[source]]\npath = "a"\nis_reg = true\nprior_loss_weight = 0\n', 4, "above 0"),
     ('[[source]]\npath = "a"\nis_reg = true\nprior_loss_weight = "1"\n', 4, "above 0"),
     ('[[source]]\npath = "a"\nis_rge = true\n', 3, "did you mean 'is_reg'"),
+    ('[[source]]\npath = "a"\nis_reg = true\neval = true\n', 3, "an eval source is held out of training"),
 ])
 def test_a_wrong_class_key_is_refused_naming_the_line(tmp_path, body, line, message):
     file = write_toml(tmp_path / "data.toml", body)
