@@ -64,13 +64,15 @@ TRAIN = {
     "lora_rank": ([-1], [0, 4]),
     "lora_alpha": ([0.0, -8.0, NAN], [8.0]),
     "lora_dropout": ([1.5, 1.0, -0.1, NAN], [0.0, 0.5]),
+    "lokr_factor": ([-2], [-1, 4]),  # -1: near square (LyCORIS' default); 0 is refused by its check
     "controlnet_layers": ([0, -1], [1]),
     "blocks_to_swap": ([-1], [0]),
     "controlnet_conditioning_scale": ([-1.0, NAN], [0.0, 1.0]),
 }
 # what an accepted value needs beside it
 TRAIN_CONTEXT = {"cache_weight": dict(cache=["a", "b"]), "controlnet_layers": dict(model="tiny-sd3", controlnet=True),
-                 "lora_alpha": dict(lora_rank=4), "lora_dropout": dict(lora_rank=4)}
+                 "lora_alpha": dict(lora_rank=4), "lora_dropout": dict(lora_rank=4),
+                 "lokr_factor": dict(lora_rank=4, adapter="lokr")}
 PRECOMPUTE = {
     "max_length": ([0, -1], [1, 77]),
     "batch_size": ([0], [1]),

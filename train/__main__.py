@@ -71,9 +71,11 @@ def export_command(
     dtype: Dtype | None = typer.Option(None, help="Cast the weights: fp32, bf16 or fp16 (default: as trained)."),
     merge_lora: bool = typer.Option(False, help="A LoRA run: fold the adapters into the base weights and write the whole "
                                     "transformer to OUT/transformer (for pipelines without a LoRA loader)."),
-    lora_format: Literal["diffusers", "kohya"] = typer.Option("diffusers", help="A LoRA run's adapter format: diffusers (what "
-                                                               "the family's pipeline writes) or kohya (" + KOHYA_FAMILIES + " only; ComfyUI "
-                                                               "and kohya's tools load it, and so does load_lora_weights)."),
+    lora_format: Literal["diffusers", "kohya", "lycoris"] = typer.Option(
+        "diffusers", help="A LoRA run's adapter format: diffusers (what the family's pipeline writes; peft's layout for "
+                          "--adapter lokr and loha), kohya (LoRA, " + KOHYA_FAMILIES + " only; ComfyUI and kohya's tools "
+                          "load it, and so does load_lora_weights) or lycoris (every adapter type, one file "
+                          "adapter_lycoris.safetensors in the LyCORIS layout, which ComfyUI and LyCORIS load)."),
     push_to_hub: str | None = typer.Option(None, metavar="REPO", help="After exporting, upload OUT to this Hub model "
                                               "repository (owner/name; created if missing). Needs a login (hf auth login, "
                                               "formerly huggingface-cli login) or HF_TOKEN."),

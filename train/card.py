@@ -18,6 +18,8 @@ from typing import Literal
 from shards import Cache, FormatError
 from shards.remote import is_url
 from train.families import get_family, get_preset
+from train.lora import TITLES
+from train.lycoris import LYCORIS_FILE
 
 Kind = Literal["full", "lora", "controlnet"]
 CARD = "README.md"
@@ -93,7 +95,8 @@ def write_card(directory: Path, ckpt: Path, state: dict, kind: Kind, *, ema: boo
         "## Validation samples", "",
         f"The run's last validation grid (step {grid_step(grid)}): ![validation samples]({url})" if grid
         else "The run left no validation grid at or before this step.", "",
-        "## How to use", "", "```python", usage(preset.family, kind, base, location, weight_name), "```", "",
+        "## How to use", "", "```python", usage(preset.family, kind, base, location, weight_name, cfg.get("adapter", "lora")),
+        "```", "", *comfyui_note(kind, weight_name),
         "## License", "",
         f"Not set by cachedit: choose one, compatible with the base model's license{licence_of_base}, and add it to this "
         "card's metadata (`license:`).", "",
@@ -125,8 +128,15 @@ def describe_kind(kind: Kind, state: dict, directory: Path, merged: bool) -> str
     if kind == "lora":
         targets = cfg["lora_targets"] or list(get_family(preset.family).lora_targets)
         alpha = cfg["lora_alpha"] if cfg["lora_alpha"] is not None else cfg["lora_rank"]
-        return (f"LoRA adapters for {what}: rank {cfg['lora_rank']}, alpha {alpha:g}, dropout {cfg['lora_dropout']:g}, on "
-                f"{', '.join(f'`{t}`' for t in targets)}. The base weights are not included.")
+        adapter = cfg.get("adapter", "lora")
+        title = TITLES[adapter]
+        shape = (f", Kronecker factor {cfg['lokr_factor'] if cfg['lokr_factor'] != -1 else 'near square'}"
+                 f"{', both factors decomposed' if cfg.get('lokr_decompose_both') else ''}") if adapter == "lokr" else ""
+        dropout = f", dropout {cfg['lora_dropout']:g}" if adapter in ("lora", "dora") else ""
+        on = ", ".join(f"`{t}`" for t in targets) if len(targets) <= 16 else f"{len(targets)} layers"
+        started = f" Training started from `{Path(cfg['init_lora']).name}`." if cfg.get("init_lora") else ""
+        return (f"{title} adapters for {what}: rank {cfg['lora_rank']}, alpha {alpha:g}{shape}{dropout}, on {on}.{started} "
+                f"The base weights are not included.")
     if kind == "controlnet":
         config = json.loads((directory / "controlnet" / "config.json").read_text())
         started = cfg.get("pretrained_controlnet") or "a copy of the transformer's first blocks, zero-initialised outputs"
@@ -206,6 +216,14 @@ def describe_caches(state: dict) -> tuple[list[str], list[str]]:
     return lines, cfg.get("validation_prompt") or prompts
 
 
+def comfyui_note(kind: Kind, weight_name: str | None) -> list[str]:
+    """The card's words for ComfyUI and kohya's tools, for a LyCORIS-layout file."""
+    if kind != "lora" or weight_name != LYCORIS_FILE:
+        return []
+    return [f"ComfyUI: copy `{weight_name}` into `ComfyUI/models/loras` and apply it with the *LoraLoaderModelOnly* node. "
+            "Its layers are named as LyCORIS names a diffusers transformer's (`lycoris_<module path>`).", ""]
+
+
 def copy_grid(ckpt: Path, step: int, directory: Path) -> Path | None:
     """Copy the run's newest validation grid at or before `step` (RUN/samples-stepN.png) into `directory`/images."""
     run = Path(ckpt).parent.parent  # RUN/checkpoints/step-N
@@ -224,8 +242,8 @@ def grid_step(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str | None = None) -> str:
-    """Python that loads the export into the family's stock diffusers pipeline."""
+def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str | None = None, adapter: str = "lora") -> str:
+    """Python that loads the export into the family's stock diffusers pipeline (`adapter`: a LoRA run's `--adapter`)."""
     source, note = base.pipeline_source()
     revision = f', revision="{base.revision}"' if base.kind == "hub" and base.revision else ""
     kind_of = get_family(family)
@@ -245,7 +263,16 @@ def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str |
             f'transformer = {model}.from_pretrained("{location}", subfolder="transformer", torch_dtype=torch.bfloat16)',
             f'pipe = {pipe}.from_pretrained("{source}"{revision}, transformer=transformer, torch_dtype=torch.bfloat16).to("cuda"){note}',
             f'image = pipe("a prompt"{extra}).images[0]'])
-    imports, loading = kind_of.lora_usage(location, weight_name)
+    if weight_name == LYCORIS_FILE:  # LyCORIS' own loader, which names a diffusers transformer's layers as the file does
+        local = Path(location).is_absolute()  # an export directory, or the Hub repository it is pushed to
+        imports = [*([] if local else ["from huggingface_hub import hf_hub_download"]), "from lycoris import create_lycoris_from_weights"]
+        fetch = f'"{Path(location) / weight_name}"' if local else f'hf_hub_download("{location}", "{weight_name}")'
+        loading = [f"wrapper, _ = create_lycoris_from_weights(1.0, {fetch}, pipe.transformer)  # pip install lycoris-lora",
+                   "wrapper.merge_to()"]
+    elif adapter in ("lokr", "loha"):  # peft's layout: diffusers' LoRA loader takes LoRA alone
+        imports, loading = ["from peft import PeftModel"], [f'pipe.transformer = PeftModel.from_pretrained(pipe.transformer, "{location}")']
+    else:
+        imports, loading = kind_of.lora_usage(location, weight_name)
     lines = ["import torch", f"from diffusers import {pipe}", *imports]
     lines += ["", f'pipe = {pipe}.from_pretrained("{source}"{revision}, torch_dtype=torch.bfloat16).to("cuda"){note}']
     return "\n".join(lines + loading + [f'image = pipe("a prompt"{extra}).images[0]'])

@@ -60,7 +60,25 @@ class ModelOptions:
                                          above=0)
     lora_targets: list[str] = opt([], "Module names to adapt (repeatable, matched by suffix; default: the family's, the "
                                       "attention q/k/v/out projections of its image and text streams).")
-    lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input.", at_least=0, below=1)
+    lora_dropout: float = opt(0.0, "Dropout on the LoRA adapters' input (lora and dora).", at_least=0, below=1)
+    adapter: Literal["lora", "dora", "lokr", "loha"] = opt(
+        "lora", "The adapters --lora-rank trains, with peft's implementations: lora; dora (LoRA with a trained magnitude "
+                "per output row, weight-decomposed); lokr (LyCORIS' Kronecker product of two factors, the larger one of "
+                "rank --lora-rank); loha (LyCORIS' Hadamard product of two rank --lora-rank products). --lora-rank, "
+                "--lora-alpha and --lora-targets apply to all. Checkpoints and export write lora and dora as the family's "
+                "pipeline loads them, lokr and loha in peft's layout (PeftModel.from_pretrained); export --lora-format "
+                "lycoris writes any of them for ComfyUI and LyCORIS.")
+    lokr_factor: int = opt(-1, "--adapter lokr: split each weight's dimensions as FACTOR x the rest (LyCORIS' factor; the "
+                               "smaller Kronecker factor is FACTOR x FACTOR). -1: as near square as possible.", at_least=-1)
+    lokr_decompose_both: bool = opt(False, "--adapter lokr: factor the smaller Kronecker matrix into rank --lora-rank "
+                                           "products too (LyCORIS' decompose_both).")
+    init_lora: str | None = opt(None, "Start the adapters from this file or directory instead of new ones: diffusers' "
+                                      "layout (pytorch_lora_weights.safetensors), peft's (a directory with "
+                                      "adapter_config.json), the LyCORIS layout, or another trainer's that the family's "
+                                      "diffusers pipeline converts (kohya's). Its type, rank and alpha are the run's "
+                                      "(--adapter, --lora-rank, --lora-alpha may be left out; given, --adapter and "
+                                      "--lora-rank must agree, another --lora-alpha keeps its deltas); it adapts the "
+                                      "layers it holds unless --lora-targets says more.")
     controlnet: bool = opt(False, "Train a ControlNet (families with a ControlNet in diffusers) on the cache's control latents "
                                   "(stage one's --control) beside the frozen transformer: only the ControlNet gets gradients, "
                                   "optimizer states and EMA; checkpoints and export hold it alone, in diffusers layout "
@@ -105,11 +123,46 @@ class ModelOptions:
             raise ValueError(frozen_base_rule("--base-quant"))
         if self.base_quant != "none" and self.precision != "bf16":
             raise ValueError(f"--base-quant {self.base_quant} computes in bf16 (its kernels' dtype): use --precision bf16")
+        if self.init_lora:
+            self.take_init_lora()
+        if self.adapter != "lora" and not self.lora_rank:
+            raise ValueError(f"--adapter {self.adapter} trains adapters of --lora-rank: set it (e.g. --lora-rank 16)")
+        if self.adapter not in ("lora", "dora") and self.lora_dropout:
+            raise ValueError(f"--lora-dropout drops the input of lora and dora adapters; {self.adapter} has none: drop it")
+        if self.adapter != "lokr" and (self.lokr_factor != -1 or self.lokr_decompose_both):
+            raise ValueError(f"--lokr-factor and --lokr-decompose-both shape --adapter lokr; this run trains {self.adapter}")
+        if self.lokr_factor == 0:
+            raise ValueError("--lokr-factor 0: choose -1 (near square) or a factor of at least 1")
+        if self.adapter == "dora" and self.base_quant != "none":
+            raise ValueError(f"--adapter dora normalises the sum of the base weight and the adapter, which --base-quant "
+                             f"{self.base_quant} keeps quantized: train lora, lokr or loha on a quantized base")
         if self.lora_rank and self.from_scratch:
             raise ValueError("LoRA adapts released weights; with --from-scratch the frozen base would be random. Drop "
                              "--from-scratch (the preset's released weights load by default) or train every weight (--lora-rank 0).")
         if self.from_scratch and self.pretrained:
             raise ValueError("--from-scratch and --pretrained contradict each other: choose one")
+
+    def take_init_lora(self) -> None:
+        """--init-lora: the file's adapter type, rank, alpha and layers unless told otherwise (where they must agree)."""
+        from train import lora
+        from train.families import get_preset
+
+        if self.controlnet:
+            raise ValueError("--init-lora starts LoRA adapters; a ControlNet run trains none")
+        init = lora.read_init(Path(self.init_lora), get_preset(self.model))
+        if self.lora_rank and self.lora_rank != init.rank:
+            raise ValueError(f"--init-lora {self.init_lora} holds rank-{init.rank} adapters; this run has --lora-rank "
+                             f"{self.lora_rank}. Leave --lora-rank out (or give {init.rank}).")
+        if self.adapter not in ("lora", init.adapter):
+            raise ValueError(f"--init-lora {self.init_lora} holds {init.adapter} adapters; this run has --adapter "
+                             f"{self.adapter}. Leave --adapter out (or give {init.adapter}).")
+        self.adapter, self.lora_rank = init.adapter, init.rank
+        if self.lora_alpha is None:
+            self.lora_alpha = init.alpha
+        if init.adapter == "lokr" and self.lokr_factor == -1 and not self.lokr_decompose_both:
+            self.lokr_factor, self.lokr_decompose_both = init.factor, init.decompose_both
+        if not self.lora_targets:
+            self.lora_targets = init.modules
 
     @property
     def frozen_base(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 from shards import Cache, DamagedCache
 from shards.atomic import atomic_write_json, fsync_dir, fsync_tree
 from shards.options import DTYPES
-from train import card, checkpoint, controlnet, lora, safeload
+from train import card, checkpoint, controlnet, lora, lycoris, safeload
 from train.cache import damaged_files
 from train.ema import load_shadow
 from train.families import get_preset
@@ -24,7 +24,7 @@ from train.objectives import build_objective
 from train.presets import Weights, build_transformer, resolve_weights
 from train.validate import Validator, add_prompts_command
 
-LoraFormat = Literal["diffusers", "kohya"]
+LoraFormat = Literal["diffusers", "kohya", "lycoris"]
 # Every export's own record of itself: an existing OUT is replaced only when it carries one. Not pushed to the Hub (a
 # downloaded copy is the user's, not an export this machine wrote).
 RECORD = ".cachedit-export.json"
@@ -119,14 +119,16 @@ def write_provenance(directory: Path, ckpt: Path, state: dict, ema: bool, **extr
 
 
 def adapter_config(state: dict):
+    """The peft config of a run's adapters, from its recorded options (runs from before --adapter trained LoRA)."""
     cfg = state["config"]
     return lora.lora_config(get_preset(state["model"]).family, cfg["lora_rank"], cfg["lora_alpha"], cfg["lora_targets"],
-                            cfg["lora_dropout"])
+                            cfg["lora_dropout"], adapter=cfg.get("adapter", "lora"), factor=cfg.get("lokr_factor", -1),
+                            decompose_both=cfg.get("lokr_decompose_both", False))
 
 
 def write_adapter(ckpt: Path, directory: Path, ema: bool, lora_format: LoraFormat = "diffusers") -> Path:
     """A LoRA run's adapters (trained or EMA) into DIRECTORY, in the format the family's pipeline loads (or another
-    of its `lora_formats`, e.g. kohya's); the base weights are the ones the run started from, not written again. Returns the adapter file."""
+    of its `lora_formats`: kohya's, the LyCORIS layout); the base weights are the ones the run started from, not written again. Returns the adapter file."""
     state = checkpoint.load_state(ckpt)
     preset, config = get_preset(state["model"]), adapter_config(state)
     weights = lora.read_adapter(ckpt / checkpoint.ADAPTER_DIR)
@@ -136,7 +138,7 @@ def write_adapter(ckpt: Path, directory: Path, ema: bool, lora_format: LoraForma
         with torch.device("meta"):
             model = preset.transformer_class.from_config(preset.transformer_class.load_config(ckpt / "transformer"))
             lora.add_lora(model, config)
-        names = [n.replace(".default.", ".") for n, p in model.named_parameters() if p.requires_grad]
+        names = [lora.state_key(n) for n, p in model.named_parameters() if p.requires_grad]
         shadow = ema_state["shadow_params"]
         if sorted(names) != sorted(weights) or len(shadow) != len(names):
             raise ValueError(f"{ckpt}: the EMA weights do not match the adapters")
@@ -175,7 +177,7 @@ def check_replaceable(out: Path) -> None:
     # only what an export writes: a diffusers pipeline folder holding an exported transformer/ is not replaced (its
     # vae/, text encoders and scheduler would go with it)
     written = {RECORD, "README.md", "training.json", "images", "transformer", controlnet.CONTROLNET_DIR, lora.DIFFUSERS_FILE,
-               lora.KOHYA_FILE, lora.PEFT_FILE, "adapter_config.json", ".gitattributes"}
+               lora.KOHYA_FILE, lycoris.LYCORIS_FILE, lora.PEFT_FILE, "adapter_config.json", ".gitattributes"}
     others = [name for name in names if name not in written]
     added = f"files an export does not write ({', '.join(others[:5])})"
     if is_export(out):

@@ -57,7 +57,8 @@ def build_frozen(cfg, preset: ModelPreset, load: Load, *, dtype: torch.dtype | N
         return FrozenBase(transformer)
     from train import lora
 
-    adapter = lora.lora_config(preset.family, cfg.lora_rank, cfg.lora_alpha, list(cfg.lora_targets), cfg.lora_dropout)
+    adapter = lora.lora_config(preset.family, cfg.lora_rank, cfg.lora_alpha, list(cfg.lora_targets), cfg.lora_dropout,
+                               adapter=cfg.adapter, factor=cfg.lokr_factor, decompose_both=cfg.lokr_decompose_both)
     with place:
         layers = lora.add_lora(transformer, adapter, adapter_dtype, seed=seed)
     return FrozenBase(transformer, adapter=adapter, adapted_layers=layers)

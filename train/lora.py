@@ -1,4 +1,5 @@
-"""LoRA fine-tuning: low-rank adapters on a frozen transformer, with peft as diffusers integrates it.
+"""Adapter fine-tuning: LoRA, DoRA, LoKr or LoHa adapters on a frozen transformer, with peft's implementations (as
+diffusers integrates LoRA; `--adapter`).
 
 Only the adapters train; they stay in fp32 while the frozen base may be bf16 (diffusers'
 `cast_training_params`). Checkpoints and exports hold the adapters alone, in the format the family's
@@ -11,14 +12,20 @@ stock pipeline loads (`Family.save_adapter`, in one of `Family.lora_formats`):
 - peft's own layout (`adapter_config.json`, `adapter_model.safetensors`) for a pipeline without a LoRA loader,
   loaded with `pipe.transformer = PeftModel.from_pretrained(pipe.transformer, DIR)`.
 - "kohya" where the family writes it: `pytorch_lora_weights_kohya.safetensors` in kohya's sd-scripts layout.
+- "lycoris": one file in the layout ComfyUI and LyCORIS load (`train.lycoris`), for every adapter type.
+
+DoRA is peft's LoRA with `use_dora` (a magnitude vector beside A and B) and is written as LoRA is; LoKr and LoHa, which
+diffusers' LoRA loader does not take, go to peft's own layout in place of diffusers'.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,14 +39,50 @@ PEFT_PREFIX = "base_model.model."
 # in a folded file's header: the alpha and rank the adapters trained with, so `read_adapter` can undo the fold
 FOLDED = "cachedit_lora_scale_folded"
 
-def lora_config(family: str, rank: int, alpha: float | None = None, targets: list[str] | None = None, dropout: float = 0.0):
-    """peft's LoraConfig of a run: `targets` (default: the family's, `Family.lora_targets`), alpha default the rank."""
-    from peft import LoraConfig
+# `--adapter`: lora and dora are peft's LoRA (dora with use_dora), lokr and loha its LyCORIS types
+ADAPTERS = ("lora", "dora", "lokr", "loha")
+TITLES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
+# what names an adapter's weights in a module's state (`<module>.lora_A.weight`, `<module>.lokr_w1`, `<module>.hada_w1_a`)
+ADAPTER_PARTS = ("lora_", "lokr_", "hada_")
+
+
+def lora_config(family: str, rank: int, alpha: float | None = None, targets: list[str] | None = None, dropout: float = 0.0,
+                adapter: str = "lora", factor: int = -1, decompose_both: bool = False):
+    """peft's config of a run's adapters: `adapter` one of ADAPTERS (LoraConfig, with use_dora for "dora"; LoKrConfig;
+    LoHaConfig), `targets` (default: the family's, `Family.lora_targets`), alpha default the rank; `factor` and
+    `decompose_both` shape LoKr's Kronecker factors (LyCORIS' factor and decompose_both)."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
 
     if rank < 1:
         raise ValueError(f"LoRA rank {rank}: choose at least 1")
-    return LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank, lora_dropout=dropout,
-                      target_modules=list(targets or families.get_family(family).lora_targets), init_lora_weights="gaussian")
+    if adapter not in ADAPTERS:
+        raise ValueError(f"--adapter {adapter!r}: choose one of {', '.join(ADAPTERS)}")
+    alpha = alpha if alpha is not None else rank
+    targets = list(targets or families.get_family(family).lora_targets)
+    if adapter in ("lora", "dora"):
+        return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, init_lora_weights="gaussian",
+                          use_dora=adapter == "dora")
+    if dropout:
+        raise ValueError(f"--lora-dropout {dropout:g} drops the input of LoRA and DoRA adapters; {adapter} has none: drop it")
+    if adapter == "lokr":
+        return LoKrConfig(r=rank, alpha=alpha, target_modules=targets, decompose_factor=factor, decompose_both=decompose_both)
+    return LoHaConfig(r=rank, alpha=alpha, target_modules=targets)
+
+
+def adapter_kind(config) -> str:
+    """The `--adapter` a peft config trains (one of ADAPTERS)."""
+    if config.peft_type.value == "LORA":
+        return "dora" if config.use_dora else "lora"
+    return config.peft_type.value.lower()
+
+
+def alpha_of(config) -> float:
+    """The adapters' alpha (their output is scaled by alpha / rank), whatever their type."""
+    return config.lora_alpha if config.peft_type.value == "LORA" else config.alpha
+
+
+def kind_title(config) -> str:
+    return TITLES[adapter_kind(config)]
 
 
 def add_lora(model: torch.nn.Module, config, adapter_dtype: torch.dtype = torch.float32, seed: int = 0) -> int:
@@ -61,7 +104,22 @@ def add_lora(model: torch.nn.Module, config, adapter_dtype: torch.dtype = torch.
             raise
         raise ValueError(f"--lora-targets {','.join(sorted(config.target_modules))}: {e}") from None
     cast_training_params(model, dtype=adapter_dtype)  # adapters train in fp32 whatever the base's dtype
-    return sum(1 for name, _ in model.named_modules() if name.endswith("lora_A"))
+    return sum(1 for _ in adapted_modules(model))
+
+
+def adapted_modules(model: torch.nn.Module):
+    """(path, layer) of every adapted layer (peft's tuner layers)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return ((name, module) for name, module in model.named_modules() if isinstance(module, BaseTunerLayer))
+
+
+def state_key(parameter: str) -> str:
+    """The `adapter_state` key of a trainable parameter's name (`<module>.lora_A.default.weight` -> `<module>.lora_A.weight`,
+    `<module>.lokr_w1.default` -> `<module>.lokr_w1`, DoRA's `<module>.lora_magnitude_vector.default.weight` ->
+    `<module>.lora_magnitude_vector`)."""
+    key = parameter.replace(".default", "")
+    return key.removesuffix(".weight") if key.endswith(".lora_magnitude_vector.weight") else key
 
 
 @contextlib.contextmanager
@@ -91,9 +149,9 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor], s
     from peft import set_peft_model_state_dict
 
     result = set_peft_model_state_dict(model, state, adapter_name="default")
-    missing = [k for k in getattr(result, "missing_keys", []) if "lora_" in k]
+    missing = [k for k in getattr(result, "missing_keys", []) if any(part in k for part in ADAPTER_PARTS)]
     if result.unexpected_keys or missing:
-        raise ValueError(f"{source}: the adapter does not match this model's LoRA layers "
+        raise ValueError(f"{source}: the adapter does not match this model's adapter layers "
                          f"(unexpected {sorted(result.unexpected_keys)[:3]}, missing {sorted(missing)[:3]})")
 
 
@@ -105,8 +163,9 @@ def save_adapter(directory: Path, family: str, state: dict[str, torch.Tensor], c
         directory: where the file goes.
         family: the model family's name (`Family.name`).
         state: adapter weights by module path (`<module>.lora_A.weight`), as `adapter_state` returns them.
-        config: the adapters' peft LoraConfig (rank, alpha, targets).
-        lora_format: "diffusers", the family's stock-pipeline layout, or another of its `Family.lora_formats`.
+        config: the adapters' peft config (`lora_config`: type, rank, alpha, targets).
+        lora_format: "diffusers", the family's stock-pipeline layout (peft's for LoKr and LoHa), or another of its
+            `Family.lora_formats` ("lycoris" for all).
         fold: in the diffusers layout, with alpha != rank, fold alpha / rank into lora_B and write alpha = rank.
             Checkpoints pass False: their weights then resume bit for bit (`read_adapter` undoes a fold exactly
             only when alpha / rank is a power of two).
@@ -117,6 +176,17 @@ def save_adapter(directory: Path, family: str, state: dict[str, torch.Tensor], c
     kind = families.get_family(family)
     if lora_format not in kind.lora_formats:
         raise ValueError(f"LoRA format {lora_format!r}: {family} adapters are written as {', '.join(kind.lora_formats)}")
+    if lora_format == "lycoris":
+        from train import lycoris
+
+        shape = {"factor": config.decompose_factor, "decompose_both": config.decompose_both} if adapter_kind(config) == "lokr" else None
+        return lycoris.save(Path(directory), state, adapter_kind(config), config.r, alpha_of(config), kind.lycoris_prefix, shape)
+    adapter = adapter_kind(config)
+    if lora_format != "diffusers" and adapter != "lora":
+        raise ValueError(f"LoRA format {lora_format}: it holds plain LoRA adapters; write {adapter} adapters as diffusers "
+                         f"(the pipeline's layout) or lycoris (ComfyUI's and LyCORIS')")
+    if adapter in ("lokr", "loha"):  # diffusers' LoRA loader takes LoRA alone: peft's own layout, which PeftModel loads
+        return save_peft(Path(directory), state, config)
     written = kind.save_adapter(Path(directory), state, config, lora_format, fold)
     # None: the family's pipeline loads the file its own save_lora_weights writes
     return written if written is not None else save_diffusers(Path(directory), kind.pipeline_class(), state, config, fold)
@@ -178,6 +248,163 @@ def read_adapter(directory: Path) -> dict[str, torch.Tensor]:
     else:
         raise FileNotFoundError(f"{directory} holds no LoRA adapter ({DIFFUSERS_FILE} or {PEFT_FILE})")
     return {k.removeprefix(prefix): v for k, v in state.items()}
+
+
+@dataclass(frozen=True)
+class InitAdapter:
+    """Adapters a run starts from (`--init-lora`): their type (one of ADAPTERS), rank, alpha and LoKr shape, and
+    their weights as peft's state, scaled so that alpha / rank applies the file's deltas."""
+
+    adapter: str
+    rank: int
+    alpha: float
+    factor: int
+    decompose_both: bool
+    state: dict
+
+    @property
+    def modules(self) -> list[str]:
+        """The adapted modules' paths."""
+        from train import lycoris
+
+        return sorted(lycoris.modules(self.state))
+
+
+def read_init(path: Path, preset) -> InitAdapter:
+    """The adapters of `--init-lora PATH` for the transformer of `preset`, from any layout: diffusers' (a directory
+    or `pytorch_lora_weights.safetensors`; DoRA too), peft's (a directory with `adapter_config.json`; any type), the
+    LyCORIS layout (any type) or another trainer's that the family's pipeline converts (`lora_state_dict`: kohya's
+    sd-scripts layouts and others, LoRA). Refuses a file with layers that name no module of the model, naming them."""
+    path = Path(path).expanduser().resolve()
+    if not path.exists():
+        raise ValueError(f"--init-lora {path}: no such file or directory")
+    if path.is_dir() and not (path / "adapter_config.json").exists():
+        from train import lycoris
+
+        found = [path / n for n in (DIFFUSERS_FILE, lycoris.LYCORIS_FILE, KOHYA_FILE) if (path / n).exists()]
+        found = found or sorted(path.glob("*.safetensors"))
+        if len(found) != 1:
+            raise ValueError(f"--init-lora {path}: a directory with {len(found)} LoRA files; name the file")
+        path = found[0]
+    stat = path.stat()
+    return _read_init(str(path), stat.st_mtime_ns, stat.st_size, preset.name)
+
+
+@functools.lru_cache(maxsize=1)  # the options' check reads the file for its rank and modules, the model build again
+def _read_init(file: str, mtime: int, size: int, preset_name: str) -> InitAdapter:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from train import lycoris
+    from train.families import get_family, get_preset
+
+    path, preset = Path(file), get_preset(preset_name)
+    names = module_names(preset)
+    if path.is_dir():
+        init = _peft_init(path)
+    else:
+        with safe_open(path, "pt") as f:
+            keys, header = list(f.keys()), f.metadata() or {}
+        if any(".lora_A." in k or ".lora_B." in k for k in keys):
+            init = _diffusers_init(path, load_file(path), header)
+        elif any(lycoris.module_of(k.partition(".")[0], names) for k in keys):
+            info, state = lycoris.read(path, names)
+            init = InitAdapter(info["adapter"], info["r"], info["alpha"], info["factor"], info["decompose_both"], state)
+        else:  # another trainer's layout: diffusers' converters for the family's pipeline, alpha folded in
+            pipeline = get_family(preset.family).pipeline_class()
+            try:
+                converted = pipeline.lora_state_dict(load_file(path))
+            except Exception as e:  # diffusers' own words on what it could not convert
+                raise ValueError(f"--init-lora {path}: neither diffusers', peft's nor the LyCORIS layout, and "
+                                 f"{pipeline.__name__}.lora_state_dict does not convert it ({e}); its keys: "
+                                 f"{', '.join(keys[:4])}") from None
+            converted = converted[0] if isinstance(converted, tuple) else converted
+            init = _diffusers_init(path, converted, {})
+    known = set(names.values())
+    unmatched = [m for m in init.modules if m not in known]
+    if unmatched:
+        raise ValueError(f"--init-lora {path}: {len(unmatched)} of its {len(init.modules)} adapted layers name no module of "
+                         f"this {preset.name} transformer (e.g. {', '.join(unmatched[:4])}): it adapts another model")
+    return init
+
+
+def module_names(preset) -> dict[str, str]:
+    """The transformer's layers an adapter can sit on: {path with underscores: path} (built on the meta device)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    level = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # published configs carry keys the class ignores
+    try:
+        with torch.device("meta"):
+            model = preset.transformer_class.from_config(preset.transformer_config())
+    finally:
+        diffusers_logging.set_verbosity(level)
+    return {name.replace(".", "_"): name for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+
+
+def _peft_init(directory: Path) -> InitAdapter:
+    from peft import PeftConfig
+    from safetensors.torch import load_file
+
+    config = PeftConfig.from_pretrained(str(directory))
+    if config.peft_type.value not in ("LORA", "LOKR", "LOHA"):
+        raise ValueError(f"--init-lora {directory}: a {config.peft_type.value} adapter; it takes LoRA, DoRA, LoKr or LoHa")
+    if getattr(config, "rank_pattern", None) or getattr(config, "alpha_pattern", None):
+        raise ValueError(f"--init-lora {directory}: its rank or alpha differs between layers (rank_pattern, alpha_pattern); "
+                         f"it takes adapters of one rank and alpha")
+    if not (directory / PEFT_FILE).exists():
+        raise ValueError(f"--init-lora {directory}: {PEFT_FILE} is missing beside adapter_config.json")
+    state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(directory / PEFT_FILE).items()}
+    return InitAdapter(adapter_kind(config), config.r, float(alpha_of(config)), getattr(config, "decompose_factor", -1),
+                       getattr(config, "decompose_both", False), state)
+
+
+def _diffusers_init(path: Path, state: dict[str, torch.Tensor], header: dict) -> InitAdapter:
+    """LoRA (or DoRA) in diffusers' keys (`transformer.<module>.lora_A.weight`): rank from the shapes, alpha from the
+    header diffusers writes (or a fold `save_diffusers` recorded), the rank without one."""
+    stray = [k for k in state if not k.startswith("transformer.")]
+    if stray:
+        raise ValueError(f"--init-lora {path}: it adapts other models than the transformer ({', '.join(stray[:4])}); "
+                         f"a run trains the transformer's adapters alone")
+    state = {k.removeprefix("transformer."): v for k, v in state.items()}
+    ranks = {v.shape[0] for k, v in state.items() if k.endswith(".lora_A.weight")}
+    if len(ranks) != 1:
+        raise ValueError(f"--init-lora {path}: its layers have ranks {sorted(ranks)}; it takes adapters of one rank")
+    rank = ranks.pop()
+    saved = json.loads(header.get("lora_adapter_metadata") or "{}")
+    if saved.get("transformer.rank_pattern") or saved.get("transformer.alpha_pattern"):
+        raise ValueError(f"--init-lora {path}: its rank or alpha differs between layers; it takes adapters of one rank and alpha")
+    alpha = float(saved.get("transformer.lora_alpha", rank))
+    if header.get(FOLDED):  # written with alpha / rank folded into lora_B: as trained
+        trained = json.loads(header[FOLDED])
+        alpha = float(trained["lora_alpha"])
+        state = rescale(state, "lora", rank / alpha)
+    dora = any(k.endswith(".lora_magnitude_vector") for k in state)
+    return InitAdapter("dora" if dora else "lora", rank, alpha, -1, False, state)
+
+
+def rescale(state: dict[str, torch.Tensor], kind: str, ratio: float) -> dict[str, torch.Tensor]:
+    """`state` with each layer's delta times `ratio`, through the factor its product is linear in (LoRA's B, LoKr's
+    w1, LoHa's w1_a); `kind` one of ADAPTERS."""
+    if ratio == 1:
+        return state
+    scaled = {"lora": (".lora_B.weight",), "dora": (".lora_B.weight",), "lokr": (".lokr_w1", ".lokr_w1_a"), "loha": (".hada_w1_a",)}[kind]
+    return {k: v * ratio if k.endswith(scaled) else v for k, v in state.items()}
+
+
+def load_init(model: torch.nn.Module, init: InitAdapter, config, source) -> int:
+    """Start the adapters of `model` (peft config `config`) from `init`, at its deltas whatever alpha this run has;
+    returns how many adapted layers the file does not hold (they start as new ones)."""
+    from peft import set_peft_model_state_dict
+
+    state = rescale(init.state, adapter_kind(config), (init.alpha / init.rank) / (alpha_of(config) / config.r))
+    result = set_peft_model_state_dict(model, state, adapter_name="default")
+    if result.unexpected_keys:
+        raise ValueError(f"--init-lora {source}: it adapts layers this run does not (e.g. "
+                         f"{', '.join(sorted(result.unexpected_keys)[:4])}); adapt them too (--lora-targets) or leave "
+                         f"--lora-targets to the file")
+    held = set(init.modules)
+    return sum(1 for name, _ in adapted_modules(model) if name not in held)
 
 
 def merge_adapters(model: torch.nn.Module) -> int:

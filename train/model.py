@@ -76,8 +76,13 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
         if resume_from:
             adapters = resume_from / checkpoint.ADAPTER_DIR
             lora.load_adapter_state(model, lora.read_adapter(adapters), adapters)
+        elif cfg.init_lora:
+            fresh = lora.load_init(model, lora.read_init(Path(cfg.init_lora), preset), adapter, cfg.init_lora)
+            say(f"adapters start from {cfg.init_lora}" + (f"; {fresh} layers it does not hold start new" if fresh else ""))
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        say(f"LoRA rank {cfg.lora_rank}, alpha {adapter.lora_alpha:g} on {layers} layers ({', '.join(sorted(adapter.target_modules))}): "
+        targets = sorted(adapter.target_modules)
+        targets = ", ".join(targets) if len(targets) <= 8 else f"{len(targets)} module names"
+        say(f"{lora.kind_title(adapter)} rank {cfg.lora_rank}, alpha {lora.alpha_of(adapter):g} on {layers} layers ({targets}): "
             f"{trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters; base frozen "
             f"{frozen_base(cfg, model)}")
     elif resume_from and not checkpoint.is_sharded(resume_from):

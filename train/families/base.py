@@ -186,7 +186,10 @@ class Family(ABC):
     pipeline: ClassVar[str]  # diffusers' text-to-image pipeline class (LoRA files, the export's usage snippet)
     text: ClassVar[TextInput] = TextInput()  # the cache's text layout it reads
     lora_targets: ClassVar[tuple[str, ...]] = ATTENTION  # default `--lora-targets`
-    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers",)  # adapter layouts an export writes; the first by default
+    lora_formats: ClassVar[tuple[str, ...]] = ("diffusers", "lycoris")  # adapter layouts an export writes; the first by default
+    # the LyCORIS file's module names: `<prefix>_<diffusers module path, dots as underscores>`, as LyCORIS' wrapper names
+    # a diffusers transformer's layers (SimpleTuner's files) and ComfyUI maps them for the diffusers-named families
+    lycoris_prefix: ClassVar[str] = "lycoris"
     null_caption: ClassVar[str] = "empty"  # caption dropout: the empty caption's embedding, or "zeros"
     precondition_outputs: ClassVar[bool] = False  # default of --precondition-outputs (flow matching)
     controlnet: ClassVar[ControlNet | None] = None

@@ -64,7 +64,7 @@ class Flux(Family):
     # diffusers' train_dreambooth_lora_flux.py: both streams' attention (q, k, v of the single-stream blocks too, which
     # have no output projection) and the double-stream blocks' feed-forwards, image and text
     lora_targets = ATTENTION + TEXT_STREAM + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
-    lora_formats = ("diffusers", "kohya")
+    lora_formats = ("diffusers", "kohya", "lycoris")
     # the empty caption, what FluxPipeline encodes for an empty prompt and true-CFG's negative prompt: zeroed T5 tokens
     # and pooled vector are no input its pipeline ever builds
     null_caption = "empty"
