@@ -20,6 +20,7 @@ from shards.options import DTYPE_BYTES, DTYPES
 from train.config import TrainConfig
 from train.families import get_family, get_preset
 from train.frozen import build_frozen, meta_loader, quiet_diffusers, swapped_blocks
+from train.lora import TITLES
 from train.model import build_run_objective
 from train.plan_config import GiB, PlanConfig
 from train.plan_costs import cpu_peak, frozen_bytes, objective_bytes, optimizer_state_bytes
@@ -181,7 +182,8 @@ def format_plan(result: dict) -> str:
     cfg = result["config"]
     lines = [
         f"{cfg['model']}: {result['parameters']:,} parameters ({result['buffers']:,} buffer values)"
-        + (f", LoRA rank {cfg['lora_rank']}: {result['trainable_parameters']:,} trainable" if cfg["lora_rank"] else "")
+        + (f", {TITLES[cfg.get('adapter', 'lora')]} rank {cfg['lora_rank']}: {result['trainable_parameters']:,} trainable"
+           if cfg["lora_rank"] else "")
         + (f", ControlNet of {result['controlnet_layers']} blocks: {result['trainable_parameters']:,} trainable, the "
            f"transformer frozen" if cfg["controlnet"] else "")
         + f"; batch {cfg['batch_size']} at "

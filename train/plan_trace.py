@@ -272,7 +272,9 @@ class _HeldInputs:
         del self.held[layer]
 
     def give(self, layer, adapter, args) -> tuple:
-        return (self.held[layer],)
+        # the layer's input only: DoRA also runs lora_A on an identity matrix, for the norm of the adapted weight
+        held = self.held[layer]
+        return (held,) if args[0].shape == held.shape else args
 
 
 class _Lifetimes(TorchDispatchMode):

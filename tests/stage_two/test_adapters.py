@@ -149,7 +149,7 @@ def test_a_run_exports_in_both_layouts_and_init_lora_continues_from_either(cache
     from train.export import export, load_model
 
     run = tmp_path / "run"
-    train(run_cfg(caches["tiny-sana"], run, adapter=adapter, steps=2))
+    train(run_cfg(caches["tiny-sana"], run, adapter=adapter, steps=2, ema_decay=0.5))
     ckpt = complete_checkpoints(run)[-1]
     trained_model, _, _ = load_model(ckpt, ema=False)
     trained, expected = lora.adapter_state(trained_model), merged(trained_model)
@@ -171,6 +171,13 @@ def test_a_run_exports_in_both_layouts_and_init_lora_continues_from_either(cache
     assert comfy.name == lycoris.LYCORIS_FILE
     card = (tmp_path / "comfy" / "README.md").read_text()
     assert "create_lycoris_from_weights" in card and "ComfyUI/models/loras" in card
+
+    # the EMA weights by the same names: they differ from the trained ones, and rebuild the model's EMA merge
+    ema_file = export(run, tmp_path / "ema", ema=True, lora_format="lycoris")
+    ema_state = lora.read_init(ema_file, get_preset("tiny-sana")).state
+    assert ema_state.keys() == trained.keys() and any(not torch.allclose(ema_state[k], trained[k]) for k in trained)
+    ema_model, _, _ = load_model(ckpt, ema=True)
+    assert all(torch.allclose(ema_state[k], v, atol=1e-6) for k, v in lora.adapter_state(ema_model).items())
 
     for source in (tmp_path / "pipeline", comfy):  # the type, rank, alpha and layers come from the file
         cfg = run_cfg(caches["tiny-sana"], tmp_path / "next", init_lora=str(source), lora_rank=0, lora_alpha=None)
@@ -261,3 +268,14 @@ def test_the_options_are_checked_with_the_file(tmp_path, caches):
         run_cfg(cache, tmp_path, init_lora=str(tmp_path / "lokr"), adapter="loha")
     with pytest.raises(ValueError, match="kohya: it holds plain LoRA adapters; write dora adapters as diffusers"):
         lora.save_adapter(tmp_path / "k", "flux", {}, lora.lora_config("flux", 4, adapter="dora"), lora_format="kohya")
+
+
+@pytest.mark.parametrize("adapter", ["dora", "lokr", "loha"])
+def test_the_planner_traces_each_adapter_and_counts_its_parameters(adapter):
+    from train.plan import plan
+    from train.plan_config import PlanConfig
+
+    result = plan(PlanConfig("tiny-flux", lora_rank=4, adapter=adapter))
+    model = build_transformer(get_preset("tiny-flux"), None, 0)
+    lora.add_lora(model, lora.lora_config("flux", 4, adapter=adapter))
+    assert result["trainable_parameters"] == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
