@@ -74,7 +74,7 @@ def random_adapters(model_name: str, adapter: str, rank: int, alpha: float, **sh
     """(base, adapted model, config): every adapter weight random, DoRA's magnitudes near the base rows' norms."""
     base = build_transformer(get_preset(model_name), None, 0)
     model = copy.deepcopy(base)
-    config = lora.lora_config(FAMILY[model_name], rank, alpha, adapter=adapter, **shape)
+    config = lora.lora_config(get_preset(model_name).family, rank, alpha, adapter=adapter, **shape)
     lora.add_lora(model, config)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -279,3 +279,40 @@ def test_the_planner_traces_each_adapter_and_counts_its_parameters(adapter):
     model = build_transformer(get_preset("tiny-flux"), None, 0)
     lora.add_lora(model, lora.lora_config("flux", 4, adapter=adapter))
     assert result["trainable_parameters"] == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
+
+
+def stock_load(model_name: str, directory, transformer):
+    """`transformer` with the export in `directory` loaded as the export's card says: the family's stock pipeline's
+    load_lora_weights (a pipeline around the transformer alone), or PeftModel for peft's layout."""
+    import inspect
+
+    import diffusers
+    from peft import PeftModel
+
+    if (directory / "adapter_config.json").exists():
+        return PeftModel.from_pretrained(transformer, directory).base_model.model
+    cls = getattr(diffusers, get_family(get_preset(model_name).family).pipeline)
+    names = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
+    pipe = cls(**{n: transformer if n == "transformer" else None for n in names if n not in ("kwargs",)})
+    pipe.load_lora_weights(directory)
+    return pipe.transformer
+
+
+@pytest.mark.parametrize("model_name", ["tiny-pixart", "tiny-sd3", "tiny-qwen-image", "tiny-z-image", "tiny-flux", "tiny-sana"])
+@pytest.mark.parametrize("adapter", ["dora", "lokr", "loha"])
+def test_every_family_takes_each_adapter_on_its_targets_and_loads_both_layouts(tmp_path, model_name, adapter):
+    family = get_preset(model_name).family
+    base, model, config = random_adapters(model_name, adapter, 4, 8.0)
+    adapted = [path for path, _ in lora.adapted_modules(model)]
+    assert adapted and all(path.endswith(get_family(family).lora_targets) for path in adapted)
+    expected, state = merged(model), lora.adapter_state(model)
+
+    lora.save_adapter(tmp_path / "pipeline", family, state, config)
+    loaded = stock_load(model_name, tmp_path / "pipeline", copy.deepcopy(base))
+    assert all(torch.allclose(v, expected[k], rtol=1e-5, atol=1e-5) for k, v in merged(loaded).items())
+
+    tensors = load_file(lora.save_adapter(tmp_path / "comfy", family, state, config, lora_format="lycoris"))
+    for path in adapted:
+        rebuilt = lycoris_weight(tensors, f"{get_family(family).lycoris_prefix}_{path.replace('.', '_')}",
+                                 base.get_submodule(path).weight)
+        assert torch.allclose(rebuilt, expected[f"{path}.weight"], rtol=1e-5, atol=1e-5), path
