@@ -398,7 +398,13 @@ def load_init(model: torch.nn.Module, init: InitAdapter, config, source) -> int:
     from peft import set_peft_model_state_dict
 
     state = rescale(init.state, adapter_kind(config), (init.alpha / init.rank) / (alpha_of(config) / config.r))
-    result = set_peft_model_state_dict(model, state, adapter_name="default")
+    _read_init.cache_clear()  # read for the options' check and this build; not held for the run
+    try:
+        result = set_peft_model_state_dict(model, state, adapter_name="default")
+    except RuntimeError as e:  # torch's "size mismatch for <key>: ..." lines
+        mismatched = [line.strip() for line in str(e).splitlines() if "size mismatch" in line]
+        raise ValueError(f"--init-lora {source}: its weights are shaped unlike this run's adapters "
+                         f"({'; '.join(mismatched[:2]) or e}); leave --lokr-factor and --lokr-decompose-both to the file") from None
     if result.unexpected_keys:
         raise ValueError(f"--init-lora {source}: it adapts layers this run does not (e.g. "
                          f"{', '.join(sorted(result.unexpected_keys)[:4])}); adapt them too (--lora-targets) or leave "

@@ -266,6 +266,12 @@ def test_the_options_are_checked_with_the_file(tmp_path, caches):
         run_cfg(cache, tmp_path, init_lora=str(tmp_path / "lokr"), lora_rank=8)
     with pytest.raises(ValueError, match="holds lokr adapters; this run has --adapter loha"):
         run_cfg(cache, tmp_path, init_lora=str(tmp_path / "lokr"), adapter="loha")
+    init = lora.read_init(tmp_path / "lokr", get_preset("tiny-sana"))
+    other = build_transformer(get_preset("tiny-sana"), None, 0)
+    config = lora.lora_config("sana", 4, 4.0, init.modules, adapter="lokr", factor=2)  # 2 x 16 factors, not 4 x 8
+    lora.add_lora(other, config)
+    with pytest.raises(ValueError, match="shaped unlike this run's adapters .*size mismatch"):
+        lora.load_init(other, init, config, tmp_path / "lokr")
     with pytest.raises(ValueError, match="kohya: it holds plain LoRA adapters; write dora adapters as diffusers"):
         lora.save_adapter(tmp_path / "k", "flux", {}, lora.lora_config("flux", 4, adapter="dora"), lora_format="kohya")
 
