@@ -141,6 +141,8 @@ def _run(fn) -> None:
     from train.step import Diverged
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if hasattr(sys.stdout, "reconfigure"):  # a log file or a pipe gets each line as it is printed, not in blocks
+        sys.stdout.reconfigure(line_buffering=True)
     try:
         fn()
     except (ValueError, FileNotFoundError, RunBusy, Diverged) as e:  # the message says what to do; no traceback

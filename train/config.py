@@ -429,8 +429,11 @@ class RunOptions:
     keep_checkpoints: int = opt(3, "Keep the newest K checkpoints (0: keep every one).", at_least=0)
     dry_run: bool = opt(False, "Run one full step (forward, backward, optimizer step, a validation sample) at the cache's "
                                "largest bucket and print its measured peak memory next to the plan; nothing is saved.")
-    log_every: int = opt(10, "Write metrics every N steps.", at_least=1)
-    progress: bool = opt(True, "Show the progress bar.")
+    log_every: int = opt(10, "Write metrics (metrics.jsonl, the trackers) every N steps. Where no progress bar is shown (stdout "
+                             "is not a terminal, or --no-progress) each of these steps also prints one plain line: step, loss, "
+                             "smoothed loss, lr, samples/s, ETA.", at_least=1)
+    progress: bool = opt(True, "Show the progress bar when stdout is a terminal; --no-progress prints the plain lines of "
+                               "--log-every instead, as output to a file or a pipe gets.")
     report_to: list[str] = opt([], "Send the logged scalars, the validation grids and the run's config to a tracker: tensorboard "
                                    "(RUN/tensorboard; pip install 'cachedit[tensorboard]') or wandb (pip install "
                                    "'cachedit[wandb]'; WANDB_MODE=offline works without an account). Repeatable; none: "

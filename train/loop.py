@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from train.dryrun import dry_run, startup_plan
 from train.evaluate import Evaluator, eval_due
 from train.families import get_preset
 from train.families.base import ModelPreset
-from train.metrics import Metrics, write_memory_report
+from train.metrics import Metrics, progress_line, write_memory_report
 from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption, train_guidance
 from train.order import BatchPlan
 from train.plan import format_plan
@@ -156,7 +157,11 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     held.callback(restore_handlers, handlers)  # also when the run stops with an error
     validated_at = None
     damaged: list[DamagedCache] = []
-    bar = tqdm(total=cfg.steps, initial=progress.step, unit="step", disable=not cfg.progress or not is_main, dynamic_ncols=True)
+    # a bar for a person at a terminal; a plain line every --log-every steps for a log file or a pipe
+    plain = not (cfg.progress and sys.stdout.isatty())
+    bar = tqdm(total=cfg.steps, initial=progress.step, unit="step", disable=plain or not is_main, dynamic_ncols=True)
+    if plain:
+        say(f"training to step {cfg.steps} from step {progress.step}; a line every {cfg.log_every} steps", flush=True)
     caches = {progress.epoch: group}  # the generations each epoch in flight reads
     stream = BatchStream(first, workers=cfg.workers, prefetch=cfg.prefetch, readahead=cfg.readahead, pin=device.type == "cuda")
     prefetch = Prefetcher(stream, device)
@@ -198,6 +203,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                     metrics.report_grids(validator.finished())
                 bar.set_postfix(loss=f"{record['loss']:.4f}", smooth=f"{record['smoothed_loss']:.4f}", lr=f"{record['lr']:.2e}",
                                 sps=f"{record['samples_per_s']:.1f}", wait=f"{record['data_wait']:.0%}")
+                if plain:
+                    say(progress_line(record, cfg.steps, metrics.step_s), flush=True)
             if stop["memory"]:
                 stop["memory"] = False
                 write_memory_report(cfg.run / ("memory.txt" if world == 1 else f"memory-rank{rank}.txt"), device, progress.step)

@@ -51,6 +51,7 @@ class Metrics:
         self.losses: list[tuple[int, float]] = []
         self.grids: list[str] = []
         self.file = self.trackers = None
+        self.logged_step, self.step_s = step, 0.0  # the last window's end and its seconds per step (the ETA)
         if is_main:
             if report_to:  # opened first: a tracker that fails to start leaves metrics.jsonl as it was
                 self.trackers = Trackers(report_to, run, step, project=project, config=run_config or {},
@@ -125,6 +126,7 @@ class Metrics:
                 self.trackers.log({"loss": held["eval_loss"], **{f"loss/{name}": value for name, value in
                                                                  held.get("eval_loss_by_source", {}).items()}}, step, "eval")
         self.losses.append((step, mean))
+        self.step_s, self.logged_step = elapsed / max(step - self.logged_step, 1), step
         self._new_window(data_wait)
         return record
 
@@ -152,6 +154,15 @@ class Metrics:
     @property
     def last_loss(self) -> float | None:
         return self.losses[-1][1] if self.losses else None
+
+
+def progress_line(record: dict, steps: int, step_s: float) -> str:
+    """The plain line a run prints every --log-every steps where no progress bar is shown (a log file, a pipe):
+    `record` is `Metrics.log`'s, `step_s` the seconds per step of its window (the ETA, validation left out)."""
+    eta = int(max(steps - record["step"], 0) * step_s)
+    return (f"step {record['step']}/{steps}  loss {record['loss']:.4f}  smoothed {record['smoothed_loss']:.4f}  "
+            f"lr {record['lr']:.2e}  {record['samples_per_s']:.1f} samples/s  data wait {record['data_wait']:.0%}  "
+            f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
 
 
 def truncate_metrics(path: Path, step: int) -> None:
