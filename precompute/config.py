@@ -118,7 +118,11 @@ class PrecomputeConfig:
     repair: bool = opt(False, "Re-encode exactly the samples of shards that are missing or fail their checks (python -m "
                               "shards verify lists them), from the same DATA and options that built the cache; each "
                               "repaired shard keeps its samples' order, so training runs resume on it.")
-    progress: bool = opt(True, "Show the progress bar and the summary.")
+    progress: bool = opt(True, "Show the progress bar when stderr (where stage one reports) is a terminal; --no-progress "
+                               "prints the plain lines of --log-seconds instead, as output to a file or a pipe gets.")
+    log_seconds: float = opt(60.0, "Where no progress bar is shown (stderr is not a terminal, or --no-progress): a plain line "
+                                   "every this many seconds, and one at the end: inputs done (of how many), inputs/s, new, "
+                                   "unchanged and failed so far, ETA (0: a line per input).", at_least=0)
 
     def __post_init__(self) -> None:
         for name in ("storage_dtype", "vae_dtype", "text_dtype"):

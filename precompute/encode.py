@@ -16,7 +16,7 @@ import torch
 
 from precompute.families import family
 from precompute.families.base import Preset
-from precompute.presets import weights_digest
+from precompute.presets import weights_digest, weights_sources
 from shards import DecoderRecipe, Field, LatentSpec, Schema, TextSpec
 from shards.options import torch_dtype
 
@@ -51,11 +51,15 @@ class Encoders:
             (for both encoders), e.g. a downloaded snapshot or a saved tiny preset.
         vae: False builds the text side only (`python -m precompute prompts`): nothing that needs the VAE
             (`encode_images`, `latent_spec`, `schema`, `fingerprint`, `decoder_recipe`) is available.
+        sources: `weights_sources(preset, pretrained, vae)` when the caller has it (asked of the Hub once).
     """
 
     def __init__(self, preset: Preset, device: torch.device, *, vae_dtype: str | None = None, text_dtype: str | None = None,
-                 pretrained: str | None = None, vae: bool = True):
+                 pretrained: str | None = None, vae: bool = True, sources: dict[str, str] | None = None):
         self.preset, self.device = preset, device
+        # a Hub repository the Hub cannot serve loads from its cached snapshot (or fails here, saying what to do); the
+        # fingerprint and the decoder recipe name the repository all the same
+        self.sources = weights_sources(preset, pretrained, vae) if sources is None else sources
         self.family, self.text_family = family(preset.family), family(preset.text.family)
         self.vae: torch.nn.Module | None = None
         if vae:
@@ -67,7 +71,8 @@ class Encoders:
         self.vae_dtype = compute_dtype(dtype, spec.cuda_dtype, self.device)
         self.vae_repo = pretrained or spec.repo
         self.vae_source = self.vae_repo or f"tiny-{spec.kind} (seeded)"
-        self.vae = self.family.load_vae(spec, self.vae_repo).to(self.device).eval().requires_grad_(False)
+        load_from = self.sources.get(self.vae_repo, self.vae_repo) if self.vae_repo else None
+        self.vae = self.family.load_vae(spec, load_from).to(self.device).eval().requires_grad_(False)
         if self.vae_dtype != torch.float32:
             self.vae.to(self.vae_dtype)
         self.latent = self.family.latent_spec(self.vae)
@@ -80,7 +85,7 @@ class Encoders:
         self.text_source = text_repo or f"{spec.name} (seeded)"
         # Captions go through the family pipeline's own encode_prompt, so cached embeddings are
         # exactly what inference computes (instruction prefixes and token selection included).
-        self.text = self.text_family.load_text(spec, text_repo, self.text_dtype)
+        self.text = self.text_family.load_text(spec, self.sources.get(text_repo, text_repo) if text_repo else None, self.text_dtype)
         for module in self.text.modules.values():
             module.to(self.device, self.text_dtype).eval().requires_grad_(False)
         self.pipeline, self.instruction = self.text.pipeline, self.text.instruction

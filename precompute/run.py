@@ -26,9 +26,10 @@ from tqdm import tqdm
 from precompute.config import DEFAULT_BATCH, PrecomputeConfig
 from precompute.distributed import gather, lock_cache, setup_distributed
 from precompute.encode import Encoders, best_device
-from precompute.encoding import EncodingPass, Tally
+from precompute.encoding import EncodingPass, PlainProgress, Tally
 from precompute.families.base import Preset
 from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
+from precompute.presets import weights_sources
 from precompute.removal import RemovalRefused, cached_inputs, damaged_shards, forget_created, removal_refused, removals, replace_damaged, warn_damaged
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
 from shards import CacheSpec, Prompt, ShardWriter, exists, load, prompt_key
@@ -55,6 +56,8 @@ def run(config: PrecomputeConfig) -> dict:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
 
+    # the encoders' weights can be had (or the run stops at once, before anything is listed or created)
+    sources = weights_sources(config.preset(), config.pretrained)
     created = [d for d in (config.cache, *config.cache.parents) if not d.exists()]  # deepest first
     config.cache.mkdir(parents=True, exist_ok=True)
     lock = lock_cache(config.cache, rank, world)
@@ -63,7 +66,7 @@ def run(config: PrecomputeConfig) -> dict:
             name_sources(config)
         if world > 1:
             dist.barrier()  # every rank scopes its inputs by the names rank 0 committed
-        summary = _run(config, device, rank, world, t_start)
+        summary = _run(config, device, rank, world, t_start, sources)
     except BaseException:
         if lock is not None and created:
             forget_created(created)
@@ -90,7 +93,7 @@ class Inputs:
     needed: set[str] | None = None
 
 
-def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, t_start: float) -> dict:
+def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, t_start: float, sources: dict[str, str]) -> dict:
     manifest = load(config.cache) if exists(config.cache) else None
     check_control(config, manifest)
     # 1. what the cache holds, from its manifest alone (no shard is opened), read under the lock; then the inputs of
@@ -102,7 +105,8 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     # 2. encoders and the fingerprint of everything that determines the cached values; a cache built differently is
     # refused before anything is encoded
     try:
-        enc = Encoders(config.preset(), device, vae_dtype=config.vae_dtype, text_dtype=config.text_dtype, pretrained=config.pretrained)
+        enc = Encoders(config.preset(), device, vae_dtype=config.vae_dtype, text_dtype=config.text_dtype, pretrained=config.pretrained,
+                       sources=sources)
         fingerprint, schema = check_cache(config, enc, manifest, inputs, is_main=rank == 0)
     except BaseException:
         del inputs.batches  # stops the workers now, not when the traceback is freed
@@ -117,8 +121,11 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     stamps = {s.name: manifest.by_source(s.name) if manifest and inputs.needed is None else {} for s in inputs.sources}
     encoding = EncodingPass(enc, writer, schema, storage, config.batch_size or DEFAULT_BATCH[device.type], config.text_batch_size,
                             config.control, inputs.previous, stamps, inputs.needed, tally)
-    bar = tqdm(total=inputs.total, unit="img", desc=f"precompute[{rank}]" if world > 1 else "precompute",
-               disable=not config.progress or rank != 0, dynamic_ncols=True)
+    desc = f"precompute[{rank}]" if world > 1 else "precompute"
+    if config.progress and sys.stderr.isatty() or rank != 0:  # rank 0 speaks for all
+        bar = tqdm(total=inputs.total, unit="img", desc=desc, disable=rank != 0, dynamic_ncols=True)
+    else:  # a log file or a pipe: a plain line now and then
+        bar = PlainProgress(inputs.total, config.log_seconds, desc)
     try:
         encoding.run(inputs.batches, bar)
         writer.restamp(tally.restamps)
