@@ -15,7 +15,7 @@ from train.config import TrainConfig
 from train.data import TrainingSamples
 from train.metrics import device_memory
 from train.plan import measure_peak, plan
-from train.plan_config import PlanConfig
+from train.plan_config import CARD_RESERVED, PlanConfig
 from train.step import TrainStep
 from train.validate import Validator, generate
 
@@ -28,7 +28,8 @@ def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: in
     # the ControlNet planned is one of the depth built, whatever its weights
     setup = PlanConfig.of_run(cfg, bucket=(largest.height, largest.width), world_size=world,
                               parallel="fsdp" if parallel == "fsdp" else "ddp", text_tokens=cache.spec.text.tokens,
-                              gpu_memory=device_memory(device), pretrained_controlnet=None,
+                              gpu_memory=device_memory(device) - (CARD_RESERVED if device.type == "cuda" else 0),
+                              pretrained_controlnet=None,
                               controlnet_layers=controlnet_layers or cfg.controlnet_layers)
     return plan(setup, objective)
 

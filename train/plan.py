@@ -11,6 +11,8 @@ sharding and CPU offload.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,14 +24,12 @@ from train.families import get_family, get_preset
 from train.frozen import build_frozen, meta_loader, quiet_diffusers, swapped_blocks
 from train.lora import TITLES
 from train.model import build_run_objective
-from train.plan_config import GiB, PlanConfig
+from train.plan_config import GiB, PlanConfig, card_memory
 from train.plan_costs import cpu_peak, frozen_bytes, objective_bytes, optimizer_state_bytes
 from train.plan_trace import trace_activations, trace_base_forward, trace_flops
 from train.presets import transformer_blocks
 
-# What a card loses before the first tensor: the CUDA context (~0.3-0.5 GiB with torch's kernels), cuBLAS and cuDNN
-# workspaces, and the caching allocator's rounding and fragmentation (`largest_batch_by_card`)
-CARD_RESERVED = 0.75 * GiB
+CARDS = (16, 24, 32, 40, 48, 80)  # the cards of `largest_batch_by_card`, by their memory as sold (GB)
 
 
 @dataclass
@@ -59,11 +59,14 @@ class _Budget:
         return max(int((room - fixed) // (self.per_sample * scale)), 0)
 
 
-def plan(pc: PlanConfig, objective=None) -> dict:
+def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda message: None) -> dict:
     """Bytes per component on one rank's device, the predicted peak, the verdict and the largest batch.
 
-    `objective`: the run's (its memory is traced); default: the preset's with the trainer's default options."""
+    `objective`: the run's (its memory is traced); default: the preset's with the trainer's default options. `say`
+    hears what the planner is doing (tracing a real-size model takes a while)."""
+    t0 = time.perf_counter()
     preset = get_preset(pc.model)
+    say(f"planning {pc.model}: building it on the meta device (no memory) ...")
     family = get_family(preset.family)
     wb = DTYPE_BYTES[pc.weights_dtype]
     with quiet_diffusers():
@@ -101,9 +104,13 @@ def plan(pc: PlanConfig, objective=None) -> dict:
     if objective is None:
         objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank), preset, config)
     per_element = objective_bytes(objective, family.latent_channels(config), family.output_channels(config))
+    passes = "forward/backward" if pc.checkpoint_every_k() or pc.blocks_to_swap else "forward"
+    say(f"tracing {pc.model} {passes} at {pc.bucket[0]}x{pc.bucket[1]}, batch {pc.batch_size} and {pc.batch_size + 1}, "
+        f"{pc.precision} ...")
     act = activations(pc, preset, pc.batch_size, per_element)
     # activations grow linearly with the batch: the slope from two traces gives the largest batch
     per_sample = activations(pc, preset, pc.batch_size + 1, per_element) - act
+    say(f"traced in {time.perf_counter() - t0:.1f} s")
     # autocast keeps a compute-dtype copy of each trained fp32 weight for the step (frozen ones are cast per use)
     if pc.precision != "fp32" and tb == 4 and pc.parallel != "fsdp":
         act += n_trainable * DTYPE_BYTES[pc.precision] / shard
@@ -140,7 +147,7 @@ def plan(pc: PlanConfig, objective=None) -> dict:
         "largest_batch_with_encoders_resident": budget.largest_batch(pc.gpu_memory - sum(encoders.values())),
         # the same setup on the cards people train on (GiB as GPU memory is quoted), less what the CUDA context,
         # cuBLAS's workspace and the allocator's slack take before any tensor
-        "largest_batch_by_card": {f"{g}GB": budget.largest_batch(g * GiB - CARD_RESERVED) for g in (16, 24, 32, 40, 48, 80)},
+        "largest_batch_by_card": {f"{g}GB": budget.largest_batch(card_memory(f"{g}GB")) for g in CARDS},
         "largest_batch_per_bucket": by_bucket,
         "activation_bytes_per_sample": per_sample,
         **({"preservation_forward": preservation} if preservation else {}),
@@ -208,7 +215,8 @@ def format_plan(result: dict) -> str:
     if result["host_bytes"]:
         lines.append(f"  {'in pinned CPU memory':<24} {result['host_bytes'] / GiB:9.2f} GiB (the swapped blocks' frozen weights)")
     verdict = "fits" if result["fits"] else "does NOT fit"
-    lines.append(f"  {verdict} in {cfg['gpu_memory'] / GiB:.0f} GiB; largest batch at {cfg['bucket']}: {result['largest_batch']}")
+    lines.append(f"  {verdict} in {cfg['gpu_memory'] / GiB:.2f} GiB for tensors; largest batch at {cfg['bucket']}: "
+                 f"{result['largest_batch']}")
     per_bucket = result["largest_batch_per_bucket"]
     if per_bucket:
         shown = sorted(per_bucket.items(), key=lambda kv: Bucket.parse(kv[0]).aspect)
@@ -226,13 +234,6 @@ def format_plan(result: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_bytes(text: str) -> float:
-    """'48GB', '80GiB', '24g' -> bytes (GB taken as GiB, as GPU memory is quoted)."""
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    if t and t[-1] in units:
-        return float(t[:-1]) * units[t[-1]]
-    return float(t)
 
 
 def measure_peak(step, device: torch.device) -> int:

@@ -11,7 +11,7 @@ import typer
 
 from shards.options import typer_parameters
 from train.families import PRESETS
-from train.plan_config import PlanConfig
+from train.plan_config import GPU_MEMORY_HELP, PlanConfig, card_memory
 
 # the options of `PlanConfig` the command takes, in --help's order (the rest do not change the plan)
 OPTIONS = ("batch_size", "precision", "weights_dtype", "optimizer", "grad_checkpointing", "ema_decay", "ema_device",
@@ -26,11 +26,13 @@ def plan_command(model: str, *, resolution: int | None = None, bucket: str | Non
     like the trainer's mean the same and default the same."""
     from shards import Bucket
     from train.families import get_preset
-    from train.plan import format_plan, parse_bytes, plan
+    from train.plan import format_plan, plan
 
     try:
         size = tuple(Bucket.parse(bucket)) if bucket else (resolution or get_preset(model).base_resolution,) * 2
-        result = plan(PlanConfig(model, bucket=size, gpu_memory=parse_bytes(gpu_memory), **options))
+        # what it is doing goes to stderr: the plan (or its JSON) alone on stdout
+        result = plan(PlanConfig(model, bucket=size, gpu_memory=card_memory(gpu_memory), **options),
+                      say=lambda message: typer.echo(message, err=True))
     except ValueError as e:  # the message says what to do; no traceback
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(EXIT_INPUT) from None
@@ -48,8 +50,7 @@ def _parameters() -> list[inspect.Parameter]:
         inspect.Parameter("bucket", keyword, annotation=Optional[str], default=typer.Option(
             None, help="Bucket HxW (instead of --resolution).")),
         *typer_parameters(PlanConfig, OPTIONS[1:]),
-        inspect.Parameter("gpu_memory", keyword, annotation=str, default=typer.Option(
-            "80GB", help="Memory of one device, e.g. 48GB.")),
+        inspect.Parameter("gpu_memory", keyword, annotation=str, default=typer.Option("80GB", help=GPU_MEMORY_HELP)),
         inspect.Parameter("as_json", keyword, annotation=bool, default=typer.Option(
             False, "--json", help="Print the figures as JSON.")),
     ]

@@ -24,6 +24,9 @@ from train.config import (
 )
 
 GiB = 2**30
+# What a card loses before the first tensor: the CUDA context (~0.3-0.5 GiB with torch's kernels), cuBLAS and cuDNN
+# workspaces, and the caching allocator's rounding and fragmentation (`largest_batch_by_card`, `--gpu-memory`)
+CARD_RESERVED = 0.75 * GiB
 # The planner also knows an optimizer no maintained library trains with (came-8bit), for comparison.
 PlanOptimizer = Literal[Optimizer, Literal["came-8bit"]]
 
@@ -44,7 +47,8 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
     world_size: int = opt(1, "Number of devices.", at_least=1)
     text_tokens: int | None = opt(None, "Caption tokens to plan for (default: the preset's limit, as stage one caches "
                                         "them).", at_least=1)
-    gpu_memory: float = opt(80 * GiB, "Memory of one device in bytes.", above=0)
+    gpu_memory: float = opt(80 * GiB - CARD_RESERVED, "Bytes tensors may take on one device: a card's memory less what the "
+                                                      "CUDA context and workspaces take (`card_memory`).", above=0)
     preservation: Preservation = shared(ObjectiveOptions, "preservation")
 
     def __post_init__(self) -> None:
@@ -62,3 +66,25 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
     def ema_placement(self) -> str:
         """Where the EMA's shadow weights are: "off", "device" or "cpu"."""
         return "off" if self.ema_decay <= 0 else self.ema_device
+
+
+GPU_MEMORY_HELP = (f"The memory of one card as it is sold and as the README's per-card table (largest_batch_by_card) names "
+                   f"it: 16GB, 16GiB, 16G and 16 all mean a 16 GB card (GB counted as GiB, as GPU memory is quoted). The "
+                   f"plan leaves {CARD_RESERVED / GiB:g} GiB of it to the CUDA context, cuBLAS's workspace and the "
+                   f"allocator's slack, as the table does: --gpu-memory 16GB plans with {16 - CARD_RESERVED / GiB:g} GiB "
+                   f"for tensors.")
+
+
+def card_memory(text: str) -> float:
+    """The bytes tensors may take on a card of `text` memory ('16GB', '16GiB', '16g' or '16': GB counted as GiB,
+    as GPU memory is quoted; 'M', 'T' likewise), less `CARD_RESERVED`."""
+    t = text.strip().lower().removesuffix("b").removesuffix("i")
+    units = {"m": 2**20, "g": 2**30, "t": 2**40}
+    try:
+        size = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t) * GiB
+    except ValueError:
+        raise ValueError(f"--gpu-memory {text!r}: give the card's memory, e.g. 16GB, 24GiB or 80") from None
+    if not size > CARD_RESERVED:  # also NaN
+        raise ValueError(f"--gpu-memory {text!r}: a card must have more than the {CARD_RESERVED / GiB:g} GiB the CUDA "
+                         f"context and workspaces take; give its memory, e.g. 16GB")
+    return size - CARD_RESERVED

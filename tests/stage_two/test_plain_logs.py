@@ -2,6 +2,7 @@
 what it traces, `--gpu-memory` as the README's per-card table means it, help that keeps install commands whole, and
 `train sample` from a run alone."""
 
+import json
 import os
 import pty
 import re
@@ -62,3 +63,34 @@ def test_no_progress_prints_the_lines_at_a_terminal_too(tiny_caches, tmp_path):
     shown, err = at_terminal()
     assert not any(LINE.match(line) for line in shown.splitlines()), shown
     assert "6/6" in err  # tqdm's bar, on stderr
+
+
+def test_the_planner_says_what_it_traces_on_stderr_and_prints_the_plan_alone():
+    from typer.testing import CliRunner
+
+    from train.__main__ import tools
+
+    result = CliRunner().invoke(tools, ["plan", "tiny-sd3", "--resolution", "256", "--grad-checkpointing", "all", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["config"]["bucket"] == "256x256"  # stdout: the JSON alone
+    assert "planning tiny-sd3: building it on the meta device" in result.stderr
+    assert "tracing tiny-sd3 forward/backward at 256x256, batch 8 and 9, bf16 ..." in result.stderr
+    assert re.search(r"traced in \d+\.\d s", result.stderr)
+
+
+def test_gpu_memory_means_the_card_of_the_readme_table():
+    """`--gpu-memory 16GB` plans what `largest_batch_by_card["16GB"]` (the README's per-card table) plans: the card's
+    memory less the CUDA context's reserve; 16GB, 16GiB, 16G and 16 are the same card."""
+    from train.plan import plan
+    from train.plan_config import CARD_RESERVED, GiB, PlanConfig, card_memory
+
+    assert {card_memory(t) for t in ("16GB", "16GiB", "16G", "16", " 16gb ")} == {16 * GiB - CARD_RESERVED}
+    for bad in ("0.5GB", "sixteen", "nan"):
+        with pytest.raises(ValueError, match="--gpu-memory"):
+            card_memory(bad)
+    setup = dict(batch_size=2, grad_checkpointing="all", bucket=(256, 256))
+    for card in ("16GB", "24GB"):
+        result = plan(PlanConfig("tiny-sd3", gpu_memory=card_memory(card), **setup))
+        assert result["largest_batch"] == result["largest_batch_by_card"][card]
+    # the reserve matters: the same card without it would plan a larger batch
+    assert plan(PlanConfig("tiny-sd3", gpu_memory=16 * GiB, **setup))["largest_batch"] > result["largest_batch_by_card"]["16GB"]
