@@ -19,6 +19,7 @@ from precompute.families.base import Preset
 from precompute.presets import weights_digest, weights_sources
 from shards import DecoderRecipe, Field, LatentSpec, Schema, TextSpec
 from shards.options import torch_dtype
+from shards.quiet import no_truncation_warnings
 
 
 def best_device() -> torch.device:
@@ -89,6 +90,8 @@ class Encoders:
         for module in self.text.modules.values():
             module.to(self.device, self.text_dtype).eval().requires_grad_(False)
         self.pipeline, self.instruction = self.text.pipeline, self.text.instruction
+        # a warning per caption over the token limit would bury the log: the run counts them (captions_truncated)
+        no_truncation_warnings(*{c.__module__ for c in type(self.pipeline).__mro__})
 
     # -- what the cache records ---------------------------------------------------------------
 

@@ -86,6 +86,7 @@ PRECOMPUTE = {
     "caption_variants": ([0, -1, 65], [2, 64]),  # 1 (the default): the caption as written
     "keep_tokens": ([-1], [0, 3]),
     "tag_dropout": ([-0.1, 1.0, NAN], [0.5, 0.99]),  # 1 would drop every tag that is not kept
+    "log_seconds": ([-1.0, NAN, INF], [0.0, 60.0]),  # 0: a line per input
 }
 # what an accepted value needs beside it
 PRECOMPUTE_CONTEXT = {"caption_variants": dict(shuffle_tags=True), "keep_tokens": dict(shuffle_tags=True, caption_variants=2),

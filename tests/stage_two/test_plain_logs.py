@@ -66,16 +66,16 @@ def test_no_progress_prints_the_lines_at_a_terminal_too(tiny_caches, tmp_path):
 
 
 def test_the_planner_says_what_it_traces_on_stderr_and_prints_the_plan_alone():
-    from typer.testing import CliRunner
-
-    from train.__main__ import tools
-
-    result = CliRunner().invoke(tools, ["plan", "tiny-sd3", "--resolution", "256", "--grad-checkpointing", "all", "--json"])
-    assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["config"]["bucket"] == "256x256"  # stdout: the JSON alone
-    assert "planning tiny-sd3: building it on the meta device" in result.stderr
-    assert "tracing tiny-sd3 forward/backward at 256x256, batch 8 and 9, bf16 ..." in result.stderr
-    assert re.search(r"traced in \d+\.\d s", result.stderr)
+    out = subprocess.run([sys.executable, "-m", "train", "plan", "tiny-flux", "--resolution", "256", "--grad-checkpointing", "all",
+                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout)["config"]["bucket"] == "256x256"  # stdout: the JSON alone
+    assert "planning tiny-flux: building it on the meta device" in out.stderr
+    assert "tracing tiny-flux forward/backward at 256x256, batch 8 and 9, bf16 ..." in out.stderr
+    assert re.search(r"traced in \d+\.\d s", out.stderr)
+    # a missing optional backend (torchvision) is one line at most, not one per class FluxPipeline's import touches
+    assert "falling back to" not in out.stderr
+    assert len(re.findall(r"is not installed, so transformers falls back", out.stderr)) <= 1
 
 
 def test_gpu_memory_means_the_card_of_the_readme_table():

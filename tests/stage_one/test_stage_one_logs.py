@@ -1,0 +1,58 @@
+"""Stage one's output in a log file or a pipe: plain progress lines instead of a bar, and one line where libraries
+would warn per caption (truncation) or per class imported (a missing optional backend)."""
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from precompute.sample_data import make_folder
+from shards.quiet import BACKEND_FALLBACK, TRUNCATION, collapse
+
+pytestmark = pytest.mark.model  # encodes with tiny transformers / diffusers models
+
+ROOT = Path(__file__).resolve().parents[2]
+LINE = re.compile(r"^precompute: (\d+)/(\d+) inputs \(\d+%\)  \d+\.\d inputs/s  new (\d+), unchanged (\d+), failed (\d+)  "
+                  r"ETA \d+:\d\d:\d\d$")
+
+
+def test_piped_stage_one_prints_plain_lines_and_one_line_per_repeated_warning(tmp_path):
+    data = make_folder(tmp_path / "data", count=4)
+    for caption in data.glob("*.txt"):  # every caption far over the tiny CLIP's 77 tokens and T5's 32
+        caption.write_text(" ".join(["a large red circle on a blue background with stripes"] * 30))
+    out = subprocess.run([sys.executable, "-m", "precompute", str(data), "--model", "tiny-sd3", "--cache", str(tmp_path / "cache"),
+                          "--workers", "0", "--log-seconds", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [m for m in map(LINE.match, out.stderr.splitlines()) if m]
+    assert [(int(m[1]), int(m[2])) for m in lines] == [(1, 4), (2, 4), (3, 4), (4, 4)], out.stderr
+    assert (int(lines[-1][3]), int(lines[-1][5])) == (4, 0)
+    assert "\r" not in out.stderr  # no bar redrawing itself
+    # the truncation is counted once in the summary, not warned per caption by the tokenizers and the pipeline
+    assert "truncated because" not in out.stderr and "Token indices sequence length" not in out.stderr, out.stderr
+    assert out.stderr.count("4 captions truncated to the token limit") == 1
+    # a missing optional backend: one line at most (none where it is installed), not one per class imported
+    assert "falling back to" not in out.stderr
+    assert len(re.findall(r"is not installed, so transformers falls back", out.stderr)) <= 1
+
+
+def test_collapsed_warnings_say_one_line_per_backend_and_nothing_per_caption(caplog):
+    """The filters themselves, on loggers of their own: a backend's first fallback becomes the summary, the rest of
+    its fallbacks and every truncation warning are dropped (and counted)."""
+    backends = collapse("cachedit-test.import_utils", BACKEND_FALLBACK, "{0} missing")
+    captions = collapse("cachedit-test.pipeline", TRUNCATION)
+    assert collapse("cachedit-test.pipeline", TRUNCATION) is captions  # installed once
+    imports, pipeline = logging.getLogger("cachedit-test.import_utils"), logging.getLogger("cachedit-test.pipeline")
+    with caplog.at_level(logging.WARNING):
+        for name in ("CLIPImageProcessor", "SiglipImageProcessor"):
+            imports.warning("`%s` requires torchvision (not installed); falling back to `%sPil` ...", name, name)
+        imports.warning("`Other` requires otherlib (not installed); falling back to `OtherPil` ...")
+        for _ in range(3):
+            pipeline.warning("The following part of your input was truncated because CLIP can only handle 77 tokens: [...]")
+        pipeline.warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["torchvision missing", "otherlib missing", "something else"]
+    assert backends.seen == {"torchvision": 2, "otherlib": 1} and captions.seen == {"": 3}
