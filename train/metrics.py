@@ -160,7 +160,8 @@ def progress_line(record: dict, steps: int, step_s: float) -> str:
     """The plain line a run prints every --log-every steps where no progress bar is shown (a log file, a pipe):
     `record` is `Metrics.log`'s, `step_s` the seconds per step of its window (the ETA, validation left out)."""
     eta = int(max(steps - record["step"], 0) * step_s)
-    return (f"step {record['step']}/{steps}  loss {record['loss']:.4f}  smoothed {record['smoothed_loss']:.4f}  "
+    held = f"  eval loss {record['eval_loss']:.4f}" if record.get("eval_loss") is not None else ""
+    return (f"step {record['step']}/{steps}  loss {record['loss']:.4f}  smoothed {record['smoothed_loss']:.4f}{held}  "
             f"lr {record['lr']:.2e}  {record['samples_per_s']:.1f} samples/s  data wait {record['data_wait']:.0%}  "
             f"ETA {eta // 3600}:{eta // 60 % 60:02d}:{eta % 60:02d}")
 
