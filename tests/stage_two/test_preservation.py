@@ -367,3 +367,31 @@ def test_a_dry_run_measures_a_class_batchs_step_and_the_start_up_says_its_cost(c
     assert summary["dry_run"] and summary["measured_peak"] > 0
     assert re.search(r"output preservation: class batches are \d+% of an epoch's, each \d+% more compute: about \+\d+% for "
                      r"the epoch", out), out
+
+
+@pytest.mark.slow
+def test_two_ddp_processes_preserve_output_as_one_process_does(class_cache, tmp_path):
+    """The base model's forward without gradients goes through the DDP wrapper on every rank; the class and instance
+    losses of 2 processes at batch 2 are those of one process at batch 4."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+
+    def launch(run, nproc: int, batch: int):
+        runner = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]
+        out = subprocess.run([*runner, "-m", "train", "--model", "tiny-sana", "--cache", str(class_cache), "--run-dir", str(run),
+                              "--lora-rank", "4", "--preservation", "output", "--precision", "fp32", "--steps", "4",
+                              "--batch-size", str(batch), "--log-every", "1", "--no-validate", "--no-progress", "--lr", "1e-2"],
+                             cwd=root, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-3000:]
+        return rows(run)
+
+    one, two = launch(tmp_path / "one", 1, 4), launch(tmp_path / "ddp", 2, 2)
+    assert [r["class_loss"] is None for r in one] == [r["class_loss"] is None for r in two]
+    assert any(r["class_loss"] for r in one)
+    for a, b in zip(one, two):
+        for key in ("loss", "class_loss", "instance_loss"):
+            assert (a[key] is None and b[key] is None) or a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (a["step"], key)
