@@ -353,7 +353,8 @@ class ObjectiveOptions:
                  "or velocity target. output: output preservation (ai-toolkit's Differential Output Preservation), the "
                  "base model's own prediction, adapters off and without gradients, for the same noisy class latent and "
                  "caption: the adapters learn to leave the class as the base draws it. One more forward per class batch "
-                 "(python -m train plan --preservation output shows its memory and compute). LoRA runs only.")
+                 "(python -m train plan --preservation output shows its memory and compute). Adapter runs only (--lora-rank, "
+                 "any --adapter).")
 
     def check(self) -> None:
         check_preservation(self)
@@ -472,8 +473,8 @@ def check_preservation(cfg) -> None:
         raise ValueError("--preservation output takes the frozen transformer's prediction with the adapters off as the target "
                          "of class batches; a ControlNet run has no adapters on it: use --preservation prior")
     if not cfg.lora_rank:
-        raise ValueError("--preservation output needs the base model's prediction beside the trained one: with LoRA "
-                         "adapters (--lora-rank) the frozen base is that model, the adapters turned off for one forward. "
+        raise ValueError("--preservation output needs the base model's prediction beside the trained one: with adapters "
+                         "(--lora-rank, any --adapter) the frozen base is that model, the adapters turned off for one forward. "
                          "A full fine-tune would have to keep a second, frozen copy of every weight (twice the weights' "
                          "memory): train LoRA adapters, or use --preservation prior")
 

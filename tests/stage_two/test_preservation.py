@@ -160,23 +160,25 @@ def plain_transformer(cfg, preset) -> torch.nn.Module:
     ("tiny-sana", {}),  # flow matching
     ("tiny-pixart", {}),  # DDPM, epsilon
     ("tiny-sana", {"blocks_to_swap": 2, "grad_checkpointing": "all"}),  # the swapped blocks' weights brought for it too
+    ("tiny-sana", {"adapter": "dora"}), ("tiny-sana", {"adapter": "lokr"}), ("tiny-sana", {"adapter": "loha"}),
 ])
 def test_output_preservation_targets_the_base_models_prediction(model, options):
     cfg, preset, net, step = built(model, preservation="output", **options)
     batch = {**batch_of(preset, net), "prior_loss_weight": 1.0}
     data_loss, _ = step.objective(net.forward, batch, noise_of(cfg))
 
-    # step 0: lora_B starts at zero, so the trained model is the base model and the loss is exactly 0
+    # step 0: the adapters start as no change (lora_B, or a factor, at zero), so the trained model is the base model and
+    # the loss is exactly 0
     step.accumulate(batch, 0)
     assert torch.equal(step.micros[0].loss, torch.zeros(())) and data_loss.mean() > 0
     assert all(not g.any() for g in grads(net))
     step.rewind()
 
     # adapters that changed something: the loss is the MSE to a model without adapters, on the same noisy input
+    g = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, p in net.module.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=0.05, generator=torch.Generator().manual_seed(1))
+        for p in net.params:
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
     plain = plain_transformer(cfg, preset)
     forward = model_forward(plain, preset.family, guidance=preset.train_guidance)
     with torch.no_grad():
