@@ -56,6 +56,10 @@ class PrecomputeConfig:
     batch_size: int | None = opt(None, f"Images per VAE batch, one bucket per batch (default: {DEFAULT_BATCH['cuda']} on CUDA, "
                                        f"{DEFAULT_BATCH['cpu']} on CPU).", at_least=1)
     text_batch_size: int = opt(64, "Captions per text-encoder batch.", at_least=1)
+    dedup_texts: bool = opt(True, "Store each distinct caption's text embeddings once, in text shards every sample with "
+                                  "that caption refers to (a DreamBooth set of one prompt stores it once), and encode it "
+                                  "once. Applies to a new cache; an existing cache keeps the layout it was built with. "
+                                  "--no-dedup-texts stores them with each sample, as caches before it did.")
     workers: int = opt(2, "DataLoader worker processes that read, decode and resize images (0: in the main process).",
                        at_least=0)
     storage_dtype: DtypeOption = opt("bf16", f"Dtype of cached latents and embeddings: {DTYPE_HELP}.")

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from precompute.encode import Encoders
 from shards import CONTROL_PREFIX, FLIP_PREFIX, ShardWriter
+from shards.texts import TEXT_KEYS, key_rows, text_key
 
 
 @dataclass
@@ -83,6 +84,8 @@ class EncodingPass:
         self.flipped_fields = [name for name in self.enc.latent_spec().flipped_fields if name in self.schema]
         self.cached_inputs = {name: set(mine.values()) for name, mine in self.previous.items()}  # "changed" if cached as one
         self.pending: dict = defaultdict(list)
+        self.truncated_texts: set[str] = set()  # text keys of the captions this run found truncated
+        self.bad_texts: set[str] = set()  # text keys whose text held NaN/Inf: not stored
 
     @property
     def repair(self) -> bool:
@@ -138,13 +141,17 @@ class EncodingPass:
         mirrored = enc.encode_images(torch.stack([items[j]["pixels"].flip(-1) for j in flips])) if flips else {}
         # the control images, cropped as their images, through the same VAE: the pipelines' control latents
         controls = enc.encode_images(torch.stack([it["control_pixels"] for it in items])) if self.control else {}
-        texts = self.encode_captions([c for it in items for c in it["captions"]])
+        captions = [c for it in items for c in it["captions"]]
+        stored_once = TEXT_KEYS in self.schema  # each text in a text row the samples refer to (`shards.texts`)
+        texts = self.store_texts(captions) if stored_once else self.encode_captions(captions)
         at = 0
         for j, it in enumerate(items):
-            mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field
+            mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field (or their keys)
             at += len(it["captions"])
-            fields = self.sample_fields(it, j, latents, mirrored, flips, controls, mine)
+            fields = self.sample_fields(it, j, latents, mirrored, flips, controls, None if stored_once else mine,
+                                        mine if stored_once else None)
             bad_fields = [n for n, t in fields.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+            bad_fields += [f"text of caption {k}" for k, key in enumerate(mine) if stored_once and key in self.bad_texts]
             if bad_fields:
                 tally.fail({"source": it["source"], "reason": "non_finite", "detail": f"fields {bad_fields}", "dataset": it["dataset"]})
             elif self.repair:
@@ -155,18 +162,37 @@ class EncodingPass:
                 self.writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0), dataset=it["dataset"])
                 tally.count("changed" if it["source"] in self.cached_inputs[it["dataset"]] else "new", it["dataset"])
 
-    def encode_captions(self, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+    def encode_captions(self, captions: list[str], count: bool = True) -> list[dict[str, torch.Tensor]]:
+        """The text fields of each caption; truncated captions are counted (with `count`) and remembered by key."""
         texts, truncated = [], 0
         for i in range(0, len(captions), self.text_batch_size):
             batch = self.enc.encode_text(captions[i : i + self.text_batch_size])
             texts += batch.fields
             truncated += sum(batch.truncated)
-        self.tally.counts["captions_truncated"] += truncated
+            self.truncated_texts.update(text_key(c) for c, cut in zip(captions[i : i + self.text_batch_size], batch.truncated) if cut)
+        if count:
+            self.tally.counts["captions_truncated"] += truncated
         return texts
 
+    def store_texts(self, captions: list[str]) -> list[str]:
+        """The text key of each caption, its text encoded and written once: a caption the cache holds (or this run
+        wrote) is not encoded again, however many samples refer to it. A text holding NaN/Inf is not written (its
+        samples fail as non_finite)."""
+        keys = [text_key(c) for c in captions]
+        new = list({k: c for k, c in zip(keys, captions) if not self.writer.has_text(k) and k not in self.bad_texts}.values())
+        for caption, fields in zip(new, self.encode_captions(new, count=False)):
+            fields = {name: t.to(self.storage) for name, t in fields.items()}
+            if all(bool(torch.isfinite(t).all()) for t in fields.values() if t.is_floating_point()):
+                self.writer.write_text(caption, fields)
+            else:
+                self.bad_texts.add(text_key(caption))
+        self.tally.counts["captions_truncated"] += sum(k in self.truncated_texts for k in keys)  # per caption, as before
+        return keys
+
     def sample_fields(self, it: dict, j: int, latents: dict, mirrored: dict, flips: list[int], controls: dict,
-                      captions: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The stored fields of the batch's `j`th sample `it`, in the storage dtype."""
+                      captions: list[dict[str, torch.Tensor]] | None, text_keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The stored fields of the batch's `j`th sample `it`, in the storage dtype: its captions' text fields, or the
+        keys of its captions' texts (`text_keys`) in a cache that stores each text once."""
         storage = self.storage
         fields = {name: t[j].to(storage) for name, t in latents.items()}
         for name in self.flipped_fields:  # one row: the flipped image's latent; none for a source without flip
@@ -174,8 +200,11 @@ class EncodingPass:
             row = mirrored[name.removeprefix(FLIP_PREFIX)][flips.index(j)][None] if j in flips else plain[j][None][:0]
             fields[name] = row.to(storage)
         fields.update({CONTROL_PREFIX + name: t[j].to(storage) for name, t in controls.items()})
-        fields.update({name: torch.cat([c[name] for c in captions]).to(storage) for name in captions[0]})
-        fields["text_lengths"] = torch.tensor([c["text"].shape[0] if "text" in c else 0 for c in captions], dtype=torch.int32)
+        if text_keys is not None:
+            fields[TEXT_KEYS] = key_rows(text_keys)
+        else:
+            fields.update({name: torch.cat([c[name] for c in captions]).to(storage) for name in captions[0]})
+            fields["text_lengths"] = torch.tensor([c["text"].shape[0] if "text" in c else 0 for c in captions], dtype=torch.int32)
         fields["original_size"] = torch.tensor(it["original_size"], dtype=torch.int32)
         fields["crop"] = torch.tensor(it["crop"], dtype=torch.int32)
         fields["source"] = torch.frombuffer(bytearray(it["source"].encode("utf-8", "surrogateescape")), dtype=torch.uint8)

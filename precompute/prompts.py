@@ -123,7 +123,7 @@ def add_prompts(config: PromptsConfig) -> dict:
                        pretrained=config.pretrained or pretrained, vae=False)
         check_text_encoder(manifest.fingerprint["text_encoder"], enc.text_fingerprint(), cache)
         storage = dtype_from_name(manifest.fingerprint["storage_dtype"])
-        with ShardWriter(cache, manifest.fingerprint, manifest.schema) as writer:
+        with ShardWriter(cache, manifest.fingerprint, manifest.schema, text_schema=manifest.text_schema) as writer:
             store_prompts(writer, enc, added, storage)
     finally:
         lock.release()

@@ -32,9 +32,10 @@ from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalte
 from precompute.presets import weights_sources
 from precompute.removal import RemovalRefused, cached_inputs, damaged_shards, forget_created, removal_refused, removals, replace_damaged, warn_damaged
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
-from shards import CacheSpec, Prompt, ShardWriter, exists, load, prompt_key
+from shards import CacheSpec, Field, Prompt, ShardWriter, exists, load, prompt_key
 from shards.atomic import atomic_write_bytes
 from shards.options import torch_dtype
+from shards.texts import TEXT_KEYS, TEXT_LENGTHS
 
 
 def main(data: str, *args, **options) -> dict:
@@ -107,13 +108,14 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     try:
         enc = Encoders(config.preset(), device, vae_dtype=config.vae_dtype, text_dtype=config.text_dtype, pretrained=config.pretrained,
                        sources=sources)
-        fingerprint, schema = check_cache(config, enc, manifest, inputs, is_main=rank == 0)
+        fingerprint, schema, text_schema = check_cache(config, enc, manifest, inputs, is_main=rank == 0)
     except BaseException:
         del inputs.batches  # stops the workers now, not when the traceback is freed
         raise
     # 3. encode per bucket as images arrive, write shards
     storage = torch_dtype(config.storage_dtype)
-    writer = ShardWriter(config.cache, fingerprint, schema, rank=rank, max_shard_bytes=config.max_shard_mb << 20)
+    writer = ShardWriter(config.cache, fingerprint, schema, rank=rank, max_shard_bytes=config.max_shard_mb << 20,
+                         text_schema=text_schema)
     tally = Tally(by_source={s.name: Counter() for s in inputs.sources})
     for name, listing in inputs.listings.items():
         for failure in listing.failures:
@@ -145,7 +147,7 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
                     "complete": {name: i.complete for name, i in inputs.listings.items()}}, world)
     summary, refused = {}, None
     if rank == 0:
-        summary, refused = finish(config, enc, fingerprint, schema, inputs, parts, t_start)
+        summary, refused = finish(config, enc, fingerprint, schema, text_schema, inputs, parts, t_start)
     if world > 1:
         dist.barrier()
     if refused is not None:
@@ -198,9 +200,9 @@ def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, ra
     return Inputs(sources, previous, listings, batches, total, damaged, needed)
 
 
-def check_cache(config: PrecomputeConfig, enc: Encoders, manifest, inputs: Inputs, is_main: bool) -> tuple[dict, dict]:
-    """The run's fingerprint and schema, checked against the cache's (a cache built otherwise is refused) and the
-    buckets' fit to the VAE; with room on disk for the new samples."""
+def check_cache(config: PrecomputeConfig, enc: Encoders, manifest, inputs: Inputs, is_main: bool) -> tuple[dict, dict, dict | None]:
+    """The run's fingerprint, sample schema and text schema (None: texts stored with each sample), checked against the
+    cache's (a cache built otherwise is refused) and the buckets' fit to the VAE; with room on disk for the new samples."""
     policy, storage = config.policy(), torch_dtype(config.storage_dtype)
     bad = [b.name for b in policy.buckets if b.height % enc.downsample or b.width % enc.downsample]
     if bad:
@@ -212,19 +214,31 @@ def check_cache(config: PrecomputeConfig, enc: Encoders, manifest, inputs: Input
     if config.control:  # the cache holds control latents: never mixed with a cache without them (check_control)
         fingerprint["control"] = enc.latent_spec().control_fingerprint()
     schema = cache_schema(enc, storage, manifest, inputs.sources, config.cache, config.control)
+    # each text stored once in a new cache (unless --no-dedup-texts); an existing cache keeps its layout
+    dedup = manifest.text_schema is not None if manifest is not None else config.dedup_texts
+    text_schema = enc.prompt_schema(storage) if dedup else None
+    if text_schema is not None:
+        schema = texts_stored_once(schema, text_schema)
     if manifest is not None:
-        manifest.check_compatible(fingerprint, schema, config.cache)
+        manifest.check_compatible(fingerprint, schema, config.cache, text_schema)
     growth = {s.name: max(0, (inputs.listings[s.name].listed or 0) - len(inputs.previous[s.name])) for s in inputs.sources}
     if config.check_disk and is_main and any(growth.values()) and not config.repair:
         # a source's caption variants are that many captions per sample (fewer where some were identical)
         need = sum(n * estimate_bytes_per_sample(enc, policy, storage, captions=s.caption_variants, control=config.control)
                    for s in inputs.sources if (n := growth[s.name]))
         check_disk_space(config.cache, need)
-    return fingerprint, schema
+    return fingerprint, schema, text_schema
 
 
-def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: dict, inputs: Inputs, parts: list[dict],
-           t_start: float) -> tuple[dict, RemovalRefused | None]:
+def texts_stored_once(schema: dict, text_schema: dict) -> dict:
+    """The sample schema of a cache that stores each text once: the text fields and `text_lengths` leave the samples,
+    which refer to their texts by `text_keys` (`shards.texts`)."""
+    out = {name: field for name, field in schema.items() if name not in text_schema and name != TEXT_LENGTHS}
+    return {**out, TEXT_KEYS: Field(torch.uint8, ragged=True)}
+
+
+def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: dict, text_schema: dict | None, inputs: Inputs,
+           parts: list[dict], t_start: float) -> tuple[dict, RemovalRefused | None]:
     """Rank 0, after every rank's pass: each source's removals on the evidence of its own listing, the prompts, the
     decoder recipe and the sources' records committed; failures.jsonl and the summary. Returns the summary and the
     refusal to raise once every rank is done (what was encoded is kept)."""
@@ -249,7 +263,7 @@ def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: d
         by_source[name]["removed"] = len(gone)
         by_source[name]["kept_unreadable"] = kept
     storage = torch_dtype(config.storage_dtype)
-    with ShardWriter(cache, fingerprint, schema) as final:
+    with ShardWriter(cache, fingerprint, schema, text_schema=text_schema) as final:
         final.remove(stale)
         store_prompts(final, enc, config.validation_prompt, storage)
         store_decoder(final, enc, enc.preset)
@@ -309,7 +323,7 @@ def name_sources(config: PrecomputeConfig) -> None:
     unnamed = "" in present and len(sources) == 1 and sources[0].name not in present
     if not config.remove_source and not unnamed:
         return
-    with ShardWriter(config.cache, manifest.fingerprint, manifest.schema) as writer:
+    with ShardWriter(config.cache, manifest.fingerprint, manifest.schema, text_schema=manifest.text_schema) as writer:
         for name in config.remove_source:
             removed = writer.remove_dataset(name)
             print(f"{config.cache}: removed source {name!r} ({removed} samples)", file=sys.stderr)

@@ -62,6 +62,8 @@ def summary(cache: Cache) -> dict:
         # recorded of each (its path, repeats or weight, caption options)
         "sources": {name: {**totals, **m.extra.get("sources", {}).get(name, {}), **_captions(captions, name, totals)}
                     for name, totals in m.datasets().items()},
+        # a cache that stores each text once: the texts stored, the references to them, the bytes saved
+        **({"texts": m.text_stats()} if m.texts is not None else {}),
         "generation": m.generation,
         "fingerprint_sha256": m.fingerprint_sha256,
         "fingerprint": m.fingerprint,
@@ -116,6 +118,12 @@ def inspect(
                    f"  {share}  {src.get('path', '')}")
         if line := _caption_line(src):
             typer.echo(f"  {'':<24} {line}")
+    if "texts" in info:
+        t = info["texts"]
+        typer.echo(f"\ntexts (each stored once): {t['texts']} in {t['shards']} text shards, {_human(t['bytes'])}; "
+                   f"{t['references']} references from samples, which would take {_human(t['inline_bytes'])} stored with each; "
+                   f"saved {_human(t['saved']) if t['saved'] >= 0 else '-' + _human(-t['saved'])} (after "
+                   f"{_human(t['key_bytes'])} of text keys)")
     typer.echo("\nfields (bytes per sample):")
     for name, f in info["fields"].items():
         typer.echo(f"  {name:<24} {f['kind']:<7} {f['dtype']:<9} {_human(f['bytes_per_sample']):>10}")

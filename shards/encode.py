@@ -12,9 +12,9 @@ import torch
 
 from shards.buckets import Bucket
 from shards.schema import (
+    BASE_VERSION,
     DIGEST,
     FORMAT_NAME,
-    FORMAT_VERSION,
     KEY,
     OFFSETS_SUFFIX,
     Schema,
@@ -64,12 +64,13 @@ def check_sample(key: str, bucket: Bucket, sample: Mapping[str, torch.Tensor], s
 
 
 def encode_shard(bucket: Bucket, items: list[Item], schema: Schema, shapes: dict[str, list],
-                 fingerprint_sha256: str, rank: int) -> tuple[bytes, dict[str, int]]:
+                 fingerprint_sha256: str, rank: int, kind: str | None = None) -> tuple[bytes, dict[str, int]]:
     """The bytes of a shard holding `items`, and per field the bytes it occupies (offsets included).
 
     Args:
         shapes: the bucket's per-field shapes, recorded in the shard's metadata.
         rank: the global rank of the writer, recorded too.
+        kind: the file's `kind` metadata (`"texts"` for a text shard; none for a shard of samples).
     """
     tensors: dict[str, torch.Tensor] = {}
     field_bytes: dict[str, int] = {}
@@ -91,7 +92,7 @@ def encode_shard(bucket: Bucket, items: list[Item], schema: Schema, shapes: dict
     tensors[DIGEST] = torch.frombuffer(bytearray(digests), dtype=torch.uint8).view(len(items), -1)
     metadata = {
         "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(BASE_VERSION),
         "bucket": bucket.name,
         "samples": str(len(items)),
         "fields": json.dumps(schema_to_json(schema), sort_keys=True),
@@ -99,4 +100,6 @@ def encode_shard(bucket: Bucket, items: list[Item], schema: Schema, shapes: dict
         "fingerprint_sha256": fingerprint_sha256,
         "rank": str(rank),
     }
+    if kind is not None:
+        metadata["kind"] = kind
     return serialize(tensors, metadata), field_bytes

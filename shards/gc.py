@@ -170,6 +170,8 @@ def gc(root: str | os.PathLike, dry_run: bool = False) -> GcReport:
         base = current if oldest == current.generation else load(root, oldest)
         # the log before `oldest` goes: its snapshot becomes the only copy of the sample index, so it must be sound
         base.shards.check_sample_index()
+        if base.texts is not None:
+            base.texts.check_sample_index()
         # the snapshot of `oldest` makes the log and snapshots before it redundant; encoded before the replay below
         snapshot = base.encode_snapshot() if oldest not in snapshots(root) else None
         compacting = snapshot is not None
@@ -216,7 +218,8 @@ def _files_needed(root: Path, manifest: Manifest, generations: list[int], replac
     keep: set[str] = set()
     for g in generations:
         replay(root, manifest, g)
-        for path in [*manifest.shards.paths(), *(e["path"] for e in manifest.files.values())]:
+        texts = manifest.texts.paths() if manifest.texts is not None else []
+        for path in [*manifest.shards.paths(), *texts, *(e["path"] for e in manifest.files.values())]:
             keep.update(newest_copy(path, replaced))  # a reader resolved its copies when it opened the cache
     return keep
 

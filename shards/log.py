@@ -21,7 +21,7 @@ import torch
 
 from shards.atomic import TMP_SUFFIX, atomic_write_json, fsync_dir
 from shards.layout import LOG_DIR, LOG_NAME, MANIFEST, SHARD_FILE, SNAPSHOT_DIR, SNAPSHOT_NAME
-from shards.schema import FORMAT_NAME, FORMAT_VERSION, DamagedLog, FormatError, check_version
+from shards.schema import BASE_VERSION, FORMAT_NAME, FORMAT_VERSION, DamagedLog, FormatError, check_version
 
 
 def committed(root: Path) -> bool:
@@ -224,18 +224,20 @@ def create_if_absent(final: Path, data: bytes, rank: int) -> bool:
     return True
 
 
-def write_commit(root: Path, commit: dict, rank: int = 0) -> bool:
-    """Create `_log/GENERATION.json` if it does not exist yet: False when another writer took the number."""
+def write_commit(root: Path, commit: dict, rank: int = 0, version: int = BASE_VERSION) -> bool:
+    """Create `_log/GENERATION.json` if it does not exist yet: False when another writer took the number. `version`:
+    the cache's format version (`Manifest.version`)."""
     log = root / LOG_DIR
     if not log.is_dir():
         log.mkdir(parents=True, exist_ok=True)
         fsync_dir(root)
-    body = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION, **commit}
+    body = {"format": FORMAT_NAME, "format_version": version, **commit}
     body["sha256"] = commit_digest(body)
     return create_if_absent(log / LOG_NAME.format(commit["generation"]), json.dumps(body, separators=(",", ":")).encode(), rank)
 
 
 SAMPLE_INDEX = "samples."  # the tensors of a snapshot's sample index start so
+TEXT_INDEX = "text_index."  # ... and those of its text rows' index (a cache that stores texts once), digested apart
 
 
 def snapshot_digest(metadata: dict[str, str], tensors: dict[str, torch.Tensor], sample_index: bool = False) -> str:
@@ -244,14 +246,15 @@ def snapshot_digest(metadata: dict[str, str], tensors: dict[str, torch.Tensor], 
     index it costs O(shards), so every load checks it; the sample index has its own digest (`sample_index_digest`)
     in the metadata, checked where it is read (a cache is opened at 10M samples without reading them)."""
     h = hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "sha256"}, sort_keys=True).encode())
-    _hash_tensors(h, {n: t for n, t in tensors.items() if sample_index or not n.startswith(SAMPLE_INDEX)})
+    _hash_tensors(h, {n: t for n, t in tensors.items() if sample_index or not n.startswith((SAMPLE_INDEX, TEXT_INDEX))})
     return h.hexdigest()
 
 
-def sample_index_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 of a snapshot's sample index (the `samples.*` tensors): metadata `samples_sha256`."""
+def sample_index_digest(tensors: dict[str, torch.Tensor], prefix: str = SAMPLE_INDEX) -> str:
+    """sha256 of a snapshot's sample index (the `samples.*` tensors): metadata `samples_sha256`; with `prefix`
+    `TEXT_INDEX`, of its text rows' index (`text_index.*`, named as `samples.*` are): metadata `texts_sha256`."""
     h = hashlib.sha256()
-    _hash_tensors(h, {n: t for n, t in tensors.items() if n.startswith(SAMPLE_INDEX)})
+    _hash_tensors(h, {SAMPLE_INDEX + n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)})
     return h.hexdigest()
 
 
@@ -322,7 +325,7 @@ def write_pointer(root: Path, manifest) -> None:
     behind; readers list `_snapshots/` and never depend on it."""
     newest = snapshots(root)
     atomic_write_json(root / MANIFEST, {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "fingerprint_sha256": manifest.fingerprint_sha256,
+        "format": FORMAT_NAME, "format_version": manifest.version, "fingerprint_sha256": manifest.fingerprint_sha256,
         "snapshot_generation": newest[-1] if newest else None,
         "note": f"the cache's state is {SNAPSHOT_DIR}/<snapshot_generation>.safetensors plus the commits after it in {LOG_DIR}/",
     })

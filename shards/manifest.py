@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -23,8 +24,9 @@ import numpy as np
 from shards.buckets import Bucket
 from shards.fingerprint import fingerprint_hash, normalize
 from shards.layout import confined, parse_shard_name
-from shards.log import check_snapshot, damaged_commit, damaged_snapshot, sample_index_digest, snapshot_digest
+from shards.log import TEXT_INDEX, check_snapshot, damaged_commit, damaged_snapshot, sample_index_digest, snapshot_digest
 from shards.schema import (
+    BASE_VERSION,
     FORMAT_NAME,
     FORMAT_VERSION,
     FingerprintMismatch,
@@ -36,6 +38,7 @@ from shards.schema import (
     serialize,
 )
 from shards.table import ShardEntry, ShardTable
+from shards.texts import TEXT_KEYS
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Manifest:
         files: other files of the cache by role (e.g. `"prompts"`), each `{"path", "bytes", "sha256"}`.
         extra: free-form JSON the stages record (e.g. run settings); not part of the fingerprint.
         generation: the last commit applied (-1: none).
+        text_schema: the fields of a text row in a cache that stores texts once (`shards.texts`); None in others.
     """
 
     fingerprint: dict
@@ -61,11 +65,33 @@ class Manifest:
     next_seq: dict[str, int] = field(default_factory=dict)  # "rRRRRR/HxW" -> the next unused sequence number
     replaced: dict[str, str] = field(default_factory=dict)  # repaired shard path -> the path of its copy
     shards: ShardTable | None = None
+    text_schema: Schema | None = None
+    texts: ShardTable | None = None  # the text shards (a cache that stores texts once)
 
     def __post_init__(self) -> None:
         self.fingerprint = normalize(self.fingerprint)
         if self.shards is None:
             self.shards = ShardTable(sorted(self.schema))
+        if self.text_schema is not None and self.texts is None:
+            self.texts = ShardTable(sorted(self.text_schema), TEXT_TABLE)
+
+    @property
+    def version(self) -> int:
+        """The format version of the cache's commits and snapshots: 3 when it stores texts once, 2 otherwise."""
+        return FORMAT_VERSION if self.text_schema is not None else BASE_VERSION
+
+    def text_stats(self) -> dict[str, int] | None:
+        """Texts stored once (None in a cache that stores them with each sample): `texts` rows in `shards` text shards
+        of `bytes`; `references` from samples, which would take `inline_bytes` stored with each; `saved` bytes (the
+        inline bytes less the text shards and the samples' `text_keys`)."""
+        if self.texts is None:
+            return None
+        stored = int(self.texts.column("bytes").sum())
+        keys = int(self.shards.column("field_bytes")[:, self.shards.fields.index(TEXT_KEYS)].sum())
+        inline = int(self.shards.column("text_ref_bytes").sum())
+        return {"texts": int(self.texts.column("samples").sum()), "shards": len(self.texts), "bytes": stored,
+                "references": int(self.shards.column("text_refs").sum()), "inline_bytes": inline, "key_bytes": keys,
+                "saved": inline - stored - keys}
 
     @property
     def fingerprint_sha256(self) -> str:
@@ -92,12 +118,16 @@ class Manifest:
                 stats[Bucket(int(hh), int(ww))] = BucketStats(Bucket(int(hh), int(ww)), int(n[mine].sum()), int(mine.sum()), int(b[mine].sum()))
         return dict(sorted(stats.items()))
 
-    def check_compatible(self, fingerprint: dict, schema: Schema, root: str | os.PathLike) -> None:
-        """Refuse to combine values computed differently."""
+    def check_compatible(self, fingerprint: dict, schema: Schema, root: str | os.PathLike, text_schema: Schema | None = None) -> None:
+        """Refuse to combine values computed differently, or laid out otherwise."""
         if normalize(fingerprint) != self.fingerprint:
             raise FingerprintMismatch(str(root), self.fingerprint, normalize(fingerprint))
         if schema != self.schema:
             raise FormatError(f"{root}: field schema differs: cache has {schema_to_json(self.schema)}, run has {schema_to_json(schema)}")
+        if text_schema != self.text_schema:
+            def layout(t):
+                return "texts stored with each sample" if t is None else f"texts stored once, fields {schema_to_json(t)}"
+            raise FormatError(f"{root}: the cache has {layout(self.text_schema)}, this writer {layout(text_schema)}")
 
     def datasets(self) -> dict[str, dict[str, int]]:
         """Totals per dataset (the named sources of stage one's dataset file; "" for samples written without
@@ -109,13 +139,17 @@ class Manifest:
 
     def captions(self) -> dict[str, int]:
         """Captions per dataset, from the shard table alone: the rows of its shards' `text_lengths` field (one int32
-        per caption; its bytes less the (N + 1) int64 offsets); {} for a cache without that field."""
+        per caption; its bytes less the (N + 1) int64 offsets), or their `text_refs` where texts are stored once; {}
+        for a cache without either."""
         spec = self.schema.get("text_lengths")
-        if spec is None or not spec.ragged or "text_lengths" not in self.shards.fields:
-            return {}
         names = np.array(self.shards.datasets(), dtype=object)
-        stored = self.shards.column("field_bytes")[:, self.shards.fields.index("text_lengths")]
-        rows = (stored - 8 * (self.shards.column("samples") + 1)) // spec.dtype.itemsize
+        if self.texts is not None:  # texts stored once: each shard's references to text rows, one per caption
+            rows = self.shards.column("text_refs")
+        elif spec is None or not spec.ragged or "text_lengths" not in self.shards.fields:
+            return {}
+        else:
+            stored = self.shards.column("field_bytes")[:, self.shards.fields.index("text_lengths")]
+            rows = (stored - 8 * (self.shards.column("samples") + 1)) // spec.dtype.itemsize
         return {str(name): int(rows[names == name].sum()) for name in sorted(set(names.tolist()))}
 
     # -- the sample index --------------------------------------------------------------------------
@@ -138,11 +172,41 @@ class Manifest:
     def conflict(self, commit: dict) -> str | None:
         """Why `commit` cannot follow this generation, or None: a shard it removes or replaces is no longer
         listed, or a key it restamps is not (another writer committed a removal meanwhile)."""
-        for path in [*commit.get("remove", []), *(old for old, _ in commit.get("replace", []))]:
+        for path in commit.get("remove", []):
             if path not in self.shards:
                 return f"{path} is no longer a shard of the cache"
+        for path in (old for old, _ in commit.get("replace", [])):
+            if path not in self.shards and (self.texts is None or path not in self.texts):
+                return f"{path} is no longer a shard of the cache"
         missing = [key for key, _ in commit.get("restamp", []) if key not in self.shards.key_index()]
-        return f"{len(missing)} restamped samples (e.g. {missing[0]}) are no longer in the cache" if missing else None
+        if missing:
+            return f"{len(missing)} restamped samples (e.g. {missing[0]}) are no longer in the cache"
+        return self._text_conflict(commit) if self.texts is not None else None
+
+    def _text_conflict(self, commit: dict) -> str | None:
+        """A text row the commit's samples refer to is not in the cache after it, or a text row it removes is still
+        referred to by a sample it keeps (another writer removed or added samples meanwhile)."""
+        for path in commit.get("remove_texts", []):
+            if path not in self.texts:
+                return f"{path} is no longer a text shard of the cache"
+        live = self.texts.key_index()
+        added = {k for obj in commit.get("add_texts", []) for k in obj.get("keys") or []}
+        removed = [self.texts.row_of(path) for path in commit.get("remove_texts", [])]
+        gone = set()
+        if removed:  # keys whose every copy goes (several ranks may have stored one text at once)
+            copies = Counter(self.texts.keys_at(self.texts.rows))
+            copies.subtract(self.texts.keys_at(removed))
+            gone = {k for k in self.texts.keys_at(removed) if copies[k] <= 0} - added
+        for obj in commit.get("add", []) + [new for _, new in commit.get("replace", [])]:
+            missing = [k for k in obj.get("texts") or [] if k not in added and (k not in live or k in gone)]
+            if missing:
+                return f"text {missing[0]}, which samples of {obj.get('path')} refer to, is no longer in the cache"
+        if gone:
+            retired = {self.shards.row_of(p) for p in commit.get("remove", []) if p in self.shards}
+            still = gone & self.shards.referenced_texts(retired)
+            if still:
+                return f"text {sorted(still)[0]} is referred to by samples another writer added meanwhile"
+        return None
 
     # -- commits -----------------------------------------------------------------------------------
     def apply(self, commit: dict, where: str = "commit") -> None:
@@ -154,18 +218,27 @@ class Manifest:
             init = commit["init"]
             if normalize(init["fingerprint"]) != self.fingerprint:
                 raise FingerprintMismatch(where, init["fingerprint"], self.fingerprint)
-            if schema_from_json(init["fields"]) != self.schema:
+            if schema_from_json(init["fields"]) != self.schema or text_schema_of(init) != self.text_schema:
                 raise FormatError(f"{where}: the cache's field schema differs from this writer's")
         for bucket, shapes in commit.get("shapes", {}).items():
             self.shapes.setdefault(Bucket.parse(bucket), shapes)
+        if self.texts is None and any(k in commit for k in ("add_texts", "remove_texts")):
+            raise FormatError(f"{where}: text shards in a cache that stores texts with each sample; the log was edited or damaged")
         for path in commit.get("remove", []):
             self.shards.remove(confined(path, where))
+        for path in commit.get("remove_texts", []):
+            self.texts.remove(confined(path, where))
         for old, new in commit.get("replace", []):
             e = ShardEntry.from_json(new, where)
             if e.path == old or e.path in self.replaced:  # a repair chain must not loop back
                 raise FormatError(f"{where}: {e.path} cannot replace {old}; the log was edited or damaged")
-            self.shards.replace(confined(old, where), e)
+            table = self.texts if self.texts is not None and confined(old, where) in self.texts else self.shards
+            table.replace(confined(old, where), e)
             self.replaced[old] = e.path
+            self._count(e.path)
+        for obj in commit.get("add_texts", []):  # before the samples that refer to them
+            e = ShardEntry.from_json(obj, where)
+            self.texts.append(e)
             self._count(e.path)
         for obj in commit.get("add", []):
             e = ShardEntry.from_json(obj, where)
@@ -192,15 +265,20 @@ class Manifest:
 
     # -- snapshots ---------------------------------------------------------------------------------
     def encode_snapshot(self) -> bytes:
-        tensors = self.shards.to_tensors()
+        tensors = self.shards.to_tensors(texts=self.texts is not None)
         metadata = {
-            "format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "kind": "snapshot", "generation": str(self.generation),
+            "format": FORMAT_NAME, "format_version": str(self.version), "kind": "snapshot", "generation": str(self.generation),
             "fingerprint": json.dumps(self.fingerprint, sort_keys=True), "fingerprint_sha256": self.fingerprint_sha256,
             "fields": json.dumps(schema_to_json(self.schema), sort_keys=True), "field_order": json.dumps(self.shards.fields),
             "shapes": json.dumps({b.name: s for b, s in sorted(self.shapes.items())}, sort_keys=True),
             "files": json.dumps(self.files, sort_keys=True), "extra": json.dumps(self.extra, sort_keys=True),
             "next_seq": json.dumps(self.next_seq, sort_keys=True), "replaced": json.dumps(self.replaced, sort_keys=True),
         }
+        if self.texts is not None:  # the text table's columns, and its index (keys, captions) digested apart
+            tensors |= self.texts.to_tensors()
+            metadata["text_fields"] = json.dumps(schema_to_json(self.text_schema), sort_keys=True)
+            metadata["text_field_order"] = json.dumps(self.texts.fields)
+            metadata["texts_sha256"] = sample_index_digest(tensors, TEXT_INDEX)  # checked where the text index is read
         metadata["samples_sha256"] = sample_index_digest(tensors)  # checked where the sample index is read
         metadata["sha256"] = snapshot_digest(metadata, tensors)  # checked on every load
         return serialize(tensors, metadata)
@@ -212,7 +290,7 @@ class Manifest:
         if init is None:
             raise FormatError(f"{where}: the first commit of a cache must carry its fingerprint and schema")
         try:
-            m = cls(init["fingerprint"], schema_from_json(init["fields"]))
+            m = cls(init["fingerprint"], schema_from_json(init["fields"]), text_schema=text_schema_of(init))
         except (KeyError, TypeError, ValueError) as e:
             raise damaged_commit(Path(where), f"its init is incomplete: {e}") from None
         if m.fingerprint_sha256 != init["fingerprint_sha256"]:
@@ -244,7 +322,8 @@ class Manifest:
     def _from_snapshot(cls, path: Path, meta: dict[str, str], tensors: dict) -> Manifest:
         try:
             schema = schema_from_json(json.loads(meta["fields"]))
-            m = cls(json.loads(meta["fingerprint"]), schema, generation=int(meta["generation"]))
+            text_schema = schema_from_json(json.loads(meta["text_fields"])) if "text_fields" in meta else None
+            m = cls(json.loads(meta["fingerprint"]), schema, generation=int(meta["generation"]), text_schema=text_schema)
             if m.fingerprint_sha256 != meta["fingerprint_sha256"]:
                 raise FormatError(f"{path}: fingerprint_sha256 does not match its fingerprint; the snapshot was edited or damaged")
             m.shapes = {Bucket.parse(k): v for k, v in json.loads(meta["shapes"]).items()}
@@ -258,7 +337,19 @@ class Manifest:
         for entry in m.files.values():
             confined(entry["path"], str(path))
         m.shards = ShardTable.from_tensors(fields, tensors, str(path), meta.get("samples_sha256"))
+        if text_schema is not None:
+            m.texts = ShardTable.from_tensors(json.loads(meta["text_field_order"]), tensors, str(path), meta.get("texts_sha256"),
+                                              TEXT_TABLE)
         return m
+
+
+TEXT_TABLE = ("texts", TEXT_INDEX.rstrip("."))  # the text table's tensors in a snapshot: `texts.*`, `text_index.*`
+
+
+def text_schema_of(init: dict) -> Schema | None:
+    """The text fields commit 0 records (`init.texts.fields`), None for a cache that stores texts with each sample."""
+    texts = init.get("texts")
+    return None if texts is None else schema_from_json(texts["fields"])
 
 
 def snapshot_replacements(meta: dict[str, str], path: Path) -> dict[str, str]:

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from shards.schema import (
+    BASE_VERSION,
     FORMAT_NAME,
-    FORMAT_VERSION,
     KEY,
     OFFSETS_SUFFIX,
     FormatError,
@@ -66,7 +66,7 @@ def encode_prompts(prompts: dict[str, Prompt], schema: Schema, fingerprint_sha25
         tensors[name], tensors[name + OFFSETS_SUFFIX] = _pack(rows)
     metadata = {
         "format": FORMAT_NAME,
-        "format_version": str(FORMAT_VERSION),
+        "format_version": str(BASE_VERSION),
         "kind": "prompts",
         "samples": str(len(keys)),
         "fields": json.dumps(schema_to_json(schema), sort_keys=True),

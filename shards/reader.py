@@ -29,6 +29,7 @@ from shards.schema import (
     sample_digest,
     schema_from_json,
 )
+from shards.texts import TEXT_KEYS, TEXTS_KIND, TextIndex, keys_of, resolve
 
 
 @dataclass
@@ -55,14 +56,15 @@ class ShardReader:
 
     Args:
         path: the shard file.
+        kind: `"texts"` for a text shard (`shards.texts`), whose rows are texts keyed by their text key.
 
     Raises:
-        FormatError: not a shard of this format, an unknown format version, or a damaged header.
+        FormatError: not a shard of this format and kind, an unknown format version, or a damaged header.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, kind: str = "shard"):
         self.path = Path(path)
-        metadata, tensors = open_file(self.path)
+        metadata, tensors = open_file(self.path, kind)
         try:
             self.bucket = Bucket.parse(metadata["bucket"])
             self.num_samples = int(metadata["samples"])
@@ -145,6 +147,10 @@ class Cache:
     `max_open` shards are open (memory-mapped) at once, least recently used closed first, whatever the
     cache's size. A shard that was repaired since the generation was written is read from its repaired copy.
 
+    In a cache that stores each text once (`shards.texts`), a sample read resolves its `text_keys` into the text
+    fields and `text_lengths` the per-sample layout stores (`shards.texts.resolve`), from text shards opened like
+    shards; the first read builds the index of the text rows (`TextIndex`, 16 bytes per text).
+
     Args:
         root: the cache directory.
         generation: the generation to read (default: the newest); a training run keeps reading the one its
@@ -175,6 +181,11 @@ class Cache:
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._lock = threading.Lock()  # background readers share the open shards
         self._spec: CacheSpec | None = None
+        self.texts = self.manifest.texts  # the text shards (a cache that stores texts once), else None
+        self._text_paths = self.texts.paths() if self.texts is not None else []
+        self._text_readers: OrderedDict[int, ShardReader] = OrderedDict()
+        self._text_index: TextIndex | None = None
+        self._text_shards_of: OrderedDict[int, list[int]] = OrderedDict()  # shard -> the text shards its samples need
 
     @property
     def schema(self) -> Schema:
@@ -250,7 +261,95 @@ class Cache:
         if self.check_digests and sample_digest(sample.key, sample.fields) != reader.digest(row):
             raise CorruptSample(f"sample {sample.key} (row {row} of {reader.path}) does not match its stored digest: the file "
                                 f"was damaged after it was written. {REPAIR.format(root=self.root)}")
+        if self.texts is not None:
+            texts = [self.text(key, f"sample {sample.key} of {reader.path}") for key in keys_of(sample.fields[TEXT_KEYS])]
+            sample.fields = resolve(sample.fields, texts, self.manifest.text_schema)
         return sample
+
+    # -- texts stored once ---------------------------------------------------------------------------
+
+    def text_path(self, t: int) -> Path:
+        """The file of text shard `t` (its repaired copy, if any)."""
+        return self.root / newest_copy(self._text_paths[t], self._replaced)[-1]
+
+    def fetch_text(self, t: int) -> Path:
+        """The local file of text shard `t`, ready to read (`fetch` for text shards)."""
+        return self.text_path(t)
+
+    def text_shard(self, t: int) -> ShardReader:
+        """The reader of text shard `t`, opened on first use and kept among the `max_open` most recent."""
+        with self._lock:
+            reader = self._text_readers.get(t)
+            if reader is not None:
+                self._text_readers.move_to_end(t)
+                return reader
+        entry = self.texts[t]
+        try:
+            reader = ShardReader(self.fetch_text(t), TEXTS_KIND)
+        except FileNotFoundError:
+            raise CorruptSample(f"{self.text_path(t)} is listed in generation {self.generation} of {self.root} but missing: "
+                                f"{REPAIR.format(root=self.root)}") from None
+        except FormatError as e:
+            raise CorruptSample(f"{self.text_path(t)} cannot be read ({e}): {REPAIR.format(root=self.root)}") from None
+        if reader.num_samples != entry.samples:
+            raise CorruptSample(f"{reader.path} holds {reader.num_samples} texts, the manifest says {entry.samples}: "
+                                f"{REPAIR.format(root=self.root)}")
+        with self._lock:
+            self._text_readers[t] = reader
+            if len(self._text_readers) > self.max_open:
+                self._text_readers.popitem(last=False)
+        return reader
+
+    def text_index(self) -> TextIndex:
+        """Where each text row is (built on first use from the manifest's text table, which is checked then)."""
+        if self._text_index is None:
+            index = TextIndex([self.texts.samples_of(int(j))[0] for j in self.texts.rows])
+            with self._lock:
+                self._text_index = index
+        return self._text_index
+
+    def locate_text(self, key: str) -> tuple[int, int] | None:
+        """(text shard, row) of text key `key` in this generation, None when it holds no such text."""
+        for t, row in self.text_index().candidates(key):
+            if self.text_shard(t).keys[row] == key:
+                return t, row
+        return None
+
+    def text(self, key: str, referrer: str = "") -> dict[str, torch.Tensor]:
+        """The text fields of text key `key` (zero-copy views), checked against its digest with `check_digests`.
+
+        Raises:
+            CorruptSample: the generation holds no such text (`referrer` names who refers to it), or its row fails
+                its digest.
+        """
+        found = self.locate_text(key)
+        if found is None:
+            raise CorruptSample(f"{referrer or 'a sample'} refers to text {key}, which generation {self.generation} of "
+                                f"{self.root} does not hold: the log was edited or damaged. `python -m shards verify "
+                                f"{self.root}` lists what is wrong")
+        t, row = found
+        reader = self.text_shard(t)
+        fields = reader.fields(row)
+        if self.check_digests and sample_digest(key, fields) != reader.digest(row):
+            raise CorruptSample(f"text {key} (row {row} of {reader.path}) does not match its stored digest: the file was "
+                                f"damaged after it was written. {REPAIR.format(root=self.root)}")
+        return fields
+
+    def text_shards_of(self, j: int) -> list[int]:
+        """The text shards the samples of shard `j` refer to (what a read-ahead fetches beside it); opens shard `j`."""
+        if self.texts is None:
+            return []
+        with self._lock:
+            if j in self._text_shards_of:
+                return self._text_shards_of[j]
+        keys = set(keys_of(self.shard(j).tensor(TEXT_KEYS)))
+        found = {self.locate_text(k) for k in keys}
+        needed = sorted({t for t, _ in found - {None}})
+        with self._lock:
+            self._text_shards_of[j] = needed
+            if len(self._text_shards_of) > 4096:
+                self._text_shards_of.popitem(last=False)
+        return needed
 
     def bucket_of(self, i: int) -> Bucket:
         return self.shards[self.locate(i)[0]].bucket
@@ -294,8 +393,13 @@ class Cache:
         that do not. One `stat` per shard."""
         sizes = self.shards.column("bytes")
         paths = [self.path(j) for j in range(len(self._paths))]
+        listed = list(self._paths)
+        if self.texts is not None:  # the text shards too
+            sizes = np.concatenate([sizes, self.texts.column("bytes")])
+            paths += [self.text_path(t) for t in range(len(self._text_paths))]
+            listed += self._text_paths
         return stat_problems((path, int(size) if path.relative_to(self.root).as_posix() == listed else None)  # a copy's size is its own
-                             for path, listed, size in zip(paths, self._paths, sizes))
+                             for path, listed, size in zip(paths, listed, sizes))
 
 
 def stat_problems(files) -> list[tuple[str, str]]:

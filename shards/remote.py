@@ -113,7 +113,7 @@ class RemoteCache(Cache):
         self._listed_bytes = self.shards.column("bytes")
         self._fetch_lock = threading.Lock()  # guards the three below
         self._inflight: dict[str, Future] = {}  # shard path -> its download in progress
-        self._opening: Counter[int] = Counter()  # shards between download and memory map: not evicted
+        self._opening: Counter[str] = Counter()  # shards between download and memory map: not evicted
         self._used: dict[str, int] = {}  # shard path -> this process's last access (a counter), to order equal mtimes
         self._clock = itertools.count()
         for entry in self.manifest.files.values():
@@ -129,13 +129,20 @@ class RemoteCache(Cache):
         Raises:
             CorruptSample: the shard is missing from the bucket, or its size there differs from the manifest's.
         """
-        rel = self._relative(j)
+        return self._fetch(self._relative(j), self._expected_bytes(j))
+
+    def fetch_text(self, t: int) -> Path:
+        """The local file of text shard `t`, downloaded whole if it is not there yet (as `fetch`)."""
+        rel = self.text_path(t).relative_to(self.root).as_posix()
+        return self._fetch(rel, int(self.texts.column("bytes")[t]) if rel == self._text_paths[t] else None)
+
+    def _fetch(self, rel: str, expected: int | None) -> Path:
         path = self.root / rel
         with self._fetch_lock:
             download = self._inflight.get(rel)
             mine = download is None
             if mine:
-                if self._present(path, self._expected_bytes(j)):
+                if self._present(path, expected):
                     self._used[rel] = next(self._clock)
                     return path
                 download = self._inflight[rel] = Future()
@@ -144,8 +151,8 @@ class RemoteCache(Cache):
         try:
             # ranks of a node ask for the same shards at the same moment: one downloads, the others find it there
             with download_lock(self.root, rel):
-                if not self._present(path, self._expected_bytes(j)):
-                    self._download(rel, path, self._expected_bytes(j))
+                if not self._present(path, expected):
+                    self._download(rel, path, expected)
         except BaseException as e:
             with self._fetch_lock:
                 del self._inflight[rel]
@@ -159,15 +166,24 @@ class RemoteCache(Cache):
         return path
 
     def shard(self, j: int) -> ShardReader:
-        with self._fetch_lock:
-            self._opening[j] += 1  # from its fetch until its reader maps it, no other thread evicts the shard
-        try:
+        with self._opening_file(self._relative(j)):
             return super().shard(j)
+
+    def text_shard(self, t: int) -> ShardReader:
+        with self._opening_file(self.text_path(t).relative_to(self.root).as_posix()):
+            return super().text_shard(t)
+
+    @contextlib.contextmanager
+    def _opening_file(self, rel: str):
+        with self._fetch_lock:
+            self._opening[rel] += 1  # from its fetch until its reader maps it, no other thread evicts the shard
+        try:
+            yield
         finally:
             with self._fetch_lock:
-                self._opening[j] -= 1
-                if not self._opening[j]:
-                    del self._opening[j]
+                self._opening[rel] -= 1
+                if not self._opening[rel]:
+                    del self._opening[rel]
 
     def evict(self, keep: str | None = None) -> int:
         """Delete local shards, least recently used first, until they take at most `limit_bytes`; never `keep`
@@ -182,7 +198,7 @@ class RemoteCache(Cache):
         with self._fetch_lock:
             files = self._local_shards()
             total = sum(size for _, _, size in files)
-            busy = {keep, *self._inflight, *(self._relative(j) for j in self._opening)}
+            busy = {keep, *self._inflight, *self._opening}
             for _, rel, size in sorted(files):
                 if total <= self.limit_bytes:
                     break
@@ -199,16 +215,21 @@ class RemoteCache(Cache):
         those that are not. One listing per bucket directory, not one request per shard."""
         listings: dict[str, dict[str, int]] = {}
         problems = []
-        for j in range(len(self._paths)):
-            rel = self._relative(j)
+        files = [(self._relative(j), self._expected_bytes(j)) for j in range(len(self._paths))]
+        if self.texts is not None:  # the text shards too
+            sizes = self.texts.column("bytes")
+            for t in range(len(self._text_paths)):
+                rel = self.text_path(t).relative_to(self.root).as_posix()
+                files.append((rel, int(sizes[t]) if rel == self._text_paths[t] else None))
+        for rel, expected in files:
             directory, name = posixpath.split(rel)
             if directory not in listings:
                 listings[directory] = list_files(self.fs, posixpath.join(self._base, directory))
-            size, expected = listings[directory].get(name), self._expected_bytes(j)
+            size = listings[directory].get(name)
             if size is None:
-                problems.append((self.url(j), "missing"))
+                problems.append((f"{self.location}/{rel}", "missing"))
             elif expected is not None and size != expected:
-                problems.append((self.url(j), f"{size} bytes, the manifest lists {expected} (truncated or replaced)"))
+                problems.append((f"{self.location}/{rel}", f"{size} bytes, the manifest lists {expected} (truncated or replaced)"))
         return problems
 
     # -- internals -----------------------------------------------------------------------------------

@@ -11,8 +11,12 @@ from typing import Any
 import torch
 
 FORMAT_NAME = "cachedit-shards"
-FORMAT_VERSION = 2  # 2: the manifest is a commit log with snapshots (1: a single index.json)
-SHARD_VERSIONS = (1, 2)  # shard and prompt files are laid out alike in both
+# 2: the manifest is a commit log with snapshots (1: a single index.json); 3: a cache that stores each text once
+# (`shards.texts`). A cache without texts is still written as version 2, so that every reader of version 2 reads it.
+FORMAT_VERSION = 3
+BASE_VERSION = 2
+READ_VERSIONS = (2, 3)
+SHARD_VERSIONS = (1, 2)  # shard, text-shard and prompt files are laid out alike in all (they are written as 2)
 
 # Tensor names inside a shard that are not fields. User field names may not start with "__".
 KEY = "__key__"  # sample keys: ASCII bytes, ragged
@@ -94,12 +98,12 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot be stored; use one of {sorted(_DTYPES)}") from None
 
 
-def check_version(found: Any, where: str, accepted: tuple[int, ...] = (FORMAT_VERSION,)) -> None:
+def check_version(found: Any, where: str, accepted: tuple[int, ...] = READ_VERSIONS) -> None:
     """Reject a file of another format or version, saying what to do."""
     if found not in accepted:
         raise FormatError(
-            f"{where} has {FORMAT_NAME} format version {found!r}, this library reads version "
-            f"{FORMAT_VERSION}. Upgrade the library (pip install -U) if the cache is newer, or "
+            f"{where} has {FORMAT_NAME} format version {found!r}, this library reads versions "
+            f"{', '.join(map(str, accepted))}. Upgrade the library (pip install -U) if the cache is newer, or "
             f"convert it with `python -m shards upgrade CACHE` if it is older."
         )
 
@@ -201,5 +205,5 @@ def open_file(path, kind: str = "shard", tensors: bool = True) -> tuple[dict[str
     if metadata.get("format") != FORMAT_NAME or metadata.get("kind", "shard") != kind:
         raise FormatError(f"{path} is a safetensors file but not a {FORMAT_NAME} {kind} file")
     version = metadata.get("format_version", "")
-    check_version(int(version) if version.isdigit() else version, str(path), SHARD_VERSIONS if kind != "snapshot" else (FORMAT_VERSION,))
+    check_version(int(version) if version.isdigit() else version, str(path), SHARD_VERSIONS if kind != "snapshot" else READ_VERSIONS)
     return metadata, data

@@ -21,14 +21,14 @@ from shards.reader import REPAIR, ShardReader
 from shards.schema import CorruptSample, sample_digest
 
 
-def write_shard_file(root: Path, bucket: Bucket, rank: int, seq: int, data: bytes) -> Path:
-    """Write shard `seq` of `rank` in `bucket`'s folder of the cache durably; returns its path.
+def write_shard_file(root: Path, bucket: Bucket, rank: int, seq: int, data: bytes, folder: str | None = None) -> Path:
+    """Write shard `seq` of `rank` in `bucket`'s folder of the cache (or in `folder`) durably; returns its path.
 
     Raises:
         OSError: the device is full (the message names the path and that what was committed is kept), or
             another failure to write.
     """
-    directory = root / bucket.name
+    directory = root / (folder or bucket.name)
     if not directory.is_dir():
         directory.mkdir(exist_ok=True)  # other ranks create bucket directories concurrently
         fsync_dir(root)
@@ -43,7 +43,7 @@ def write_shard_file(root: Path, bucket: Bucket, rank: int, seq: int, data: byte
     return path
 
 
-def intact_rows(root: Path, path: str, rows: list[int]) -> list[tuple[int, dict[str, torch.Tensor]]]:
+def intact_rows(root: Path, path: str, rows: list[int], kind: str = "shard") -> list[tuple[int, dict[str, torch.Tensor]]]:
     """Copies of rows of shard `path` (relative to the cache `root`), each checked against its stored digest: a
     removal never turns a damaged sample into one with a fresh, valid digest.
 
@@ -51,7 +51,7 @@ def intact_rows(root: Path, path: str, rows: list[int]) -> list[tuple[int, dict[
         CorruptSample: the shard is missing, or a row does not match its digest; the message names the repair.
     """
     try:
-        reader = ShardReader(root / path)
+        reader = ShardReader(root / path, kind)
     except FileNotFoundError:
         raise CorruptSample(f"{root / path} is listed but missing, and samples it holds are kept: "
                             f"{REPAIR.format(root=root)}") from None

@@ -33,6 +33,10 @@ class ShardEntry:
             (size, mtime) when it was read; set in commits, loaded on demand from snapshots.
         dataset: the named dataset (a `[[source]]` of stage one's dataset file) every sample of the shard
             belongs to; "" for shards written without one.
+        texts: in a cache that stores texts once (`shards.texts`), the keys of the text rows its samples refer to,
+            each once, sorted; None in other caches and in text shards.
+        text_refs: the references its samples make to text rows (a text referred to twice counts twice).
+        text_ref_bytes: the bytes those references would take stored with each sample (the text fields' rows).
     """
 
     path: str
@@ -45,11 +49,16 @@ class ShardEntry:
     sources: list[str] | None = None
     stamps: list[int] | None = None
     dataset: str = ""
+    texts: list[str] | None = None
+    text_refs: int = 0
+    text_ref_bytes: int = 0
 
     def to_json(self) -> dict:
         obj = {"path": self.path, "bucket": [self.bucket.height, self.bucket.width], "samples": self.samples,
                "bytes": self.bytes, "sha256": self.sha256, "field_bytes": self.field_bytes,
                "keys": self.keys, "sources": self.sources, "stamps": self.stamps}
+        if self.texts is not None:  # keys written only by caches that store texts once: others' commits are unchanged
+            obj |= {"texts": self.texts, "text_refs": self.text_refs, "text_ref_bytes": self.text_ref_bytes}
         return obj | {"dataset": self.dataset} if self.dataset else obj
 
     @classmethod
@@ -57,7 +66,11 @@ class ShardEntry:
         """An entry of a commit; its sample index (keys, and sources and stamps if given) must cover every sample."""
         e = cls(path=confined(obj["path"], where), bucket=Bucket(*obj["bucket"]), samples=int(obj["samples"]),
                 bytes=int(obj["bytes"]), sha256=obj["sha256"], field_bytes={k: int(v) for k, v in obj["field_bytes"].items()},
-                keys=obj.get("keys"), sources=obj.get("sources"), stamps=obj.get("stamps"), dataset=obj.get("dataset", ""))
+                keys=obj.get("keys"), sources=obj.get("sources"), stamps=obj.get("stamps"), dataset=obj.get("dataset", ""),
+                texts=obj.get("texts"), text_refs=int(obj.get("text_refs", 0)), text_ref_bytes=int(obj.get("text_ref_bytes", 0)))
+        if e.texts is not None and (not isinstance(e.texts, list) or not all(isinstance(k, str) for k in e.texts)):
+            raise FormatError(f"{where}: {e.path} is listed with texts {e.texts!r}, not a list of text keys; the log was edited "
+                              f"or damaged")
         if not isinstance(e.dataset, str):
             raise FormatError(f"{where}: {e.path} is listed with dataset {e.dataset!r}, not a string; the log was edited or damaged")
         for name in ("keys", "sources", "stamps"):
@@ -72,8 +85,9 @@ class ShardTable:
     """The shards of one generation, in commit order, stored in columns: a million shards cost arrays,
     not a million objects; an entry is built when asked for."""
 
-    def __init__(self, fields: list[str]):
+    def __init__(self, fields: list[str], names: tuple[str, str] = ("shards", "samples")):
         self.fields = list(fields)
+        self.names = names  # the prefixes of its tensors in a snapshot: the shard columns', the sample index's
         self._paths: list[str] = []
         self._height, self._width = array("i"), array("i")
         self._samples, self._bytes = array("q"), array("q")
@@ -88,6 +102,10 @@ class ShardTable:
         self._samples_of: dict[int, tuple[list[str], list[str], list[int]]] = {}
         self._snapshot_samples = None
         self._keys: dict[str, tuple[int, int]] | None = None
+        # per row: the text keys its samples refer to (`ShardEntry.texts`), from commits; snapshot rows read theirs there
+        self._texts_of: dict[int, list[str]] = {}
+        self._text_refs = array("q")  # per row: references to text rows, and the bytes they would take inline
+        self._text_ref_bytes = array("q")
 
     # -- building --------------------------------------------------------------------------------
     def append(self, e: ShardEntry) -> None:
@@ -107,6 +125,10 @@ class ShardTable:
         if e.keys is not None:
             self._samples_of[len(self._paths) - 1] = (list(e.keys), list(e.sources or [""] * e.samples),
                                                       list(e.stamps or [0] * e.samples))
+        if e.texts is not None:
+            self._texts_of[len(self._paths) - 1] = list(e.texts)
+        self._text_refs.append(e.text_refs)
+        self._text_ref_bytes.append(e.text_ref_bytes)
         self._alive_rows = None
         self._keys = None
 
@@ -144,6 +166,8 @@ class ShardTable:
                               f"{self._dataset_names[self._dataset[j]]!r}")
         if e.keys is not None:
             self._samples_of[j] = (list(e.keys), list(e.sources or [""] * e.samples), list(e.stamps or [0] * e.samples))
+        if e.texts is not None:  # a repaired copy refers to the texts its shard did (the same samples)
+            self._texts_of[j] = list(e.texts)
 
     def _dataset_id(self, name: str) -> int:
         try:
@@ -216,10 +240,12 @@ class ShardTable:
         return [self._paths[j] for j in self.rows]
 
     def column(self, name: str) -> np.ndarray:
-        """A live column as an array: "samples", "bytes", "height", "width" or "field_bytes" (K, F)."""
+        """A live column as an array: "samples", "bytes", "height", "width", "text_refs", "text_ref_bytes" or
+        "field_bytes" (K, F)."""
         if name == "field_bytes":
             return np.frombuffer(self._field_bytes, dtype=np.int64).reshape(-1, len(self.fields))[self.rows]
-        source = {"samples": self._samples, "bytes": self._bytes, "height": self._height, "width": self._width}[name]
+        source = {"samples": self._samples, "bytes": self._bytes, "height": self._height, "width": self._width,
+                  "text_refs": self._text_refs, "text_ref_bytes": self._text_ref_bytes}[name]
         return np.frombuffer(source, dtype=np.int64 if source.typecode == "q" else np.int32)[self.rows]
 
     def datasets(self) -> list[str]:
@@ -235,6 +261,26 @@ class ShardTable:
             raise FormatError("the sample index of this shard was not loaded")
         return self._snapshot_samples(j)
 
+    def texts_of(self, j: int) -> list[str]:
+        """The text keys the samples of table row `j` refer to (`ShardEntry.texts`; empty in a cache without texts)."""
+        if j in self._texts_of:
+            return self._texts_of[j]
+        if self._snapshot_samples is None:
+            return []
+        return self._snapshot_samples.texts(j)
+
+    def referenced_texts(self, skip: set[int] = frozenset()) -> set[str]:
+        """Every text key the live shards (but the table rows in `skip`) refer to. Reads the sample index."""
+        out: set[str] = set()
+        for j in self.rows:
+            if int(j) not in skip:
+                out.update(self.texts_of(int(j)))
+        return out
+
+    def keys_at(self, rows) -> list[str]:
+        """The keys of the samples of these table rows, in order (of a text table: the text keys)."""
+        return [k for j in rows for k in self.samples_of(int(j))[0]]
+
     def check_sample_index(self) -> None:
         """Check the sample index this table reads from its snapshot (if any) against the snapshot's digest; the
         first use of the index checks it too. Reads the whole index, O(samples).
@@ -246,21 +292,23 @@ class ShardTable:
             self._snapshot_samples.columns()
 
     # -- in a snapshot ---------------------------------------------------------------------------
-    def to_tensors(self) -> dict[str, torch.Tensor]:
-        """The live shards and their sample index as the tensors of a snapshot."""
+    def to_tensors(self, texts: bool = False) -> dict[str, torch.Tensor]:
+        """The live shards and their sample index as the tensors of a snapshot; with `texts` (a cache that stores texts
+        once) also the references of each shard's samples to text rows."""
         rows = self.rows
         f = len(self.fields)
         tensors = {}
-        tensors["shards.path"], tensors["shards.path.offsets"] = _ragged([self._paths[j] for j in rows])
-        tensors["shards.bucket"] = torch.from_numpy(
+        P, S = self.names
+        tensors[f"{P}.path"], tensors[f"{P}.path.offsets"] = _ragged([self._paths[j] for j in rows])
+        tensors[f"{P}.bucket"] = torch.from_numpy(
             np.stack([self.column("height"), self.column("width")], 1).astype(np.int32).reshape(-1, 2))
-        tensors["shards.samples"] = torch.from_numpy(self.column("samples").copy())
-        tensors["shards.bytes"] = torch.from_numpy(self.column("bytes").copy())
+        tensors[f"{P}.samples"] = torch.from_numpy(self.column("samples").copy())
+        tensors[f"{P}.bytes"] = torch.from_numpy(self.column("bytes").copy())
         sha = np.frombuffer(bytes(self._sha), dtype=np.uint8).reshape(-1, 32)
-        tensors["shards.sha256"] = torch.from_numpy(sha[rows].copy().reshape(-1, 32))
-        tensors["shards.field_bytes"] = torch.from_numpy(self.column("field_bytes").copy().reshape(-1, f))
+        tensors[f"{P}.sha256"] = torch.from_numpy(sha[rows].copy().reshape(-1, 32))
+        tensors[f"{P}.field_bytes"] = torch.from_numpy(self.column("field_bytes").copy().reshape(-1, f))
         if any(self._dataset_names[1:]):
-            tensors["shards.dataset"], tensors["shards.dataset.offsets"] = _ragged(self.datasets())
+            tensors[f"{P}.dataset"], tensors[f"{P}.dataset.offsets"] = _ragged(self.datasets())
         keys, sources, stamps, shard = [], [], [], []
         for i, j in enumerate(rows):
             k, s, st = self.samples_of(int(j))
@@ -268,18 +316,31 @@ class ShardTable:
             sources += s
             stamps += st
             shard += [i] * len(k)
-        tensors["samples.key"], tensors["samples.key.offsets"] = _ragged(keys)
-        tensors["samples.source"], tensors["samples.source.offsets"] = _ragged(sources)
-        tensors["samples.stamp"] = torch.tensor(stamps, dtype=torch.int64)
-        tensors["samples.shard"] = torch.tensor(shard, dtype=torch.int64)
+        tensors[f"{S}.key"], tensors[f"{S}.key.offsets"] = _ragged(keys)
+        tensors[f"{S}.source"], tensors[f"{S}.source.offsets"] = _ragged(sources)
+        tensors[f"{S}.stamp"] = torch.tensor(stamps, dtype=torch.int64)
+        tensors[f"{S}.shard"] = torch.tensor(shard, dtype=torch.int64)
+        if texts:
+            tensors[f"{P}.text_refs"] = torch.from_numpy(
+                np.stack([self.column("text_refs"), self.column("text_ref_bytes")], 1).astype(np.int64).reshape(-1, 2))
+            refs, ref_shard = [], []
+            for i, j in enumerate(rows):
+                mine = self.texts_of(int(j))
+                refs += mine
+                ref_shard += [i] * len(mine)
+            tensors[f"{S}.text"], tensors[f"{S}.text.offsets"] = _ragged(refs)
+            tensors[f"{S}.text_shard"] = torch.tensor(ref_shard, dtype=torch.int64)
         return tensors
 
     @classmethod
     def from_tensors(cls, fields: list[str], tensors: dict[str, torch.Tensor], where: str,
-                     samples_sha256: str | None = None) -> ShardTable:
+                     samples_sha256: str | None = None, names: tuple[str, str] = ("shards", "samples")) -> ShardTable:
         """The table a snapshot holds (`to_tensors`), its columns copied out of the memory map, its sample
         index left there until asked for, then checked against `samples_sha256` (the snapshot's metadata)."""
-        t = cls(fields)
+        t = cls(fields, names)
+        P, _ = names
+        tensors = {name.replace(f"{P}.", "shards.", 1): v for name, v in tensors.items() if name.startswith(f"{P}.")} | {
+            name.replace(f"{names[1]}.", "samples.", 1): v for name, v in tensors.items() if name.startswith(f"{names[1]}.")}
         paths = _Strings(tensors["shards.path"], tensors["shards.path.offsets"]).all()
         t._paths = [confined(p, where) for p in paths]
         bucket = tensors["shards.bucket"].numpy()
@@ -293,6 +354,11 @@ class ShardTable:
             t._dataset = array("i", (t._dataset_id(n) for n in names))
         else:  # written before datasets existed, or by a cache of one unnamed dataset
             t._dataset = array("i", bytes(4 * len(t._paths)))
+        if "shards.text_refs" in tensors:
+            refs = tensors["shards.text_refs"].numpy()
+            t._text_refs, t._text_ref_bytes = array("q", refs[:, 0].tobytes()), array("q", refs[:, 1].tobytes())
+        else:
+            t._text_refs, t._text_ref_bytes = array("q", bytes(8 * len(t._paths))), array("q", bytes(8 * len(t._paths)))
         t._snapshot_samples = _SnapshotSamples(tensors, tensors["shards.samples"].numpy(), where, samples_sha256)
         return t
 
@@ -342,10 +408,21 @@ class _SnapshotSamples:
         bounds = np.searchsorted(t["samples.shard"].numpy(), np.arange(len(self.samples) + 1))
         if not np.array_equal(np.diff(bounds), self.samples) or bounds[-1] != len(t["samples.stamp"]):
             raise damaged_snapshot(Path(self.where), "its sample index does not match the shards' sample counts")
+        texts = None
+        if "samples.text_shard" in t:  # each shard's references to text rows, rows text_bounds[j]:text_bounds[j + 1]
+            text_bounds = np.searchsorted(t["samples.text_shard"].numpy(), np.arange(len(self.samples) + 1))
+            texts = (text_bounds, _Strings(t["samples.text"], t["samples.text.offsets"]))
         return (bounds, _Strings(t["samples.key"], t["samples.key.offsets"]),
-                _Strings(t["samples.source"], t["samples.source.offsets"]), t["samples.stamp"].numpy())
+                _Strings(t["samples.source"], t["samples.source.offsets"]), t["samples.stamp"].numpy(), texts)
+
+    def texts(self, j: int) -> list[str]:
+        texts = self.columns()[4]
+        if texts is None:
+            return []
+        bounds, keys = texts
+        return keys[int(bounds[j]) : int(bounds[j + 1])]
 
     def __call__(self, j: int) -> tuple[list[str], list[str], list[int]]:
-        bounds, keys, sources, stamps = self.columns()
+        bounds, keys, sources, stamps, _ = self.columns()
         a, b = int(bounds[j]), int(bounds[j + 1])
         return keys[a:b], sources[a:b], stamps[a:b].tolist()

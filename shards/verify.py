@@ -17,6 +17,7 @@ from shards.log import commit_numbers, exists, gap_message, gaps, missing_manife
 from shards.manifest import Manifest
 from shards.reader import ShardReader
 from shards.schema import DIGEST, KEY, OFFSETS_SUFFIX, DamagedCache, DamagedLog, FormatError, sample_digest
+from shards.texts import TEXT_KEYS, TEXTS_KIND, keys_of
 
 
 @dataclass
@@ -29,6 +30,7 @@ class Report:
     warnings: list[tuple[str, str]] = field(default_factory=list)
     shards: int = 0
     samples: int = 0
+    texts: int = 0  # text rows (a cache that stores texts once)
     bytes: int = 0
     generation: int = -1
     retired: int = 0  # files of earlier generations, kept for their readers
@@ -89,6 +91,8 @@ def verify(root: str | os.PathLike, *, checksums: bool = True, deep: bool = True
     index_ok = True
     try:
         manifest.shards.check_sample_index()  # before a shard's keys are compared with it: a damaged one blames no shard
+        if manifest.texts is not None:
+            manifest.texts.check_sample_index()
     except DamagedLog as e:
         index_ok = False
         if e.path not in report.bad_files:  # named already when _check_log read it
@@ -102,39 +106,15 @@ def _check_shards(root: Path, manifest: Manifest, report: Report, checksums: boo
     sound), then the files nobody lists, into `report`."""
     listed = set()
     seen_keys: dict[str, str] = {}
-    rows = manifest.shards.rows
-    for j, entry in zip(rows, manifest.shards):
-        path = root / entry.path
-        listed.add(path.resolve())
-        name = str(path)
-        if not path.is_file():
-            report.problems.append((name, "listed in the manifest but missing"))
-            continue
-        size = path.stat().st_size
-        if size != entry.bytes:
-            report.problems.append((name, f"size {size} bytes, the manifest says {entry.bytes} (truncated or replaced)"))
-            continue
-        if checksums and file_sha256(path) != entry.sha256:
-            report.problems.append((name, "sha256 differs from the manifest (the file was modified or damaged)"))
-            continue
-        try:
-            reader = ShardReader(path)
-        except FormatError as e:
-            report.problems.append((name, str(e)))
-            continue
-        report.shards += 1
-        report.samples += reader.num_samples
-        report.bytes += size
-        # a file whose sha256 matched is byte for byte what the writer digested: its samples are not hashed again
-        problems = _check_shard(reader, manifest, entry, deep, sample_digests=not checksums)
-        if keys and not problems and reader.keys != manifest.shards.samples_of(int(j))[0]:
-            problems.append("its keys differ from the manifest's sample index")
-        report.problems += [(name, p) for p in problems]
-        if not problems:
-            for key in reader.keys:
-                if key in seen_keys:
-                    report.problems.append((name, f"key {key} also in {seen_keys[key]}"))
-                seen_keys[key] = name
+    _check_table(root, manifest, manifest.shards, "shard", report, checksums, deep, keys, listed, seen_keys)
+    if manifest.texts is not None:
+        text_keys: dict[str, str] = {}
+        _check_table(root, manifest, manifest.texts, TEXTS_KIND, report, checksums, deep, keys, listed, text_keys)
+        if keys:  # every text a sample refers to is stored
+            missing = manifest.shards.referenced_texts() - set(manifest.texts.key_index())
+            if missing:
+                report.problems.append((str(root / LOG_DIR), f"{len(missing)} texts the samples refer to (e.g. "
+                                        f"{sorted(missing)[0]}) are in no text shard: the log was edited or damaged"))
 
     for role, entry in manifest.files.items():
         path = root / entry["path"]
@@ -171,6 +151,51 @@ def _check_shards(root: Path, manifest: Manifest, report: Report, checksums: boo
             report.problems.append((str(path), str(e)))
 
 
+def _check_table(root: Path, manifest: Manifest, table, kind: str, report: Report, checksums: bool, deep: bool, keys: bool,
+                 listed: set, seen_keys: dict[str, str]) -> None:
+    """Every listed shard (or text shard, `kind`) of `table` against the manifest, into `report`. A key in two shards
+    is damage; a text in two text shards is not (ranks may store one text at once)."""
+    texts = kind == TEXTS_KIND
+    for j, entry in zip(table.rows, table):
+        path = root / entry.path
+        listed.add(path.resolve())
+        name = str(path)
+        if not path.is_file():
+            report.problems.append((name, "listed in the manifest but missing"))
+            continue
+        size = path.stat().st_size
+        if size != entry.bytes:
+            report.problems.append((name, f"size {size} bytes, the manifest says {entry.bytes} (truncated or replaced)"))
+            continue
+        if checksums and file_sha256(path) != entry.sha256:
+            report.problems.append((name, "sha256 differs from the manifest (the file was modified or damaged)"))
+            continue
+        try:
+            reader = ShardReader(path, kind)
+        except FormatError as e:
+            report.problems.append((name, str(e)))
+            continue
+        report.shards += not texts
+        report.samples += 0 if texts else reader.num_samples
+        report.texts += reader.num_samples if texts else 0
+        report.bytes += size
+        # a file whose sha256 matched is byte for byte what the writer digested: its samples are not hashed again
+        problems = _check_shard(reader, manifest, entry, deep, sample_digests=not checksums,
+                                schema=manifest.text_schema if texts else manifest.schema)
+        if keys and not problems and reader.keys != table.samples_of(int(j))[0]:
+            problems.append("its keys differ from the manifest's sample index")
+        if keys and deep and not problems and not texts and manifest.texts is not None:
+            refs = set(keys_of(reader.tensor(TEXT_KEYS)))
+            if refs != set(table.texts_of(int(j))):
+                problems.append("the texts its samples refer to differ from the manifest's list of them")
+        report.problems += [(name, p) for p in problems]
+        if not problems and not texts:
+            for key in reader.keys:
+                if key in seen_keys:
+                    report.problems.append((name, f"key {key} also in {seen_keys[key]}"))
+                seen_keys[key] = name
+
+
 def _check_log(root: Path) -> list[tuple[str, str]]:
     """Every commit file of the log read and checked, and every gap: (file, problem). Generations before the
     newest snapshot need them too (a run resuming an earlier epoch, gc keeping what it needs)."""
@@ -183,7 +208,10 @@ def _check_log(root: Path) -> list[tuple[str, str]]:
     for g in snapshots(root):
         path = root / SNAPSHOT_DIR / f"{g:012d}.safetensors"
         try:
-            Manifest.from_snapshot(path).shards.check_sample_index()  # the index too: a run may resume from it
+            snapshot = Manifest.from_snapshot(path)
+            snapshot.shards.check_sample_index()  # the index too: a run may resume from it
+            if snapshot.texts is not None:
+                snapshot.texts.check_sample_index()
         except FileNotFoundError:
             continue  # pruned by a writer meanwhile
         except DamagedLog as e:
@@ -237,13 +265,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool, sample_digests: bool = True) -> list[str]:
+def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool, sample_digests: bool = True,
+                 schema=None) -> list[str]:
+    schema = manifest.schema if schema is None else schema
     problems = []
     if reader.fingerprint_sha256 != manifest.fingerprint_sha256:
         problems.append("written for another fingerprint than the manifest's")
     if reader.bucket != entry.bucket or reader.num_samples != entry.samples:
         problems.append(f"holds {reader.num_samples} samples of {reader.bucket}, the manifest says {entry.samples} of {entry.bucket}")
-    if reader.schema != manifest.schema:
+    if reader.schema != schema:
         problems.append("field schema differs from the manifest's")
     shapes = manifest.shapes.get(entry.bucket)
     if reader.shapes != shapes:
@@ -251,7 +281,7 @@ def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool, sam
     if problems or not deep:
         return problems
     n = reader.num_samples
-    for name, spec in manifest.schema.items():
+    for name, spec in schema.items():
         t = reader.tensor(name)
         if t.dtype != spec.dtype:
             problems.append(f"field {name} is {t.dtype}, the schema says {spec.dtype}")
@@ -267,7 +297,7 @@ def _check_shard(reader: ShardReader, manifest: Manifest, entry, deep: bool, sam
         problems.append("digest table has the wrong length")
     if problems:
         return problems
-    for name in manifest.schema:
+    for name in schema:
         t = reader.tensor(name)
         if t.is_floating_point():
             if not bool(torch.isfinite(t).all()):

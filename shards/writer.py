@@ -24,9 +24,11 @@ from shards.lock import CacheLock, writers_lock
 from shards.log import exists, missing_manifest, write_commit, write_pointer
 from shards.manifest import Manifest
 from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, stored_prompts
+from shards.reader import ShardReader
 from shards.schema import CacheBusy, Schema, schema_to_json, validate_schema
 from shards.shard_files import intact_rows, remove_leftovers, write_shard_file
 from shards.table import ShardEntry
+from shards.texts import TEXT_BUCKET, TEXT_DIR, TEXT_KEYS, TEXTS_KIND, check_text_schema, keys_of, text_key
 
 
 class ShardWriter:
@@ -53,6 +55,9 @@ class ShardWriter:
         max_buffer_bytes: bound on buffered bytes over all buckets; past it the largest buffer is
             published early (as a smaller shard).
         check_finite: refuse samples whose floating fields hold NaN or Inf.
+        text_schema: store each text once (`shards.texts`): the fields of one caption's text row. Samples then hold
+            `text_keys` (ragged uint8 (n, 32)) and their texts are written with `write_text`. An existing cache keeps
+            the layout it was started with (a writer of the other one is refused).
 
     Raises:
         CacheBusy: another writer of this rank holds the cache, or `python -m shards gc` is collecting it.
@@ -69,8 +74,12 @@ class ShardWriter:
         max_shard_samples: int = 100_000,
         max_buffer_bytes: int = 1 << 30,
         check_finite: bool = True,
+        text_schema: Schema | None = None,
     ):
         validate_schema(schema)
+        if text_schema is not None:
+            validate_schema(text_schema)
+            check_text_schema(schema, text_schema)
         self.root = Path(root)
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
@@ -81,6 +90,9 @@ class ShardWriter:
         self._buffers: dict[tuple[Bucket, str], list[Item]] = {}  # by (bucket, dataset)
         self._buffer_bytes: dict[tuple[Bucket, str], int] = {}
         self._pending: dict = {}  # files and run records for the next commit
+        self._texts_buffer: list[Item] = []  # texts written, not committed yet: the next commit adds them
+        self._texts_buffer_bytes = 0
+        self._text_sizes: dict[str, int] = {}  # text key -> the bytes of its fields, of the texts met so far
         self._closed = False
         # One writer per rank and cache: a second one would delete this one's files as leftovers; and no gc
         # meanwhile, which would take a shard renamed but not yet committed for a leftover.
@@ -93,13 +105,14 @@ class ShardWriter:
         try:
             if exists(self.root):
                 self.manifest = load(self.root)
-                self.manifest.check_compatible(fingerprint, schema, self.root)
+                self.manifest.check_compatible(fingerprint, schema, self.root, text_schema)
             else:
                 never, why = missing_manifest(self.root)
                 if not never:  # starting afresh would delete committed shards as leftovers
                     raise FileNotFoundError(why)
-                self.manifest = Manifest(fingerprint, schema)
+                self.manifest = Manifest(fingerprint, schema, text_schema=text_schema)
             self._listed = {key for key, *_ in self.manifest.samples()}
+            self._texts = set(self.manifest.texts.key_index()) if self.manifest.texts is not None else set()
             remove_leftovers(self.root, self.rank, self.manifest.next_seq)
         except BaseException:
             self.close()
@@ -109,9 +122,44 @@ class ShardWriter:
     def schema(self) -> Schema:
         return self.manifest.schema
 
+    @property
+    def text_schema(self) -> Schema | None:
+        """The fields of a text row when the cache stores each text once; None when texts are stored with each sample."""
+        return self.manifest.text_schema
+
     def listed(self, key: str) -> bool:
         """Whether `key` is in the cache or this writer's buffers (as far as this writer has caught up with others)."""
         return key in self._listed
+
+    def has_text(self, key: str) -> bool:
+        """Whether the text of text key `key` is in the cache or this writer's buffer: samples may refer to it without
+        writing it again (as far as this writer has caught up with others)."""
+        return key in self._texts
+
+    def write_text(self, caption: str, fields: Mapping[str, torch.Tensor]) -> str:
+        """Store one caption's text fields once; samples refer to it by the returned text key (`shards.texts.text_key`).
+        A text already stored is not stored again. It is committed with the next commit (at the latest with the
+        samples that refer to it), or alone once the buffered texts reach `max_shard_bytes`.
+
+        Raises:
+            ValueError: the cache stores texts with each sample, or the fields do not fit the text schema.
+        """
+        if self.text_schema is None:
+            raise ValueError(f"the cache at {self.root} stores texts with each sample; write_text needs a cache started "
+                             f"with a text_schema")
+        key = text_key(caption)
+        if key in self._texts:
+            return key
+        known = self.manifest.shapes.get(TEXT_BUCKET, {})
+        shapes, checked = check_sample(f"text {caption[:60]!r}", TEXT_BUCKET, fields, self.text_schema, known, self.check_finite)
+        self.manifest.shapes.setdefault(TEXT_BUCKET, shapes)
+        self._texts.add(key)
+        self._texts_buffer.append((key, checked, caption, 0))
+        size = self._text_sizes[key] = sum(t.numel() * t.element_size() for t in checked.values())
+        self._texts_buffer_bytes += size
+        if self._texts_buffer_bytes >= self.max_shard_bytes or len(self._texts_buffer) >= self.max_shard_samples:
+            self.commit()  # texts alone: the samples referring to them come with later commits
+        return key
 
     def write(self, key: str, bucket: Bucket | tuple[int, int], sample: Mapping[str, torch.Tensor], *,
               source: str = "", stamp: int = 0, dataset: str = "") -> None:
@@ -142,6 +190,11 @@ class ShardWriter:
         check_stamp(key, stamp)
         known = self.manifest.shapes.get(bucket, {})
         shapes, fields = check_sample(key, bucket, sample, self.schema, known, self.check_finite)
+        if self.text_schema is not None:
+            missing = [k for k in keys_of(fields[TEXT_KEYS]) if k not in self._texts]
+            if missing:
+                raise ValueError(f"sample {key} refers to text {missing[0]}, which is neither in the cache nor written "
+                                 f"(write_text) by this writer")
         self.manifest.shapes.setdefault(bucket, shapes)
         self._listed.add(key)
         slot = (bucket, str(dataset))
@@ -167,17 +220,40 @@ class ShardWriter:
             entry = self._write_shard(bucket, items, dataset)
             self.commit(add=[entry.to_json()], shapes={bucket.name: self.manifest.shapes[bucket]})
 
-    def _write_shard(self, bucket: Bucket, items: list[Item], dataset: str = "") -> ShardEntry:
-        """Write one shard file durably under a fresh name; it is part of the cache once committed."""
-        data, field_bytes = encode_shard(bucket, items, self.schema, self.manifest.shapes[bucket],
-                                         self.manifest.fingerprint_sha256, self.rank)
-        sequence = f"r{self.rank:05d}/{bucket.name}"
+    def _write_shard(self, bucket: Bucket, items: list[Item], dataset: str = "", texts: bool = False) -> ShardEntry:
+        """Write one shard file (a text shard with `texts`) durably under a fresh name; it is part of the cache once
+        committed."""
+        schema, folder = (self.text_schema, TEXT_DIR) if texts else (self.schema, bucket.name)
+        data, field_bytes = encode_shard(bucket, items, schema, self.manifest.shapes[bucket], self.manifest.fingerprint_sha256,
+                                         self.rank, TEXTS_KIND if texts else None)
+        sequence = f"r{self.rank:05d}/{folder}"
         seq = self.manifest.next_seq.get(sequence, 0)
         self.manifest.next_seq[sequence] = seq + 1
-        path = write_shard_file(self.root, bucket, self.rank, seq, data)
-        return ShardEntry(path.relative_to(self.root).as_posix(), bucket, len(items), len(data), hashlib.sha256(data).hexdigest(),
-                          field_bytes, keys=[k for k, *_ in items], sources=[s for _, _, s, _ in items], stamps=[t for *_, t in items],
-                          dataset=dataset)
+        path = write_shard_file(self.root, bucket, self.rank, seq, data, folder)
+        entry = ShardEntry(path.relative_to(self.root).as_posix(), bucket, len(items), len(data), hashlib.sha256(data).hexdigest(),
+                           field_bytes, keys=[k for k, *_ in items], sources=[s for _, _, s, _ in items], stamps=[t for *_, t in items],
+                           dataset=dataset)
+        if self.text_schema is not None and not texts:  # what its samples refer to, for removals and `inspect`
+            refs = [k for _, fields, _, _ in items for k in keys_of(fields[TEXT_KEYS])]
+            entry.texts, entry.text_refs = sorted(set(refs)), len(refs)
+            entry.text_ref_bytes = sum(self._text_size(k) for k in refs)
+        return entry
+
+    def _text_size(self, key: str) -> int:
+        """The bytes of the fields of text `key` (read from its text shard when another run wrote it)."""
+        if key not in self._text_sizes:
+            j, row = self.manifest.texts.key_index()[key]
+            reader = ShardReader(self.root / self.manifest.texts.entry_at_row(j).path, TEXTS_KIND)
+            self._text_sizes[key] = sum(t.numel() * t.element_size() for t in reader.fields(row).values())
+        return self._text_sizes[key]
+
+    def _flush_texts(self) -> dict | None:
+        """Write the buffered texts as one text shard: its entry for the next commit's `add_texts`, or None."""
+        if not self._texts_buffer:
+            return None
+        entry = self._write_shard(TEXT_BUCKET, self._texts_buffer, texts=True)
+        self._texts_buffer, self._texts_buffer_bytes = [], 0
+        return entry.to_json()
 
     def commit(self, **actions) -> int:
         """Append one commit of `actions` (add, remove, replace, restamp, rename_dataset, shapes), with the files and run
@@ -192,6 +268,9 @@ class ShardWriter:
             CacheBusy: another writer removed what this commit changes; nothing was committed.
         """
         actions = {k: v for k, v in actions.items() if v}
+        if (texts := self._flush_texts()) is not None:  # in the commit of the samples that may refer to them
+            actions["add_texts"] = [*actions.get("add_texts", []), texts]
+            actions["shapes"] = {**actions.get("shapes", {}), TEXT_BUCKET.name: self.manifest.shapes[TEXT_BUCKET]}
         for name in ("files", "extra"):
             if self._pending.get(name):
                 actions[name] = {**self._pending[name], **actions.get(name, {})}
@@ -205,7 +284,9 @@ class ShardWriter:
             if generation == 0:
                 commit["init"] = {"fingerprint": self.manifest.fingerprint, "fingerprint_sha256": self.manifest.fingerprint_sha256,
                                   "fields": schema_to_json(self.schema)}
-            if write_commit(self.root, commit, self.rank):
+            if generation == 0 and self.text_schema is not None:
+                commit["init"]["texts"] = {"fields": schema_to_json(self.text_schema)}
+            if write_commit(self.root, commit, self.rank, self.manifest.version):
                 break
         self._pending.clear()
         self.manifest.apply(commit)
@@ -221,6 +302,10 @@ class ShardWriter:
         for commit in replay(self.root, self.manifest, check_end=False):  # the log was checked whole at the start
             for obj in commit.get("add", []) + [new for _, new in commit.get("replace", [])]:
                 self._listed.update(obj.get("keys") or [])
+            for obj in commit.get("add_texts", []):
+                self._texts.update(obj.get("keys") or [])
+            if commit.get("remove_texts"):  # texts another writer dropped: written again when referred to
+                self._texts = set(self.manifest.texts.key_index()) | {k for k, *_ in self._texts_buffer}
 
     def add_prompts(self, prompts: dict[str, Prompt], schema: Schema) -> None:
         """Store prompt embeddings (the empty caption, validation prompts) beside the shards.
@@ -291,9 +376,34 @@ class ShardWriter:
             if items:
                 added.append(self._write_shard(entry.bucket, items, entry.dataset).to_json())
         if retired:
-            self.commit(remove=retired, add=added)
+            self.commit(remove=retired, add=added, **self._drop_texts(retired, added))
             self._listed -= keys
         return removed
+
+    def _drop_texts(self, retired: list[str], added: list[dict]) -> dict:
+        """The text rows no sample refers to once the shards `retired` leave and `added` join: the actions that drop
+        them (`remove_texts`), copying the other rows of a text shard that keeps some into a new one (`add_texts`)."""
+        if self.text_schema is None:
+            return {}
+        table = self.manifest.texts
+        referred = self.manifest.shards.referenced_texts({self.manifest.shards.row_of(p) for p in retired})
+        referred.update(k for obj in added for k in obj.get("texts") or [])
+        dropped, kept = [], []
+        for j in table.rows:
+            keys = table.samples_of(int(j))[0]
+            keep = [i for i, k in enumerate(keys) if k in referred]
+            if len(keep) == len(keys):
+                continue
+            entry = table.entry_at_row(int(j))
+            dropped.append(entry.path)
+            captions = table.samples_of(int(j))[1]
+            items = [(keys[i], fields, captions[i], 0) for i, fields in intact_rows(self.root, entry.path, keep, TEXTS_KIND)]
+            if items:
+                kept.append(self._write_shard(TEXT_BUCKET, items, texts=True).to_json())
+        for path in dropped:
+            self._texts.difference_update(table.samples_of(table.row_of(path))[0])
+        self._texts.update(k for obj in kept for k in obj["keys"])
+        return {"remove_texts": dropped, "add_texts": kept}
 
     def remove_dataset(self, name: str) -> int:
         """Drop every sample of dataset `name`: its shards are retired whole (nothing is copied) in one commit.
@@ -305,7 +415,8 @@ class ShardWriter:
         if not rows:
             return 0
         keys = {k for j in rows for k in table.samples_of(j)[0]}
-        self.commit(remove=[table.entry_at_row(j).path for j in rows])
+        retired = [table.entry_at_row(j).path for j in rows]
+        self.commit(remove=retired, **self._drop_texts(retired, []))
         self._listed -= keys
         return len(keys)
 
@@ -319,15 +430,21 @@ class ShardWriter:
         return samples
 
     def replace(self, path: str, samples: list[tuple[str, dict[str, torch.Tensor]]]) -> str:
-        """Commit a repaired copy of shard `path`: the same keys in the same order, freshly encoded. Readers
-        of any generation are redirected to the copy; returns its path."""
+        """Commit a repaired copy of shard (or text shard) `path`: the same keys in the same order, freshly encoded.
+        Readers of any generation are redirected to the copy; returns its path."""
         self._catch_up()
-        j = self.manifest.shards.row_of(path)
-        keys, sources, stamps = self.manifest.shards.samples_of(j)
+        texts = self.manifest.texts is not None and path in self.manifest.texts
+        table = self.manifest.texts if texts else self.manifest.shards
+        j = table.row_of(path)
+        keys, sources, stamps = table.samples_of(j)
         if [k for k, _ in samples] != list(keys):
             raise ValueError(f"a repair of {path} must hold its keys in order ({len(keys)} samples)")
-        entry = self.manifest.shards.entry_at_row(j)
-        new = self._write_shard(entry.bucket, [(k, f, s, t) for (k, f), s, t in zip(samples, sources, stamps)], entry.dataset)
+        entry = table.entry_at_row(j)
+        for key, fields in samples:  # a repaired text row is checked as a new one is
+            shapes, _ = check_sample(key, entry.bucket, fields, self.text_schema if texts else self.schema,
+                                     self.manifest.shapes.get(entry.bucket, {}), self.check_finite)
+            self.manifest.shapes.setdefault(entry.bucket, shapes)
+        new = self._write_shard(entry.bucket, [(k, f, s, t) for (k, f), s, t in zip(samples, sources, stamps)], entry.dataset, texts)
         self.commit(replace=[[path, new.to_json()]])
         return new.path
 
@@ -352,6 +469,7 @@ class ShardWriter:
         if not self._closed:
             self._closed = True
             self._buffers.clear()
+            self._texts_buffer.clear()
             self._writers_lock.release()
             self._lock.release()
 

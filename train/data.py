@@ -186,8 +186,9 @@ class BatchStream:
     `workers` threads build batches (read the samples out of the memory-mapped shards, draw latents and
     captions, collate, pin for a CUDA copy) into queues of `prefetch` batches in all, batch k by thread
     k mod workers, taken back in order. One more thread reads ahead: it walks the data order up to
-    `readahead` batches past the step and reads every shard those batches touch, whole and sequentially
-    (a remote cache downloads it first), so the builders find their samples in memory. The threads live
+    `readahead` batches past the step and reads every shard those batches touch, and the text shards their samples
+    refer to in a cache that stores each text once, whole and sequentially (a remote cache downloads it first), so
+    the builders find their samples in memory. The threads live
     for the whole run: `add_epoch` hands them the next epoch before the current one ends (`needs_epoch`
     says when: at the same batch on every rank). With `workers=0` each batch is built in the training
     thread when it is taken: the same batches, synchronously, nothing read ahead.
@@ -351,19 +352,29 @@ class BatchStream:
                 return
             epoch, planned = item
             for cache, j in epoch.samples.shards_of(planned.indices):
-                key = (cache.root, cache.generation, j)
-                if key in recent:
-                    recent.move_to_end(key)
-                    continue
-                recent[key] = True
-                if len(recent) > 4096:
-                    recent.popitem(last=False)
-                try:
-                    self.read_ahead["bytes"] += read_whole(cache.fetch(j), buffer)
-                    self.read_ahead["shards"] += 1
+                self._read_one(recent, buffer, (cache.root, cache.generation, j), cache.fetch, j)
+                try:  # the text shards its samples refer to (a cache that stores each text once)
+                    texts = cache.text_shards_of(j)
                 except Exception as e:  # noqa: BLE001 (the builder reads the shard itself and reports what fails)
-                    self.read_ahead["failed"] += 1
-                    log.debug("read-ahead of shard %d of %s failed: %s", j, cache.root, e)
+                    texts = []
+                    log.debug("read-ahead of the texts of shard %d of %s failed: %s", j, cache.root, e)
+                for t in texts:
+                    self._read_one(recent, buffer, (cache.root, cache.generation, "texts", t), cache.fetch_text, t)
+
+    def _read_one(self, recent: OrderedDict, buffer: bytearray, key: tuple, fetch, j: int) -> None:
+        """Read one shard (or text shard) whole unless it was read lately."""
+        if key in recent:
+            recent.move_to_end(key)
+            return
+        recent[key] = True
+        if len(recent) > 4096:
+            recent.popitem(last=False)
+        try:
+            self.read_ahead["bytes"] += read_whole(fetch(j), buffer)
+            self.read_ahead["shards"] += 1
+        except Exception as e:  # noqa: BLE001 (the builder reads the shard itself and reports what fails)
+            self.read_ahead["failed"] += 1
+            log.debug("read-ahead of shard %d of %s failed: %s", j, key[0], e)
 
 
 def read_whole(path: os.PathLike, buffer: bytearray) -> int:
