@@ -29,7 +29,7 @@ from shards.schema import (
     sample_digest,
     schema_from_json,
 )
-from shards.texts import TEXT_KEYS, TEXTS_KIND, TextIndex, keys_of, resolve
+from shards.texts import TEXT_KEYS, TEXTS_KIND, TextIndex, keys_of, resolve, resolved_schema
 
 
 @dataclass
@@ -189,7 +189,12 @@ class Cache:
 
     @property
     def schema(self) -> Schema:
-        return self.manifest.schema
+        """The fields of a sample as a read returns them: in a cache that stores each text once, the per-sample
+        layout's (the text fields and `text_lengths` in place of `text_keys`; `Manifest.schema` is what is stored)."""
+        m = self.manifest
+        if m.text_schema is None:
+            return m.schema
+        return resolved_schema(m.schema, m.text_schema)
 
     @property
     def fingerprint(self) -> dict:

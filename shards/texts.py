@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from shards.buckets import Bucket
-from shards.schema import FormatError, Schema
+from shards.schema import Field, FormatError, Schema
 
 TEXT_KEYS = "text_keys"  # a sample's field: ragged uint8 (captions, 32), each caption's text key
 TEXT_LENGTHS = "text_lengths"  # the per-sample layout's token count of each caption, rebuilt by `resolve`
@@ -75,6 +75,12 @@ def resolve(fields: dict[str, torch.Tensor], texts: list[dict[str, torch.Tensor]
         out[name] = rows[0] if len(rows) == 1 else torch.cat(rows)  # one caption: the row itself, no copy
     out[TEXT_LENGTHS] = torch.tensor([len(t["text"]) if "text" in t else 0 for t in texts], dtype=torch.int32)
     return out
+
+
+def resolved_schema(schema: Schema, text_schema: Schema) -> Schema:
+    """The fields `resolve` returns: the per-sample layout's schema."""
+    out = {name: field for name, field in schema.items() if name != TEXT_KEYS}
+    return {**out, **text_schema, TEXT_LENGTHS: Field(torch.int32, ragged=True)}
 
 
 def key_prefixes(keys: list[str]) -> np.ndarray:

@@ -56,8 +56,8 @@ class ShardWriter:
             published early (as a smaller shard).
         check_finite: refuse samples whose floating fields hold NaN or Inf.
         text_schema: store each text once (`shards.texts`): the fields of one caption's text row. Samples then hold
-            `text_keys` (ragged uint8 (n, 32)) and their texts are written with `write_text`. An existing cache keeps
-            the layout it was started with (a writer of the other one is refused).
+            `text_keys` (ragged uint8 (n, 32)) and their texts are written with `write_text`. The layout is chosen when a
+            cache starts: for an existing cache, None means its own, and another one is refused.
 
     Raises:
         CacheBusy: another writer of this rank holds the cache, or `python -m shards gc` is collecting it.
@@ -105,11 +105,14 @@ class ShardWriter:
         try:
             if exists(self.root):
                 self.manifest = load(self.root)
-                self.manifest.check_compatible(fingerprint, schema, self.root, text_schema)
+                self.manifest.check_compatible(fingerprint, schema, self.root, text_schema or self.manifest.text_schema)
             else:
                 never, why = missing_manifest(self.root)
                 if not never:  # starting afresh would delete committed shards as leftovers
                     raise FileNotFoundError(why)
+                if TEXT_KEYS in schema and text_schema is None:
+                    raise ValueError(f"the schema has {TEXT_KEYS!r}: a cache that stores each text once starts with its "
+                                     f"text_schema (the fields of a text row)")
                 self.manifest = Manifest(fingerprint, schema, text_schema=text_schema)
             self._listed = {key for key, *_ in self.manifest.samples()}
             self._texts = set(self.manifest.texts.key_index()) if self.manifest.texts is not None else set()

@@ -74,6 +74,7 @@ def test_a_thousand_samples_of_one_prompt_store_it_once(tmp_path):
     assert stats["texts"] == 1 and stats["references"] == 1000 and stats["shards"] == 1
     assert stats["inline_bytes"] == 1000 * len(PROMPT.split()) * 64 * 2
     assert_same_samples(once, inline)  # a read resolves to exactly the per-sample layout
+    assert once.schema == inline.schema and once.manifest.schema == STORED_ONCE
     before, after = files_bytes(tmp_path / "inline"), files_bytes(tmp_path / "once")
     # text_lengths and the text offsets go too; 32 bytes of key and 8 of offsets per sample stay
     assert before - after >= stats["saved"] > 0.9 * stats["inline_bytes"] - 1000 * 40
@@ -105,7 +106,12 @@ def test_a_sample_cannot_refer_to_a_text_never_written_and_layouts_do_not_mix(tm
             w.write("k", (64, 64), {"latent": latent(0), "source": source(0), TEXT_KEYS: key_rows([text_key("nothing")])})
         w.write_text(PROMPT, {"text": embedding(PROMPT)})
     with pytest.raises(Exception, match="texts stored once"):
-        ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE)
+        ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE, text_schema={"clip": Field(torch.bfloat16, ragged=True)})
+    with pytest.raises(Exception, match="field schema differs"):
+        ShardWriter(tmp_path, FINGERPRINT, INLINE)
+    with pytest.raises(ValueError, match="starts with its text_schema"):
+        ShardWriter(tmp_path / "new", FINGERPRINT, STORED_ONCE)
+    ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE).close()  # an existing cache's own layout by default
     with pytest.raises(ValueError, match="ragged"):
         ShardWriter(tmp_path / "other", FINGERPRINT, STORED_ONCE, text_schema={"text": Field(torch.bfloat16)})
 
@@ -152,7 +158,7 @@ def test_two_ranks_storing_one_text_at_once_keep_both_copies_and_read_one(tmp_pa
     a, b = ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE, text_schema=TEXT_SCHEMA, rank=2), \
         ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE, text_schema=TEXT_SCHEMA, rank=3)
     for w, i in ((a, 3), (b, 4)):  # neither sees the other's buffer: both store the new text
-        w.write("k%05d" % i, (64, 64), {"latent": latent(i), "source": source(i),
+        w.write(f"k{i:05d}", (64, 64), {"latent": latent(i), "source": source(i),
                                          TEXT_KEYS: key_rows([w.write_text("both", {"text": embedding("both")})])})
     a.finish()
     b.finish()
