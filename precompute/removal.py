@@ -60,7 +60,8 @@ def removal_refused(config: PrecomputeConfig, source: Source, gone: set[str], pr
 def warn_damaged(cache: Path, manifest) -> None:
     """One stat per shard: a plain re-run reports unchanged inputs without reading their samples, so it says
     when listed shards are missing or truncated (what --repair re-encodes)."""
-    bad = stat_problems((cache / path, int(size)) for path, size in zip(manifest.shards.paths(), manifest.shards.column("bytes")))
+    tables = [manifest.shards] + ([manifest.texts] if manifest.texts is not None else [])  # text shards too
+    bad = stat_problems((cache / path, int(size)) for t in tables for path, size in zip(t.paths(), t.column("bytes")))
     if bad:
         print(f"warning: {len(bad)} shard(s) of {cache} are missing or truncated (e.g. {bad[0][0]}: {bad[0][1]}); their "
               f"samples count as unchanged here. Re-run with --repair to re-encode them.", file=sys.stderr)
@@ -72,6 +73,41 @@ def damaged_shards(cache: Path, manifest) -> dict[str, list[str]]:
     bad = {Path(p).resolve() for p in report.bad_files}
     return {entry.path: manifest.shards.samples_of(int(j))[0]
             for j, entry in zip(manifest.shards.rows, manifest.shards) if (cache / entry.path).resolve() in bad}
+
+
+def damaged_texts(cache: Path, manifest) -> dict[str, tuple[list[str], list[str]]]:
+    """Text shards (a cache that stores each text once) of the newest generation that are missing or fail `verify`:
+    path -> (text keys, captions), from the manifest, which keeps every text's caption."""
+    if manifest.texts is None:
+        return {}
+    bad = {Path(p).resolve() for p in verify(cache).bad_files}
+    table = manifest.texts
+    return {entry.path: table.samples_of(int(j))[:2] for j, entry in zip(table.rows, table) if (cache / entry.path).resolve() in bad}
+
+
+def repair_texts(config: PrecomputeConfig, manifest, device) -> dict:
+    """Re-encode every damaged text shard from the captions the manifest keeps (no input is read) and commit each
+    copy in its place. The text encoder built must be the cache's (refused otherwise, naming the differing fields)."""
+    from precompute.encode import Encoders
+    from precompute.prompts import check_text_encoder
+    from shards.schema import dtype_from_name
+
+    damaged = damaged_texts(config.cache, manifest)
+    if not damaged:
+        return {"repaired_text_shards": 0}
+    enc = Encoders(config.preset(), device, text_dtype=config.text_dtype, pretrained=config.pretrained, vae=False)
+    check_text_encoder(manifest.fingerprint["text_encoder"], enc.text_fingerprint(), config.cache)
+    storage = dtype_from_name(manifest.fingerprint["storage_dtype"])
+    with ShardWriter(config.cache, manifest.fingerprint, manifest.schema) as writer:
+        for path, (keys, captions) in damaged.items():
+            rows = []
+            for i in range(0, len(captions), config.text_batch_size):
+                batch = enc.encode_text(list(captions[i : i + config.text_batch_size])).fields
+                rows += [{name: t.to(storage) for name, t in fields.items()} for fields in batch]
+            writer.replace(path, list(zip(keys, rows)))
+    print(f"\n{config.cache}: repaired {len(damaged)} damaged text shard(s), "
+          f"{sum(len(k) for k, _ in damaged.values())} texts re-encoded from their captions", file=sys.stderr)
+    return {"repaired_text_shards": len(damaged)}
 
 
 def replace_damaged(writer: ShardWriter, damaged: dict[str, list[str]], encoded: dict, inputs, cache: Path) -> dict:

@@ -30,7 +30,17 @@ from precompute.encoding import EncodingPass, PlainProgress, Tally
 from precompute.families.base import Preset
 from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
 from precompute.presets import weights_sources
-from precompute.removal import RemovalRefused, cached_inputs, damaged_shards, forget_created, removal_refused, removals, replace_damaged, warn_damaged
+from precompute.removal import (
+    RemovalRefused,
+    cached_inputs,
+    damaged_shards,
+    forget_created,
+    removal_refused,
+    removals,
+    repair_texts,
+    replace_damaged,
+    warn_damaged,
+)
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
 from shards import CacheSpec, Field, Prompt, ShardWriter, exists, load, prompt_key
 from shards.atomic import atomic_write_bytes
@@ -100,9 +110,14 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     # 1. what the cache holds, from its manifest alone (no shard is opened), read under the lock; then the inputs of
     # every source, split disjointly by global rank. The loader's workers start reading images now, while the
     # encoders load.
+    repaired = {}
+    if config.repair and manifest is not None and manifest.texts is not None:  # texts first: the samples refer to them
+        repaired = repair_texts(config, manifest, device) if rank == 0 else {}
+        if world > 1:
+            dist.barrier()
     inputs = open_all_inputs(config, manifest, device, rank, world)
     if inputs is None:  # a repair with nothing damaged
-        return {"repaired_shards": 0, "repaired_samples": 0, "unrepairable": []}
+        return {"repaired_shards": 0, "repaired_samples": 0, "unrepairable": [], **repaired}
     # 2. encoders and the fingerprint of everything that determines the cached values; a cache built differently is
     # refused before anything is encoded
     try:
@@ -133,6 +148,7 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         writer.restamp(tally.restamps)
         if inputs.needed is not None:
             summary = replace_damaged(writer, inputs.damaged, tally.repaired, partial(cached_inputs, manifest, inputs.sources), config.cache)
+            summary.update(repaired)
         writer.finish()
     except BaseException:
         writer.close()  # everything committed so far stays valid; buffered samples are redone next run
