@@ -64,7 +64,7 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         "caption_fallbacks": {k.split(":", 1)[1]: n for k, n in sorted(counts.items()) if k.startswith("caption_fallback:")},
         "failure_fraction": counts["failed"] / max(considered, 1),
         "cache_samples": manifest.num_samples,
-        "cache_bytes": manifest.num_bytes,
+        "cache_bytes": manifest.num_bytes + (manifest.text_stats() or {}).get("bytes", 0),  # text shards too
         "generation": manifest.generation,
         "buckets": {b.name: st.samples for b, st in manifest.buckets().items()},
         "sources": {name: {"samples": in_cache.get(name, {}).get("samples", 0),
@@ -78,7 +78,7 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         "images_per_s": encoded / loop_s if loop_s else 0.0,
     }
     out = sys.stderr
-    print(f"\n{cache}: {summary['cache_samples']} samples, {manifest.num_bytes / 2**20:.1f} MiB, generation {manifest.generation}", file=out)
+    print(f"\n{cache}: {summary['cache_samples']} samples, {summary['cache_bytes'] / 2**20:.1f} MiB, generation {manifest.generation}", file=out)
     print(f"  new {summary['new']} / changed {summary['changed']} / unchanged {summary['unchanged']} / "
           f"removed {summary['removed']}; duplicates {summary['duplicates']}", file=out)
     for name, c in summary["sources"].items():
@@ -105,4 +105,8 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
     for name, k in summary["buckets"].items():
         print(f"    {name:>10}: {k}", file=out)
     print("  bytes per sample: " + ", ".join(f"{k} {v:,.0f}" for k, v in summary["bytes_per_sample"].items()), file=out)
+    if (texts := manifest.text_stats()) is not None:  # each distinct caption's text stored once
+        summary["texts"] = texts
+        print(f"  texts stored once: {texts['texts']:,} for {texts['references']:,} captions, {texts['bytes']:,} bytes "
+              f"({texts['saved']:,} bytes fewer than stored with each sample)", file=out)
     return summary

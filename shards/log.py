@@ -224,14 +224,14 @@ def create_if_absent(final: Path, data: bytes, rank: int) -> bool:
     return True
 
 
-def write_commit(root: Path, commit: dict, rank: int = 0, version: int = BASE_VERSION) -> bool:
-    """Create `_log/GENERATION.json` if it does not exist yet: False when another writer took the number. `version`:
-    the cache's format version (`Manifest.version`)."""
+def write_commit(root: Path, commit: dict, rank: int = 0) -> bool:
+    """Create `_log/GENERATION.json` if it does not exist yet: False when another writer took the number. The
+    commit's `format_version` is its cache's (`Manifest.version`), 2 when it names none."""
     log = root / LOG_DIR
     if not log.is_dir():
         log.mkdir(parents=True, exist_ok=True)
         fsync_dir(root)
-    body = {"format": FORMAT_NAME, "format_version": version, **commit}
+    body = {"format": FORMAT_NAME, "format_version": BASE_VERSION, **commit}
     body["sha256"] = commit_digest(body)
     return create_if_absent(log / LOG_NAME.format(commit["generation"]), json.dumps(body, separators=(",", ":")).encode(), rank)
 

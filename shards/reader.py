@@ -29,7 +29,7 @@ from shards.schema import (
     sample_digest,
     schema_from_json,
 )
-from shards.texts import TEXT_KEYS, TEXTS_KIND, TextIndex, keys_of, resolve, resolved_schema
+from shards.texts import TEXT_KEYS, TEXTS_KIND, TextIndex, keys_of, resolve, resolved_schema, table_prefixes
 
 
 @dataclass
@@ -308,7 +308,7 @@ class Cache:
     def text_index(self) -> TextIndex:
         """Where each text row is (built on first use from the manifest's text table, which is checked then)."""
         if self._text_index is None:
-            index = TextIndex([self.texts.samples_of(int(j))[0] for j in self.texts.rows])
+            index = TextIndex(*table_prefixes(self.texts))
             with self._lock:
                 self._text_index = index
         return self._text_index

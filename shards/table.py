@@ -130,7 +130,11 @@ class ShardTable:
         self._text_refs.append(e.text_refs)
         self._text_ref_bytes.append(e.text_ref_bytes)
         self._alive_rows = None
-        self._keys = None
+        if self._keys is not None and e.keys is not None:  # kept up to date: a writer asks after every commit
+            j = len(self._paths) - 1
+            self._keys.update((k, (j, r)) for r, k in enumerate(e.keys))
+        else:
+            self._keys = None
 
     def row_of(self, path: str) -> int:
         if self._row is None:

@@ -93,6 +93,41 @@ def key_prefixes(keys: list[str]) -> np.ndarray:
         raise FormatError("a text key of the manifest is not hex; the log was edited or damaged") from None
 
 
+def hex_prefixes(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """`key_prefixes` of ragged ASCII keys (bytes `data`, `(n + 1,)` `offsets`), without a Python string per key when
+    they are all of one length (stage one's are 64 hex digits)."""
+    n, start = len(offsets) - 1, int(offsets[0]) if len(offsets) else 0
+    lengths = np.diff(offsets)
+    if n == 0:
+        return np.zeros(0, dtype=np.uint64)
+    if np.any(lengths < 16):
+        raise FormatError("a text key of the manifest is shorter than 16 hex digits; the log was edited or damaged")
+    if np.all(lengths == lengths[0]):  # a view of the keys' first 16 digits: no copy but the digits'
+        digits = data[start : start + n * int(lengths[0])].reshape(n, int(lengths[0]))[:, :16].tobytes()
+    else:
+        digits = b"".join(bytes(data[a : a + 16]) for a in offsets[:-1].tolist())
+    try:
+        return np.frombuffer(bytes.fromhex(digits.decode("ascii")), dtype=">u8").astype(np.uint64)
+    except (ValueError, UnicodeDecodeError):
+        raise FormatError("a text key of the manifest is not hex; the log was edited or damaged") from None
+
+
+def table_prefixes(table) -> tuple[np.ndarray, np.ndarray]:
+    """`key_prefixes` of every live text of a text table (`ShardTable`), in table order, and each live shard's count.
+    Rows a snapshot holds are read from its columns as arrays (first use checks them against `texts_sha256`)."""
+    parts, counts = [], []
+    for j in (int(j) for j in table.rows):
+        if j in table._samples_of or table._snapshot_samples is None:
+            parts.append(key_prefixes(table.samples_of(j)[0]))
+        else:
+            bounds, keys = table._snapshot_samples.columns()[:2]
+            offsets = keys.offsets[int(bounds[j]) : int(bounds[j + 1]) + 1]
+            parts.append(hex_prefixes(np.frombuffer(keys.data, dtype=np.uint8), offsets))
+        counts.append(len(parts[-1]))
+    prefixes = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+    return prefixes, np.array(counts, dtype=np.int64)
+
+
 class TextIndex:
     """Where each text row is: text key -> (text shard, row), for the live text shards of one generation.
 
@@ -102,16 +137,15 @@ class TextIndex:
     keys sharing their first 8 bytes are told apart.
 
     Args:
-        keys: per live text shard, in table order, the keys of its rows.
+        prefixes: the `key_prefixes` of every live text, in table order (`table_prefixes`).
+        counts: each live text shard's number of texts.
     """
 
-    def __init__(self, keys: list[list[str]]):
-        counts = np.array([len(k) for k in keys], dtype=np.int64)
-        prefixes = key_prefixes([k for shard in keys for k in shard])
-        shard = np.repeat(np.arange(len(keys), dtype=np.int64), counts)
-        row = np.arange(len(prefixes), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    def __init__(self, prefixes: np.ndarray, counts: np.ndarray):
         order = np.argsort(prefixes, kind="stable")  # equal prefixes keep table order: the first copy first
-        self.prefixes, self.shard, self.row = prefixes[order], shard[order], row[order]
+        shard = np.repeat(np.arange(len(counts), dtype=np.int32), counts)[order]
+        row = (order - np.repeat(np.cumsum(counts) - counts, counts)[order]).astype(np.int32)
+        self.prefixes, self.shard, self.row = prefixes[order], shard, row
 
     def __len__(self) -> int:
         return len(self.prefixes)

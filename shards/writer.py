@@ -25,7 +25,7 @@ from shards.log import exists, missing_manifest, write_commit, write_pointer
 from shards.manifest import Manifest
 from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, stored_prompts
 from shards.reader import ShardReader
-from shards.schema import CacheBusy, Schema, schema_to_json, validate_schema
+from shards.schema import BASE_VERSION, CacheBusy, Schema, schema_to_json, validate_schema
 from shards.shard_files import intact_rows, remove_leftovers, write_shard_file
 from shards.table import ShardEntry
 from shards.texts import TEXT_BUCKET, TEXT_DIR, TEXT_KEYS, TEXTS_KIND, check_text_schema, keys_of, text_key
@@ -92,6 +92,7 @@ class ShardWriter:
         self._pending: dict = {}  # files and run records for the next commit
         self._texts_buffer: list[Item] = []  # texts written, not committed yet: the next commit adds them
         self._texts_buffer_bytes = 0
+        self._texts_uncounted: set[str] = set()  # buffered texts no buffered sample refers to yet
         self._text_sizes: dict[str, int] = {}  # text key -> the bytes of its fields, of the texts met so far
         self._closed = False
         # One writer per rank and cache: a second one would delete this one's files as leftovers; and no gc
@@ -142,7 +143,8 @@ class ShardWriter:
     def write_text(self, caption: str, fields: Mapping[str, torch.Tensor]) -> str:
         """Store one caption's text fields once; samples refer to it by the returned text key (`shards.texts.text_key`).
         A text already stored is not stored again. It is committed with the next commit (at the latest with the
-        samples that refer to it), or alone once the buffered texts reach `max_shard_bytes`.
+        samples that refer to it; its bytes count towards the shard of the first sample buffered that refers to it),
+        or alone once the buffered texts pass `max_buffer_bytes`.
 
         Raises:
             ValueError: the cache stores texts with each sample, or the fields do not fit the text schema.
@@ -158,10 +160,11 @@ class ShardWriter:
         self.manifest.shapes.setdefault(TEXT_BUCKET, shapes)
         self._texts.add(key)
         self._texts_buffer.append((key, checked, caption, 0))
+        self._texts_uncounted.add(key)
         size = self._text_sizes[key] = sum(t.numel() * t.element_size() for t in checked.values())
         self._texts_buffer_bytes += size
-        if self._texts_buffer_bytes >= self.max_shard_bytes or len(self._texts_buffer) >= self.max_shard_samples:
-            self.commit()  # texts alone: the samples referring to them come with later commits
+        if self._texts_buffer_bytes > self.max_buffer_bytes or len(self._texts_buffer) >= self.max_shard_samples:
+            self.commit()  # texts alone (memory is bounded): the samples referring to them come with later commits
         return key
 
     def write(self, key: str, bucket: Bucket | tuple[int, int], sample: Mapping[str, torch.Tensor], *,
@@ -203,6 +206,10 @@ class ShardWriter:
         slot = (bucket, str(dataset))
         self._buffers.setdefault(slot, []).append((key, fields, source, int(stamp)))
         size = sum(t.numel() * t.element_size() for t in fields.values())
+        if self.text_schema is not None:  # the buffered texts it is the first to refer to count towards its shard
+            fresh = {k for k in keys_of(fields[TEXT_KEYS]) if k in self._texts_uncounted}
+            size += sum(self._text_sizes[k] for k in fresh)
+            self._texts_uncounted -= fresh
         self._buffer_bytes[slot] = self._buffer_bytes.get(slot, 0) + size
         if self._buffer_bytes[slot] >= self.max_shard_bytes or len(self._buffers[slot]) >= self.max_shard_samples:
             self._flush_slot(slot)
@@ -256,6 +263,7 @@ class ShardWriter:
             return None
         entry = self._write_shard(TEXT_BUCKET, self._texts_buffer, texts=True)
         self._texts_buffer, self._texts_buffer_bytes = [], 0
+        self._texts_uncounted.clear()
         return entry.to_json()
 
     def commit(self, **actions) -> int:
@@ -289,7 +297,9 @@ class ShardWriter:
                                   "fields": schema_to_json(self.schema)}
             if generation == 0 and self.text_schema is not None:
                 commit["init"]["texts"] = {"fields": schema_to_json(self.text_schema)}
-            if write_commit(self.root, commit, self.rank, self.manifest.version):
+            if self.manifest.version != BASE_VERSION:
+                commit["format_version"] = self.manifest.version
+            if write_commit(self.root, commit, self.rank):
                 break
         self._pending.clear()
         self.manifest.apply(commit)

@@ -223,3 +223,17 @@ def test_texts_survive_a_snapshot_and_the_read_ahead_knows_their_shards(tmp_path
     with ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE, text_schema=TEXT_SCHEMA) as w:  # a writer starts from it
         w.remove({"k00000"})
     assert verify(tmp_path).ok and len(Cache(tmp_path)) == 19
+
+
+def test_the_text_index_reads_snapshot_keys_as_arrays_and_tells_keys_of_one_prefix_apart():
+    import numpy as np
+
+    from shards.texts import TextIndex, hex_prefixes, key_prefixes
+
+    keys = [text_key(f"caption {i}") for i in range(50)]
+    data = np.frombuffer("".join(keys).encode(), dtype=np.uint8)
+    assert np.array_equal(hex_prefixes(data, np.arange(51) * 64), key_prefixes(keys))
+    twin = keys[7][:16] + "0" * 48  # the same first 8 bytes as keys[7]
+    index = TextIndex(key_prefixes([*keys[:10], twin, *keys[10:]]), np.array([10, 41]))
+    assert index.candidates(keys[7]) == [(0, 7), (1, 0)] and index.candidates(keys[30]) == [(1, 21)]
+    assert index.candidates(text_key("not stored")) == []
