@@ -2,7 +2,8 @@
 
 A cache is a directory of memory-mapped safetensors shards, one aspect-ratio bucket per shard, and a
 manifest kept as a commit log with snapshots, which fingerprints everything that determines the cached
-values and lists the shards of every generation.
+values and lists the shards of every generation. A cache may store each distinct caption's text once, in text
+shards its samples refer to by key (`shards.texts`), which a read resolves.
 See FORMAT.md beside this file.
 """
 

@@ -472,7 +472,7 @@ class ShardWriter:
         """Commit every buffered sample and pending record (an empty cache gets its first commit) and release."""
         if not self._closed:
             self.flush()
-            if self._pending or self.manifest.generation < 0:
+            if self._pending or self._texts_buffer or self.manifest.generation < 0:
                 self.commit()
             self.close()
         return self.manifest

@@ -237,3 +237,18 @@ def test_the_text_index_reads_snapshot_keys_as_arrays_and_tells_keys_of_one_pref
     index = TextIndex(key_prefixes([*keys[:10], twin, *keys[10:]]), np.array([10, 41]))
     assert index.candidates(keys[7]) == [(0, 7), (1, 0)] and index.candidates(keys[30]) == [(1, 21)]
     assert index.candidates(text_key("not stored")) == []
+
+
+def test_a_cache_in_object_storage_downloads_the_text_shards_its_samples_need(tmp_path):
+    from shards import open_cache
+
+    bucket = tmp_path / "bucket"
+    local = write_stored_once(bucket, {i: [PROMPT, f"c{i % 3}"] for i in range(9)}, max_shard_samples=3)
+    remote = open_cache(f"file://{bucket}", local_dir=tmp_path / "local")
+    assert not (tmp_path / "local" / "texts").exists()  # nothing but the manifest until a read
+    assert remote.check_files() == []
+    assert_same_samples(remote, local)
+    assert sorted(p.name for p in (tmp_path / "local" / "texts").iterdir()) == sorted(p.rsplit("/", 1)[1] for p in local.texts.paths())
+    (bucket / local.texts.paths()[0]).unlink()
+    problems = open_cache(f"file://{bucket}", local_dir=tmp_path / "other").check_files()
+    assert [p for p, _ in problems] == [f"file://{bucket}/{local.texts.paths()[0]}"]
