@@ -40,8 +40,8 @@ def missing_manifest(root: str | os.PathLike) -> tuple[bool, str]:
     """Why a directory holds no committed cache: (never committed, what to tell the user).
 
     A writer commits after every shard it publishes, so a run killed before its first commit leaves at
-    most one shard file (and one temp file) per rank. More shard files than that, or an `index.json`, mean
-    commits happened and the log was lost afterwards.
+    most one shard file (and one temp file) per rank, and one text shard (`texts/`) where texts are stored once.
+    More shard files than that, or an `index.json`, mean commits happened and the log was lost afterwards.
     """
     root = Path(root)
     build = f"build it with `make precompute DATA=... CACHE={root}`"
@@ -53,8 +53,9 @@ def missing_manifest(root: str | os.PathLike) -> tuple[bool, str]:
         m = SHARD_FILE.fullmatch(path.name)
         if m and path.parent.name not in (LOG_DIR, SNAPSHOT_DIR):
             leftovers += 1
-            if not m.group(3):
-                shards[m.group(1)] = shards.get(m.group(1), 0) + 1
+            if not m.group(3):  # a text shard is written just before the first commit too
+                kind = f"{m.group(1)}/{'texts' if path.parent.name == 'texts' else 'shards'}"
+                shards[kind] = shards.get(kind, 0) + 1
     pointer = (root / MANIFEST).exists()
     if any(n > 1 for n in shards.values()) or pointer:
         return False, (f"{root} holds {sum(shards.values())} shard files and {'an' if pointer else 'no'} {MANIFEST} "
