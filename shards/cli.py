@@ -166,7 +166,8 @@ def verify(
         typer.echo(f"warning: {path}: {msg}", err=True)
     for path, msg in report.problems:
         typer.echo(f"BAD {path}: {msg}")
-    typer.echo(f"checked {report.shards} shards, {report.samples} samples, {_human(report.bytes)} of generation "
+    texts = f" ({report.texts} texts stored once)" if report.texts else ""
+    typer.echo(f"checked {report.shards} shards, {report.samples} samples{texts}, {_human(report.bytes)} of generation "
                f"{report.generation}: " + ("ok" if report.ok else f"{len(report.bad_files)} bad files")
                + (f"; {report.retired} retired files kept for readers of earlier generations (python -m shards gc)" if report.retired else "")
                + (f"; {report.in_progress} files of a running writer" if report.in_progress else ""))
