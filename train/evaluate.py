@@ -23,9 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shards.options import DTYPES
 from train import distributed
+from train.config import TrainConfig
 from train.data import TextLayout
-from train.order import cache_labels, derived_seed, held_out
+from train.families.base import ModelPreset
+from train.order import cache_labels, derived_seed, held_out, holds_out
+from train.presets import model_forward
 
 EVAL_NOISE = 4_000_037  # a stream of seeds of its own: no seed a training draw uses
 
@@ -176,3 +180,20 @@ class Evaluator:
 def eval_due(step: int, every: int, last: int) -> bool:
     """Whether the held-out loss is computed after `step`: every `every` steps (0: only at the end) and at the last."""
     return (every > 0 and step % every == 0) or step == last
+
+
+def build_evaluator(cfg: TrainConfig, group: list, objective, rank: int, world: int, device: torch.device) -> Evaluator | None:
+    """The held-out loss of the run's caches (the generations it started with), or None when nothing is held out."""
+    if not holds_out(group, cfg.eval_fraction):
+        return None
+    evaluator = Evaluator(group, objective, fraction=cfg.eval_fraction, batch_size=cfg.batch_size, rank=rank, world=world,
+                          timesteps=cfg.eval_timesteps, limit=cfg.eval_batches, device=device,
+                          precision=DTYPES[cfg.precision], control=cfg.controlnet)
+    return evaluator if evaluator else None
+
+
+def evaluate(evaluator: Evaluator, model, cfg: TrainConfig, preset: ModelPreset, controlled) -> dict:
+    """The held-out loss of the weights now, computed with the module itself (not through DDP: no collective but the
+    loss sums; FSDP's module is its own), the ControlNet run's with its ControlNet."""
+    forward = controlled or model_forward(model.module, preset.family, guidance=cfg.train_guidance)
+    return evaluator.run(forward, [m for m in (model.module, model.controlnet) if m is not None])

@@ -23,15 +23,14 @@ from train.cache import check_cache, check_cache_files, check_same_caches, check
 from train.config import TrainConfig
 from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples
 from train.dryrun import dry_run, startup_plan
-from train.evaluate import Evaluator, eval_due
+from train.evaluate import build_evaluator, eval_due, evaluate
 from train.families import get_preset
 from train.families.base import ModelPreset
 from train.metrics import Metrics, progress_line, write_memory_report
 from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption, train_guidance
-from train.order import BatchPlan
+from train.order import BatchPlan, is_eval_source
 from train.plan import format_plan
 from train.prefetch import Prefetcher
-from train.presets import model_forward
 from train.state import TrainState, own_run
 from train.step import Diverged, TrainStep
 from train.validate import Validator, add_prompts_command
@@ -125,8 +124,9 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 role = "" if weight is None else (f", class (is_reg): loss weight "
                                                   f"{weight if cfg.prior_loss_weight is None else cfg.prior_loss_weight:g}, "
                                                   f"target {'the base model' if cfg.preservation == 'output' else 'its data'}")
-                say(f"  source {name or '(unnamed)'}: {totals['samples']} samples, {draws.get(label + name, 0)} drawn per "
-                    f"epoch{role}")
+                drawn = ("held out (eval = true)" if is_eval_source(c.manifest.extra.get("sources", {}).get(name, {}))
+                         else f"{draws.get(label + name, 0)} drawn per epoch")
+                say(f"  source {name or '(unnamed)'}: {totals['samples']} samples, {drawn}{role}")
     if cfg.train_guidance is not None:
         say(f"guidance embedding at {cfg.train_guidance:g} in training (the unguided target), validation at {cfg.guidance_scale:g}")
     evaluator = build_evaluator(cfg, group, objective, rank, world, device)
@@ -334,21 +334,6 @@ def validate(validator: Validator, state: TrainState, step: int, metrics: Metric
                   controlnet=model.controlnet, forward=controlled)
     metrics.report_grids(validator.finished())
     metrics.exclude(time.perf_counter() - t0)
-
-
-def build_evaluator(cfg: TrainConfig, group: list, objective, rank: int, world: int, device: torch.device) -> Evaluator | None:
-    """The held-out loss of the run's caches (the generations it started with), or None when nothing is held out."""
-    evaluator = Evaluator(group, objective, fraction=cfg.eval_fraction, batch_size=cfg.batch_size, rank=rank, world=world,
-                          timesteps=cfg.eval_timesteps, limit=cfg.eval_batches, device=device,
-                          precision=DTYPES[cfg.precision], control=cfg.controlnet)
-    return evaluator if evaluator else None
-
-
-def evaluate(evaluator: Evaluator, model, cfg: TrainConfig, preset: ModelPreset, controlled) -> dict:
-    """The held-out loss of the weights now, computed with the module itself (not through DDP: no collective but the
-    loss sums; FSDP's module is its own), the ControlNet run's with its ControlNet."""
-    forward = controlled or model_forward(model.module, preset.family, guidance=cfg.train_guidance)
-    return evaluator.run(forward, [m for m in (model.module, model.controlnet) if m is not None])
 
 
 def save(state: TrainState, progress, metrics: Metrics, group: list, run_config: dict, device: torch.device) -> None:

@@ -78,6 +78,12 @@ def key_fraction(key: str) -> float:
     return int.from_bytes(digest, "little") / 2.0**64
 
 
+def holds_out(caches, fraction: float) -> bool:
+    """Whether any sample of these caches is held out: a fraction is asked for, or a source is marked `eval = true`."""
+    caches = caches if isinstance(caches, (list, tuple)) else [caches]
+    return fraction > 0 or any(is_eval_source(r) for one in caches for r in one.manifest.extra.get("sources", {}).values())
+
+
 _held_in_shard: dict[tuple[str, str, float], tuple[np.ndarray, np.ndarray]] = {}  # a shard never changes: hashed once
 
 
@@ -244,8 +250,7 @@ class BatchPlan:
         share of the epoch. Held-out samples (`held_out`: sources marked `eval = true`, and `eval_fraction` of the
         others by key) are never drawn; a source's share counts the samples it trains on."""
         caches = cache if isinstance(cache, (list, tuple)) else [cache]
-        held = held_out(caches, eval_fraction) if eval_fraction > 0 or any(
-            is_eval_source(r) for one in caches for r in one.manifest.extra.get("sources", {}).values()) else {}
+        held = held_out(caches, eval_fraction) if holds_out(caches, eval_fraction) else {}
         ranges, draws, offset, totals, excluded = {}, {}, 0, [], []
         for c, one in enumerate(caches):
             starts = one.shard_starts + offset
