@@ -301,6 +301,10 @@ class Epochs:
                 raise ValueError(f"{where} holds no samples: nothing to train on. Encode a dataset into it with python -m "
                                  f"precompute DATA --model {cfg.model} --cache {cs[0].location}, or point --cache at a "
                                  f"cache that holds one")
+            if not plan.streams:
+                raise ValueError(f"every sample of {where} is held out (sources marked eval = true in the dataset file, "
+                                 f"--eval-fraction {cfg.eval_fraction:g}): nothing to train on. Add a source to train on, "
+                                 f"or hold out less")
             raise ValueError(f"{where} holds no full batch of {cfg.batch_size} x {world} sample(s) in any bucket with "
                              f"--remainder {cfg.remainder}; use a smaller --batch-size"
                              + (" or --remainder repeat" if cfg.remainder != "repeat" else ""))

@@ -237,6 +237,9 @@ def test_an_eval_source_is_evaluated_per_source_and_eval_batches_limits_it(tmp_p
                                                          if k not in eval_keys and key_fraction(k) < 0.25)
     train(config(tmp_path / "cache", tmp_path / "limited", eval_fraction=0.25, eval_batches=1, steps=1))
     assert 1 <= rows(tmp_path / "limited")[-1]["eval_samples"] <= 2 < last["eval_samples"]  # one batch of at most 2
+    everything = min(max(key_fraction(k) for k, _ in built.keys() if k not in eval_keys) + 1e-9, 0.999999)
+    with pytest.raises(ValueError, match="is held out .*nothing to train on"):
+        train(config(tmp_path / "cache", tmp_path / "none", eval_fraction=everything))
 
 
 def test_a_run_resumes_only_with_the_fraction_it_held_out(cache, tmp_path):
