@@ -265,3 +265,20 @@ def test_two_ranks_share_the_held_out_batches_and_report_what_one_process_does(c
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-5)
     assert [r["eval_loss"] for r in two] == pytest.approx([r["eval_loss"] for r in one], rel=1e-5)
     assert one[-1]["eval_samples"] == two[-1]["eval_samples"] > 0
+
+
+def test_loss_png_draws_the_held_out_loss_beside_the_training_loss(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from train.metrics import plot_losses
+
+    drawn, plot = {}, matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, x, y, *a, **k: drawn.update({k.get("label"): (x, y)})
+                        or plot(self, x, y, *a, **k))
+    rows = [{"step": s, "loss": 1.0 / s, "smoothed_loss": 1.0 / s} for s in (1, 2, 3, 4)]
+    rows[1] |= {"eval_loss": 0.7}
+    rows[3] |= {"eval_loss": 0.6}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plot_losses(tmp_path)
+    assert drawn["held-out (eval)"] == ([2, 4], [0.7, 0.6]) and drawn["loss"][0] == [1, 2, 3, 4]
+    assert (tmp_path / "loss.png").stat().st_size > 0
