@@ -104,6 +104,19 @@ class PrecomputeConfig:
                                "dataset file's source, under the images' relative names in its control = \"DIR\" folder "
                                "(control_column renames the column). An image without one is skipped (missing_control). A "
                                "cache is built with or without control latents; the other kind of run is refused.")
+    masks: bool = opt(False, "Masked training (stage two's --masked-loss): cache a loss mask per image beside its latent, a "
+                             "grayscale image of the image's size (white: trained, black: ignored), resized and cropped as "
+                             "the image and area-averaged to latent resolution (a latent cell's weight is the fraction of "
+                             "its pixels kept), never encoded by the VAE. Found as x.mask.png (any image extension) beside "
+                             "x.jpg in a folder (files named so are never training images); in a metadata.jsonl/.csv's "
+                             "mask_file_name column (else the sidecar); as the KEY.mask.png member of a tar sample; in the "
+                             "mask column of a Hugging Face dataset; or, for a dataset file's source, under the images' "
+                             "relative names in its mask = \"DIR\" folder (a source may also set masks = true alone). An "
+                             "image without one (missing_mask) or with one of another size (mask_size) is skipped. Changing "
+                             "only masks or captions re-encodes no latent: the cached one is copied.")
+    alpha_mask: bool = opt(False, "Like --masks, with every image's loss mask taken from its own alpha channel (opaque: "
+                                  "trained, transparent: ignored; the image itself is still composited on white). An image "
+                                  "without an alpha channel is skipped (missing_mask).")
     validation_prompt: list[str] = opt([], "A prompt to encode for validation images (repeatable).")
     validation_file: Path | None = opt(None, "A file of validation prompts, one per line (added to --validation-prompt).")
     allow_pipe: bool = opt(False, "Allow pipe: URLs, which run a shell command (checked on every URL a brace pattern expands to).")
@@ -177,6 +190,10 @@ class PrecomputeConfig:
             if keys and not self.control:
                 raise ValueError(f"{where} sets {keys[0]}, which applies to ControlNet caches only: pass --control (every "
                                  f"image of the cache then needs a control image) or remove {keys[0]} from the dataset file")
+            files = [k for k in ("mask", "mask_column") if getattr(source, k) is not None]
+            if source.alpha_mask and files:
+                raise ValueError(f"{where} takes its loss masks from the images' alpha channel (alpha_mask, --alpha-mask) "
+                                 f"and sets {files[0]}: masks come from one place; drop one of the two")
         if self.repair and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--repair runs in one process (it re-encodes only the damaged shards' samples); run it without torchrun")
 
@@ -200,6 +217,9 @@ class PrecomputeConfig:
             self._sources = sources_of(self.data)
             if not is_dataset_file(self.data):
                 self._sources = [replace(self._sources[0], **{key: getattr(self, key) for key in TAG_KEYS})]
+            # --masks / --alpha-mask ask every source for masks, as a dataset file's masks = true asks one
+            asked = {k: True for k, on in (("masks", self.masks), ("alpha_mask", self.alpha_mask)) if on}
+            self._sources = [replace(s, **asked) if asked else s for s in self._sources]
         return self._sources
 
     def preset(self) -> Preset:

@@ -17,7 +17,7 @@ import torch
 from precompute.families import family
 from precompute.families.base import Preset
 from precompute.presets import weights_digest, weights_sources
-from shards import DecoderRecipe, Field, LatentSpec, Schema, TextSpec
+from shards import LATENT_KEY, MASK, DecoderRecipe, Field, LatentSpec, Schema, TextSpec
 from shards.options import torch_dtype
 from shards.quiet import no_truncation_warnings
 
@@ -105,7 +105,8 @@ class Encoders:
     def schema(self, storage_dtype: torch.dtype, control: bool = False) -> Schema:
         """Fields of every sample. The text fields hold all of a sample's captions back to back and
         `text_lengths` their token counts, so one image can carry several captions. With `control`, the control
-        image's latent fields (ControlNet caches), stacked like the image's."""
+        image's latent fields (ControlNet caches), stacked like the image's. `mask` (a row for a sample with a loss
+        mask) and `latent_key` are `shards.MASK` and `shards.LATENT_KEY`."""
         return {
             **{name: Field(storage_dtype) for name in self.latent.fields},
             # the flipped image's latent: one row for samples of a `flip = true` source, none for the others
@@ -116,6 +117,8 @@ class Encoders:
             "original_size": Field(torch.int32),
             "crop": Field(torch.int32),
             "source": Field(torch.uint8, ragged=True),
+            MASK: Field(torch.uint8, ragged=True),
+            LATENT_KEY: Field(torch.uint8),
         }
 
     def prompt_schema(self, storage_dtype: torch.dtype) -> Schema:

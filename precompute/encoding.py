@@ -1,5 +1,7 @@
 """Stage one's pass over a rank's inputs: each decoded input is sorted (failed, duplicate, unchanged, to encode),
-batched per bucket, encoded, checked and written; what the pass found is tallied for the run's summary."""
+batched per bucket, encoded, checked and written; what the pass found is tallied for the run's summary. A changed
+input whose image did not change (only its loss mask or captions did) takes its old sample's latent fields instead
+of the VAE's (`CachedLatents`)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from precompute.encode import Encoders
-from shards import CONTROL_PREFIX, FLIP_PREFIX, ShardWriter
+from shards import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, Cache, FormatError, ShardWriter
 from shards.texts import TEXT_KEYS, key_rows, text_key
 
 
@@ -51,6 +54,45 @@ class Tally:
         self.by_source[source][outcome] += 1
 
 
+class CachedLatents:
+    """The latent fields of the samples a cache held when the run started, found by the input they came from.
+
+    An input that changed but whose image did not (a new loss mask, edited captions) gets a new key; its old sample,
+    found through the input's entry in the stamp table, holds the latent fields the VAE would compute again, which its
+    `shards.LATENT_KEY` proves (the same image bytes, flip and control image). They are read with the shards reader
+    from the generation the run started with (its shards are not retired before the run ends), digests checked; a
+    sample that cannot be read is encoded again.
+
+    Args:
+        root: the cache.
+        generation: the generation the run's manifest is.
+        fields: the latent fields to copy (the image's, its flipped view's, its control image's).
+    """
+
+    def __init__(self, root, generation: int, fields: list[str]):
+        self.root, self.generation, self.fields = root, generation, fields
+        self._cache: Cache | None = None
+        self._index: dict[str, dict[str, int]] = {}  # dataset -> key -> global index, built when first asked
+
+    def find(self, dataset: str, key: str, latent_key: bytes) -> dict[str, torch.Tensor] | None:
+        """The latent fields of cached sample `key` of `dataset` if its latent key is `latent_key`, else None."""
+        try:
+            if self._cache is None:
+                self._cache = Cache(self.root, self.generation, check_digests=True)
+            if dataset not in self._index:
+                starts = self._cache.shard_starts
+                self._index[dataset] = {k: int(starts[j]) + r for k, _, _, j, r in self._cache.manifest.samples(dataset)}
+            i = self._index[dataset].get(key)
+            if i is None:
+                return None
+            fields = self._cache[i].fields
+            if LATENT_KEY not in fields or bytes(fields[LATENT_KEY].numpy()) != latent_key:
+                return None
+            return {name: fields[name].clone() for name in self.fields}
+        except (FormatError, OSError, KeyError):  # damaged or gone: the VAE computes them again
+            return None
+
+
 @dataclass
 class EncodingPass:
     """One rank's pass: `run(batches)` reads every decoded input, encodes the ones to write in batches of one
@@ -66,6 +108,8 @@ class EncodingPass:
         previous: per source, key -> input of the samples cached before this run.
         stamps: per source, input -> (key, stamp) cached (empty when repairing).
         needed: repairing: the keys of the damaged shards' samples (None: not repairing).
+        cached: the latent fields cached before this run, for changed inputs whose image did not change (None: encode
+            every image).
     """
 
     enc: Encoders
@@ -79,6 +123,7 @@ class EncodingPass:
     stamps: dict[str, dict]
     needed: set[str] | None
     tally: Tally
+    cached: CachedLatents | None = None
 
     def __post_init__(self) -> None:
         self.flipped_fields = [name for name in self.enc.latent_spec().flipped_fields if name in self.schema]
@@ -110,7 +155,7 @@ class EncodingPass:
     def take(self, item: dict) -> None:
         """Sort one decoded input; an input to encode waits for a full batch of its bucket."""
         tally, status, name = self.tally, item["status"], item["dataset"]
-        for key in ("pixels", "control_pixels"):
+        for key in ("pixels", "control_pixels", "mask_pixels"):
             if isinstance(item.get(key), np.ndarray):
                 item[key] = torch.from_numpy(item[key])
         if status == "failed":  # a damaged tar stands for the samples it did not yield (`samples`)
@@ -135,12 +180,8 @@ class EncodingPass:
 
     def encode_and_write(self, items: list[dict]) -> None:
         """Encode one bucket's batch (images, flipped images, control images, captions) and write each sample."""
-        enc, tally = self.enc, self.tally
-        latents = enc.encode_images(torch.stack([it["pixels"] for it in items]))  # (B, C, h, w) each
-        flips = [j for j, it in enumerate(items) if it.get("flip")]
-        mirrored = enc.encode_images(torch.stack([items[j]["pixels"].flip(-1) for j in flips])) if flips else {}
-        # the control images, cropped as their images, through the same VAE: the pipelines' control latents
-        controls = enc.encode_images(torch.stack([it["control_pixels"] for it in items])) if self.control else {}
+        tally = self.tally
+        images = self.image_fields(items)
         captions = [c for it in items for c in it["captions"]]
         stored_once = TEXT_KEYS in self.schema  # each text in a text row the samples refer to (`shards.texts`)
         texts = self.store_texts(captions) if stored_once else self.encode_captions(captions)
@@ -148,8 +189,7 @@ class EncodingPass:
         for j, it in enumerate(items):
             mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field (or their keys)
             at += len(it["captions"])
-            fields = self.sample_fields(it, j, latents, mirrored, flips, controls, None if stored_once else mine,
-                                        mine if stored_once else None)
+            fields = self.sample_fields(it, images[j], None if stored_once else mine, mine if stored_once else None)
             bad_fields = [n for n, t in fields.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
             bad_fields += [f"text of caption {k}" for k, key in enumerate(mine) if stored_once and key in self.bad_texts]
             if bad_fields:
@@ -189,17 +229,63 @@ class EncodingPass:
         self.tally.counts["captions_truncated"] += sum(k in self.truncated_texts for k in keys)  # per caption, as before
         return keys
 
-    def sample_fields(self, it: dict, j: int, latents: dict, mirrored: dict, flips: list[int], controls: dict,
-                      captions: list[dict[str, torch.Tensor]] | None, text_keys: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """The stored fields of the batch's `j`th sample `it`, in the storage dtype: its captions' text fields, or the
-        keys of its captions' texts (`text_keys`) in a cache that stores each text once."""
+    def reusable(self, it: dict) -> dict[str, torch.Tensor] | None:
+        """The latent fields of a changed input's old sample, when its image did not change (`CachedLatents`)."""
+        if self.cached is None or self.repair or "latent_key" not in it:
+            return None
+        old = self.stamps[it["dataset"]].get(it["source"])
+        if old is None or old[0] == it["key"] or old[0] not in self.previous[it["dataset"]]:
+            return None
+        return self.cached.find(it["dataset"], old[0], it["latent_key"])
+
+    def image_fields(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
+        """Per item, its latent fields in the storage dtype: its image's, its flipped image's (one row for a source
+        with flip, none otherwise) and its control image's; from the VAE, or copied from its old sample when only
+        its mask or captions changed (`reusable`)."""
+        enc, storage = self.enc, self.storage
+        out: list[dict | None] = [self.reusable(it) for it in items]
+        self.tally.counts["latents_reused"] += sum(f is not None for f in out)
+        fresh = [it for it, f in zip(items, out) if f is None]
+        if not fresh:
+            return out
+        latents = enc.encode_images(torch.stack([it["pixels"] for it in fresh]))  # (B, C, h, w) each
+        flips = [j for j, it in enumerate(fresh) if it.get("flip")]
+        mirrored = enc.encode_images(torch.stack([fresh[j]["pixels"].flip(-1) for j in flips])) if flips else {}
+        # the control images, cropped as their images, through the same VAE: the pipelines' control latents
+        controls = enc.encode_images(torch.stack([it["control_pixels"] for it in fresh])) if self.control else {}
+        encoded = []
+        for j in range(len(fresh)):
+            fields = {name: t[j].to(storage) for name, t in latents.items()}
+            for name in self.flipped_fields:  # one row: the flipped image's latent; none for a source without flip
+                plain = latents[name.removeprefix(FLIP_PREFIX)]
+                row = mirrored[name.removeprefix(FLIP_PREFIX)][flips.index(j)][None] if j in flips else plain[j][None][:0]
+                fields[name] = row.to(storage)
+            fields.update({CONTROL_PREFIX + name: t[j].to(storage) for name, t in controls.items()})
+            encoded.append(fields)
+        it = iter(encoded)
+        return [f if f is not None else next(it) for f in out]
+
+    def loss_mask(self, it: dict) -> torch.Tensor:
+        """The sample's `shards.MASK` row: its mask's area average over each latent cell's pixels, 0-255, (1, h, w)
+        uint8; (0, h, w) without a mask."""
+        _, h, w = self.enc.latent_spec().shape(it["bucket"].height, it["bucket"].width)
+        m = it.get("mask_pixels")  # (1, H, W) uint8, cropped as the image
+        if m is None:
+            return torch.zeros((0, h, w), dtype=torch.uint8)
+        # the mean of whole numbers 0-255 over (H / h) x (W / w) pixels: exact in fp32 (an all-white cell is 255)
+        cells = F.adaptive_avg_pool2d(m.float()[None], (h, w))[0]
+        return cells.round().to(torch.uint8)
+
+    def sample_fields(self, it: dict, images: dict[str, torch.Tensor], captions: list[dict[str, torch.Tensor]] | None,
+                      text_keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """The stored fields of sample `it` with its latent fields `images`, in the storage dtype: its captions' text
+        fields, or the keys of its captions' texts (`text_keys`) in a cache that stores each text once."""
         storage = self.storage
-        fields = {name: t[j].to(storage) for name, t in latents.items()}
-        for name in self.flipped_fields:  # one row: the flipped image's latent; none for a source without flip
-            plain = latents[name.removeprefix(FLIP_PREFIX)]
-            row = mirrored[name.removeprefix(FLIP_PREFIX)][flips.index(j)][None] if j in flips else plain[j][None][:0]
-            fields[name] = row.to(storage)
-        fields.update({CONTROL_PREFIX + name: t[j].to(storage) for name, t in controls.items()})
+        fields = dict(images)
+        if MASK in self.schema:
+            fields[MASK] = self.loss_mask(it)
+        if LATENT_KEY in self.schema:
+            fields[LATENT_KEY] = torch.frombuffer(bytearray(it["latent_key"]), dtype=torch.uint8)
         if text_keys is not None:
             fields[TEXT_KEYS] = key_rows(text_keys)
         else:

@@ -3,7 +3,9 @@
 Captions are sidecar files (`x.jpg` + `x.txt`) or a `metadata.jsonl` / `metadata.csv` in the Hugging Face
 imagefolder convention. A control image (ControlNet caches) is the sidecar `x.control.png` (any image
 extension; such files are never images of their own), a metadata row's `control_file_name`, or the file of the
-same relative name in a separate folder (`with_control_folder`). Only regular files are opened, and metadata
+same relative name in a separate folder (`with_control_folder`). A loss mask (masked training) is found the same ways:
+the sidecar `x.mask.png` (never an image of its own, with or without masks), a metadata row's `mask_file_name`, or a
+mask folder (`with_mask_folder`). Only regular files are opened, and metadata
 cannot name a path outside DATA (`confined`). An entry's stamp (size and mtime of its files) lets an incremental
 run skip an unchanged input without reading it.
 """
@@ -30,12 +32,20 @@ METADATA_FILES = ("metadata.jsonl", "metadata.csv")  # the first one present is 
 CAPTION_COLUMN = "text"  # the imagefolder convention's caption column
 CONTROL_COLUMN = "control_file_name"  # a metadata file's column of control images, relative to the folder
 CONTROL_SUFFIX = ".control"  # x.control.png is the control image of x.jpg, never an image of its own
+MASK_COLUMN = "mask_file_name"  # a metadata file's column of loss masks, relative to the folder
+MASK_SUFFIX = ".mask"  # x.mask.png is the loss mask of x.jpg, never an image of its own
 
 
 def is_control_file(name: str) -> bool:
     """Whether a file name is a control image's sidecar (`x.control.png`), which is never listed as an image."""
     stem, ext = os.path.splitext(name)
     return ext.lower() in IMAGE_EXTENSIONS and os.path.splitext(stem)[1].lower() == CONTROL_SUFFIX
+
+
+def is_mask_file(name: str) -> bool:
+    """Whether a file name is a loss mask's sidecar (`x.mask.png`), which is never listed as an image."""
+    stem, ext = os.path.splitext(name)
+    return ext.lower() in IMAGE_EXTENSIONS and os.path.splitext(stem)[1].lower() == MASK_SUFFIX
 
 
 def pick_control(candidates: list[str], image: str) -> str:
@@ -56,6 +66,8 @@ class FolderEntry:
     captions: tuple[str, ...] | None = None  # from a metadata file
     control: str | None = None  # the control image's path, when control images are looked for and one was found
     control_looked: str = ""  # where it was looked for (the failure's detail when none was found)
+    mask: str | None = None  # the loss mask's path, when masks are looked for and one was found
+    mask_looked: str = ""  # where it was looked for (the failure's detail when none was found)
 
 
 @dataclass
@@ -158,33 +170,48 @@ def _metadata_path(root: Path, name: str, inside: dict[str, bool], column: str =
 
 
 def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, inside: dict[str, bool],
-                    control_column: str | None, listed: dict | None = None) -> FolderEntry:
+                    control_column: str | None, listed: dict | None = None, mask_column: str | None = None) -> FolderEntry:
     """A metadata row as an entry; a row that is not a sample raises _BadRow. With `control_column`, its control
-    image is the file that column names, or else the sidecar beside the image (`x.control.png`)."""
+    image is the file that column names, or else the sidecar beside the image (`x.control.png`); with `mask_column`,
+    its loss mask likewise (`x.mask.png`)."""
     name = row.get("file_name")
     if not isinstance(name, str) or not name.strip() or "\x00" in name:
         raise _BadRow("bad_metadata_row", f"file_name {name!r} is not a non-empty string")
+    if is_mask_file(name):
+        raise _BadRow("bad_metadata_row", f"file_name {name!r} names a loss mask (x.mask.png), which is never a training "
+                      f"image; name the image it belongs to (its mask goes in {MASK_COLUMN} or beside it)", name)
     path = _metadata_path(root, name, inside)
     captions = metadata_captions(row.get(caption_column), from_csv)
     if captions is None:
         raise _BadRow("caption_not_string", f"{caption_column} is {row.get(caption_column)!r}, "
                       "not a string or a list of strings", name)
-    if control_column is None:
-        return FolderEntry(name, path, captions=captions)
     listed = {} if listed is None else listed
-    control = row.get(control_column)
-    if control is not None and (not isinstance(control, str) or "\x00" in control):
-        raise _BadRow("bad_metadata_row", f"{control_column} {control!r} is not a path", name)
-    if control and control.strip():
+    entry = FolderEntry(name, path, captions=captions)
+    if control_column is not None:
+        control, looked = _metadata_pair(root, row, name, path, control_column, CONTROL_SUFFIX, inside, listed)
+        entry = replace(entry, control=control, control_looked=looked)
+    if mask_column is not None:
+        mask, looked = _metadata_pair(root, row, name, path, mask_column, MASK_SUFFIX, inside, listed)
+        entry = replace(entry, mask=mask, mask_looked=looked)
+    return entry
+
+
+def _metadata_pair(root: Path, row: dict, name: str, path: str, column: str, suffix: str, inside: dict[str, bool],
+                   listed: dict) -> tuple[str | None, str]:
+    """(path, where it was looked for) of the file paired with a metadata row's image (its control image or loss
+    mask): the one `column` names, or else the sidecar `x{suffix}.EXT` beside the image; None when neither is there."""
+    value = row.get(column)
+    if value is not None and (not isinstance(value, str) or "\x00" in value):
+        raise _BadRow("bad_metadata_row", f"{column} {value!r} is not a path", name)
+    if value and value.strip():
         try:
-            control_path = _metadata_path(root, control, inside, control_column)
+            return _metadata_path(root, value, inside, column), f"{column} {value!r}"
         except _BadRow as e:  # the row's input is its image
             raise _BadRow(e.reason, str(e), name) from None
-        return FolderEntry(name, path, captions=captions, control=control_path, control_looked=f"{control_column} {control!r}")
-    stem = os.path.splitext(path)[0] + CONTROL_SUFFIX
+    stem = os.path.splitext(path)[0] + suffix
     found = _sidecars(stem, listed)
-    return FolderEntry(name, path, captions=captions, control=pick_control(found, path) if found else None,
-                       control_looked=f"no {control_column} and no {Path(stem).name}.<image extension> beside the image")
+    return (pick_control(found, path) if found else None,
+            f"no {column} and no {Path(stem).name}.<image extension> beside the image")
 
 
 def _sidecars(stem: str, listed: dict[str, dict[str, str]]) -> list[str]:
@@ -200,14 +227,15 @@ def _sidecars(stem: str, listed: dict[str, dict[str, str]]) -> list[str]:
     return [os.path.join(folder, names[key]) for ext in IMAGE_EXTENSIONS if (key := (base + ext).lower()) in names]
 
 
-def _list_metadata(root: Path, path: Path, caption_column: str, control_column: str | None) -> Listing:
+def _list_metadata(root: Path, path: Path, caption_column: str, control_column: str | None,
+                   mask_column: str | None = None) -> Listing:
     text, from_csv = _read_utf8(path), path.suffix == ".csv"
     entries, failures, complete, inside, listed = [], [], True, {}, {}
     for n, row in _csv_rows(text, path) if from_csv else _jsonl_rows(text):
         try:
             if isinstance(row, _BadRow):
                 raise row
-            entries.append(_metadata_entry(root, row, caption_column, from_csv, inside, control_column, listed))
+            entries.append(_metadata_entry(root, row, caption_column, from_csv, inside, control_column, listed, mask_column))
         except _BadRow as e:
             # a row naming no file may be a cached sample's: the listing cannot say it is gone
             complete = complete and e.source is not None
@@ -215,7 +243,7 @@ def _list_metadata(root: Path, path: Path, caption_column: str, control_column: 
     return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
 
 
-def _walk_folder(root: Path, control: bool) -> Listing:
+def _walk_folder(root: Path, control: bool, mask: bool = False) -> Listing:
     entries, failures = [], []
 
     def unlisted(e: OSError) -> None:
@@ -226,12 +254,15 @@ def _walk_folder(root: Path, control: bool) -> Listing:
         dirnames.sort()
         names = set(filenames)
         controls: dict[str, list[str]] = {}  # image stem -> its control sidecars
+        masks: dict[str, list[str]] = {}  # image stem -> its mask sidecars
         for name in filenames:
             if is_control_file(name):
                 controls.setdefault(os.path.splitext(os.path.splitext(name)[0])[0], []).append(name)
+            elif is_mask_file(name):
+                masks.setdefault(os.path.splitext(os.path.splitext(name)[0])[0], []).append(name)
         for name in sorted(filenames):
             stem, ext = os.path.splitext(name)
-            if ext.lower() not in IMAGE_EXTENSIONS or is_control_file(name):
+            if ext.lower() not in IMAGE_EXTENSIONS or is_control_file(name) or is_mask_file(name):
                 continue
             path = Path(dirpath) / name
             source = path.relative_to(root).as_posix()
@@ -241,18 +272,22 @@ def _walk_folder(root: Path, control: bool) -> Listing:
                 failures.append(_failure(source, os_reason(e), f"{type(e).__name__}: {e}"))
                 continue
             sidecars = tuple(str(Path(dirpath) / (stem + c)) for c in CAPTION_EXTENSIONS if stem + c in names)
-            if not control:
-                entries.append(FolderEntry(source, str(path), sidecars))
-                continue
-            found = pick_control(controls[stem], name) if stem in controls else None
-            entries.append(FolderEntry(source, str(path), sidecars, control=str(Path(dirpath) / found) if found else None,
-                                       control_looked=f"no {stem}{CONTROL_SUFFIX}.<image extension> beside the image"))
+            entry = FolderEntry(source, str(path), sidecars)
+            if control:
+                found = pick_control(controls[stem], name) if stem in controls else None
+                entry = replace(entry, control=str(Path(dirpath) / found) if found else None,
+                                control_looked=f"no {stem}{CONTROL_SUFFIX}.<image extension> beside the image")
+            if mask:
+                found = pick_control(masks[stem], name) if stem in masks else None
+                entry = replace(entry, mask=str(Path(dirpath) / found) if found else None,
+                                mask_looked=f"no {stem}{MASK_SUFFIX}.<image extension> beside the image")
+            entries.append(entry)
     complete = not any(f["reason"] == "unlisted_directory" for f in failures)
     return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
 
 
 def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN, control: bool = False,
-                control_column: str = CONTROL_COLUMN) -> Listing:
+                control_column: str = CONTROL_COLUMN, mask: bool = False, mask_column: str = MASK_COLUMN) -> Listing:
     """Every image under `root` with its captions (and control image), and what could not be listed.
 
     With `metadata.jsonl` or `metadata.csv` at the root (columns `file_name` and `caption_column`),
@@ -260,7 +295,8 @@ def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN, c
     with the same stem (`x.jpg` + `x.txt` and/or `x.caption`), and files named `x.control.EXT` are never images.
     With `control`, each entry's control image is the row's `control_column` (a path relative to root, checked
     as `file_name` is) or else the sidecar `x.control.EXT` beside the image (with several, the one of the image's
-    extension); an entry without one has `control` None. Symlinks to files are followed, symlinks
+    extension); an entry without one has `control` None. With `mask`, each entry's loss mask likewise: the row's
+    `mask_column` or else the sidecar `x.mask.EXT` (files named so are never images either). Symlinks to files are followed, symlinks
     to directories are not; nothing is opened but the metadata file.
 
     Returns:
@@ -273,8 +309,9 @@ def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN, c
     root = Path(root)
     for name in METADATA_FILES:
         if os.path.lexists(root / name):
-            return _list_metadata(root, root / name, caption_column, control_column if control else None)
-    return _walk_folder(root, control)
+            return _list_metadata(root, root / name, caption_column, control_column if control else None,
+                                  mask_column if mask else None)
+    return _walk_folder(root, control, mask)
 
 
 def with_control_folder(entries: list[FolderEntry], folder: str | os.PathLike) -> list[FolderEntry]:
@@ -286,10 +323,25 @@ def with_control_folder(entries: list[FolderEntry], folder: str | os.PathLike) -
     Raises:
         FileNotFoundError: `folder` is not a directory.
     """
+    return [replace(e, control=found, control_looked=looked) for e, found, looked in _paired_in_folder(entries, folder)]
+
+
+def with_mask_folder(entries: list[FolderEntry], folder: str | os.PathLike) -> list[FolderEntry]:
+    """The entries with their loss masks in `folder`, under the same relative names as the images, with any image
+    extension (`folder/a/x.png` for the image `a/x.jpg`), as `with_control_folder` pairs control images.
+
+    Raises:
+        FileNotFoundError: `folder` is not a directory.
+    """
+    return [replace(e, mask=found, mask_looked=looked) for e, found, looked in _paired_in_folder(entries, folder)]
+
+
+def _paired_in_folder(entries: list[FolderEntry], folder: str | os.PathLike) -> list[tuple[FolderEntry, str | None, str]]:
+    """(entry, its file in `folder` or None, where it was looked for) of every entry not inside `folder`."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
-    found: dict[str, list[str]] = {}  # relative stem -> control files
+    found: dict[str, list[str]] = {}  # relative stem -> paired files
     for dirpath, dirnames, filenames in os.walk(folder):
         dirnames.sort()
         for name in filenames:
@@ -299,12 +351,11 @@ def with_control_folder(entries: list[FolderEntry], folder: str | os.PathLike) -
     out = []
     within = os.path.abspath(folder) + os.sep
     for e in entries:
-        if os.path.abspath(e.image).startswith(within):  # the control folder inside the source's: its files are controls
+        if os.path.abspath(e.image).startswith(within):  # the folder inside the source's: its files are not images
             continue
         stem = os.path.splitext(PurePosixPath(e.source).as_posix())[0]
         candidates = found.get(stem)
-        out.append(replace(e, control=pick_control(candidates, e.image) if candidates else None,
-                           control_looked=f"no {stem}.<image extension> in {folder}"))
+        out.append((e, pick_control(candidates, e.image) if candidates else None, f"no {stem}.<image extension> in {folder}"))
     return out
 
 
@@ -312,8 +363,8 @@ def entry_stamp(entry: FolderEntry) -> int:
     """What an incremental run compares instead of reading an entry's files.
 
     A 63-bit blake2b digest of (size, mtime_ns) of the image and of each sidecar caption file, and of the
-    metadata captions, and of the control image (its path relative to the image's folder, size and mtime; a
-    control image that cannot be stat'ed stamps as absent, and reading the entry says why); `os.stat` only,
+    metadata captions, and of the control image and the loss mask (each: its path relative to the image's folder, size
+    and mtime; one that cannot be stat'ed stamps as absent, and reading the entry says why); `os.stat` only,
     nothing is opened. Never 0, which stands for "unknown".
 
     Raises:
@@ -326,32 +377,41 @@ def entry_stamp(entry: FolderEntry) -> int:
     for c in entry.captions or ():
         text = c.encode("utf-8", "surrogatepass")
         h.update(len(text).to_bytes(8, "big") + text)
-    if entry.control is not None:
+    for kind, path in (("control", entry.control), ("mask", entry.mask)):
+        if path is None:
+            continue
         try:
-            st = stat_regular(entry.control)
+            st = stat_regular(path)
             known = f"{st.st_size}\0{st.st_mtime_ns}"
         except OSError:
             known = "absent"
-        where = os.path.relpath(entry.control, os.path.dirname(entry.image))
-        h.update(f"\0control\0{where}\0{known}\0".encode("utf-8", "surrogateescape"))
+        where = os.path.relpath(path, os.path.dirname(entry.image))
+        h.update(f"\0{kind}\0{where}\0{known}\0".encode("utf-8", "surrogateescape"))
     return int.from_bytes(h.digest(), "big") >> 1 or 1
 
 
 def read_folder_entry(entry: FolderEntry) -> Record:
-    """An entry's image bytes, raw captions and control image; a file that cannot be read makes a Record with its
-    reason (a control image: `missing_control` or `unreadable_control`, left for `prepare` to report)."""
+    """An entry's image bytes, raw captions, control image and loss mask; a file that cannot be read makes a Record with
+    its reason (a control image: `missing_control` or `unreadable_control`, a mask `missing_mask` or `unreadable_mask`,
+    left for `prepare` to report)."""
     try:
         image = read_regular(entry.image)
         captions = list(entry.captions) if entry.captions is not None else [read_regular(p) for p in entry.caption_files]
     except OSError as e:
         return Record(entry.source, None, missing=os_reason(e), detail=f"{type(e).__name__}: {e}")
-    record = Record(entry.source, image, captions, control_detail=entry.control_looked)
+    record = Record(entry.source, image, captions, control_detail=entry.control_looked, mask_detail=entry.mask_looked)
     if entry.control is not None:
         try:
             record.control = read_regular(entry.control)
         except OSError as e:
             record.control_missing = "missing_control" if isinstance(e, FileNotFoundError) else "unreadable_control"
             record.control_detail = f"{type(e).__name__}: {e}"
+    if entry.mask is not None:
+        try:
+            record.mask = read_regular(entry.mask)
+        except OSError as e:
+            record.mask_missing = "missing_mask" if isinstance(e, FileNotFoundError) else "unreadable_mask"
+            record.mask_detail = f"{type(e).__name__}: {e}"
     return record
 
 

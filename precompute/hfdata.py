@@ -1,7 +1,7 @@
 """A Hugging Face dataset on disk as inputs: a `save_to_disk` directory (one dataset, or a DatasetDict and a
 split of it) or parquet files (one file, a glob, or a folder of them as the Hub stores a dataset), with an image
-column and a caption column, and for ControlNet caches a control image column (`control_image`, in the image
-column's forms).
+column and a caption column, for ControlNet caches a control image column (`control_image`, in the image
+column's forms), and for masked training a loss mask column (`mask`, in the image column's forms).
 
 Read with pyarrow, one parquet row group or Arrow record batch at a time, rather than through `datasets`:
 `load_dataset("parquet", ...)` first copies every image into its Arrow cache (a second copy of the dataset on
@@ -29,6 +29,7 @@ from precompute.images import ImagePolicy, Record, prepare
 from precompute.paths import OutsideRoot, confined, names_under, os_reason, read_regular
 
 CONTROL_COLUMN = "control_image"  # the control image column of a ControlNet dataset (diffusers' training scripts' name)
+MASK_COLUMN = "mask"  # the loss mask column of a dataset for masked training
 
 
 def is_hf_dataset(data: str) -> bool:
@@ -56,6 +57,7 @@ class HFListing:
     image_column: str
     caption_column: str
     control_column: str | None = None  # read only for ControlNet caches
+    mask_column: str | None = None  # read only for sources with loss masks
     unreadable: dict[int, str] = field(default_factory=dict)  # file -> why its header or footer could not be read
 
     @property
@@ -69,9 +71,9 @@ class HFListing:
 
 
 def list_hf(data: str, split: str = "train", image_column: str = "image", caption_column: str = "text",
-            control_column: str | None = None) -> HFListing:
-    """The rows of DATA's split, in parts, after checking that every file has the columns (the control column too,
-    when one is given) and that the image columns hold images. Only file headers and parquet footers are read. A
+            control_column: str | None = None, mask_column: str | None = None) -> HFListing:
+    """The rows of DATA's split, in parts, after checking that every file has the columns (the control and mask
+    columns too, when given) and that the image columns hold images. Only file headers and parquet footers are read. A
     file whose header or footer cannot be read (corrupt, empty) is listed as unreadable, with one part of no rows:
     its reader reports it, and the other files are read.
 
@@ -94,8 +96,10 @@ def list_hf(data: str, split: str = "train", image_column: str = "image", captio
         check_column(schema, caption_column, "caption", path)
         if control_column is not None:
             check_column(schema, control_column, "control", path)
+        if mask_column is not None:
+            check_column(schema, mask_column, "mask", path)
         parts += found
-    return HFListing(root, files, parts, image_column, caption_column, control_column, unreadable)
+    return HFListing(root, files, parts, image_column, caption_column, control_column, mask_column, unreadable)
 
 
 def _file_stamp(path: str) -> bytes:
@@ -103,14 +107,17 @@ def _file_stamp(path: str) -> bytes:
     return f"{st.st_size}\0{st.st_mtime_ns}\0".encode()
 
 
-def row_stamp(file_stamp: bytes, row: int, referenced: str | None = None, control: str | None = None) -> int:
+def row_stamp(file_stamp: bytes, row: int, referenced: str | None = None, control: str | None = None,
+              mask: str | None = None) -> int:
     """A row's stamp: its file's size and mtime and the row's number, and those of the image file (and control
-    image file) a row names by path instead of holding its bytes. Never 0."""
+    image file, and loss mask file) a row names by path instead of holding its bytes. Never 0."""
     h = hashlib.blake2b(file_stamp + row.to_bytes(8, "big"), digest_size=8)
     if referenced is not None:
         h.update(_file_stamp(referenced))
     if control is not None:
         h.update(b"control\0" + _file_stamp(control))
+    if mask is not None:
+        h.update(b"mask\0" + _file_stamp(mask))
     return int.from_bytes(h.digest(), "big") >> 1 or 1
 
 
@@ -173,7 +180,7 @@ class HFDataset(torch.utils.data.IterableDataset):
         self.known, self.only = known or {}, only
         self._sorted: list[str] | None = None
         self._inside: dict[str, bool] = {}  # directory -> inside the dataset's folder (resolved once each)
-        columns = [listing.image_column, listing.caption_column] + ([listing.control_column] if listing.control_column else [])
+        columns = [listing.image_column, listing.caption_column] + [c for c in (listing.control_column, listing.mask_column) if c]
         self._reader = PartReader(columns)
 
     def __len__(self) -> int:
@@ -220,12 +227,14 @@ class HFDataset(torch.utils.data.IterableDataset):
         images = table.column(self.listing.image_column)
         captions = table.column(self.listing.caption_column)
         controls = table.column(self.listing.control_column) if self.listing.control_column else None
+        masks = table.column(self.listing.mask_column) if self.listing.mask_column else None
         for j, (n, want) in enumerate(zip(names, wanted)):
             if want:
                 control = controls[j].as_py() if controls is not None else None
-                yield self._row(n, images[j].as_py(), captions[j].as_py(), stamp, part.start + j, self.known.get(n), control)
+                mask = masks[j].as_py() if masks is not None else None
+                yield self._row(n, images[j].as_py(), captions[j].as_py(), stamp, part.start + j, self.known.get(n), control, mask)
 
-    def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None) -> dict:
+    def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None, mask_cell=None) -> dict:
         try:
             data, referenced = _image_of(image, self.listing.root, self.listing.image_column, self._inside)
         except BadCell as e:
@@ -240,8 +249,16 @@ class HFDataset(torch.utils.data.IterableDataset):
                 return {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
             except OSError as e:
                 control_error = e
+        mask, mask_path, mask_error = None, None, None
+        if self.listing.mask_column:
+            try:
+                mask, mask_path = _image_of(mask_cell, self.listing.root, self.listing.mask_column, self._inside)
+            except BadCell as e:
+                return {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
+            except OSError as e:
+                mask_error = e
         try:
-            stamp = row_stamp(file_stamp, row, referenced, control_path)
+            stamp = row_stamp(file_stamp, row, referenced, control_path, mask_path)
         except OSError as e:
             return {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
         if known is not None and known[1] == stamp:
@@ -258,4 +275,8 @@ class HFDataset(torch.utils.data.IterableDataset):
         if control_error is not None:  # a control image named by a path that cannot be read
             record.control_missing = "missing_control" if isinstance(control_error, FileNotFoundError) else "unreadable_control"
             record.control_detail = f"{type(control_error).__name__}: {control_error}"
+        record.mask, record.mask_detail = mask, f"column {self.listing.mask_column!r} is empty in this row"
+        if mask_error is not None:  # a loss mask named by a path that cannot be read
+            record.mask_missing = "missing_mask" if isinstance(mask_error, FileNotFoundError) else "unreadable_mask"
+            record.mask_detail = f"{type(mask_error).__name__}: {mask_error}"
         return {**prepare(record, self.policy, self.skip_keys), "stamp": stamp}

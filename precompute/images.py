@@ -1,6 +1,6 @@
 """How an input becomes a sample: captions decoded, the image decoded, bucketed, resized and cropped
-deterministically (its control image, for ControlNet caches, given the same resize and crop), and the sample's
-content key.
+deterministically (its control image, for ControlNet caches, and its loss mask, for masked training, given the same
+resize and crop), and the sample's content key.
 
 `prepare` turns a `Record` (an input's bytes, from a folder or a tar) into a prepared sample or a failure
 with a named reason (`precompute.inputs.REASONS`); nothing raises for bad data.
@@ -44,6 +44,9 @@ class ImagePolicy:
         tags: how the source's captions become variants (`precompute.captions`); None: each as written.
         control: every image pairs with a control image (`Record.control`), resized and cropped as the image is;
             an image without one is skipped.
+        mask: the source's samples carry a loss mask, resized and cropped as the image is: "file", a grayscale image
+            of the image's size (`Record.mask`; an image without one is skipped), or "alpha", the image's own alpha
+            channel (an image without one is skipped); "" for none. Its bytes (or the alpha marker) join the key.
     """
 
     buckets: tuple[Bucket, ...]
@@ -57,6 +60,7 @@ class ImagePolicy:
     flip: bool = False
     tags: TagOptions | None = None
     control: bool = False
+    mask: str = ""
 
     def fingerprint(self) -> dict:
         return {
@@ -84,16 +88,27 @@ class Record:
     control: bytes | None = None  # the control image's bytes (ControlNet caches); None: none was found or read
     control_missing: str = "missing_control"  # why `control` is None: missing_control or unreadable_control
     control_detail: str = ""  # what went wrong, or where the control image was looked for
+    mask: bytes | None = None  # the loss mask image's bytes (masked training); None: none was found or read
+    mask_missing: str = "missing_mask"  # why `mask` is None: missing_mask or unreadable_mask
+    mask_detail: str = ""  # what went wrong, or where the mask was looked for
 
 
 # A control image may differ in size from its image, not in shape: their aspect ratios agree within this fraction.
 CONTROL_ASPECT_TOLERANCE = 0.01
 
 
-def content_key(image, captions: list[str], flip: bool = False, control: bytes | None = None) -> str:
-    """A sample's key: sha256 of the image bytes and every caption, whether its flipped view is cached too, and
-    the control image's bytes when it has one (a caption never holds NUL, so the markers cannot be a caption).
-    `image`: the bytes, or a sha256 object that has hashed them (not changed here)."""
+# Marks the loss mask's part of a key; a change of how masks are processed changes it, so every masked sample is
+# processed again while the keys of samples without masks stay as they were.
+MASK_MARKER = b"\x00\x00mask1\x00"
+
+
+def content_key(image, captions: list[str], flip: bool = False, control: bytes | None = None,
+                mask: bytes | None = None, alpha_mask: bool = False) -> str:
+    """A sample's key: sha256 of the image bytes and every caption, whether its flipped view is cached too, the
+    control image's bytes when it has one, and its loss mask: the mask image's bytes, or that it is the image's alpha
+    channel (a caption never holds NUL, so the markers cannot be a caption). A sample without control image or mask
+    has the key it had before either existed. `image`: the bytes, or a sha256 object that has hashed them (not
+    changed here)."""
     h = hashlib.sha256(image) if isinstance(image, (bytes, bytearray, memoryview)) else image.copy()
     for c in captions:
         h.update(b"\x00" + c.encode("utf-8"))
@@ -101,7 +116,21 @@ def content_key(image, captions: list[str], flip: bool = False, control: bytes |
         h.update(b"\x00\x00flip")
     if control is not None:
         h.update(b"\x00\x00control\x00" + hashlib.sha256(control).digest())
+    if mask is not None:
+        h.update(MASK_MARKER + hashlib.sha256(mask).digest())
+    elif alpha_mask:
+        h.update(MASK_MARKER + b"alpha")
     return h.hexdigest()
+
+
+def latent_key(image: bytes, flip: bool = False, control: bytes | None = None) -> bytes:
+    """What a sample's latent fields are computed from besides the cache's fingerprint: blake2b-128 of the image's
+    bytes, whether its flipped view is cached and its control image's bytes (`shards.LATENT_KEY`)."""
+    h = hashlib.blake2b(image, digest_size=16)
+    h.update(b"\x00flip" if flip else b"\x00")
+    if control is not None:
+        h.update(b"\x00control\x00" + hashlib.sha256(control).digest())
+    return h.digest()
 
 
 def decode_caption(c: bytes | str) -> tuple[str, str | None]:
@@ -189,9 +218,25 @@ def allow_pixels(max_pixels: int) -> None:
 _PILLOW_GUARD = threading.Lock()
 
 
-def decode_image(data: bytes, max_pixels: int) -> tuple[Image.Image | None, str | None, str]:
-    """Image bytes as 8-bit RGB (`to_rgb`), or (None, reason, detail): not_an_image, too_many_pixels or corrupt_image.
-    Images of more than `max_pixels` are refused from their header, before any pixel is decoded."""
+def to_gray(img: Image.Image) -> Image.Image:
+    """A mask image as 8-bit grayscale: as `to_rgb` reads it (EXIF rotation, transparency on white, 16-bit scaled),
+    then its luminance."""
+    return to_rgb(img).convert("L")
+
+
+def alpha_channel(img: Image.Image) -> Image.Image | None:
+    """An image's alpha channel as 8-bit grayscale, EXIF rotation applied (a palette's or tRNS transparency too);
+    None when it has none."""
+    img = ImageOps.exif_transpose(img)
+    if "transparency" in img.info or img.mode in ("PA", "La", "RGBa"):
+        img = img.convert("RGBA")
+    return img.getchannel("A") if "A" in img.getbands() else None
+
+
+def decode_image(data: bytes, max_pixels: int, convert=to_rgb):
+    """Image bytes as 8-bit RGB (`to_rgb`; another `convert` of the loaded image: what it returns), or (None,
+    reason, detail): not_an_image, too_many_pixels or corrupt_image. Images of more than `max_pixels` are refused
+    from their header, before any pixel is decoded."""
     allow_pixels(max_pixels)
     try:
         with warnings.catch_warnings():
@@ -204,7 +249,7 @@ def decode_image(data: bytes, max_pixels: int) -> tuple[Image.Image | None, str 
             # Pillow's guard is at or above max_pixels now: its warning (a frame or tile over it) refuses the image
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.load()
-            return to_rgb(img), None, ""
+            return convert(img), None, ""
     except UnidentifiedImageError as e:
         return None, "not_an_image", str(e)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
@@ -220,8 +265,9 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         A dict with `status` ("ok", "unchanged" or "failed") and `source`; "ok" adds `key`, `bucket`,
         `pixels` (3, H, W) uint8, `captions` (after the prefix; with `policy.tags`, every caption's variants),
         `original_size` (h, w), `crop` (top, left, h, w), with
-        `policy.control` `control_pixels` (3, H, W) uint8 (the control image resized and cropped as the image)
-        and, when a caption was not UTF-8, `caption_fallback` (the encoding it was read in, "cp1252" or
+        `policy.control` `control_pixels` (3, H, W) uint8 (the control image resized and cropped as the image),
+        with `policy.mask` `mask_pixels` (1, H, W) uint8 (the loss mask, resized and cropped as the image), `latent_key`
+        (`latent_key`'s bytes) and, when a caption was not UTF-8, `caption_fallback` (the encoding it was read in, "cp1252" or
         "latin-1"); "unchanged" adds `key`; "failed" adds `reason` and `detail`.
     """
     def failed(reason: str, detail: str = "") -> dict:
@@ -240,15 +286,34 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         return failed(record.control_missing, record.control_detail)
     if policy.control and not record.control:
         return failed("corrupt_control", "zero-byte control image")
+    if policy.mask == "file" and record.mask is None:
+        return failed(record.mask_missing, record.mask_detail)
+    if policy.mask == "file" and not record.mask:
+        return failed("corrupt_mask", "zero-byte mask")
     # the image's bytes seed the variants: the same input gives the same captions, hence the same key, on every run
     image_hash = hashlib.sha256(record.image)
     captions = caption_variants(captions, policy.tags, policy.caption_prefix, image_hash.digest())
-    key = content_key(image_hash, captions, policy.flip, record.control if policy.control else None)
+    key = content_key(image_hash, captions, policy.flip, record.control if policy.control else None,
+                      record.mask if policy.mask == "file" else None, alpha_mask=policy.mask == "alpha")
     if key in skip_keys:
         return {"status": "unchanged", "source": record.source, "key": key}
-    img, reason, detail = decode_image(record.image, policy.max_pixels)
+    mask = None
+    if policy.mask == "alpha":  # the alpha channel, read before it is composited on white
+        decoded, reason, detail = decode_image(record.image, policy.max_pixels, lambda im: (to_rgb(im), alpha_channel(im)))
+        img, mask = decoded if decoded is not None else (None, None)
+        if img is not None and mask is None:
+            return failed("missing_mask", f"the image ({img.mode}) has no alpha channel to take the loss mask from (--alpha-mask)")
+    else:
+        img, reason, detail = decode_image(record.image, policy.max_pixels)
     if img is None:
         return failed(reason, detail)
+    if policy.mask == "file":
+        mask, reason, detail = decode_image(record.mask, policy.max_pixels, to_gray)
+        if mask is None:
+            return failed("corrupt_mask", f"mask: {reason}: {detail}")
+        if mask.size != img.size:  # a mask marks the image's own pixels: one of another size marks something else
+            return failed("mask_size", f"mask {mask.width}x{mask.height}, image {img.width}x{img.height} (width x height, "
+                                       f"after EXIF rotation): a mask must have its image's size")
     control = None
     if policy.control:
         control, reason, detail = decode_image(record.control, policy.max_pixels)
@@ -275,6 +340,8 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
     pixels = as_pixels(img.resize((rw, rh), Image.BICUBIC).crop(box))
     if control is not None:
         control = as_pixels(control.resize((rw, rh), Image.BICUBIC).crop(box))
+    if mask is not None:
+        mask = torch.from_numpy(np.asarray(mask.resize((rw, rh), Image.BICUBIC).crop(box), dtype=np.uint8).copy())[None]
     return {
         "status": "ok",
         "source": record.source,
@@ -285,6 +352,8 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         "original_size": (h, w),
         "crop": (top, left, bucket.height, bucket.width),
         **({"control_pixels": control} if control is not None else {}),
+        **({"mask_pixels": mask} if mask is not None else {}),
+        "latent_key": latent_key(record.image, policy.flip, record.control if policy.control else None),
         **({"caption_fallback": fallback} if fallback else {}),
     }
 

@@ -16,8 +16,9 @@ import torch
 
 from precompute.config import PrecomputeConfig
 from precompute.distributed import die_with_parent
-from precompute.folders import CONTROL_COLUMN, FolderDataset, list_folder, with_control_folder
+from precompute.folders import CONTROL_COLUMN, MASK_COLUMN, FolderDataset, list_folder, with_control_folder, with_mask_folder
 from precompute.hfdata import CONTROL_COLUMN as HF_CONTROL_COLUMN
+from precompute.hfdata import MASK_COLUMN as HF_MASK_COLUMN
 from precompute.hfdata import HFDataset, is_hf_dataset, list_hf
 from precompute.images import ImagePolicy
 from precompute.sources import Source
@@ -50,6 +51,10 @@ REASONS = {
     "unreadable_control": "--control: the control image could not be read (permission, I/O error, special file)",
     "corrupt_control": "--control: the control image is not a decodable image",
     "control_aspect": "--control: the control image's aspect ratio differs from the image's by more than 1 %",
+    "missing_mask": "masks: no loss mask found for the image (or, --alpha-mask, the image has no alpha channel)",
+    "unreadable_mask": "masks: the loss mask could not be read (permission, I/O error, special file)",
+    "corrupt_mask": "masks: the loss mask is not a decodable image",
+    "mask_size": "masks: the loss mask's size differs from the image's",
 }
 
 
@@ -76,7 +81,7 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     """
     data = source.path
     policy = replace(policy, caption_prefix=source.caption_prefix, default_caption=source.default_caption, flip=source.flip,
-                     tags=source.tags())
+                     tags=source.tags(), mask=source.mask_mode)
     tar = is_tar_source(data)
     hf = not tar and is_hf_dataset(data)
     in_tar = "a tar sample holds its control image as its KEY.control.png member"
@@ -87,6 +92,15 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     if source.control_column is not None and tar:
         raise ValueError(f"source {source.name!r}: control_column names a column of a Hugging Face dataset or of a "
                          f"folder's metadata file; {in_tar}: remove control_column from the dataset file")
+    mask_in_tar = "a tar sample holds its loss mask as its KEY.mask.png member"
+    if source.mask is not None and (tar or hf):
+        instead = mask_in_tar if tar else "a Hugging Face dataset holds its loss masks in a column (mask_column)"
+        raise ValueError(f"source {source.name!r}: mask = {source.mask!r} pairs a folder's images with a folder of masks "
+                         f"by name; {instead}: remove mask from the dataset file and set masks = true")
+    if source.mask_column is not None and tar:
+        raise ValueError(f"source {source.name!r}: mask_column names a column of a Hugging Face dataset or of a folder's "
+                         f"metadata file; {mask_in_tar}: remove mask_column from the dataset file and set masks = true")
+    files = source.mask_mode == "file"  # masks in files of their own (not the alpha channel)
     if tar:
         urls = expand_tar_urls(data, config.allow_pipe)
         mine = urls[rank::world]
@@ -94,7 +108,8 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
                       workers=min(config.workers, len(mine)))
     if hf:
         listing = list_hf(data, source.split, source.image_column, source.caption_column or config.caption_column,
-                          (source.control_column or HF_CONTROL_COLUMN) if config.control else None)
+                          (source.control_column or HF_CONTROL_COLUMN) if config.control else None,
+                          (source.mask_column or HF_MASK_COLUMN) if files else None)
         parts = listing.parts[rank::world]
         if only is not None:
             parts = [p for p in parts if not only.isdisjoint(listing.names(p))]
@@ -103,13 +118,18 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     if not Path(data).is_dir():
         raise FileNotFoundError(f"{where(source)}={data} is neither a folder of images, webdataset tars nor a Hugging Face dataset on disk")
     listing = list_folder(data, source.caption_column or config.caption_column, config.control and source.control is None,
-                          source.control_column or CONTROL_COLUMN)
+                          source.control_column or CONTROL_COLUMN, files and source.mask is None, source.mask_column or MASK_COLUMN)
     entries = listing.entries if only is None else [e for e in listing.entries if e.source in only]
     if config.control and source.control is not None:
         try:
             entries = with_control_folder(entries, source.control)
         except FileNotFoundError:
             raise FileNotFoundError(f"source {source.name!r}: control = {source.control} is not a folder") from None
+    if source.mask is not None:
+        try:
+            entries = with_mask_folder(entries, source.mask)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"source {source.name!r}: mask = {source.mask} is not a folder") from None
     mine = entries[rank::world]
     return Inputs(FolderDataset(mine, policy, keys, known), len(mine), len(entries), listing.complete,
                   failures=listing.failures[rank::world], workers=config.workers)
@@ -155,7 +175,7 @@ def pixels_as_array(item: dict) -> dict:
     """A worker's item with its pixels (and control pixels) as numpy arrays: sent through the pipe in one copy. A tensor goes
     through shared memory instead (a file, a descriptor passed over a socket and a mapping per image),
     which costs the receiving process more than the copy for the image sizes a CPU encodes."""
-    return {**item, **{name: item[name].numpy() for name in ("pixels", "control_pixels") if name in item}}
+    return {**item, **{name: item[name].numpy() for name in ("pixels", "control_pixels", "mask_pixels") if name in item}}
 
 
 def build_loader(dataset: torch.utils.data.Dataset, workers: int, device: torch.device) -> torch.utils.data.DataLoader:

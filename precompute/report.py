@@ -60,6 +60,8 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         "failed": counts["failed"],
         "failed_by_reason": dict(sorted(by_reason.items())),
         "captions_truncated": counts["captions_truncated"],
+        # changed inputs whose image was cached already (a new mask or captions): latents copied, not encoded
+        "latents_reused": counts["latents_reused"],
         # captions that were not UTF-8 and were read as cp1252 / latin-1 instead (their images are cached)
         "caption_fallbacks": {k.split(":", 1)[1]: n for k, n in sorted(counts.items()) if k.startswith("caption_fallback:")},
         "failure_fraction": counts["failed"] / max(considered, 1),
@@ -92,6 +94,9 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         print(f"  kept {summary['kept_unreadable']} cached samples whose input could not be read or listed this time", file=out)
     print(f"  encoded {encoded} in {loop_s:.1f}s ({summary['images_per_s']:.1f} images/s; {elapsed:.1f}s with setup); "
           f"{summary['captions_truncated']} captions truncated to the token limit", file=out)
+    if summary["latents_reused"]:
+        print(f"  {summary['latents_reused']} of them changed only their mask or captions: their cached latents were "
+              f"reused, not encoded again", file=out)
     for encoding, n in summary["caption_fallbacks"].items():
         print(f"  {n} caption file(s) were not UTF-8 and were read as {encoding}: check their text if it looks wrong", file=out)
     if failures:

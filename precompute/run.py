@@ -26,7 +26,7 @@ from tqdm import tqdm
 from precompute.config import DEFAULT_BATCH, PrecomputeConfig
 from precompute.distributed import gather, lock_cache, setup_distributed
 from precompute.encode import Encoders, best_device
-from precompute.encoding import EncodingPass, PlainProgress, Tally
+from precompute.encoding import CachedLatents, EncodingPass, PlainProgress, Tally
 from precompute.families.base import Preset
 from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
 from precompute.presets import weights_sources
@@ -42,7 +42,7 @@ from precompute.removal import (
     warn_damaged,
 )
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
-from shards import CacheSpec, Field, Prompt, ShardWriter, exists, load, prompt_key
+from shards import LATENT_KEY, MASK, CacheSpec, Field, Prompt, ShardWriter, exists, load, prompt_key
 from shards.atomic import atomic_write_bytes
 from shards.options import torch_dtype
 from shards.texts import TEXT_KEYS, TEXT_LENGTHS
@@ -137,7 +137,7 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
             tally.fail({**failure, "dataset": name})
     stamps = {s.name: manifest.by_source(s.name) if manifest and inputs.needed is None else {} for s in inputs.sources}
     encoding = EncodingPass(enc, writer, schema, storage, config.batch_size or DEFAULT_BATCH[device.type], config.text_batch_size,
-                            config.control, inputs.previous, stamps, inputs.needed, tally)
+                            config.control, inputs.previous, stamps, inputs.needed, tally, cached_latents(config, enc, manifest, schema))
     desc = f"precompute[{rank}]" if world > 1 else "precompute"
     if config.progress and sys.stderr.isatty() or rank != 0:  # rank 0 speaks for all
         bar = tqdm(total=inputs.total, unit="img", desc=desc, disable=rank != 0, dynamic_ncols=True)
@@ -294,17 +294,36 @@ def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: d
 
 def cache_schema(enc: Encoders, storage: torch.dtype, manifest, sources: list, cache: Path, control: bool = False) -> dict:
     """The fields of every sample: the encoders' schema (with the control latent's fields, for a ControlNet cache),
-    or, for a cache written before flipped latents could be stored, its own (without them), in which no source may
-    ask for `flip`."""
+    or, for a cache written before flipped latents, loss masks or latent keys could be stored, its own (without
+    them), in which no source may ask for `flip` or masks."""
     schema = enc.schema(storage, control)
+    if manifest is None:
+        return schema
     flipped = set(enc.latent_spec().flipped_fields)
-    if manifest is not None and not flipped & set(manifest.schema):
+    if not flipped & set(manifest.schema):
         schema = {name: field for name, field in schema.items() if name not in flipped}
         asking = [s.name for s in sources if s.flip]
         if asking:
             raise ValueError(f"source {asking[0]!r} sets flip = true, but the cache at {cache} was built before flipped "
                              f"latents could be stored: write it into a new cache (--cache DIR)")
+    for name in (MASK, LATENT_KEY):
+        if name not in manifest.schema:
+            del schema[name]
+    asking = [s.name for s in sources if s.mask_mode]
+    if asking and MASK not in schema:
+        raise ValueError(f"source {asking[0]!r} asks for loss masks (--masks, masks = true, --alpha-mask), but the cache "
+                         f"at {cache} was built before masks could be stored: write it into a new cache (--cache DIR)")
     return schema
+
+
+def cached_latents(config: PrecomputeConfig, enc: Encoders, manifest, schema: dict) -> CachedLatents | None:
+    """Where a changed input whose image did not change finds its latent fields: the cache as the run found it (None
+    for a new cache, a repair, or a cache written before samples carried their latent key)."""
+    if manifest is None or config.repair or LATENT_KEY not in manifest.schema:
+        return None
+    latent = enc.latent_spec()
+    fields = [*latent.fields, *(n for n in latent.flipped_fields if n in schema), *(latent.control_fields if config.control else ())]
+    return CachedLatents(config.cache, manifest.generation, fields)
 
 
 def check_control(config: PrecomputeConfig, manifest) -> None:

@@ -15,6 +15,8 @@ tag_dropout = 0.1          # ... and each other tag dropped with this probabilit
 # eval = true              # held out of training: a run reports its loss (the held-out loss), never trains on it
 # with --control (ControlNet caches), where a folder's control images are, when not beside the images:
 control = "/data/photos-canny"   # /data/photos-canny/a/x.png is the control image of /data/photos/a/x.jpg
+masks = true               # cache a loss mask per image (x.mask.png beside x.jpg; masked training's --masked-loss)
+mask = "/data/photos-masks"      # or where the masks are: /data/photos-masks/a/x.png is the mask of a/x.jpg
 
 [[source]]                 # DreamBooth's class (regularisation) images, as kohya's is_reg
 path = "/data/dogs"
@@ -81,6 +83,13 @@ class Source:
             batches' loss training multiplies by `prior_loss_weight` (or, with `--preservation output`, takes against
             the base model's own prediction). Its share of the epoch is its repeats or weight, as any source's.
         prior_loss_weight: the loss weight of a class source's batches (default 1.0).
+        masks: every image has a loss mask, cached beside its latent (`x.mask.png` beside `x.jpg`, a metadata row's
+            `mask_file_name`, a tar sample's `mask.png`, a Hugging Face dataset's `mask` column).
+        mask: a folder holding the loss masks of a folder source under the images' relative names, with any image
+            extension (`mask/a/x.png` for `a/x.jpg`), instead of sidecars; implies `masks`.
+        mask_column: the loss mask column of a Hugging Face dataset (default `mask`) or of a folder's
+            metadata.jsonl/.csv (default `mask_file_name`); implies `masks`.
+        alpha_mask: every image's loss mask is its own alpha channel; implies `masks`.
     """
 
     name: str
@@ -104,6 +113,10 @@ class Source:
     eval: bool = False
     is_reg: bool = False
     prior_loss_weight: float | None = None
+    masks: bool = False
+    mask: str | None = None
+    mask_column: str | None = None
+    alpha_mask: bool = False
     from_file: bool = False  # listed by a dataset file (messages name it), rather than DATA itself
 
     def tags(self) -> TagOptions | None:
@@ -119,18 +132,28 @@ class Source:
             return {}
         return {key: getattr(self, key) for key in TAG_KEYS if getattr(self, key) is not None}
 
+    @property
+    def mask_mode(self) -> str:
+        """Where the source's loss masks come from: "alpha" (the image's alpha channel), "file" (a mask image), or ""
+        (no masks)."""
+        if self.alpha_mask:
+            return "alpha"
+        return "file" if self.masks or self.mask is not None or self.mask_column is not None else ""
+
     def salt(self) -> int:
         """Mixed into every input stamp of the source (0: nothing to mix), so that editing its caption options
-        (variants included), `flip` or where its control images are makes an incremental run read its inputs again
-        instead of calling them unchanged."""
+        (variants included), `flip`, where its control images are or its masks makes an incremental run read its
+        inputs again instead of calling them unchanged."""
         if not (self.caption_prefix or self.default_caption is not None or self.flip or self.control or self.control_column
-                or self.tags() is not None):
+                or self.tags() is not None or self.mask_mode):
             return 0
         text = f"{self.caption_prefix}\0{self.default_caption}\0{self.flip}"
         if self.control or self.control_column:  # absent from the text otherwise: the salts of older caches stay
             text += f"\0{self.control}\0{self.control_column}"
         if self.tags() is not None:  # likewise
             text += "\0tags" + "".join(f"\0{key}={getattr(self, key)!r}" for key in TAG_KEYS)
+        if self.mask_mode:  # the same
+            text += f"\0mask\0{self.mask_mode}\0{self.mask}\0{self.mask_column}"
         return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big") >> 1 or 1
 
     def record(self) -> dict:
@@ -138,7 +161,9 @@ class Source:
         share = {"weight": self.weight} if self.weight is not None else {"repeats": self.repeats or 1}
         optional = {k: v for k, v in (("caption_prefix", self.caption_prefix), ("default_caption", self.default_caption),
                                       ("flip", self.flip), ("control", self.control),
-                                      ("control_column", self.control_column), ("eval", self.eval)) if v}
+                                      ("control_column", self.control_column), ("eval", self.eval),
+                                      ("masks", bool(self.mask_mode)), ("mask", self.mask), ("mask_column", self.mask_column),
+                                      ("alpha_mask", self.alpha_mask)) if v}
         # a class source's role is written only for one (the records of other sources stay as they were)
         role = {"is_reg": True, "prior_loss_weight": float(self.prior_loss_weight or 1.0)} if self.is_reg else {}
         return {"path": self.path, **share, **optional, **self.tag_record(), **role}
@@ -185,6 +210,14 @@ KEY_HELP = {  # `python -m precompute --help` lists these
               "weights its batches' loss by prior_loss_weight",
     "prior_loss_weight": "with is_reg: the loss weight of the source's batches (> 0, default 1.0; stage two's "
                          "--prior-loss-weight overrides it)",
+    "masks": "true: cache a loss mask per image (x.mask.png beside x.jpg, a metadata row's mask_file_name, a tar "
+             "sample's KEY.mask.png, a Hugging Face dataset's mask column) for --masked-loss; an image without one is "
+             "skipped (missing_mask)",
+    "mask": "a folder of the loss masks of a folder source, under the images' relative names with any image extension "
+            "(DIR/a/x.png for a/x.jpg; relative: to the dataset file), instead of sidecars x.mask.png; implies masks",
+    "mask_column": "the loss mask column of a Hugging Face dataset (default mask) or of the folder's metadata.jsonl/.csv "
+                   "(default mask_file_name); implies masks",
+    "alpha_mask": "true: every image's loss mask is its own alpha channel (an image without one is skipped); implies masks",
 }
 assert set(KEY_HELP) == KEYS
 NAME = re.compile(r"[^\t\n\r/\\]+")  # printable in `shards ls`' tab-separated lines; not a path
@@ -286,8 +319,9 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         path = values["path"]
         if "://" not in path and not Path(path).is_absolute() and not path.startswith("pipe:"):
             values["path"] = str(file.parent / path)  # relative to the dataset file, wherever it is run from
-        if "control" in values and "://" not in values["control"] and not Path(values["control"]).is_absolute():
-            values["control"] = str(file.parent / values["control"])
+        for key in ("control", "mask"):
+            if key in values and "://" not in values[key] and not Path(values[key]).is_absolute():
+                values[key] = str(file.parent / values[key])
         sources.append(Source(**values, from_file=True))
         overlap = _overlap(sources[:-1], sources[-1])
         if overlap is not None:
@@ -318,7 +352,7 @@ def _label(table: dict) -> str:
 
 def _check(key: str, value) -> str | None:
     """Why `value` is not a valid `key` of a source, or None."""
-    if key in ("flip", "shuffle_tags", "eval", "is_reg"):
+    if key in ("flip", "shuffle_tags", "eval", "is_reg", "masks", "alpha_mask"):
         return None if isinstance(value, bool) else "must be true or false"
     if key == "keep_tokens":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else "must be a whole number ≥ 0"
@@ -335,7 +369,7 @@ def _check(key: str, value) -> str | None:
             return "must not be empty"
         return "must not hold a NUL character" if "\x00" in value else None
     if key in ("name", "path", "caption_prefix", "image_column", "caption_column", "split", "default_caption", "control",
-               "control_column"):
+               "control_column", "mask", "mask_column"):
         if not isinstance(value, str):
             return "must be a string"
         if key != "caption_prefix" and not value.strip():

@@ -3,7 +3,8 @@
 Tars in object storage (`s3://`, `gs://`, `hf://`, any fsspec URL) are listed and read through fsspec; `pipe:`
 commands and http(s) URLs through webdataset's `gopen`; both are unpacked by tarfile as a stream, their members
 grouped into samples by webdataset, and must end with the end-of-archive blocks where the file ends. A sample's
-control image (ControlNet caches) is its `control.png` / `control.jpg` member (`KEY.control.png` beside `KEY.jpg`).
+control image (ControlNet caches) is its `control.png` / `control.jpg` member (`KEY.control.png` beside `KEY.jpg`), and
+its loss mask (masked training) its `mask.png` member (`KEY.mask.png`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from precompute.paths import names_under
 STREAMED = ("http://", "https://", "pipe:")  # opened by webdataset's gopen, read once as a stream
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif")  # a sample's image, the first present
 CONTROL_MEMBERS = tuple(f"control.{ext}" for ext in IMAGE_MEMBERS)  # its control image, the first present
+MASK_MEMBERS = tuple(f"mask.{ext}" for ext in IMAGE_MEMBERS)  # its loss mask, the first present
 
 
 def is_stored(url: str) -> bool:
@@ -220,9 +222,9 @@ def tar_name(url: str) -> str:
     return Path(url).name
 
 
-def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = False) -> Record:
+def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = False, mask: bool = False) -> Record:
     """A webdataset sample dict (raw bytes per extension) as a Record; with `control`, its `control.EXT` member
-    is the control image."""
+    is the control image; with `mask`, its `mask.EXT` member the loss mask."""
     source = f"{tar_name(sample.get('__url__', ''))}/{sample['__key__']}"
     image = next((sample[ext] for ext in IMAGE_MEMBERS if ext in sample), None)
     if image is None:
@@ -240,11 +242,14 @@ def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = Fal
             if found is None:
                 return Record(source, None, missing="caption_not_string", detail=f"json {k!r} is {meta[k]!r}")
             captions += found
-    if not control:
-        return Record(source, image, captions)
-    found = next((sample[ext] for ext in CONTROL_MEMBERS if ext in sample), None)
-    return Record(source, image, captions, control=found, control_detail=f"no member {sample['__key__']}.control.png "
-                                                                          f"(or another image extension) in the tar")
+    record = Record(source, image, captions)
+    if control:
+        record.control = next((sample[ext] for ext in CONTROL_MEMBERS if ext in sample), None)
+        record.control_detail = f"no member {sample['__key__']}.control.png (or another image extension) in the tar"
+    if mask:
+        record.mask = next((sample[ext] for ext in MASK_MEMBERS if ext in sample), None)
+        record.mask_detail = f"no member {sample['__key__']}.mask.png (or another image extension) in the tar"
+    return record
 
 
 RECORD = tarfile.RECORDSIZE  # 10240 bytes: tarfile, GNU tar and bsdtar pad an archive to a whole record of 20 blocks
@@ -387,5 +392,5 @@ class TarDataset(torch.utils.data.IterableDataset):
                            "detail": f"{type(e).__name__}: {e}; {cut}about {missing} sample(s) missing"}
                     break
                 read += 1
-                record = tar_records(sample, self.caption_keys, self.policy.control)
+                record = tar_records(sample, self.caption_keys, self.policy.control, self.policy.mask == "file")
                 yield {**prepare(record, self.policy, self.skip_keys), "stamp": 0}

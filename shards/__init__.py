@@ -8,7 +8,7 @@ See FORMAT.md beside this file.
 """
 
 from shards.buckets import ASPECT_RATIO_TABLES, Bucket, aspect_error, bucket_table, nearest_bucket
-from shards.contract import CONTROL_PREFIX, FLIP_PREFIX, CacheSpec, DecoderRecipe, LatentSpec, TextSpec
+from shards.contract import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, CacheSpec, DecoderRecipe, LatentSpec, TextSpec
 from shards.fingerprint import canonical_json, diff_fingerprints, fingerprint_hash
 from shards.gc import gc, register_reader
 from shards.generations import load
@@ -41,6 +41,8 @@ __all__ = [
     "CacheBusy",
     "FLIP_PREFIX",
     "CONTROL_PREFIX",
+    "LATENT_KEY",
+    "MASK",
     "CacheSpec",
     "DecoderRecipe",
     "LatentSpec",

@@ -24,6 +24,14 @@ FLIP_PREFIX = "flip_"
 # like the latent: every sample of a cache built with control images has one. Their presence is in the fingerprint
 # (`control`), so a cache with control latents never extends one without, nor the other way round.
 CONTROL_PREFIX = "control_"
+# A sample's loss mask (masked training): a single channel at latent resolution, uint8 (255: the latent cell's pixels
+# all kept, 0: none), ragged with one row (1, h, w) for a sample of a source cached with masks and none for the others.
+# Each cell is the area average of the mask resized and cropped as the image was.
+MASK = "mask"
+# blake2b-128 of what a sample's latent fields are computed from besides the fingerprint (the image's bytes, whether
+# its flipped view is cached, its control image's bytes), (16,) uint8: a re-run finds a changed input whose image did
+# not change (a new mask, new captions) and copies the latent fields instead of running the VAE again.
+LATENT_KEY = "latent_key"
 
 
 @dataclass(frozen=True)
