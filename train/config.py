@@ -355,6 +355,15 @@ class ObjectiveOptions:
                  "caption: the adapters learn to leave the class as the base draws it. One more forward per class batch "
                  "(python -m train plan --preservation output shows its memory and compute). Adapter runs only (--lora-rank, "
                  "any --adapter).")
+    masked_loss: bool = opt(False, "Weight each latent element's loss by the sample's cached loss mask (stage one's --masks "
+                                   "or --alpha-mask: per latent cell, the fraction of its pixels kept; 1 for samples of "
+                                   "sources without masks, and mirrored with a flipped view), then take the mean over every "
+                                   "element, masked ones included, as kohya's and SimpleTuner's masked loss do: a kept "
+                                   "region trains exactly as it would unmasked and an all-white mask gives the unmasked "
+                                   "loss bit for bit (dividing by the mask's sum instead would scale up images with small "
+                                   "masks, so a few kept pixels would take a whole image's step). Flow and DDPM objectives, "
+                                   "every family (packed latents are unpacked before the loss). A cache without masks is "
+                                   "refused.")
 
     def check(self) -> None:
         check_preservation(self)

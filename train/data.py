@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shards import CONTROL_PREFIX, FLIP_PREFIX, Cache, DamagedCache, TextSpec, prompt_key
+from shards import CONTROL_PREFIX, FLIP_PREFIX, MASK, Cache, DamagedCache, TextSpec, prompt_key
 from train.families import text_input
 from train.order import BatchPlan, PlannedBatch, seeded_generator
 
@@ -65,11 +65,13 @@ class TrainingSamples(torch.utils.data.Dataset):
     to the cached empty-caption embedding (`null="empty"`) or to zeroed embeddings (`null="zeros"`), as the
     family was trained (`Family.null_caption`). With `control` (ControlNet training), also the control image's latent,
     drawn from its cached posterior like the image's, right after it (DC-AE's is taken as stored); a ControlNet
-    sample is never the flipped view (its control latent is the unflipped image's).
+    sample is never the flipped view (its control latent is the unflipped image's). With `masked` (--masked-loss),
+    also the sample's loss mask at latent resolution (`shards.MASK`; all 255 for a sample cached without one),
+    mirrored with the flipped view; it takes no draw.
     """
 
     def __init__(self, cache: Cache | str | os.PathLike, seed: int, caption_dropout: float, null: str = "empty", *,
-                 check_digests: bool = True, offset: int = 0, control: bool = False):
+                 check_digests: bool = True, offset: int = 0, control: bool = False, masked: bool = False):
         if not isinstance(cache, Cache):
             cache = Cache(cache)
         cache.check_digests = check_digests
@@ -80,6 +82,9 @@ class TrainingSamples(torch.utils.data.Dataset):
         self.control = control
         if control and cache.spec.control is None:
             raise ValueError(f"{cache.location} holds no control latents; build the cache with stage one's --control")
+        if masked:
+            check_masks(cache)
+        self.masked = masked
         if null not in ("empty", "zeros"):
             raise ValueError(f"caption dropout embedding {null!r}: choose empty or zeros")
         self.null = None
@@ -108,7 +113,17 @@ class TrainingSamples(torch.utils.data.Dataset):
             cond = self.null
         # text stays in its storage dtype (bf16 by default) until the device: half the bytes to copy
         item = {"key": s.key, "bucket": s.bucket, "latent": latent, "cond": cond}
+        if self.masked:
+            item["mask"] = self._mask(s, latent.shape[-2:], flipped=view == FLIP_PREFIX)
         return {**item, "control": control} if self.control else item
+
+    def _mask(self, s, size: torch.Size, flipped: bool) -> torch.Tensor:
+        """The sample's loss mask (1, h, w) uint8 (255: keep), mirrored for the flipped view; all 255 without one."""
+        m = s.fields.get(MASK)
+        if m is None or not len(m):  # a source cached without masks: every element counts
+            return torch.full((1, *size), 255, dtype=torch.uint8)
+        m = m.reshape(1, *size)
+        return m.flip(-1) if flipped else m
 
     def _draw(self, s, prefix: str, g: torch.Generator) -> torch.Tensor:
         """The latent in fields `prefix` + the latent fields' names: a draw from the cached posterior
@@ -124,6 +139,7 @@ class TrainingSamples(torch.utils.data.Dataset):
         return {
             "latents": torch.stack([s["latent"] for s in samples]),
             **({"control": torch.stack([s["control"] for s in samples])} if "control" in samples[0] else {}),
+            **({"mask": torch.stack([s["mask"] for s in samples])} if "mask" in samples[0] else {}),
             **self.layout.collate([s["cond"] for s in samples]),
             "bucket": tuple(samples[0]["bucket"]),
             "keys": [s["key"] for s in samples],
@@ -136,6 +152,17 @@ class TrainingSamples(torch.utils.data.Dataset):
     def shards_of(self, indices: list[int]) -> list[tuple[Cache, int]]:
         """(cache, shard) of every shard these samples lie in, in shard order: what the read-ahead reads."""
         return [(self.cache, j) for j in sorted({self.cache.locate(i)[0] for i in indices})]
+
+
+def check_masks(cache: Cache) -> None:
+    """Refuse --masked-loss on a cache without loss masks (none of its sources was cached with them), naming the fix."""
+    sources = (cache.manifest.extra.get("sources") or {}).values()
+    if MASK in cache.schema and any(isinstance(r, dict) and r.get("masks") for r in sources):
+        return
+    raise ValueError(f"--masked-loss: {cache.location} holds no loss masks (no source of it was cached with masks); "
+                     f"build it with stage one's --masks (x.mask.png beside each image, a mask_file_name column, a "
+                     f"KEY.mask.png tar member, a mask column, a source's mask = \"DIR\") or --alpha-mask, or train "
+                     f"without --masked-loss")
 
 
 class CacheSamples:

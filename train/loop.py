@@ -21,7 +21,7 @@ from shards.options import DTYPES
 from train import checkpoint, controlnet, distributed, trackers
 from train.cache import check_cache, check_cache_files, check_same_caches, check_same_encoders, open_generation, saved_generations, until_damaged
 from train.config import TrainConfig
-from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples
+from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples, check_masks
 from train.dryrun import dry_run, startup_plan
 from train.evaluate import build_evaluator, eval_due, evaluate
 from train.families import get_preset
@@ -78,6 +78,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         check_cache(preset, c, config)
         if cfg.controlnet:  # a family with a ControlNet, a cache with control latents
             controlnet.check_cache(preset, c.spec, c.location)
+        if cfg.masked_loss:  # a cache with loss masks
+            check_masks(c)
     check_same_encoders(group)
     check_class_sources(cfg, group)
     for c in group:  # every listed shard exists with its size; the empty caption and validation prompts are sound
@@ -311,7 +313,8 @@ class Epochs:
         parts, offset = [], 0
         for c in cs:
             parts.append(TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, self.preset),
-                                         check_digests=cfg.check_digests, offset=offset, control=cfg.controlnet))
+                                         check_digests=cfg.check_digests, offset=offset, control=cfg.controlnet,
+                                         masked=cfg.masked_loss))
             offset += len(c)
         return Epoch(number, plan, parts[0] if len(parts) == 1 else CacheSamples(parts), start)
 

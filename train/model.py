@@ -339,12 +339,13 @@ def build_run_objective(cfg: TrainConfig, preset: ModelPreset, config: dict):
         return build_objective("flow", preset.prediction, weighting_scheme=cfg.weighting_scheme, logit_mean=cfg.logit_mean,
                                logit_std=cfg.logit_std, mode_scale=cfg.mode_scale, precondition_outputs=precondition,
                                shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
-                               base_resolution=preset.base_resolution, **flow_shift_kind(cfg.flow_shift, cfg.resolution_shift, preset))
+                               base_resolution=preset.base_resolution, masked_loss=cfg.masked_loss,
+                               **flow_shift_kind(cfg.flow_shift, cfg.resolution_shift, preset))
     variance_channels = config.get("out_channels", config["in_channels"]) == 2 * config["in_channels"]
     learned = cfg.learned_variance if cfg.learned_variance is not None else (variance_channels and not cfg.lora_rank)
     if learned and not variance_channels:
         raise ValueError(f"--learned-variance: {preset.name} predicts no variance channels")
-    return build_objective("ddpm", preset.prediction, learned_variance=learned)
+    return build_objective("ddpm", preset.prediction, learned_variance=learned, masked_loss=cfg.masked_loss)
 
 
 def flow_shift_kind(flow_shift: float | None, resolution_shift: bool, preset: ModelPreset) -> dict:

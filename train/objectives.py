@@ -9,6 +9,12 @@ improved DDPM.
 
 Noise and timesteps are drawn for the global batch on the batch's device (the generator must live
 there) and each rank takes its slice, so N processes train what one process with the global batch would.
+
+With `masked_loss`, the per-element loss is weighted by the batch's loss mask (`mask`, (B, 1, h, w) uint8, 255 for
+1, broadcast over the channels) before the mean over every element, as kohya's and SimpleTuner's masked losses
+normalise: a kept element's gradient is what it is unmasked, and an all-white mask gives the unmasked loss exactly.
+Every family's prediction is unpacked to (B, C, h, w) before the loss, so the mask, at latent resolution, lines up
+with packed families' latents as it does with the others'.
 """
 
 from __future__ import annotations
@@ -34,6 +40,21 @@ def global_slice(draw: torch.Tensor, n: int, part: tuple[int, int]) -> torch.Ten
     return draw[part[0] * n : (part[0] + 1) * n]
 
 
+def loss_mask(batch: dict, masked: bool) -> torch.Tensor | None:
+    """The batch's loss mask as weights in [0, 1], (B, 1, h, w) float32, when the loss is masked; else None."""
+    if not masked:
+        return None
+    if "mask" not in batch:
+        raise ValueError("--masked-loss: this batch carries no loss masks; train from a cache built with stage one's "
+                         "--masks (or --alpha-mask)")
+    return batch["mask"].float() / 255  # 255 / 255 is exactly 1: an all-white mask leaves the loss as it is
+
+
+def masked_mean(err: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Per-sample mean of a per-element loss (B, C, h, w), each element weighted by the mask first (B,)."""
+    return (err if mask is None else err * mask).mean(dim=(1, 2, 3))
+
+
 @dataclass
 class FlowMatching:
     """Rectified flow with the weighting schemes of diffusers' rectified-flow trainers and a timestep shift.
@@ -51,6 +72,7 @@ class FlowMatching:
             scheduler applies with `use_dynamic_shifting`, which is the shift above with shift = exp(mu).
         pixels_per_token: image pixels per token of the transformer's sequence ((VAE factor x patch)^2).
         mu_of: the family's mu of an image sequence length (`Family.mu`), as its pipeline computes it.
+        masked_loss: weight each element's loss by the batch's loss mask (see the module's docstring).
     """
 
     weighting_scheme: str = "logit_normal"
@@ -64,6 +86,7 @@ class FlowMatching:
     dynamic_shift: bool = False
     pixels_per_token: int = 256
     mu_of: Callable[[int], float] | None = None
+    masked_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.dynamic_shift and self.mu_of is None:
@@ -128,7 +151,8 @@ class FlowMatching:
             pred, target = xt.float() - s4 * pred, x0.float() if base is None else xt.float() - s4 * base
         else:
             target = (noise - x0).float() if base is None else base
-        return F.mse_loss(pred, target, reduction="none").mean(dim=(1, 2, 3)) * self.weights(s)
+        err = F.mse_loss(pred, target, reduction="none")
+        return masked_mean(err, loss_mask(batch, self.masked_loss)) * self.weights(s)
 
     def fixed_times(self, n: int, pixels: int) -> torch.Tensor:
         """`n` fixed noise levels for a bucket of `pixels`: the quantiles (k + 1/2) / n of the training density,
@@ -156,9 +180,11 @@ class DDPM:
             (learned range between the posterior's and beta's, improved DDPM), trained by the VLB term
             with the mean detached, added to the epsilon loss as improved DDPM does. Off: those
             channels are split off and get no loss.
+        masked_loss: weight each element's loss (and VLB term) by the batch's loss mask (see the module's docstring).
     """
 
-    def __init__(self, prediction: str = "epsilon", num_train_timesteps: int = 1000, learned_variance: bool = False):
+    def __init__(self, prediction: str = "epsilon", num_train_timesteps: int = 1000, learned_variance: bool = False,
+                 masked_loss: bool = False):
         if prediction not in ("epsilon", "v_prediction"):
             raise ValueError(f"DDPM prediction {prediction!r}: choose epsilon or v_prediction")
         if learned_variance and prediction != "epsilon":
@@ -167,6 +193,7 @@ class DDPM:
                                        beta_start=0.0001, beta_end=0.02, prediction_type=prediction)
         self.prediction = prediction
         self.learned_variance = learned_variance
+        self.masked_loss = masked_loss
 
     def __call__(self, model_fn: ModelFn, batch: dict, generator: torch.Generator, part: tuple[int, int] = (0, 1),
                  target_fn: ModelFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,21 +220,23 @@ class DDPM:
         target = noise if self.prediction == "epsilon" else self.scheduler.get_velocity(x0, noise, t)
         base = target_fn(xt, t, batch).float() if target_fn is not None else None
         out = model_fn(xt, t, batch).float()
+        mask = loss_mask(batch, self.masked_loss)
         if base is not None:
             trained = out.shape[1] if self.learned_variance else c
-            return F.mse_loss(out[:, :trained], base[:, :trained], reduction="none").mean(dim=(1, 2, 3))
+            return masked_mean(F.mse_loss(out[:, :trained], base[:, :trained], reduction="none"), mask)
         pred = out[:, :c]
-        loss = F.mse_loss(pred, target.float(), reduction="none").mean(dim=(1, 2, 3))
+        loss = masked_mean(F.mse_loss(pred, target.float(), reduction="none"), mask)
         if self.learned_variance:
             if out.shape[1] != 2 * c:
                 raise ValueError(f"--learned-variance needs a model with 2 x {c} output channels; this one has {out.shape[1]}")
-            loss = loss + vlb_terms(self.scheduler, x0.float(), xt.float(), t, pred.detach(), out[:, c:])
+            loss = loss + vlb_terms(self.scheduler, x0.float(), xt.float(), t, pred.detach(), out[:, c:], mask)
         return loss
 
 
 def vlb_terms(scheduler: DDPMScheduler, x0: torch.Tensor, xt: torch.Tensor, t: torch.Tensor, eps: torch.Tensor,
-              variance: torch.Tensor) -> torch.Tensor:
-    """Improved DDPM's variational bound per sample, in bits per dimension (B,).
+              variance: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Improved DDPM's variational bound per sample, in bits per dimension (B,), each dimension weighted by `mask`
+    (B, 1, h, w) when given.
 
     KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t)) for t > 0 and the discretised Gaussian decoder NLL of
     x_0 at t = 0, with p's mean from the (detached) epsilon prediction and its log variance interpolated
@@ -236,7 +265,7 @@ def vlb_terms(scheduler: DDPMScheduler, x0: torch.Tensor, xt: torch.Tensor, t: t
     kl = 0.5 * (d + torch.expm1(-d) + (true_mean - model_mean) ** 2 * torch.exp(-model_log_var))
     nll = -discretized_gaussian_log_likelihood(x0, model_mean, 0.5 * model_log_var)
     per_dim = torch.where((t == 0)[:, None, None, None], nll, kl)
-    return per_dim.mean(dim=(1, 2, 3)) / math.log(2.0)
+    return masked_mean(per_dim, mask) / math.log(2.0)
 
 
 def discretized_gaussian_log_likelihood(x: torch.Tensor, mean: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
@@ -252,9 +281,10 @@ def discretized_gaussian_log_likelihood(x: torch.Tensor, mean: torch.Tensor, log
     return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_delta))
 
 
-def build_objective(kind: str, prediction: str, *, learned_variance: bool = False, **flow) -> FlowMatching | DDPM:
+def build_objective(kind: str, prediction: str, *, learned_variance: bool = False, masked_loss: bool = False,
+                    **flow) -> FlowMatching | DDPM:
     if kind == "flow":
-        return FlowMatching(**flow)
+        return FlowMatching(masked_loss=masked_loss, **flow)
     if kind == "ddpm":
-        return DDPM(prediction, learned_variance=learned_variance)
+        return DDPM(prediction, learned_variance=learned_variance, masked_loss=masked_loss)
     raise ValueError(f"objective {kind!r}: choose flow or ddpm")

@@ -58,7 +58,8 @@ _OBJECTIVE_BYTES: dict = {}  # the measurement starts the torch profiler (second
 def objective_bytes(objective, in_channels: int, out_channels: int) -> tuple[float, float]:
     """`measure_objective_bytes`, remembered for the process by the objective's options and the channels."""
     options = (repr(objective) if dataclasses.is_dataclass(objective) else
-               (type(objective).__name__, getattr(objective, "prediction", None), getattr(objective, "learned_variance", None)))
+               (type(objective).__name__, getattr(objective, "prediction", None), getattr(objective, "learned_variance", None),
+                getattr(objective, "masked_loss", False)))
     key = (options, in_channels, out_channels)
     if key not in _OBJECTIVE_BYTES:
         _OBJECTIVE_BYTES[key] = measure_objective_bytes(objective, in_channels, out_channels)
@@ -72,6 +73,8 @@ def measure_objective_bytes(objective, in_channels: int, out_channels: int) -> t
     learned variance dozens (its VLB terms)."""
     latents = torch.zeros(4, in_channels, 32, 32)
     batch = {"latents": latents, "bucket": (256, 256), "keys": ["k"] * 4}
+    if getattr(objective, "masked_loss", False):  # the loss mask's bytes and its product with the loss
+        batch["mask"] = torch.full((4, 1, 32, 32), 255, dtype=torch.uint8)
     model = _StandIn(out_channels)
     with torch.autograd.graph.saved_tensors_hooks(model.pack, _unpack):
         objective(model, batch, torch.Generator().manual_seed(0))
