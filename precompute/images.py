@@ -233,7 +233,7 @@ def alpha_channel(img: Image.Image) -> Image.Image | None:
     return img.getchannel("A") if "A" in img.getbands() else None
 
 
-def decode_image(data: bytes, max_pixels: int, convert=to_rgb):
+def decode_image(data: bytes, max_pixels: int, convert=None):
     """Image bytes as 8-bit RGB (`to_rgb`; another `convert` of the loaded image: what it returns), or (None,
     reason, detail): not_an_image, too_many_pixels or corrupt_image. Images of more than `max_pixels` are refused
     from their header, before any pixel is decoded."""
@@ -249,7 +249,7 @@ def decode_image(data: bytes, max_pixels: int, convert=to_rgb):
             # Pillow's guard is at or above max_pixels now: its warning (a frame or tile over it) refuses the image
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.load()
-            return convert(img), None, ""
+            return (convert or to_rgb)(img), None, ""
     except UnidentifiedImageError as e:
         return None, "not_an_image", str(e)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
