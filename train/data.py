@@ -114,16 +114,8 @@ class TrainingSamples(torch.utils.data.Dataset):
         # text stays in its storage dtype (bf16 by default) until the device: half the bytes to copy
         item = {"key": s.key, "bucket": s.bucket, "latent": latent, "cond": cond}
         if self.masked:
-            item["mask"] = self._mask(s, latent.shape[-2:], flipped=view == FLIP_PREFIX)
+            item["mask"] = sample_mask(s.fields, latent.shape[-2:], flipped=view == FLIP_PREFIX)
         return {**item, "control": control} if self.control else item
-
-    def _mask(self, s, size: torch.Size, flipped: bool) -> torch.Tensor:
-        """The sample's loss mask (1, h, w) uint8 (255: keep), mirrored for the flipped view; all 255 without one."""
-        m = s.fields.get(MASK)
-        if m is None or not len(m):  # a source cached without masks: every element counts
-            return torch.full((1, *size), 255, dtype=torch.uint8)
-        m = m.reshape(1, *size)
-        return m.flip(-1) if flipped else m
 
     def _draw(self, s, prefix: str, g: torch.Generator) -> torch.Tensor:
         """The latent in fields `prefix` + the latent fields' names: a draw from the cached posterior
@@ -152,6 +144,16 @@ class TrainingSamples(torch.utils.data.Dataset):
     def shards_of(self, indices: list[int]) -> list[tuple[Cache, int]]:
         """(cache, shard) of every shard these samples lie in, in shard order: what the read-ahead reads."""
         return [(self.cache, j) for j in sorted({self.cache.locate(i)[0] for i in indices})]
+
+
+def sample_mask(fields: dict, size: tuple[int, int], flipped: bool = False) -> torch.Tensor:
+    """A sample's loss mask (1, h, w) uint8 (255: keep) from its fields, mirrored for the flipped view; all 255 for a
+    sample cached without one (every element counts)."""
+    m = fields.get(MASK)
+    if m is None or not len(m):
+        return torch.full((1, *size), 255, dtype=torch.uint8)
+    m = m.reshape(1, *size)
+    return m.flip(-1) if flipped else m
 
 
 def check_masks(cache: Cache) -> None:

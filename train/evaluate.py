@@ -26,7 +26,7 @@ import torch
 from shards.options import DTYPES
 from train import distributed
 from train.config import TrainConfig
-from train.data import TextLayout
+from train.data import TextLayout, sample_mask
 from train.families.base import ModelPreset
 from train.order import cache_labels, derived_seed, held_out, holds_out
 from train.presets import model_forward
@@ -113,7 +113,7 @@ class Evaluator:
         k = int(np.searchsorted(self.starts, indices[0], side="right")) - 1
         cache, layout = self.caches[k], self.layouts[k]
         latent = cache.spec.latent
-        latents, controls, conds = [], [], []
+        latents, controls, conds, masks = [], [], [], []
         for i in indices:
             s = cache[i - int(self.starts[k])]
             shape = latent.shape(s.bucket.height, s.bucket.width)
@@ -121,7 +121,10 @@ class Evaluator:
             if self.control:
                 controls.append(s.fields[latent.control_fields[0]].float().reshape(shape))
             conds.append(layout.caption(s.fields, 0))
+            if getattr(self.objective, "masked_loss", False):  # the training loss's mask weights this loss too
+                masks.append(sample_mask(s.fields, shape[-2:]))
         batch = {"latents": torch.stack(latents), **({"control": torch.stack(controls)} if self.control else {}),
+                 **({"mask": torch.stack(masks)} if masks else {}),
                  **layout.collate(conds), "bucket": (s.bucket.height, s.bucket.width)}
         batch = {n: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for n, v in batch.items()}
         position = self.rank * self.batch_size + torch.arange(len(indices))

@@ -150,14 +150,16 @@ def write_masks(data: Path, half: bool) -> None:
         mask.save(image.with_name(image.stem + ".mask.png"))
 
 
-def losses(run: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+def losses(run: Path, name: str = "loss") -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r[name] for r in rows if r.get(name) is not None]
 
 
-def trained(cache: Path, run: Path, model: str, **kw) -> list[float]:
-    train(TrainConfig(model=model, cache=[str(cache)], run=run, steps=3, batch_size=4, progress=False, log_every=1,
-                      checkpoint_every=1000, caption_dropout=0.0, lr=1e-3, validate=False, **kw))
-    return losses(run)
+def trained(cache: Path, run: Path, model: str, metric: str = "loss", **kw) -> list[float]:
+    options = dict(steps=3, batch_size=4, progress=False, log_every=1, checkpoint_every=1000, caption_dropout=0.0, lr=1e-3,
+                   validate=False)
+    train(TrainConfig(model=model, cache=[str(cache)], run=run, **{**options, **kw}))
+    return losses(run, metric)
 
 
 @pytest.mark.parametrize("model", ["tiny-sana", "tiny-flux"])
@@ -180,6 +182,12 @@ def test_masked_loss_with_white_masks_equals_unmasked_exactly_and_differs_with_h
     assert all(a != b for a, b in zip(half, unmasked))
     # the same cache without --masked-loss trains as if it had no masks
     assert trained(tmp_path / "masked", tmp_path / "ignored", model) == unmasked
+
+    # the held-out loss is the training loss: masked the same way
+    held = dict(metric="eval_loss", eval_fraction=0.25, eval_every=1, eval_timesteps=2, batch_size=2)
+    masked_eval = trained(tmp_path / "masked", tmp_path / "eval-masked", model, masked_loss=True, **held)
+    plain_eval = trained(tmp_path / "masked", tmp_path / "eval-plain", model, **held)
+    assert len(masked_eval) == len(plain_eval) > 1 and all(a < b for a, b in zip(masked_eval, plain_eval))
 
 
 def test_a_masked_loss_run_on_a_cache_without_masks_is_refused(tiny_caches, tmp_path):
