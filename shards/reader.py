@@ -29,7 +29,8 @@ from shards.schema import (
     sample_digest,
     schema_from_json,
 )
-from shards.texts import TEXT_KEYS, TEXTS_KIND, TextIndex, keys_of, resolve, resolved_schema, table_prefixes
+from shards.texts import TEXT_KEYS, TEXTS_KIND, TextIndex, keys_of, resolved_schema, table_prefixes
+from shards.texts import resolve as resolve_texts
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Sample:
     key: str
     bucket: Bucket
     fields: dict[str, torch.Tensor]
+    texts: list[dict[str, torch.Tensor]] | None = None  # `Cache.read(i, resolve=False)`: each caption's text row
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.fields[name]
@@ -260,6 +262,13 @@ class Cache:
         return j, i - int(self._starts[j])
 
     def __getitem__(self, i: int) -> Sample:
+        return self.read(i)
+
+    def read(self, i: int, resolve: bool = True) -> Sample:
+        """Sample `i`. In a cache that stores each text once its texts are resolved into the per-sample layout
+        (`shards.texts.resolve`, the captions' rows concatenated); with `resolve=False` they are left as the text rows
+        themselves, zero-copy views, one per caption in `Sample.texts` (each laid out as a cached prompt's fields), the
+        sample's own fields as stored."""
         j, row = self.locate(i)
         reader = self.shard(j)
         sample = reader[row]
@@ -268,7 +277,10 @@ class Cache:
                                 f"was damaged after it was written. {REPAIR.format(root=self.root)}")
         if self.texts is not None:
             texts = [self.text(key, f"sample {sample.key} of {reader.path}") for key in keys_of(sample.fields[TEXT_KEYS])]
-            sample.fields = resolve(sample.fields, texts, self.manifest.text_schema)
+            if not resolve:
+                sample.texts = texts
+                return sample
+            sample.fields = resolve_texts(sample.fields, texts, self.manifest.text_schema)
         return sample
 
     # -- texts stored once ---------------------------------------------------------------------------

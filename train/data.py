@@ -99,7 +99,7 @@ class TrainingSamples(torch.utils.data.Dataset):
     def __getitem__(self, item: tuple[int, ...]) -> dict:
         """Draw (epoch, index) or (epoch, index, pass): a sample drawn again in an epoch (repeats) draws anew."""
         epoch, i, *rest = item
-        s = self.cache[i]
+        s = self.cache.read(i, resolve=False)  # texts stored once: each caption's row as it is, no copy
         g = seeded_generator(self.seed, epoch, self.offset + i, *(rest if rest and rest[0] else ()))
         # a source cached with flipped latents (`flip = true`): the flipped view, one draw in two
         flipped = s.fields.get(FLIP_PREFIX + ("latent_mean" if self.posterior else "latent"))
@@ -107,8 +107,8 @@ class TrainingSamples(torch.utils.data.Dataset):
         view = FLIP_PREFIX if flippable and float(torch.rand((), generator=g)) < 0.5 else ""
         latent = self._draw(s, view, g)
         control = self._draw(s, CONTROL_PREFIX, g) if self.control else None
-        pick = int(torch.randint(self.layout.captions(s.fields), (1,), generator=g))
-        cond = self.layout.caption(s.fields, pick)
+        pick = int(torch.randint(len(s.texts) if s.texts is not None else self.layout.captions(s.fields), (1,), generator=g))
+        cond = self.layout.caption(s.texts[pick]) if s.texts is not None else self.layout.caption(s.fields, pick)
         if self.caption_dropout and float(torch.rand((), generator=g)) < self.caption_dropout:
             cond = self.null
         # text stays in its storage dtype (bf16 by default) until the device: half the bytes to copy

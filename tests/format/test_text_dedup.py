@@ -93,6 +93,9 @@ def test_several_captions_per_sample_resolve_in_order_and_a_text_is_written_once
     once = write_stored_once(tmp_path / "once", captions, max_shard_samples=5)
     assert_same_samples(once, write_inline(tmp_path / "inline", captions, max_shard_samples=5))
     assert once.manifest.text_stats()["texts"] == 4 and once.manifest.text_stats()["references"] == 36
+    raw = once.read(5, resolve=False)  # each caption's row as stored, no copy
+    assert TEXT_KEYS in raw.fields and [t["text"].data_ptr() for t in raw.texts][0] == raw.texts[2]["text"].data_ptr()
+    assert torch.equal(torch.cat([t["text"] for t in raw.texts]), once[5].fields["text"])
     assert once.manifest.version == 3 and Cache(tmp_path / "inline").manifest.version == 2  # caches without texts stay 2
     assert json.loads((tmp_path / "inline" / "index.json").read_text())["format_version"] == 2
     with ShardWriter(tmp_path / "once", FINGERPRINT, STORED_ONCE, text_schema=TEXT_SCHEMA) as w:
