@@ -17,7 +17,8 @@ import torch
 from precompute.families import family
 from precompute.families.base import Preset
 from precompute.presets import weights_digest, weights_sources
-from shards import LATENT_KEY, MASK, DecoderRecipe, Field, LatentSpec, Schema, TextSpec
+from shards import LATENT_KEY, MASK, DecoderRecipe, Field, LatentSpec, Schema, TextSpec, diff_fingerprints
+from shards.fingerprint import normalize
 from shards.options import torch_dtype
 from shards.quiet import no_truncation_warnings
 
@@ -215,3 +216,18 @@ def module_fingerprint(module: torch.nn.Module, tokenizer) -> dict:
     vocab = json.dumps(sorted(tokenizer.get_vocab().items())).encode()
     return {"class": type(module).__name__, "weights": weights_digest(module), "tokenizer": type(tokenizer).__name__,
             "tokenizer_vocab_sha256": hashlib.sha256(vocab).hexdigest()}
+
+
+def check_text_encoder(cached: dict, built: dict, root: Path) -> None:
+    """Refuse a text encoder whose fingerprint part differs from the cache's, naming the differing fields: its
+    embeddings would not be those of the cache's captions. Where the weights were loaded from (`source`) is not
+    compared: a copy of the same weights (a local snapshot of the Hub repository, a moved directory) has the same
+    weights digest, tokenizer and settings, and encodes the same."""
+    differences = [d for d in diff_fingerprints(normalize(cached), normalize(built), "text_encoder")
+                   if d[0] != "text_encoder.source"]
+    if differences:
+        lines = [f"  {path}: cache={a!r} this run={b!r}" for path, a, b in differences]
+        raise ValueError(f"the text encoder built here is not the one the cache at {root} was built with "
+                         f"({cached.get('source')}); differing fields:\n" + "\n".join(lines)
+                         + "\nPass --pretrained and --text-dtype as the cache was built (or leave them out: the defaults "
+                         "are the cache's).")

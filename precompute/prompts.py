@@ -14,12 +14,11 @@ from pathlib import Path
 
 from precompute.config import DTYPE_HELP, LONG_DTYPES, DtypeOption
 from precompute.distributed import lock_cache
-from precompute.encode import Encoders, best_device
+from precompute.encode import Encoders, best_device, check_text_encoder
 from precompute.families.base import Preset
 from precompute.presets import get_preset, get_text_encoder
 from precompute.run import store_prompts
-from shards import Manifest, ShardWriter, TextSpec, diff_fingerprints, exists, load, prompt_key
-from shards.fingerprint import normalize
+from shards import Manifest, ShardWriter, TextSpec, exists, load, prompt_key
 from shards.options import check_choices, opt
 from shards.prompts import stored_prompts
 from shards.schema import dtype_from_name
@@ -76,21 +75,6 @@ def cached_text_encoder(manifest: Manifest, root: Path) -> tuple[Preset, str | N
     source = text.get("source")
     pretrained = None if source in (spec.repo, f"{spec.name} (seeded)") else source  # Encoders' text_source
     return preset, LONG_DTYPES.get(text.get("compute_dtype")), pretrained
-
-
-def check_text_encoder(cached: dict, built: dict, root: Path) -> None:
-    """Refuse a text encoder whose fingerprint part differs from the cache's, naming the differing fields: its
-    embeddings would not be those of the cache's captions. Where the weights were loaded from (`source`) is not
-    compared: a copy of the same weights (a local snapshot of the Hub repository, a moved directory) has the same
-    weights digest, tokenizer and settings, and encodes the same."""
-    differences = [d for d in diff_fingerprints(normalize(cached), normalize(built), "text_encoder")
-                   if d[0] != "text_encoder.source"]
-    if differences:
-        lines = [f"  {path}: cache={a!r} this run={b!r}" for path, a, b in differences]
-        raise ValueError(f"the text encoder built here is not the one the cache at {root} was built with "
-                         f"({cached.get('source')}); differing fields:\n" + "\n".join(lines)
-                         + "\nPass --pretrained and --text-dtype as the cache was built (or leave them out: the defaults "
-                         "are the cache's).")
 
 
 def add_prompts(config: PromptsConfig) -> dict:

@@ -12,12 +12,14 @@ import sys
 from pathlib import Path
 
 from precompute.config import PrecomputeConfig
+from precompute.encode import Encoders, check_text_encoder
 from precompute.inputs import where
 from precompute.sources import Source
 from precompute.tars import tar_name
 from shards import ShardWriter, verify
 from shards.lock import WRITERS_LOCK
 from shards.reader import stat_problems
+from shards.schema import dtype_from_name
 
 LOCK_FILE = re.compile(rf"\.lock(-r\d{{5}})?|{re.escape(WRITERS_LOCK)}")  # the lock files of a run, its ranks and its writers
 
@@ -88,10 +90,6 @@ def damaged_texts(cache: Path, manifest) -> dict[str, tuple[list[str], list[str]
 def repair_texts(config: PrecomputeConfig, manifest, device) -> dict:
     """Re-encode every damaged text shard from the captions the manifest keeps (no input is read) and commit each
     copy in its place. The text encoder built must be the cache's (refused otherwise, naming the differing fields)."""
-    from precompute.encode import Encoders
-    from precompute.prompts import check_text_encoder
-    from shards.schema import dtype_from_name
-
     damaged = damaged_texts(config.cache, manifest)
     if not damaged:
         return {"repaired_text_shards": 0}
