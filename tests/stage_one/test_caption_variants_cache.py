@@ -7,6 +7,7 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -31,20 +32,20 @@ TAGS = TagOptions(4, shuffle=True, keep_tokens=1, dropout=0.3)
 RUN = dict(workers=0, progress=False, storage_dtype="fp32", max_shard_mb=0)
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["texts-once", "texts-inline"])
+def built(request, tmp_path_factory):
     """Four images with tag-list captions, cached as source "tags" with prefix, shuffle, keep_tokens, dropout and
-    four variants."""
-    root = tmp_path_factory.mktemp("variants")
+    four variants; each text stored once (the default) or with each sample."""
+    root, run = tmp_path_factory.mktemp("variants"), {**RUN, "dedup_texts": request.param}
     data = make_folder(root / "data", count=len(CAPTIONS))
     for caption, txt in zip(CAPTIONS, sorted(data.glob("*.txt"))):
         txt.write_text(caption + "\n", encoding="utf-8")
     file = root / "data.toml"
     file.write_text(f'[[source]]\nname = "tags"\npath = "data"\n{OPTIONS}', encoding="utf-8")
-    summary = precompute(str(file), "tiny-sana", root / "cache", **RUN)
+    summary = precompute(str(file), "tiny-sana", root / "cache", **run)
     assert summary["new"] == len(CAPTIONS) and summary["failed"] == 0
     assert summary["sources"]["tags"]["captions"] == 14  # 4 + 4 + 4 + 2 (the run's summary says so per source)
-    return root
+    return SimpleNamespace(root=root, run=run)
 
 
 def expected(root: Path, sample) -> list[str]:
@@ -55,12 +56,12 @@ def expected(root: Path, sample) -> list[str]:
 
 
 def test_the_cache_holds_the_embeddings_of_each_captions_variants(built):
-    cache = Cache(built / "cache")
+    cache = Cache(built.root / "cache")
     encoders = Encoders(PrecomputeConfig("unused").preset(), torch.device("cpu"), vae=False)
     counts = []
     for i in range(len(cache)):
         s = cache[i]
-        texts = expected(built, s)
+        texts = expected(built.root, s)
         first = texts[0].removeprefix("sks, ").split(", ")[0]
         assert all(t.startswith(f"sks, {first}") for t in texts)  # the prefix, then the kept tag, in every variant
         lengths = s["text_lengths"].tolist()
@@ -78,37 +79,40 @@ def files(cache: Path) -> dict[str, bytes]:
 
 
 def test_a_rerun_reencodes_nothing_and_an_edit_of_the_options_reencodes_the_source(built, tmp_path):
-    before = files(built / "cache")
-    for image in (built / "data").glob("*.png"):  # touched: read again, keyed again, found unchanged
+    before = files(built.root / "cache")
+    for image in (built.root / "data").glob("*.png"):  # touched: read again, keyed again, found unchanged
         os.utime(image, ns=(image.stat().st_atime_ns, image.stat().st_mtime_ns + 10**9))
-    again = precompute(str(built / "data.toml"), "tiny-sana", built / "cache", **RUN)
+    again = precompute(str(built.root / "data.toml"), "tiny-sana", built.root / "cache", **built.run)
     assert (again["unchanged"], again["new"], again["changed"], again["encoded"]) == (len(CAPTIONS), 0, 0, 0)
-    assert {k: v for k, v in files(built / "cache").items() if "_log" not in k} == \
+    assert {k: v for k, v in files(built.root / "cache").items() if "_log" not in k} == \
         {k: v for k, v in before.items() if "_log" not in k}  # the same shards: only the inputs' stamps were recorded
     edited = tmp_path / "data.toml"
-    edited.write_text((built / "data.toml").read_text().replace("tag_dropout = 0.3", "tag_dropout = 0.5")
-                      .replace('path = "data"', f'path = "{built / "data"}"'), encoding="utf-8")
+    edited.write_text((built.root / "data.toml").read_text().replace("tag_dropout = 0.3", "tag_dropout = 0.5")
+                      .replace('path = "data"', f'path = "{built.root / "data"}"'), encoding="utf-8")
     other = tmp_path / "cache"
-    changed = precompute(str(edited), "tiny-sana", other, **RUN)
+    changed = precompute(str(edited), "tiny-sana", other, **built.run)
     assert changed["new"] == len(CAPTIONS)
-    keys = {k for k, _ in Cache(built / "cache").keys()}
+    keys = {k for k, _ in Cache(built.root / "cache").keys()}
     assert len(keys - {k for k, _ in Cache(other).keys()}) >= 3  # other variants, other keys
 
 
 def test_inspect_shows_the_variants_and_the_captions_per_sample(built):
-    out = CliRunner().invoke(shards_app, ["inspect", str(built / "cache"), "--json"])
+    out = CliRunner().invoke(shards_app, ["inspect", str(built.root / "cache"), "--json"])
     assert out.exit_code == 0, out.output
-    source = json.loads(out.output)["sources"]["tags"]
+    info = json.loads(out.output)
+    source = info["sources"]["tags"]
+    if built.run["dedup_texts"]:  # every variant a text of its own: 14 texts, each stored once
+        assert (info["texts"]["texts"], info["texts"]["references"]) == (14, 14)
     assert {k: source[k] for k in ("caption_variants", "shuffle_tags", "keep_tokens", "tag_dropout", "tag_separator")} == \
         {"caption_variants": 4, "shuffle_tags": True, "keep_tokens": 1, "tag_dropout": 0.3, "tag_separator": ","}
     assert source["captions"] == 14 and source["captions_per_sample"] == 3.5
-    text = CliRunner().invoke(shards_app, ["inspect", str(built / "cache")], env={"COLUMNS": "250"}).output
+    text = CliRunner().invoke(shards_app, ["inspect", str(built.root / "cache")], env={"COLUMNS": "250"}).output
     assert "3.50 captions per sample (14 in all); caption_variants 4 (shuffle_tags, keep_tokens 1, tag_dropout 0.3, " \
            "tag_separator ',')" in text, text
 
 
 def test_training_draws_every_variant_about_equally_often(built):
-    cache = Cache(built / "cache")
+    cache = Cache(built.root / "cache")
     samples = TrainingSamples(cache, seed=5, caption_dropout=0.0)
     epochs = 400
     for i in range(len(cache)):
@@ -140,9 +144,9 @@ def take(cache_root: Path, n: int, workers: int, start=(0, 0)) -> list[dict]:
 
 
 def test_a_resumed_run_draws_the_same_variants(built):
-    full = take(built / "cache", 12, workers=0)
+    full = take(built.root / "cache", 12, workers=0)
     at = next(k for k, b in enumerate(full) if b["epoch"] == 2)
-    resumed = take(built / "cache", 12 - at, workers=2, start=(2, 0))
+    resumed = take(built.root / "cache", 12 - at, workers=2, start=(2, 0))
     for a, b in zip(full[at:], resumed):
         assert (a["epoch"], a["cursor"], a["keys"]) == (b["epoch"], b["cursor"], b["keys"])
         assert torch.equal(a["text"], b["text"]) and torch.equal(a["text_mask"], b["text_mask"])
