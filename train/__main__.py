@@ -109,7 +109,8 @@ RUNS_OWN = " Default: the run's own setting."
 @tools.command("sample")
 def sample_command(
     run: Path = typer.Argument(..., help="Run directory (its newest complete checkpoint) or one checkpoint directory."),
-    prompt_cache: Path = typer.Option(..., help="Cache whose prompts.safetensors holds the prompts' embeddings."),
+    prompt_cache: str | None = typer.Option(None, help="Cache whose prompts.safetensors holds the prompts' embeddings "
+                                            "(default: the run's own first --cache)."),
     validation_prompt: list[str] = typer.Option([], help="Prompt to sample (repeatable; default: every prompt in the cache)."),
     validation_bucket: list[str] = like_train("validation_bucket", []),
     validation_steps: int | None = like_train("validation_steps", help=help_of(TrainConfig, "validation_steps") + RUNS_OWN),
@@ -119,16 +120,17 @@ def sample_command(
     precision: Dtype | None = like_train("precision", help="Autocast precision of the transformer: fp32, bf16 or fp16." + RUNS_OWN),
     decode_device: Literal["cpu", "device"] | None = like_train(
         "decode_device", help="Decode on the cpu or on the device the transformer ran on (freed first)." + RUNS_OWN),
-    out: Path | None = typer.Option(None, help="Output directory (default: CHECKPOINT/samples)."),
+    out: Path | None = typer.Option(None, help="Output directory (default: RUN/samples/STEP, e.g. runs/flux-dev/samples/"
+                                    "step-00001000: beside the checkpoints, which the run rotates away)."),
 ) -> None:
-    """Images for cached prompts from any checkpoint: one PNG per prompt and bucket. Options mean what the
-    trainer's validation options mean."""
+    """Images for cached prompts from any checkpoint: one PNG per prompt and bucket, their paths on stdout (what it is
+    doing on stderr). Options mean what the trainer's validation options mean."""
     from train.export import sample
 
     def go():
         for path in sample(run, prompt_cache, out, prompts=validation_prompt, buckets=validation_bucket, steps=validation_steps,
                            guidance=guidance_scale, seed=validation_seed, ema=ema, decode_device=decode_device,
-                           precision=precision):
+                           precision=precision, say=lambda message: typer.echo(message, err=True)):
             print(path)
     _run(go)
 

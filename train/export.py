@@ -7,14 +7,16 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from shards import Cache, DamagedCache
+from shards import Cache, DamagedCache, exists, open_cache
 from shards.atomic import atomic_write_json, fsync_dir, fsync_tree
 from shards.options import DTYPES
+from shards.remote import is_url
 from train import card, checkpoint, controlnet, lora, lycoris, safeload
 from train.cache import damaged_files
 from train.ema import load_shadow
@@ -318,18 +320,25 @@ def push_to_hub(out: Path, repo: str, private: bool = False, commit_message: str
     return repo_id
 
 
-def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: list[str] = (), buckets: list[str] = (),
-           steps: int | None = None, guidance: float | None = None, seed: int | None = None, ema: bool = False,
-           decode_device: str | None = None, precision: str | None = None) -> list[Path]:
-    """Images for cached prompts from a checkpoint: one PNG per prompt and bucket. Sampler steps, guidance, seed,
-    decode device and precision default to the run's own validation settings."""
+def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None = None, *, prompts: list[str] = (),
+           buckets: list[str] = (), steps: int | None = None, guidance: float | None = None, seed: int | None = None,
+           ema: bool = False, decode_device: str | None = None, precision: str | None = None,
+           say: Callable[[str], None] = lambda message: None) -> list[Path]:
+    """Images for cached prompts from a checkpoint: one PNG per prompt and bucket, in `out` (default: RUN/samples/STEP,
+    beside the checkpoints, which a run rotates away). The prompts come from `prompt_cache` (default: the run's own
+    first --cache). Sampler steps, guidance, seed, decode device and precision default to the run's own validation
+    settings. `say` hears the progress: which image is being sampled, then decoded."""
     from train.decode import decode, load_decoder
 
     ckpt = checkpoint.find(run)
+    cfg = checkpoint.load_state(ckpt)["config"]
+    cache = open_prompt_cache(prompt_cache, cfg)  # checked before any weights load
+    if damaged := damaged_files(cache, ("prompts", "decoder")):  # what sampling reads, against the manifest's digests
+        raise DamagedCache(damaged)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    say(f"loading {ckpt}{' (EMA weights)' if ema else ''} ...")
     model, preset, state = load_model(ckpt, ema)
     model.to(device)
-    cfg = state["config"]
     steps = steps if steps is not None else cfg["validation_steps"]
     guidance = guidance if guidance is not None else cfg["guidance_scale"]
     seed = seed if seed is not None else cfg["validation_seed"]
@@ -338,22 +347,23 @@ def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: l
     objective = build_objective(preset.objective, preset.prediction, shift=cfg.get("flow_shift") or preset.flow_shift,
                                 resolution_shift=cfg.get("resolution_shift", False), base_resolution=preset.base_resolution,
                                 **flow_shift_kind(cfg.get("flow_shift"), cfg.get("resolution_shift", False), preset))
-    cache = Cache(prompt_cache)
-    if damaged := damaged_files(cache, ("prompts", "decoder")):  # what sampling reads, against the manifest's digests
-        raise DamagedCache(damaged)
-    out = Path(out) if out else ckpt / "samples"
+    # a run's checkpoints are rotated (--keep-checkpoints): samples go beside them, named by the checkpoint's step
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    out = Path(out) if out else run_dir / "samples" / ckpt.name
     out.mkdir(parents=True, exist_ok=True)
     validator = Validator(cache, preset, objective, prompts=list(prompts), buckets=list(buckets), steps=steps, guidance=guidance,
                           seed=seed, decode_device="cpu", out=out, model_name=preset.name)
     if not validator:
-        raise ValueError(f"{cache.root} holds no prompts; pass --validation-prompt TEXT for prompts cached there, or add some with "
-                         f"{add_prompts_command(cache, [])}")
+        raise ValueError(f"{cache.location} holds no prompts; pass --validation-prompt TEXT for prompts cached there, or add "
+                         f"some with {add_prompts_command(cache, [])}")
     dtype = DTYPES[precision]
-    latents = validator.sample(model, dtype)
+    latents = validator.sample(model, dtype, progress=say)
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    vae = load_decoder(validator.recipe, device if decode_device == "device" else torch.device("cpu"))
+    decoding = device if decode_device == "device" else torch.device("cpu")
+    say(f"decoding {len(latents)} image(s) on {decoding.type} into {out} ...")
+    vae = load_decoder(validator.recipe, decoding)
     written = []
     for (text, bucket), z in latents.items():
         image = decode(vae, validator.recipe, z[None])[0]
@@ -361,6 +371,18 @@ def sample(run: Path, prompt_cache: Path, out: Path | None = None, *, prompts: l
         image.save(path)
         written.append(path)
     return written
+
+
+def open_prompt_cache(location: Path | str | None, cfg: dict) -> Cache:
+    """The cache whose prompts a checkpoint samples: `location`, or the run's own first --cache (a directory as the run
+    was given it, or a URL read through the run's --local-cache)."""
+    if location is not None:
+        return open_cache(str(location))
+    own = cfg["cache"][0] if isinstance(cfg["cache"], list) else cfg["cache"]
+    if not is_url(own) and not exists(own):
+        raise FileNotFoundError(f"the run's cache {own} (its --cache) is not there from {Path.cwd()}: pass --prompt-cache "
+                                f"CACHE (the cache, or any cache of the same encoders with the prompts)")
+    return open_cache(own, local_dir=cfg.get("local_cache"))
 
 
 def _slug(text: str) -> str:

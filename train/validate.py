@@ -167,10 +167,11 @@ class Validator:
         return bool(self.prompts or self.items)
 
     def sample(self, model, precision: torch.dtype, ema=None, params=None, *, controlnet=None,
-               forward: Callable | None = None) -> dict:
+               forward: Callable | None = None, progress: Callable[[str], None] | None = None) -> dict:
         """Latents of every prompt at every bucket, by (prompt, bucket), or of every item, by its position in
         `items`; EMA weights when given (`params`: the weights they stand for). A ControlNet run passes its
-        ControlNet and `forward` (`train.controlnet.controlled_forward`): the training weights sample."""
+        ControlNet and `forward` (`train.controlnet.controlled_forward`): the training weights sample. `progress`
+        hears which prompt and bucket each sample is, before it is sampled."""
         modules = [m for m in (model, controlnet) if m is not None]
         was_training = [m.training for m in modules]
         for m in modules:
@@ -193,12 +194,16 @@ class Validator:
                                 forward=forward, control=item.control)
                     for i, item in enumerate(self.items)
                 }
-            return {
-                (prompt.text, b): generate(model, self.preset, self.objective, prompt.cond, self.null, shape, b.height * b.width,
-                                           steps=self.steps, guidance=self.guidance, seed=derived_seed(self.seed, i, *shape),
-                                           precision=precision, layout=self.layout)
-                for i, prompt in enumerate(self.prompts) for shape, b in zip(self.shapes, self.buckets)
-            }
+            jobs = [(i, prompt, shape, b) for i, prompt in enumerate(self.prompts) for shape, b in zip(self.shapes, self.buckets)]
+            latents = {}
+            for k, (i, prompt, shape, b) in enumerate(jobs):
+                if progress is not None:
+                    progress(f"sampling {k + 1}/{len(jobs)}: {prompt.text!r} at {b.name}, {self.steps} steps ...")
+                latents[prompt.text, b] = generate(model, self.preset, self.objective, prompt.cond, self.null, shape,
+                                                   b.height * b.width, steps=self.steps, guidance=self.guidance,
+                                                   seed=derived_seed(self.seed, i, *shape), precision=precision,
+                                                   layout=self.layout)
+            return latents
         finally:
             if swapped:
                 _swap(params, ema.shadow_params)

@@ -94,3 +94,35 @@ def test_gpu_memory_means_the_card_of_the_readme_table():
         assert result["largest_batch"] == result["largest_batch_by_card"][card]
     # the reserve matters: the same card without it would plan a larger batch
     assert plan(PlanConfig("tiny-sd3", gpu_memory=16 * GiB, **setup))["largest_batch"] > result["largest_batch_by_card"]["16GB"]
+
+
+def test_sample_reads_the_runs_own_cache_says_what_it_does_and_writes_beside_the_checkpoints(tiny_caches, tmp_path):
+    from typer.testing import CliRunner
+
+    from train.__main__ import tools
+    from train.checkpoint import complete_checkpoints
+    from train.config import TrainConfig
+    from train.loop import train
+
+    def run_to(steps: int) -> None:
+        train(TrainConfig(model="tiny-sana", cache=[tiny_caches["tiny-sana"]], run=tmp_path / "run", steps=steps, batch_size=2,
+                          checkpoint_every=1, keep_checkpoints=1, validate=False, workers=0))
+
+    run_to(2)
+    result = CliRunner().invoke(tools, ["sample", str(tmp_path / "run"), "--validation-steps", "1", "--validation-bucket", "256x256"])
+    assert result.exit_code == 0, result.output
+    written = [Path(line) for line in result.stdout.splitlines()]  # stdout: the images alone
+    assert len(written) == 2 and all(p.parent == tmp_path / "run" / "samples" / "step-00000002" and p.stat().st_size for p in written)
+    assert "sampling 1/2: 'a large red circle on a blue background' at 256x256, 1 steps ..." in result.stderr
+    assert "sampling 2/2:" in result.stderr and "decoding 2 image(s) on cpu" in result.stderr
+    run_to(3)  # the run goes on: step 2's checkpoint is rotated away, its samples stay
+    assert [p.name for p in complete_checkpoints(tmp_path / "run")] == ["step-00000003"]
+    assert all(p.exists() for p in written)
+
+
+def test_sample_without_the_runs_cache_says_to_pass_one(tmp_path, monkeypatch):
+    from train.export import open_prompt_cache
+
+    monkeypatch.chdir(tmp_path)  # the run was given a relative --cache, from elsewhere
+    with pytest.raises(FileNotFoundError, match="the run's cache cache/tiny-sana .its --cache. is not there from .*--prompt-cache"):
+        open_prompt_cache(None, {"cache": ["cache/tiny-sana"]})
