@@ -18,7 +18,7 @@ import typer
 from precompute.config import PrecomputeConfig
 from precompute.prompts import PromptsConfig, add_prompts
 from precompute.sources import KEY_HELP
-from shards.options import config_file_parameter, help_of, typer_parameters
+from shards.options import config_file_parameter, extras_help, help_of, shown, typer_parameters
 
 # Exit codes (README): 0 done; 1 more inputs skipped than --max-failure-fraction (the rest is cached); 2 bad
 # arguments, input or cache (a damaged cache file included; nothing written that could be lost), any other error,
@@ -36,7 +36,8 @@ HELP = (__doc__.split("\n\n")[0] + "\n\nRe-running encodes only new or changed i
         "\n\n`python -m precompute prompts CACHE --prompt TEXT` adds validation prompts to a built cache without DATA (see "
         "its --help); a DATA folder named `prompts` is given as ./prompts."
         "\n\nDATA may be a dataset file (.toml) of \\[\\[source]] tables, one per source; a run touches only the sources it "
-        "lists. Keys: " + "; ".join(f"{k}: {v}" for k, v in KEY_HELP.items()) + ".")
+        "lists. Keys: " + shown("; ".join(f"{k}: {v}" for k, v in KEY_HELP.items())) + "."
+        "\n\n" + shown(extras_help({"remote": "DATA or --cache in s3://, gs://", "hf": "DATA as a Hugging Face dataset on disk"})))
 
 
 class Terminated(KeyboardInterrupt):

@@ -23,8 +23,10 @@ def load_pyarrow():
         import pyarrow.ipc  # noqa: F401
         import pyarrow.parquet  # noqa: F401
     except ImportError as e:
-        raise ImportError("reading a Hugging Face dataset needs pyarrow: pip install 'cachedit[hf]' "
-                          "(or pip install pyarrow)") from e
+        from shards.options import install_extra
+
+        raise ImportError(f"reading a Hugging Face dataset needs pyarrow: {install_extra('hf')} "
+                          f"(or pip install pyarrow)") from e
     return pyarrow
 
 

@@ -175,6 +175,32 @@ def help_of(cls, name: str) -> str:
     return f.metadata["help"] + (f" Must be {valid}." if valid else "")
 
 
+def install_extra(name: str) -> str:
+    """The command that installs the optional dependencies `name` (pyproject's extras) into the checkout's
+    environment, as `make install` installed the project."""
+    return f"pip install -e '.[{name}]'"
+
+
+def extras_help(extras: dict[str, str]) -> str:
+    """A --help paragraph: each extra's install command on a line of its own, whole at any terminal width, with what
+    needs it (`extras`: name -> what)."""
+    width = max(len(install_extra(name)) for name in extras)
+    return "Extras (optional dependencies; from the checkout):\n" + "\n".join(
+        f"  {install_extra(name):<{width}}  {what}" for name, what in extras.items())
+
+
+def shown(text: str) -> str:
+    """`text` as help to print through typer: with rich formatting (typer's default), square brackets that rich
+    would take for markup (the `[quant]` of an install command) are escaped."""
+    import typer.core
+
+    if not typer.core.HAS_RICH:
+        return text
+    from rich.markup import escape
+
+    return escape(text)
+
+
 def range_check(cls, name: str):
     """A click callback refusing what field `name` of `cls` refuses, for a command that takes the option without
     building `cls` (`python -m train plan --ema-decay`); None passes (the command's own default)."""
@@ -205,7 +231,7 @@ def typer_parameters(cls, names: typing.Iterable[str] | None = None, *, aliases:
         annotation = hints[name]
         if typing.get_origin(annotation) in (typing.Union, types.UnionType):
             annotation = Optional[[a for a in typing.get_args(annotation) if a is not type(None)][0]]
-        option = typer.Option(default_of(cls, name), *(aliases or {}).get(name, ()), help=help_of(cls, name))
+        option = typer.Option(default_of(cls, name), *(aliases or {}).get(name, ()), help=shown(help_of(cls, name)))
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=option))
     return params
 

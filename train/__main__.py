@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Literal
@@ -15,7 +16,7 @@ from typing import Literal
 import typer
 
 from shards import DamagedCache
-from shards.options import Dtype, config_file_parameter, help_of, range_check, typer_parameters
+from shards.options import Dtype, config_file_parameter, extras_help, help_of, range_check, shown, typer_parameters
 from train.config import TrainConfig
 from train.families import FAMILIES
 from train.plan_command import plan_command
@@ -47,8 +48,13 @@ EXIT_INPUT, EXIT_DAMAGED = 2, 3
 EXIT_UPLOAD = 4
 EXIT_BUSY, EXIT_DIVERGED = 5, 6
 
+# what each extra of pyproject.toml is for, in --help (the options' help names the extra)
+EXTRAS = {"quant": "--base-quant int8, fp8, nf4", "bf16": "--optimizer adamw-bf16", "8bit": "--optimizer adamw-8bit",
+          "tensorboard": "--report-to tensorboard", "wandb": "--report-to wandb", "remote": "--cache s3://..., gs://..."}
+
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-app.command(help=__doc__)(command)
+# rich keeps a help paragraph's line breaks: the docstring's paragraphs are joined into lines first
+app.command(help=re.sub(r"(?<!\n)\n(?!\n)", " ", __doc__.strip()) + "\n\n" + shown(extras_help(EXTRAS)))(command)
 
 tools = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True)
 
@@ -56,7 +62,7 @@ tools = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_arg
 def like_train(name: str, default=None, help: str | None = None):
     """An option that means what `python -m train --NAME` means: its help, and its default unless another is
     given (None: the run's own value, for tools that read a run)."""
-    return typer.Option(default, help=help or help_of(TrainConfig, name), callback=range_check(TrainConfig, name))
+    return typer.Option(default, help=shown(help or help_of(TrainConfig, name)), callback=range_check(TrainConfig, name))
 
 
 @tools.command("export")
@@ -120,7 +126,7 @@ def sample_command(
     precision: Dtype | None = like_train("precision", help="Autocast precision of the transformer: fp32, bf16 or fp16." + RUNS_OWN),
     decode_device: Literal["cpu", "device"] | None = like_train(
         "decode_device", help="Decode on the cpu or on the device the transformer ran on (freed first)." + RUNS_OWN),
-    out: Path | None = typer.Option(None, help="Output directory (default: RUN/samples/STEP, e.g. runs/flux-dev/samples/"
+    out: Path | None = typer.Option(None, help="Output directory (default: RUN/samples/STEP, e.g. runs/MODEL/samples/"
                                     "step-00001000: beside the checkpoints, which the run rotates away)."),
 ) -> None:
     """Images for cached prompts from any checkpoint: one PNG per prompt and bucket, their paths on stdout (what it is
@@ -135,7 +141,8 @@ def sample_command(
     _run(go)
 
 
-tools.command("plan")(plan_command)
+tools.command("plan", help=inspect.cleandoc(plan_command.__doc__) + "\n\n"
+              + shown(extras_help({k: EXTRAS[k] for k in ("quant", "bf16", "8bit")})))(plan_command)
 
 
 def _run(fn) -> None:

@@ -94,7 +94,7 @@ class ModelOptions:
                                                     at_least=0)
     base_quant: Literal["none", "int8", "fp8", "nf4"] = opt(
         "none", "Keep the frozen transformer of a LoRA or ControlNet run quantized: its Linear weights in int8 or fp8 (torchao "
-                "weight-only, on any device) or nf4 (bitsandbytes 4-bit, CUDA); pip install 'cachedit[quant]'; norms, biases "
+                "weight-only, on any device) or nf4 (bitsandbytes 4-bit, CUDA), both from the quant extra; norms, biases "
                 "and embeddings in bf16 (whatever --weights-dtype says). The adapters or ControlNet train in fp32 as usual and "
                 "export unchanged. Pair it with --grad-checkpointing: the quantized layers keep a bf16 copy of each weight "
                 "for the backward pass (python -m train plan shows both).")
@@ -280,8 +280,8 @@ class OptimizerOptions:
     steps: int = opt(200, "Total optimizer steps of the run; a resumed run continues until it.", at_least=1)
     grad_accum: int = opt(1, "Micro-batches per optimizer step.", at_least=1)
     optimizer: Optimizer = opt("adamw", "adamw (fused on CUDA); adamw-bf16: bf16 moments with stochastic rounding, for "
-                                        "--weights-dtype bf16 (torchao); came (CAME, came-pytorch); adafactor; adamw-8bit "
-                                        "(CUDA, bitsandbytes: pip install 'cachedit[8bit]').")
+                                        "--weights-dtype bf16 (torchao: the bf16 extra); came (CAME, came-pytorch); adafactor; "
+                                        "adamw-8bit (CUDA, bitsandbytes: the 8bit extra).")
     lr: float = opt(1e-4, "Peak learning rate. A resumed run given another value applies it from its step (logged).",
                           above=0)
     warmup_steps: int = opt(0, "Linear warm-up steps (applied on resume when changed).", at_least=0)
@@ -445,8 +445,8 @@ class RunOptions:
     progress: bool = opt(True, "Show the progress bar when stdout is a terminal; --no-progress prints the plain lines of "
                                "--log-every instead, as output to a file or a pipe gets.")
     report_to: list[str] = opt([], "Send the logged scalars, the validation grids and the run's config to a tracker: tensorboard "
-                                   "(RUN/tensorboard; pip install 'cachedit[tensorboard]') or wandb (pip install "
-                                   "'cachedit[wandb]'; WANDB_MODE=offline works without an account). Repeatable; none: "
+                                   "(RUN/tensorboard; the tensorboard extra) or wandb (the wandb extra; "
+                                   "WANDB_MODE=offline works without an account). Repeatable; none: "
                                    "metrics.jsonl alone (the default; it is always written).")
     tracker_project: str = opt("cachedit", "The tracker's project (wandb's project).")
     tracker_run_name: str | None = opt(None, "The run's name in the tracker (default: the run directory's name).")

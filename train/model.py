@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from shards import LatentSpec
-from shards.options import DTYPES
+from shards.options import DTYPES, install_extra
 from train import checkpoint, controlnet, distributed, lora, quant
 from train.config import TrainConfig
 from train.ema import EMA
@@ -276,7 +276,7 @@ def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.opt
         try:
             from torchao.optim import _AdamW
         except ImportError:
-            raise ValueError("--optimizer adamw-bf16 needs torchao: pip install 'cachedit[bf16]'") from None
+            raise ValueError(f"--optimizer adamw-bf16 needs torchao: {install_extra('bf16')}") from None
         logging.getLogger("torchao").setLevel(logging.ERROR)  # its optional CUDA kernels are absent on CPU
         return _AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, bf16_stochastic_round=True)
     if device.type != "cuda":
@@ -284,7 +284,7 @@ def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.opt
     try:
         import bitsandbytes as bnb
     except ImportError:
-        raise ValueError("--optimizer adamw-8bit needs bitsandbytes: pip install 'cachedit[8bit]'") from None
+        raise ValueError(f"--optimizer adamw-8bit needs bitsandbytes: {install_extra('8bit')}") from None
 
     return bnb.optim.AdamW8bit(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 

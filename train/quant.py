@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from shards.options import install_extra
+
 KINDS = ("int8", "fp8", "nf4")
 # the dtype of everything the quantization leaves (norms, biases, embeddings): what torchao's and bitsandbytes'
 # kernels compute in
@@ -43,7 +45,7 @@ def check_supported(kind: str, device: torch.device) -> None:
             found = None
         if found is None or tuple(int(x) for x in found.split(".")[:2] if x.isdigit()) < (0, 15):
             raise ValueError(f"--base-quant {kind} needs torchao 0.15 or later (found {found or 'none'}): "
-                             f"pip install 'cachedit[quant]'")
+                             f"{install_extra('quant')}")
         return
     if device.type != "cuda":
         raise ValueError("--base-quant nf4 runs bitsandbytes' 4-bit kernels, which need a CUDA GPU; on this machine use "
@@ -51,7 +53,7 @@ def check_supported(kind: str, device: torch.device) -> None:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        raise ValueError("--base-quant nf4 needs bitsandbytes: pip install 'cachedit[quant]'") from None
+        raise ValueError(f"--base-quant nf4 needs bitsandbytes: {install_extra('quant')}") from None
 
 
 def quantization_config(kind: str):

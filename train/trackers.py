@@ -9,6 +9,7 @@ import secrets
 from pathlib import Path
 
 from shards.atomic import atomic_write_bytes
+from shards.options import install_extra
 
 MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}  # --report-to name: what it imports
 
@@ -20,7 +21,7 @@ def require(names: list[str]) -> None:
         try:
             importlib.import_module(MODULES[name])
         except ImportError as e:
-            raise ValueError(f"--report-to {name}: {name} is not installed; pip install 'cachedit[{name}]' "
+            raise ValueError(f"--report-to {name}: {name} is not installed; {install_extra(name)} "
                              f"({e})") from e
 
 

@@ -126,3 +126,42 @@ def test_sample_without_the_runs_cache_says_to_pass_one(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the run was given a relative --cache, from elsewhere
     with pytest.raises(FileNotFoundError, match="the run's cache cache/tiny-sana .its --cache. is not there from .*--prompt-cache"):
         open_prompt_cache(None, {"cache": ["cache/tiny-sana"]})
+
+
+def rendered_help(app, *args: str) -> str:
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def extras() -> set[str]:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    return set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]) - {"dev"}
+
+
+def test_help_shows_the_extras_install_commands_whole_at_80_columns():
+    """Each extra's install command on one line of --help in an 80-column terminal, and every `pip install` whole:
+    not cut by the options table's narrow column, its `[extra]` not taken for rich markup."""
+    from precompute.__main__ import app as precompute_app
+    from train.__main__ import app as train_app
+    from train.__main__ import tools
+
+    pages = {"train": rendered_help(train_app), "plan": rendered_help(tools, "plan"), "precompute": rendered_help(precompute_app)}
+    listed = {name: set(re.findall(r"pip install -e '\.\[([\w-]+)\]'", page)) for name, page in pages.items()}
+    assert listed["train"] >= {"quant", "bf16", "8bit", "tensorboard", "wandb", "remote"}
+    assert listed["plan"] >= {"quant", "bf16", "8bit"} and listed["precompute"] >= {"remote", "hf"}
+    assert set().union(*listed.values()) == extras()  # every extra of pyproject.toml, in one stage's help or both
+    for page in pages.values():
+        assert all(len(line) <= 80 for line in page.splitlines())
+        for line in page.splitlines():
+            if "pip install" in line:  # the whole command on its line
+                assert re.search(r"pip install -e '\.\[[\w-]+\]'(\s|$)", line), line
+    # an option's help names its extra (the command is above it), in the options table's wrapped column
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", pages["plan"]).split())
+    assert "both from the quant extra" in flat and "bitsandbytes: the 8bit extra" in flat

@@ -148,7 +148,7 @@ def test_no_tracker_unless_asked(cache, tmp_path, offline):
 def test_a_tracker_not_installed_stops_the_run_before_its_first_step(cache, tmp_path, monkeypatch, tracker, module):
     monkeypatch.setitem(sys.modules, module, None)  # what `import` finds when the package is missing
     run = tmp_path / "run"
-    with pytest.raises(ValueError, match=rf"pip install 'cachedit\[{tracker}\]'"):
+    with pytest.raises(ValueError, match=rf"pip install -e '\.\[{tracker}\]'"):
         train(config(cache, run, report_to=[tracker]))
     assert not (run / "metrics.jsonl").exists() and not complete_checkpoints(run)
 
