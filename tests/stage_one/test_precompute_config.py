@@ -16,7 +16,7 @@ from precompute.__main__ import app
 from precompute.config import PrecomputeConfig
 from precompute.sample_data import make_folder
 from shards import Cache
-from shards.options import default_of, flag, help_of
+from shards.options import default_of, flag, help_of, shown
 
 pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models (left out of make test-fast)
 
@@ -46,7 +46,7 @@ def test_every_field_is_an_option_with_its_help_and_default():
     assert set(params) == set(FIELDS) | {"config"}
     assert params["data"].param_type_name == "argument" and params["data"].required
     for name in FIELDS:
-        assert params[name].help == help_of(PrecomputeConfig, name), name
+        assert params[name].help == shown(help_of(PrecomputeConfig, name)), name  # as rich prints it
         if name != "data":
             assert params[name].default == default_of(PrecomputeConfig, name), name
     assert set(params["model"].opts + params["model"].secondary_opts) == {"--model", "-m"}

@@ -129,9 +129,13 @@ def test_sample_without_the_runs_cache_says_to_pass_one(tmp_path, monkeypatch):
 
 
 def rendered_help(app, *args: str) -> str:
+    """`--help` in an 80-column terminal (typer reads TERMINAL_WIDTH once, when it is imported: set where it looks)."""
+    import typer.rich_utils
     from typer.testing import CliRunner
 
-    result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(typer.rich_utils, "MAX_WIDTH", 80)
+        result = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "80"})
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -165,3 +169,5 @@ def test_help_shows_the_extras_install_commands_whole_at_80_columns():
     # an option's help names its extra (the command is above it), in the options table's wrapped column
     flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", pages["plan"]).split())
     assert "both from the quant extra" in flat and "bitsandbytes: the 8bit extra" in flat
+    # square brackets in an option's help are printed, not taken for markup (--caption-variants: "per [[source]]")
+    assert " ".join(re.sub(r"[│╭╮╰╯─]", " ", pages["precompute"]).split()).count("[[source]]") == 2
