@@ -281,6 +281,7 @@ def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: d
     storage = torch_dtype(config.storage_dtype)
     with ShardWriter(cache, fingerprint, schema, text_schema=text_schema) as final:
         final.remove(stale)
+        final.drop_unreferenced_texts()  # texts of samples refused, or of a run killed between texts and samples
         store_prompts(final, enc, config.validation_prompt, storage)
         store_decoder(final, enc, enc.preset)
         record_sources(final, sources)

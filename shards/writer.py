@@ -393,6 +393,21 @@ class ShardWriter:
             self._listed -= keys
         return removed
 
+    def drop_unreferenced_texts(self) -> int:
+        """Drop the text rows no sample refers to (left by a writer killed between committing texts and the samples
+        referring to them, or stored for samples that were then refused), in one commit; returns how many. Reads the
+        sample index, O(samples); a removal does the same for the texts it leaves unreferenced."""
+        if self.text_schema is None:
+            return 0
+        self.flush()
+        self._catch_up()
+        actions = self._drop_texts([], [])
+        dropped = sum(len(self.manifest.texts.samples_of(self.manifest.texts.row_of(p))[0]) for p in actions["remove_texts"])
+        kept = sum(len(obj["keys"]) for obj in actions["add_texts"])
+        if actions["remove_texts"]:
+            self.commit(**actions)
+        return dropped - kept
+
     def _drop_texts(self, retired: list[str], added: list[dict]) -> dict:
         """The text rows no sample refers to once the shards `retired` leave and `added` join: the actions that drop
         them (`remove_texts`), copying the other rows of a text shard that keeps some into a new one (`add_texts`)."""

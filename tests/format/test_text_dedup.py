@@ -129,6 +129,13 @@ def test_a_crash_before_the_commit_leaves_no_text_and_the_rerun_stores_it(tmp_pa
     once = write_stored_once(tmp_path, {0: [PROMPT], 1: [PROMPT]})
     assert len(once) == 2 and once.manifest.text_stats()["texts"] == 1
     assert verify(tmp_path).ok, verify(tmp_path).problems
+    with ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE, rank=1) as w:  # texts committed, their samples never
+        w.write_text("orphan one", {"text": embedding("orphan one")})
+        w.write_text("orphan two", {"text": embedding("orphan two")})
+    assert Cache(tmp_path).manifest.text_stats()["texts"] == 3 and verify(tmp_path).ok
+    with ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE) as w:
+        assert w.drop_unreferenced_texts() == 2 and w.drop_unreferenced_texts() == 0
+    assert Cache(tmp_path).manifest.text_stats()["texts"] == 1 and verify(tmp_path).ok
 
 
 def test_removal_drops_texts_no_sample_refers_to_and_gc_deletes_them_after_the_readers(tmp_path):
