@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from precompute.encode import Encoders
 from precompute.run import main as precompute
 from precompute.sample_data import make_folder
 from shards import Cache, verify
@@ -74,10 +75,14 @@ def test_training_reads_the_same_batches_and_losses_from_either_layout(tmp_path)
     assert [r["loss"] for r in metrics(tmp_path / "run-once")] == [r["loss"] for r in metrics(tmp_path / "run-inline")]
 
 
-def test_a_dreambooth_set_stores_its_prompt_once_through_resume_removal_and_repair(tmp_path, capsys):
+def test_a_dreambooth_set_stores_its_prompt_once_through_resume_removal_and_repair(tmp_path, monkeypatch):
+    encoded = []  # every caption the text encoder is given
+    real = Encoders.encode_text
+    monkeypatch.setattr(Encoders, "encode_text", lambda self, captions, *a, **k: encoded.extend(captions) or real(self, captions, *a, **k))
     data = dreambooth(tmp_path / "data", 24)
     cache = tmp_path / "cache"
     precompute(str(data), "tiny-sana", cache, **RUN, batch_size=4, max_shard_mb=1)
+    assert encoded.count(PROMPT) == 1  # six batches of four images, one encoding
     stats = Cache(cache).manifest.text_stats()
     assert stats["texts"] == 1 and stats["references"] == 24
     precompute(str(data), "tiny-sana", tmp_path / "inline", **RUN, batch_size=4, dedup_texts=False)
@@ -87,7 +92,9 @@ def test_a_dreambooth_set_stores_its_prompt_once_through_resume_removal_and_repa
 
     # more images of the same prompt: nothing is encoded or stored again for the text
     more = dreambooth(tmp_path / "data", 30)  # the same 24 and 6 more
+    encoded.clear()
     precompute(str(more), "tiny-sana", cache, **RUN, batch_size=4)
+    assert PROMPT not in encoded  # cached: the new images refer to it
     stats = Cache(cache).manifest.text_stats()
     assert stats["texts"] == 1 and stats["references"] == 30 and verify(cache).ok
 
