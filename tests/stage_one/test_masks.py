@@ -318,3 +318,27 @@ def test_mask_options_are_checked(tmp_path):
     assert sources[0].mask_mode == "file" and sources[0].salt() != 0
     assert PrecomputeConfig(str(tmp_path / "d"), alpha_mask=True).sources()[0].mask_mode == "alpha"
     assert PrecomputeConfig(str(tmp_path / "d")).sources()[0].salt() == 0  # no masks: stamps as before
+
+
+def test_a_cache_written_before_masks_keeps_its_keys_and_refuses_masked_sources(tmp_path):
+    """tests/data's cache of an earlier version (no mask, no latent key): a run without masks finds every sample
+    unchanged, and one asking for masks is refused before anything is encoded."""
+    import shutil
+
+    from precompute.sample_data import make_folder
+
+    legacy = Path(__file__).resolve().parents[1] / "data" / "cache-v2-3b95788" / "tiny-sana"
+    shutil.copytree(legacy, tmp_path / "cache")
+    data = make_folder(tmp_path / "DATA", count=6)  # the legacy cache's dataset (its README)
+    write_white_masks(data)
+    summary = precompute(str(data), "tiny-sana", tmp_path / "cache", validation_prompt=["a red circle"], **RUN)
+    assert (summary["unchanged"], summary["new"], summary["changed"]) == (6, 0, 0)
+    assert MASK not in Cache(tmp_path / "cache").schema
+    with pytest.raises(ValueError, match="built before masks could be stored: write it into a new cache"):
+        precompute(str(data), "tiny-sana", tmp_path / "cache", masks=True, **RUN)
+
+
+def write_white_masks(data: Path) -> None:
+    for image in sorted(data.glob("*.png")):
+        with Image.open(image) as img:
+            Image.new("L", img.size, 255).save(image.with_name(image.stem + ".mask.png"))
