@@ -202,3 +202,11 @@ def test_masked_loss_is_an_option_with_help():
     help_text = {f.name: f.metadata["help"] for f in ObjectiveOptions.__dataclass_fields__.values()}["masked_loss"]
     assert "kohya" in help_text and "mean" in help_text
     assert TrainConfig(model="tiny-sana", masked_loss=True).masked_loss
+
+
+def test_the_planner_counts_the_mask_in_the_objective_bytes():
+    from train.plan_costs import measure_objective_bytes
+
+    plain = measure_objective_bytes(FlowMatching(weighting_scheme="none"), 4, 4)
+    masked = measure_objective_bytes(FlowMatching(weighting_scheme="none", masked_loss=True), 4, 4)
+    assert masked[1] > plain[1]  # the mask and its product with the loss, at the peak
