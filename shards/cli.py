@@ -118,6 +118,9 @@ def inspect(
                    f"  {share}  {src.get('path', '')}")
         if line := _caption_line(src):
             typer.echo(f"  {'':<24} {line}")
+        if src.get("masks"):  # stage one cached a loss mask per sample (for --masked-loss)
+            where = "the images' alpha channel" if src.get("alpha_mask") else src.get("mask") or "mask files"
+            typer.echo(f"  {'':<24} loss masks from {where}")
     if "texts" in info:
         t = info["texts"]
         typer.echo(f"\ntexts (each stored once): {t['texts']} in {t['shards']} text shards, {_human(t['bytes'])}; "

@@ -342,3 +342,23 @@ def write_white_masks(data: Path) -> None:
     for image in sorted(data.glob("*.png")):
         with Image.open(image) as img:
             Image.new("L", img.size, 255).save(image.with_name(image.stem + ".mask.png"))
+
+
+def test_inspect_says_where_each_source_takes_its_masks(built):
+    from typer.testing import CliRunner
+
+    from shards.cli import app
+
+    root, _, _ = built
+    out = CliRunner().invoke(app, ["inspect", str(root / "cache")], env={"COLUMNS": "250"}).output
+    lines = out.splitlines()
+
+    def masks_of(source: str) -> str:
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(source + " "))
+        following = lines[at + 1] if at + 1 < len(lines) else ""
+        return following.strip() if following.strip().startswith("loss masks") else ""
+
+    assert masks_of("alpha") == "loss masks from the images' alpha channel"
+    assert masks_of("folder") == f"loss masks from {root / 'folder-masks'}"
+    assert masks_of("side") == "loss masks from mask files"
+    assert masks_of("plain") == ""
