@@ -7,7 +7,7 @@ shards its samples refer to by key (`shards.texts`), which a read resolves.
 See FORMAT.md beside this file.
 """
 
-from shards.buckets import ASPECT_RATIO_TABLES, Bucket, aspect_error, bucket_table, nearest_bucket
+from shards.buckets import ASPECT_RATIO_TABLES, Bucket, aspect_error, bucket_table, nearest_bucket, resolution_table
 from shards.contract import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, CacheSpec, DecoderRecipe, LatentSpec, TextSpec
 from shards.fingerprint import canonical_json, diff_fingerprints, fingerprint_hash
 from shards.gc import gc, register_reader
@@ -74,6 +74,7 @@ __all__ = [
     "gc",
     "load",
     "register_reader",
+    "resolution_table",
     "nearest_bucket",
     "open_cache",
     "prompt_key",

@@ -3,6 +3,8 @@
 The tables are the published PixArt / Sana multi-aspect tables (the `ASPECT_RATIO_{256,512,1024,2048}_BIN`
 dicts of the diffusers PixArt-alpha / PixArt-Sigma pipelines, which the Sana pipeline reuses). They are
 kept here as data because this package must not import diffusers; a test checks they equal diffusers'.
+A table for another area (`resolution_table`) is built as the 256 and 512 tables were: the 1024 table's
+aspect ratios scaled to the area, each side rounded to the model's pixel granularity.
 """
 
 from __future__ import annotations
@@ -85,6 +87,49 @@ def bucket_table(base_resolution: int) -> tuple[Bucket, ...]:
             f"no published bucket table for base resolution {base_resolution}; "
             f"choose one of {sorted(ASPECT_RATIO_TABLES)}"
         ) from None
+
+
+# Resolutions a stage-one run may ask for: square areas of MIN_RESOLUTION..(the family's maximum) pixels a side,
+# in steps of RESOLUTION_STEP (every published table's area is one).
+MIN_RESOLUTION, RESOLUTION_STEP = 256, 64
+
+
+def resolution_problem(resolution: object, maximum: int) -> str | None:
+    """Why `resolution` is not a resolution a table can be built for (below `maximum`), or None."""
+    if isinstance(resolution, bool) or not isinstance(resolution, int):
+        return f"{resolution!r} is not a whole number of pixels"
+    if resolution % RESOLUTION_STEP or not MIN_RESOLUTION <= resolution <= maximum:
+        return (f"{resolution} is not a multiple of {RESOLUTION_STEP} from {MIN_RESOLUTION} to {maximum} "
+                f"(the model's largest)")
+    return None
+
+
+def scaled_table(resolution: int, granularity: int) -> tuple[Bucket, ...]:
+    """The 1024 table's aspect ratios at an area of `resolution`² pixels: each side scaled by `resolution / 1024`
+    and rounded (halves up) to a multiple of `granularity`, at least one step; a bucket that rounds onto an earlier
+    one is dropped. `scaled_table(512, 32)` and `scaled_table(256, 16)` are the published 512 and 256 tables.
+
+    Args:
+        resolution: the side of the square bucket, in pixels.
+        granularity: pixels per side of one image token (the VAE's downsampling times the transformer's patch).
+    """
+    if granularity < 1:
+        raise ValueError(f"granularity {granularity}: must be at least 1")
+    scale = resolution / 1024
+
+    def side(pixels: int) -> int:
+        return max(granularity, math.floor(pixels * scale / granularity + 0.5) * granularity)
+
+    return tuple(dict.fromkeys(Bucket(side(b.height), side(b.width)) for b in ASPECT_RATIO_1024))
+
+
+def resolution_table(resolution: int, granularity: int) -> tuple[Bucket, ...]:
+    """The bucket table of a resolution for a model whose bucket sides are multiples of `granularity`: the published
+    table where one exists and fits that granularity, otherwise `scaled_table`."""
+    published = ASPECT_RATIO_TABLES.get(resolution)
+    if published is not None and all(b.height % granularity == 0 and b.width % granularity == 0 for b in published):
+        return published
+    return scaled_table(resolution, granularity)
 
 
 def nearest_bucket(height: int, width: int, buckets: Iterable[Bucket]) -> Bucket:

@@ -129,6 +129,11 @@ class Manifest:
                 return "texts stored with each sample" if t is None else f"texts stored once, fields {schema_to_json(t)}"
             raise FormatError(f"{root}: the cache has {layout(self.text_schema)}, this writer {layout(text_schema)}")
 
+    def resolutions(self) -> dict[int, int]:
+        """Samples per resolution (`ShardEntry.resolution`: 0 is the cache's base resolution), from the shard table."""
+        res, n = self.shards.column("resolution"), self.shards.column("samples")
+        return {int(r): int(n[res == r].sum()) for r in sorted(set(res.tolist()))}
+
     def datasets(self) -> dict[str, dict[str, int]]:
         """Totals per dataset (the named sources of stage one's dataset file; "" for samples written without
         one): `{name: {"samples", "shards", "bytes"}}`, in name order. From the shard table alone."""
@@ -153,21 +158,23 @@ class Manifest:
         return {str(name): int(rows[names == name].sum()) for name in sorted(set(names.tolist()))}
 
     # -- the sample index --------------------------------------------------------------------------
-    def samples(self, dataset: str | None = None) -> Iterator[tuple[str, str, int, int, int]]:
-        """(key, source, stamp, shard index, row in shard) of every sample (of one dataset), in global index order."""
+    def samples(self, dataset: str | None = None, resolution: int | None = None) -> Iterator[tuple[str, str, int, int, int]]:
+        """(key, source, stamp, shard index, row in shard) of every sample (of one dataset; of one resolution, 0 for
+        the cache's base one, see `ShardEntry.resolution`), in global index order."""
         names = self.shards.datasets() if dataset is not None else None
+        resolutions = self.shards.column("resolution") if resolution is not None else None
         for i, j in enumerate(self.shards.rows):
-            if names is not None and names[i] != dataset:
+            if (names is not None and names[i] != dataset) or (resolutions is not None and resolutions[i] != resolution):
                 continue
             keys, sources, stamps = self.shards.samples_of(int(j))
             for r, (k, s, t) in enumerate(zip(keys, sources, stamps)):
                 yield k, s, t, i, r
 
-    def by_source(self, dataset: str | None = None) -> dict[str, tuple[str, int]]:
-        """source -> (key, stamp) of every sample (of one dataset) that recorded its source, from the sample index
-        (no shard is opened): an incremental run skips an input whose stamp is unchanged without reading it. A
-        source listed twice maps to its last sample in index order."""
-        return {source: (key, stamp) for key, source, stamp, _, _ in self.samples(dataset) if source}
+    def by_source(self, dataset: str | None = None, resolution: int | None = None) -> dict[str, tuple[str, int]]:
+        """source -> (key, stamp) of every sample (of one dataset, of one resolution) that recorded its source, from
+        the sample index (no shard is opened): an incremental run skips an input whose stamp is unchanged without
+        reading it. A source listed twice maps to its last sample in index order."""
+        return {source: (key, stamp) for key, source, stamp, _, _ in self.samples(dataset, resolution) if source}
 
     def conflict(self, commit: dict) -> str | None:
         """Why `commit` cannot follow this generation, or None: a shard it removes or replaces is no longer

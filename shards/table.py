@@ -37,6 +37,9 @@ class ShardEntry:
             each once, sorted; None in other caches and in text shards.
         text_refs: the references its samples make to text rows (a text referred to twice counts twice).
         text_ref_bytes: the bytes those references would take stored with each sample (the text fields' rows).
+        resolution: the resolution (side of the square area, in pixels) whose bucket table its samples were cached
+            at, for a cache holding several; 0: the cache's base resolution (`CacheSpec.base_resolution`). Two
+            tables can share a bucket, so a shard says which one it belongs to.
     """
 
     path: str
@@ -52,6 +55,7 @@ class ShardEntry:
     texts: list[str] | None = None
     text_refs: int = 0
     text_ref_bytes: int = 0
+    resolution: int = 0
 
     def to_json(self) -> dict:
         obj = {"path": self.path, "bucket": [self.bucket.height, self.bucket.width], "samples": self.samples,
@@ -59,7 +63,8 @@ class ShardEntry:
                "keys": self.keys, "sources": self.sources, "stamps": self.stamps}
         if self.texts is not None:  # keys written only by caches that store texts once: others' commits are unchanged
             obj |= {"texts": self.texts, "text_refs": self.text_refs, "text_ref_bytes": self.text_ref_bytes}
-        return obj | {"dataset": self.dataset} if self.dataset else obj
+        # written only when set: the commits of caches without them read and write back byte for byte
+        return obj | ({"dataset": self.dataset} if self.dataset else {}) | ({"resolution": self.resolution} if self.resolution else {})
 
     @classmethod
     def from_json(cls, obj: dict, where: str = "commit") -> ShardEntry:
@@ -67,12 +72,16 @@ class ShardEntry:
         e = cls(path=confined(obj["path"], where), bucket=Bucket(*obj["bucket"]), samples=int(obj["samples"]),
                 bytes=int(obj["bytes"]), sha256=obj["sha256"], field_bytes={k: int(v) for k, v in obj["field_bytes"].items()},
                 keys=obj.get("keys"), sources=obj.get("sources"), stamps=obj.get("stamps"), dataset=obj.get("dataset", ""),
-                texts=obj.get("texts"), text_refs=int(obj.get("text_refs", 0)), text_ref_bytes=int(obj.get("text_ref_bytes", 0)))
+                texts=obj.get("texts"), text_refs=int(obj.get("text_refs", 0)), text_ref_bytes=int(obj.get("text_ref_bytes", 0)),
+                resolution=obj.get("resolution", 0))
         if e.texts is not None and (not isinstance(e.texts, list) or not all(isinstance(k, str) for k in e.texts)):
             raise FormatError(f"{where}: {e.path} is listed with texts {e.texts!r}, not a list of text keys; the log was edited "
                               f"or damaged")
         if not isinstance(e.dataset, str):
             raise FormatError(f"{where}: {e.path} is listed with dataset {e.dataset!r}, not a string; the log was edited or damaged")
+        if isinstance(e.resolution, bool) or not isinstance(e.resolution, int) or not 0 <= e.resolution < 2**31:
+            raise FormatError(f"{where}: {e.path} is listed with resolution {e.resolution!r}, not a whole number of pixels; "
+                              f"the log was edited or damaged")
         for name in ("keys", "sources", "stamps"):
             value = getattr(e, name)
             if (name == "keys" or value is not None) and (not isinstance(value, list) or len(value) != e.samples):
@@ -96,6 +105,7 @@ class ShardTable:
         self._live = bytearray()
         self._dataset = array("i")  # per row: an index into _dataset_names
         self._dataset_names: list[str] = [""]
+        self._resolution = array("i")  # per row: `ShardEntry.resolution`
         self._row: dict[str, int] | None = None  # path -> row, built on first removal
         self._alive_rows: np.ndarray | None = None
         # per row: (keys, sources, stamps) from commits; snapshot rows read theirs from `_snapshot_samples`
@@ -122,6 +132,7 @@ class ShardTable:
         self._field_bytes.extend(int(e.field_bytes.get(f, 0)) for f in self.fields)
         self._live.append(1)
         self._dataset.append(self._dataset_id(e.dataset))
+        self._resolution.append(e.resolution)
         if e.keys is not None:
             self._samples_of[len(self._paths) - 1] = (list(e.keys), list(e.sources or [""] * e.samples),
                                                       list(e.stamps or [0] * e.samples))
@@ -168,6 +179,8 @@ class ShardTable:
         if e.dataset != self._dataset_names[self._dataset[j]]:
             raise FormatError(f"{e.path} replaces {old} but belongs to dataset {e.dataset!r}, not "
                               f"{self._dataset_names[self._dataset[j]]!r}")
+        if e.resolution != self._resolution[j]:
+            raise FormatError(f"{e.path} replaces {old} but belongs to resolution {e.resolution}, not {self._resolution[j]}")
         if e.keys is not None:
             self._samples_of[j] = (list(e.keys), list(e.sources or [""] * e.samples), list(e.stamps or [0] * e.samples))
         if e.texts is not None:  # a repaired copy refers to the texts its shard did (the same samples)
@@ -232,7 +245,7 @@ class ShardTable:
         f = len(self.fields)
         return ShardEntry(self._paths[j], Bucket(self._height[j], self._width[j]), self._samples[j], self._bytes[j],
                           self._sha[32 * j : 32 * j + 32].hex(), dict(zip(self.fields, self._field_bytes[f * j : f * j + f])),
-                          dataset=self._dataset_names[self._dataset[j]])
+                          dataset=self._dataset_names[self._dataset[j]], resolution=self._resolution[j])
 
     def __getitem__(self, i: int) -> ShardEntry:
         return self.entry_at_row(int(self.rows[i]))
@@ -244,12 +257,12 @@ class ShardTable:
         return [self._paths[j] for j in self.rows]
 
     def column(self, name: str) -> np.ndarray:
-        """A live column as an array: "samples", "bytes", "height", "width", "text_refs", "text_ref_bytes" or
-        "field_bytes" (K, F)."""
+        """A live column as an array: "samples", "bytes", "height", "width", "resolution", "text_refs",
+        "text_ref_bytes" or "field_bytes" (K, F)."""
         if name == "field_bytes":
             return np.frombuffer(self._field_bytes, dtype=np.int64).reshape(-1, len(self.fields))[self.rows]
         source = {"samples": self._samples, "bytes": self._bytes, "height": self._height, "width": self._width,
-                  "text_refs": self._text_refs, "text_ref_bytes": self._text_ref_bytes}[name]
+                  "resolution": self._resolution, "text_refs": self._text_refs, "text_ref_bytes": self._text_ref_bytes}[name]
         return np.frombuffer(source, dtype=np.int64 if source.typecode == "q" else np.int32)[self.rows]
 
     def datasets(self) -> list[str]:
@@ -313,6 +326,8 @@ class ShardTable:
         tensors[f"{P}.field_bytes"] = torch.from_numpy(self.column("field_bytes").copy().reshape(-1, f))
         if any(self._dataset_names[1:]):
             tensors[f"{P}.dataset"], tensors[f"{P}.dataset.offsets"] = _ragged(self.datasets())
+        if any(self._resolution):
+            tensors[f"{P}.resolution"] = torch.from_numpy(self.column("resolution").copy())
         keys, sources, stamps, shard = [], [], [], []
         for i, j in enumerate(rows):
             k, s, st = self.samples_of(int(j))
@@ -363,6 +378,9 @@ class ShardTable:
             t._text_refs, t._text_ref_bytes = array("q", refs[:, 0].tobytes()), array("q", refs[:, 1].tobytes())
         else:
             t._text_refs, t._text_ref_bytes = array("q", bytes(8 * len(t._paths))), array("q", bytes(8 * len(t._paths)))
+        # absent: written before resolutions were recorded, or every shard is of the cache's base resolution
+        t._resolution = array("i", tensors["shards.resolution"].numpy().astype(np.int32).tobytes()
+                              if "shards.resolution" in tensors else bytes(4 * len(t._paths)))
         t._snapshot_samples = _SnapshotSamples(tensors, tensors["shards.samples"].numpy(), where, samples_sha256)
         return t
 

@@ -32,9 +32,9 @@ from shards.texts import TEXT_BUCKET, TEXT_DIR, TEXT_KEYS, TEXTS_KIND, check_tex
 
 
 class ShardWriter:
-    """Writes samples into a cache directory, one bucket (and dataset) per shard, each shard one commit.
+    """Writes samples into a cache directory, one bucket (and dataset, and resolution) per shard, each shard one commit.
 
-    Samples are buffered per bucket and dataset; a shard is published when its buffer reaches `max_shard_bytes` or
+    Samples are buffered per bucket, dataset and resolution; a shard is published when its buffer reaches `max_shard_bytes` or
     `max_shard_samples` (and at `finish`): written under a temp name, fsynced, renamed, then committed as a
     new generation of the log. A crash at any instant leaves every committed shard intact and listed;
     buffered samples are absent. Shard files are never modified or deleted: removing samples commits
@@ -87,8 +87,8 @@ class ShardWriter:
         self.max_buffer_bytes = max_buffer_bytes
         self.check_finite = check_finite
         self.root.mkdir(parents=True, exist_ok=True)
-        self._buffers: dict[tuple[Bucket, str], list[Item]] = {}  # by (bucket, dataset)
-        self._buffer_bytes: dict[tuple[Bucket, str], int] = {}
+        self._buffers: dict[tuple[Bucket, str, int], list[Item]] = {}  # by (bucket, dataset, resolution)
+        self._buffer_bytes: dict[tuple[Bucket, str, int], int] = {}
         self._pending: dict = {}  # files and run records for the next commit
         self._texts_buffer: list[Item] = []  # texts written, not committed yet: the next commit adds them
         self._texts_buffer_bytes = 0
@@ -168,7 +168,7 @@ class ShardWriter:
         return key
 
     def write(self, key: str, bucket: Bucket | tuple[int, int], sample: Mapping[str, torch.Tensor], *,
-              source: str = "", stamp: int = 0, dataset: str = "") -> None:
+              source: str = "", stamp: int = 0, dataset: str = "", resolution: int = 0) -> None:
         """Add one sample; it becomes durable when its shard is committed.
 
         Args:
@@ -181,6 +181,8 @@ class ShardWriter:
                 tell an unchanged input without reading it; 0 when unknown.
             dataset: the named dataset the sample belongs to (a `[[source]]` of stage one's dataset file);
                 shards hold samples of one dataset, so training can weigh datasets from the shard table.
+            resolution: for a cache of several resolutions, the one whose bucket table the sample was cached at
+                (0: the cache's base resolution); shards hold samples of one resolution.
 
         Raises:
             ValueError: the key is already in the cache, or the sample does not fit the schema or holds
@@ -203,7 +205,7 @@ class ShardWriter:
                                  f"(write_text) by this writer")
         self.manifest.shapes.setdefault(bucket, shapes)
         self._listed.add(key)
-        slot = (bucket, str(dataset))
+        slot = (bucket, str(dataset), int(resolution))
         self._buffers.setdefault(slot, []).append((key, fields, source, int(stamp)))
         size = sum(t.numel() * t.element_size() for t in fields.values())
         if self.text_schema is not None:  # the buffered texts it is the first to refer to count towards its shard
@@ -222,15 +224,16 @@ class ShardWriter:
         for slot in [s for s in self._buffers if wanted is None or s[0] == wanted]:
             self._flush_slot(slot)
 
-    def _flush_slot(self, slot: tuple[Bucket, str]) -> None:
-        bucket, dataset = slot
+    def _flush_slot(self, slot: tuple[Bucket, str, int]) -> None:
+        bucket, dataset, resolution = slot
         items = self._buffers.pop(slot, [])
         self._buffer_bytes.pop(slot, None)
         if items:
-            entry = self._write_shard(bucket, items, dataset)
+            entry = self._write_shard(bucket, items, dataset, resolution)
             self.commit(add=[entry.to_json()], shapes={bucket.name: self.manifest.shapes[bucket]})
 
-    def _write_shard(self, bucket: Bucket, items: list[Item], dataset: str = "", texts: bool = False) -> ShardEntry:
+    def _write_shard(self, bucket: Bucket, items: list[Item], dataset: str = "", resolution: int = 0,
+                     texts: bool = False) -> ShardEntry:
         """Write one shard file (a text shard with `texts`) durably under a fresh name; it is part of the cache once
         committed."""
         schema, folder = (self.text_schema, TEXT_DIR) if texts else (self.schema, bucket.name)
@@ -242,7 +245,7 @@ class ShardWriter:
         path = write_shard_file(self.root, bucket, self.rank, seq, data, folder)
         entry = ShardEntry(path.relative_to(self.root).as_posix(), bucket, len(items), len(data), hashlib.sha256(data).hexdigest(),
                            field_bytes, keys=[k for k, *_ in items], sources=[s for _, _, s, _ in items], stamps=[t for *_, t in items],
-                           dataset=dataset)
+                           dataset=dataset, resolution=resolution)
         if self.text_schema is not None and not texts:  # what its samples refer to, for removals and `inspect`
             refs = [k for _, fields, _, _ in items for k in keys_of(fields[TEXT_KEYS])]
             entry.texts, entry.text_refs = sorted(set(refs)), len(refs)
@@ -387,7 +390,7 @@ class ShardWriter:
             items = [(shard_keys[i], fields, sources[i], stamps[i])
                      for i, fields in intact_rows(self.root, entry.path, [i for i in range(len(shard_keys)) if i not in drop])]
             if items:
-                added.append(self._write_shard(entry.bucket, items, entry.dataset).to_json())
+                added.append(self._write_shard(entry.bucket, items, entry.dataset, entry.resolution).to_json())
         if retired:
             self.commit(remove=retired, add=added, **self._drop_texts(retired, added))
             self._listed -= keys
@@ -472,7 +475,8 @@ class ShardWriter:
             shapes, _ = check_sample(key, entry.bucket, fields, self.text_schema if texts else self.schema,
                                      self.manifest.shapes.get(entry.bucket, {}), self.check_finite)
             self.manifest.shapes.setdefault(entry.bucket, shapes)
-        new = self._write_shard(entry.bucket, [(k, f, s, t) for (k, f), s, t in zip(samples, sources, stamps)], entry.dataset, texts)
+        new = self._write_shard(entry.bucket, [(k, f, s, t) for (k, f), s, t in zip(samples, sources, stamps)], entry.dataset,
+                                entry.resolution, texts)
         self.commit(replace=[[path, new.to_json()]])
         return new.path
 

@@ -35,3 +35,41 @@ def test_nearest_bucket():
     assert aspect_error(1000, 1000, Bucket(1024, 1024)) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="base resolution 300"):
         bucket_table(300)
+
+
+def test_scaled_tables_are_built_as_the_published_ones():
+    """The 256 and 512 tables are the 1024 table scaled to their area; building them from it gives them back."""
+    from shards.buckets import scaled_table
+
+    assert scaled_table(1024, 64) == ASPECT_RATIO_TABLES[1024]
+    assert scaled_table(512, 32) == ASPECT_RATIO_TABLES[512]
+    assert scaled_table(256, 16) == ASPECT_RATIO_TABLES[256]
+
+
+def test_resolution_table_published_where_it_fits_else_built():
+    from shards import resolution_table
+
+    assert resolution_table(512, 16) == ASPECT_RATIO_TABLES[512]
+    assert resolution_table(1024, 32) == ASPECT_RATIO_TABLES[1024]
+    assert resolution_table(2048, 16) == ASPECT_RATIO_TABLES[2048]
+    # the published 256 table has sides of 16 px steps (144x464): a 32 px model gets one built at that granularity
+    built = resolution_table(256, 32)
+    assert built != ASPECT_RATIO_TABLES[256] and Bucket(256, 256) in built
+    assert all(b.height % 32 == 0 and b.width % 32 == 0 for b in built)
+    for granularity in (16, 32):
+        table = resolution_table(768, granularity)
+        assert Bucket(768, 768) in table and table[0] == Bucket(384, 1536) and table[-1] == Bucket(1536, 384)
+        assert all(b.height % granularity == 0 and b.width % granularity == 0 for b in table)
+        # every bucket keeps about the area, and the aspect ratio of its 1024 bucket
+        assert all(0.85 < b.height * b.width / 768**2 < 1.15 for b in table)
+        assert len(set(table)) == len(table) and len(table) == len(ASPECT_RATIO_TABLES[1024])
+        assert all(aspect_error(ref.height, ref.width, b) < 1.06 for b, ref in zip(table, ASPECT_RATIO_TABLES[1024]))
+    assert resolution_table(768, 16)[1] == Bucket(384, 1392) and resolution_table(768, 32)[1] == Bucket(384, 1408)
+
+
+def test_resolution_problem_names_the_range():
+    from shards.buckets import resolution_problem
+
+    assert resolution_problem(512, 2048) is None and resolution_problem(2048, 2048) is None
+    for bad in (500, 192, 4096, 0, "512"):
+        assert "multiple of 64 from 256 to 2048" in resolution_problem(bad, 2048) or "whole number" in resolution_problem(bad, 2048)

@@ -83,3 +83,36 @@ def test_a_dataset_is_removed_whole_and_renamed_in_one_commit(tmp_path):
         w.write(*make_sample(12), dataset="art")
     assert Cache(tmp_path).manifest.datasets()["art"]["samples"] == 1
     assert torch.equal(Cache(tmp_path)[12]["latent_mean"], make_sample(12)[2]["latent_mean"])
+
+
+def test_a_shard_holds_one_resolution_through_commits_snapshots_removal_and_repair(tmp_path):
+    """Samples of two resolutions can share a bucket: each shard records the resolution its samples belong to (0, the
+    base resolution, is not written), and every copy of a shard keeps it."""
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA, max_shard_samples=2) as w:
+        for i in range(8):
+            w.write(*make_sample(i, (64, 64)), source=f"img/{i % 4}.jpg", stamp=1, dataset="photos",
+                    resolution=512 if i >= 4 else 0)
+    cache = Cache(tmp_path)
+    assert cache.manifest.resolutions() == {0: 4, 512: 4}
+    assert [e.resolution for e in cache.shards] == [0, 0, 512, 512]
+    assert {k for k, *_ in cache.manifest.samples("photos", 512)} == {f"key{i:05d}" for i in range(4, 8)}
+    assert cache.manifest.by_source("photos", 0)["img/1.jpg"][0] == "key00001"
+    assert cache.manifest.by_source("photos", 512)["img/1.jpg"][0] == "key00005"
+    commits = [json.loads(p.read_text()) for p in sorted((tmp_path / "_log").glob("*.json"))]
+    adds = [a for c in commits for a in c.get("add", [])]
+    assert ["resolution" in a for a in adds] == [False, False, True, True]  # base-resolution entries are as before
+    compact(tmp_path, load(tmp_path))
+    again = load(tmp_path)
+    assert list(again.shards.column("resolution")) == [0, 0, 512, 512] and again.resolutions() == {0: 4, 512: 4}
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
+        assert w.remove(["key00004"]) == 1
+    cache = Cache(tmp_path)
+    assert cache.manifest.resolutions() == {0: 4, 512: 3}
+    j = int(cache.shards.rows[-1])
+    keys = cache.manifest.shards.samples_of(j)[0]
+    with ShardWriter(tmp_path, FINGERPRINT, SCHEMA) as w:
+        w.replace(cache.shards[-1].path, [(k, make_sample(int(k[3:]), (64, 64))[2]) for k in keys])
+    assert Cache(tmp_path).shards[-1].resolution == 512
+    # a snapshot of a cache with one resolution holds no resolution column
+    write_two(tmp_path / "one")
+    assert "shards.resolution" not in load(tmp_path / "one").shards.to_tensors()
