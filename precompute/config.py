@@ -18,7 +18,8 @@ from precompute.folders import CAPTION_COLUMN
 from precompute.images import ImagePolicy
 from precompute.presets import get_preset, get_text_encoder, preset_names, text_encoder_names
 from precompute.sources import MAX_VARIANTS, TAG_KEYS, Source, check_tags, is_dataset_file, sources_of
-from shards import bucket_table
+from shards import Bucket, bucket_table, resolution_table
+from shards.buckets import resolution_problem
 from shards.options import Dtype, check_options, default_of, flag, opt
 
 # Images per VAE batch. Large batches pay on GPUs; on CPUs a batch's activations fall out of the caches
@@ -60,6 +61,14 @@ class PrecomputeConfig:
                                   "that caption refers to (a DreamBooth set of one prompt stores it once), and encode it "
                                   "once. Applies to a new cache; an existing cache keeps the layout it was built with. "
                                   "--no-dedup-texts stores them with each sample, as caches before it did.")
+    resolution: str | None = opt(None, "Cache the images at this resolution: the side of a square of the same area, a "
+                                       "multiple of 64 from 256 to the model's largest (2048; Sana 4096). Its bucket table "
+                                       "is the published one where there is one (256, 512, 1024, 2048), otherwise built as "
+                                       "they are: the 1024 table's aspect ratios scaled to the area, each side a multiple "
+                                       "of the model's granularity (32 px for Sana, 16 for the others). Several, comma-"
+                                       "separated (512,1024): every image is cached at each, and training draws from each "
+                                       "(--resolution-weight). A source of a dataset file may set its own (resolution = 512 "
+                                       "or [512, 1024]). Default: the preset's base resolution (1024; tiny presets 256).")
     workers: int = opt(2, "DataLoader worker processes that read, decode and resize images (0: in the main process).",
                        at_least=0)
     storage_dtype: DtypeOption = opt("bf16", f"Dtype of cached latents and embeddings: {DTYPE_HELP}.")
@@ -176,6 +185,7 @@ class PrecomputeConfig:
             raise ValueError(f"--text-encoder {preset.text.name}: the {preset.family} family needs "
                              + (own.own_text_encoder or "a single text encoder"))
         theirs.check_text_options(preset)
+        self.resolution = self._check_resolutions(preset)
         for name, safe, what in (("vae_dtype", preset.vae.fp16_safe, "VAE"), ("text_dtype", preset.text.fp16_safe, "text encoder")):
             if getattr(self, name) == "fp16" and not safe and not self.force_fp16:
                 raise ValueError(f"{flag(name)} fp16: the {what} overflows to NaN/Inf in fp16; use bf16 or fp32 (or pass "
@@ -210,6 +220,60 @@ class PrecomputeConfig:
             value = getattr(self, key)
             raise ValueError(f"{flag(key)}{'' if isinstance(value, bool) else f' {value!r}'}: {message}")
 
+    def _check_resolutions(self, preset: Preset) -> str | None:
+        """--resolution as its canonical text ("512,1024"), every resolution (and every source's) checked against
+        the model's range."""
+        given = self.resolution
+        if given is None:
+            wanted: list = []
+        elif isinstance(given, int) and not isinstance(given, bool):
+            wanted = [given]
+        elif isinstance(given, (list, tuple)):
+            wanted = list(given)
+        else:
+            parts = [p.strip() for p in str(given).split(",")]
+            wanted = [int(p) if p.isdigit() else p for p in parts]
+        for value in wanted:
+            if problem := resolution_problem(value, preset.max_resolution):
+                raise ValueError(f"--resolution {given}: {problem} for {preset.name}; e.g. --resolution 512 or "
+                                 f"--resolution 512,1024")
+        for source in self.sources():
+            for value in source.resolution or ():
+                if problem := resolution_problem(value, preset.max_resolution):
+                    raise ValueError(f"source {source.name!r} sets resolution = {value}: {problem} for {preset.name}")
+        return ",".join(str(r) for r in dict.fromkeys(wanted)) if wanted else None
+
+    def resolutions(self, source: Source | None = None) -> tuple[int, ...]:
+        """The resolutions a source's images are cached at: its own, else --resolution, else those the cache holds
+        it at (`keep_resolutions`), else the preset's base one. Without a source, every resolution of the run."""
+        if source is None:
+            return tuple(dict.fromkeys(r for s in self.sources() for r in self.resolutions(s)))
+        if source.resolution:
+            return source.resolution
+        if self.resolution:
+            return tuple(int(r) for r in self.resolution.split(","))
+        return getattr(self, "_held", {}).get(source.name) or (self.preset().base_resolution,)
+
+    def keep_resolutions(self, manifest) -> None:
+        """Let a source for which neither the dataset file nor --resolution names resolutions keep those the cache
+        holds its samples at (`manifest`, a `shards.Manifest`), so a re-run without --resolution drops none."""
+        base = self.preset().base_resolution
+        held: dict[str, set[int]] = {}
+        for name, tag in zip(manifest.shards.datasets(), manifest.shards.column("resolution").tolist()):
+            held.setdefault(name, set()).add(tag or base)
+        self._held = {name: tuple(sorted(r)) for name, r in held.items()}
+
+    def resolution_tag(self, resolution: int) -> int:
+        """How the cache records a resolution (`ShardEntry.resolution`, and in keys): 0 for the preset's base one."""
+        return 0 if resolution == self.preset().base_resolution else resolution
+
+    def table(self, resolution: int) -> tuple[Bucket, ...]:
+        """The bucket table of a resolution: the base resolution's as it always was, others by `resolution_table`."""
+        preset = self.preset()
+        if resolution == preset.base_resolution:
+            return bucket_table(resolution)
+        return resolution_table(resolution, preset.granularity)
+
     def sources(self) -> list[Source]:
         """DATA as its sources: a dataset file's, or one source named after the path with the run's caption-variant
         options (checked once, then kept)."""
@@ -232,8 +296,10 @@ class PrecomputeConfig:
             text = replace(text, max_length=self.max_length)
         return replace(preset, text=text)
 
-    def policy(self) -> ImagePolicy:
-        """How this run turns images into bucket-sized pixels, on the preset's bucket table."""
-        return ImagePolicy(bucket_table(self.preset().base_resolution), max_upscale=self.max_upscale,
+    def policy(self, resolution: int | None = None) -> ImagePolicy:
+        """How this run turns images into bucket-sized pixels, on the bucket table of `resolution` (default: the
+        preset's base resolution, whose table the fingerprint records)."""
+        resolution = resolution or self.preset().base_resolution
+        return ImagePolicy(self.table(resolution), max_upscale=self.max_upscale,
                            allow_upscale=self.allow_upscale, extreme_aspect=self.extreme_aspect, max_pixels=self.max_pixels,
-                           control=self.control)
+                           control=self.control, resolution=self.resolution_tag(resolution))

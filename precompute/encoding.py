@@ -106,7 +106,7 @@ class EncodingPass:
         batch_size: images per encoder batch; text_batch_size: captions per text-encoder batch.
         control: the inputs carry control images, encoded like their images.
         previous: per source, key -> input of the samples cached before this run.
-        stamps: per source, input -> (key, stamp) cached (empty when repairing).
+        stamps: per source and resolution (`ShardEntry.resolution`), input -> (key, stamp) cached (empty when repairing).
         needed: repairing: the keys of the damaged shards' samples (None: not repairing).
         cached: the latent fields cached before this run, for changed inputs whose image did not change (None: encode
             every image).
@@ -165,7 +165,7 @@ class EncodingPass:
         elif status == "unchanged":
             tally.seen[item["key"]] = (name, item["source"])
             tally.count("unchanged", name)
-            cached = self.stamps[name].get(item["source"])
+            cached = self.stamps[(name, item.get("resolution", 0))].get(item["source"])
             if cached and cached[0] == item["key"] and item.get("stamp") and cached[1] != item["stamp"]:
                 tally.restamps[item["key"]] = item["stamp"]  # touched, same content: next time it is not read
         elif self.repair and item["key"] not in self.needed:
@@ -199,7 +199,8 @@ class EncodingPass:
             elif self.writer.listed(it["key"]):  # the same image and captions, committed by another rank meanwhile
                 tally.counts["duplicate"] += 1
             else:
-                self.writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0), dataset=it["dataset"])
+                self.writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0), dataset=it["dataset"],
+                                  resolution=it.get("resolution", 0))
                 tally.count("changed" if it["source"] in self.cached_inputs[it["dataset"]] else "new", it["dataset"])
 
     def encode_captions(self, captions: list[str], count: bool = True) -> list[dict[str, torch.Tensor]]:
@@ -233,7 +234,7 @@ class EncodingPass:
         """The latent fields of a changed input's old sample, when its image did not change (`CachedLatents`)."""
         if self.cached is None or self.repair or "latent_key" not in it:
             return None
-        old = self.stamps[it["dataset"]].get(it["source"])
+        old = self.stamps[(it["dataset"], it.get("resolution", 0))].get(it["source"])
         if old is None or old[0] == it["key"] or old[0] not in self.previous[it["dataset"]]:
             return None
         return self.cached.find(it["dataset"], old[0], it["latent_key"])

@@ -32,6 +32,9 @@ class ImagePolicy:
 
     Args:
         buckets: the bucket table.
+        resolution: the resolution `buckets` is the table of, when the cache holds the preset's base resolution not
+            alone or not at all (0: the base resolution; its samples keep the keys they always had); mixed into
+            the key, so an image cached at several resolutions is a sample at each.
         max_upscale: skip images that would need more than this upscaling to cover their bucket.
         allow_upscale: never skip for size (tiny images are upscaled).
         extreme_aspect: "skip" or "clamp" images whose aspect ratio is beyond the table's range
@@ -61,6 +64,7 @@ class ImagePolicy:
     tags: TagOptions | None = None
     control: bool = False
     mask: str = ""
+    resolution: int = 0
 
     def fingerprint(self) -> dict:
         return {
@@ -103,12 +107,12 @@ MASK_MARKER = b"\x00\x00mask1\x00"
 
 
 def content_key(image, captions: list[str], flip: bool = False, control: bytes | None = None,
-                mask: bytes | None = None, alpha_mask: bool = False) -> str:
+                mask: bytes | None = None, alpha_mask: bool = False, resolution: int = 0) -> str:
     """A sample's key: sha256 of the image bytes and every caption, whether its flipped view is cached too, the
-    control image's bytes when it has one, and its loss mask: the mask image's bytes, or that it is the image's alpha
-    channel (a caption never holds NUL, so the markers cannot be a caption). A sample without control image or mask
-    has the key it had before either existed. `image`: the bytes, or a sha256 object that has hashed them (not
-    changed here)."""
+    control image's bytes when it has one, its loss mask: the mask image's bytes, or that it is the image's alpha
+    channel, and the resolution it is cached at unless that is the base one (0) (a caption never holds NUL, so the
+    markers cannot be a caption). A sample without control image or mask at the base resolution has the key it had
+    before any of them existed. `image`: the bytes, or a sha256 object that has hashed them (not changed here)."""
     h = hashlib.sha256(image) if isinstance(image, (bytes, bytearray, memoryview)) else image.copy()
     for c in captions:
         h.update(b"\x00" + c.encode("utf-8"))
@@ -120,16 +124,21 @@ def content_key(image, captions: list[str], flip: bool = False, control: bytes |
         h.update(MASK_MARKER + hashlib.sha256(mask).digest())
     elif alpha_mask:
         h.update(MASK_MARKER + b"alpha")
+    if resolution:
+        h.update(b"\x00\x00resolution\x00%d" % resolution)
     return h.hexdigest()
 
 
-def latent_key(image: bytes, flip: bool = False, control: bytes | None = None) -> bytes:
+def latent_key(image: bytes, flip: bool = False, control: bytes | None = None, resolution: int = 0) -> bytes:
     """What a sample's latent fields are computed from besides the cache's fingerprint: blake2b-128 of the image's
-    bytes, whether its flipped view is cached and its control image's bytes (`shards.LATENT_KEY`)."""
+    bytes, whether its flipped view is cached, its control image's bytes and the resolution whose table buckets it
+    unless that is the base one (`shards.LATENT_KEY`)."""
     h = hashlib.blake2b(image, digest_size=16)
     h.update(b"\x00flip" if flip else b"\x00")
     if control is not None:
         h.update(b"\x00control\x00" + hashlib.sha256(control).digest())
+    if resolution:
+        h.update(b"\x00resolution\x00%d" % resolution)
     return h.digest()
 
 
@@ -294,7 +303,8 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
     image_hash = hashlib.sha256(record.image)
     captions = caption_variants(captions, policy.tags, policy.caption_prefix, image_hash.digest())
     key = content_key(image_hash, captions, policy.flip, record.control if policy.control else None,
-                      record.mask if policy.mask == "file" else None, alpha_mask=policy.mask == "alpha")
+                      record.mask if policy.mask == "file" else None, alpha_mask=policy.mask == "alpha",
+                      resolution=policy.resolution)
     if key in skip_keys:
         return {"status": "unchanged", "source": record.source, "key": key}
     mask = None
@@ -353,7 +363,7 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         "crop": (top, left, bucket.height, bucket.width),
         **({"control_pixels": control} if control is not None else {}),
         **({"mask_pixels": mask} if mask is not None else {}),
-        "latent_key": latent_key(record.image, policy.flip, record.control if policy.control else None),
+        "latent_key": latent_key(record.image, policy.flip, record.control if policy.control else None, policy.resolution),
         **({"caption_fallback": fallback} if fallback else {}),
     }
 

@@ -142,17 +142,18 @@ def where(source: Source) -> str:
 
 class SourcesDataset(torch.utils.data.IterableDataset):
     """The sources of a run, one after the other, as one stream for one DataLoader (its workers fork once,
-    before any encoder exists). Every item is tagged with its source's name (`"dataset"`) and its stamp salted
-    with the source's caption options (`Source.salt`); `known` stamps given to the parts are unsalted to match.
-    A map-style part is split over the loader's workers by index, an iterable one splits itself."""
+    before any encoder exists). Every item is tagged with its source's name (`"dataset"`), the resolution its part
+    is read at (`"resolution"`, `ShardEntry.resolution`) and its stamp salted with the source's caption options
+    (`Source.salt`); `known` stamps given to the parts are unsalted to match. A map-style part is split over the
+    loader's workers by index, an iterable one splits itself."""
 
-    def __init__(self, parts: list[tuple[Source, torch.utils.data.Dataset]]):
+    def __init__(self, parts: list[tuple[Source, torch.utils.data.Dataset, int]]):
         self.parts = parts
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for source, part in self.parts:
+        for source, part, resolution in self.parts:
             salt = source.salt()
             if isinstance(part, torch.utils.data.IterableDataset):
                 items = iter(part)
@@ -161,7 +162,7 @@ class SourcesDataset(torch.utils.data.IterableDataset):
             for item in items:
                 if salt and item.get("stamp"):
                     item["stamp"] = (item["stamp"] ^ salt) or 1
-                item["dataset"], item["flip"] = source.name, source.flip
+                item["dataset"], item["flip"], item["resolution"] = source.name, source.flip, resolution
                 yield item
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -102,11 +102,14 @@ class Inputs:
     total: int | None
     damaged: dict[str, list[str]] = field(default_factory=dict)
     needed: set[str] | None = None
+    dropped: dict[str, set[str]] = field(default_factory=dict)  # per source, its cached keys of resolutions it no longer has
 
 
 def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, t_start: float, sources: dict[str, str]) -> dict:
     manifest = load(config.cache) if exists(config.cache) else None
     check_control(config, manifest)
+    if manifest is not None:
+        config.keep_resolutions(manifest)
     # 1. what the cache holds, from its manifest alone (no shard is opened), read under the lock; then the inputs of
     # every source, split disjointly by global rank. The loader's workers start reading images now, while the
     # encoders load.
@@ -135,7 +138,8 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     for name, listing in inputs.listings.items():
         for failure in listing.failures:
             tally.fail({**failure, "dataset": name})
-    stamps = {s.name: manifest.by_source(s.name) if manifest and inputs.needed is None else {} for s in inputs.sources}
+    stamps = {(s.name, tag): manifest.by_source(s.name, tag) if manifest and inputs.needed is None else {}
+              for s in inputs.sources for tag in map(config.resolution_tag, config.resolutions(s))}
     encoding = EncodingPass(enc, writer, schema, storage, config.batch_size or DEFAULT_BATCH[device.type], config.text_batch_size,
                             config.control, inputs.previous, stamps, inputs.needed, tally, cached_latents(config, enc, manifest, schema))
     desc = f"precompute[{rank}]" if world > 1 else "precompute"
@@ -173,8 +177,10 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
 
 def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, rank: int, world: int) -> Inputs | None:
     """Every source's inputs for this rank, and the loader over them. A source's scope is its own samples: new,
-    changed and removed count within it, and other sources are never touched. Repairing, only the damaged samples'
-    inputs are read (a folder's others are not listed; a tar's are skipped by key); None if nothing is damaged."""
+    changed and removed count within it, and other sources are never touched. A source cached at several
+    resolutions is read once per resolution, each read against that resolution's samples. Repairing, only the
+    damaged samples' inputs are read (a folder's others are not listed; a tar's are skipped by key); None if nothing
+    is damaged."""
     cache, repair = config.cache, config.repair
     sources = config.sources()
     previous = {s.name: {key: src for key, src, *_ in manifest.samples(s.name)} if manifest else {} for s in sources}
@@ -193,13 +199,44 @@ def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, ra
         skip = everything  # an input whose content is cached in another source is read, then counted a duplicate
         if manifest is not None and rank == 0:
             warn_damaged(cache, manifest)
-    parts, listings = [], {}
-    policy = config.policy()
+    parts, listings, dropped = [], {}, {}
     for source in sources:
-        mine = previous[source.name]
-        known = {} if repair else unsalted(manifest.by_source(source.name), source) if manifest else {}
-        only = {mine[k] for k in needed if k in mine} if repair else None
-        inputs = open_inputs(config, source, policy, known, skip, rank=rank, world=world, only=only)
+        tags = {config.resolution_tag(r) for r in config.resolutions(source)}
+        dropped[source.name] = {key for tag in (manifest.resolutions() if manifest and not repair else ()) if tag not in tags
+                                for key, *_ in manifest.samples(source.name, tag)}
+        for resolution in config.resolutions(source):
+            tag = config.resolution_tag(resolution)
+            if source.name in listings:  # the same listing again, on another resolution's table
+                more = open_source(config, manifest, source, tag, skip, needed, rank, world)
+                if more is not None:
+                    parts.append((source, more.dataset, tag))
+                    listings[source.name] = also_read(listings[source.name], more)
+                continue
+            inputs = open_source(config, manifest, source, tag, skip, needed, rank, world, must=True)
+            listings[source.name] = inputs
+            parts.append((source, inputs.dataset, tag))
+    total = sum(i.total for i in listings.values()) if all(i.total is not None for i in listings.values()) else None
+    workers = max(i.workers for i in listings.values())
+    loader = build_loader(SourcesDataset(parts), workers, device)
+    batches = iter(loader)  # forks the workers before any encoder weights exist in this process
+    return Inputs(sources, previous, listings, batches, total, damaged, needed, dropped)
+
+
+def open_source(config: PrecomputeConfig, manifest, source, tag: int, skip: frozenset[str], needed: set[str] | None,
+                rank: int, world: int, must: bool = False):
+    """One source's inputs at one resolution (`tag`, see `PrecomputeConfig.resolution_tag`), read against that
+    resolution's cached samples; repairing, only the damaged ones' inputs (None when it has none and not `must`).
+    The source's first resolution (`must`) is where a listing that finds nothing is refused."""
+    cache, repair = config.cache, config.repair
+    policy = config.policy(tag or None)
+    mine = {key: src for key, src, *_ in manifest.samples(source.name, tag)} if manifest else {}
+    only = {mine[k] for k in needed if k in mine} if repair else None
+    if repair and not only and not must:
+        return None
+    known = {} if repair else unsalted(manifest.by_source(source.name, tag), source) if manifest else {}
+    inputs = open_inputs(config, source, policy, known, skip, rank=rank, world=world, only=only)
+    if must:
+        mine = {key: src for key, src, *_ in manifest.samples(source.name)} if manifest else {}
         if inputs.listed == 0 and not inputs.failures and not repair and not (manifest and manifest.num_samples):
             raise RemovalRefused(f"{where(source)}={source.path} lists no input, and the cache at {cache} holds no sample: "
                                  f"DATA lists nothing to encode. Is the folder empty or unmounted?")
@@ -207,23 +244,26 @@ def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, ra
             raise RemovalRefused(f"{where(source)}={source.path} lists no input, and the cache at {cache} holds {len(mine)} samples "
                                  f"of source {source.name!r}: a re-run would remove them all. Is the folder empty or unmounted? "
                                  f"Pass --allow-removal to remove them.")
-        parts.append((source, inputs.dataset))
-        listings[source.name] = inputs
-    total = sum(i.total for i in listings.values()) if all(i.total is not None for i in listings.values()) else None
-    workers = max(i.workers for i in listings.values())
-    loader = build_loader(SourcesDataset(parts), workers, device)
-    batches = iter(loader)  # forks the workers before any encoder weights exist in this process
-    return Inputs(sources, previous, listings, batches, total, damaged, needed)
+    return inputs
+
+
+def also_read(first, more):
+    """A source's listing read again at another resolution: its inputs count once more, its listing failures once."""
+    return replace(first, total=None if first.total is None or more.total is None else first.total + more.total,
+                   listed=None if first.listed is None or more.listed is None else first.listed + more.listed,
+                   complete=first.complete and more.complete, workers=max(first.workers, more.workers))
 
 
 def check_cache(config: PrecomputeConfig, enc: Encoders, manifest, inputs: Inputs, is_main: bool) -> tuple[dict, dict, dict | None]:
     """The run's fingerprint, sample schema and text schema (None: texts stored with each sample), checked against the
     cache's (a cache built otherwise is refused) and the buckets' fit to the VAE; with room on disk for the new samples."""
     policy, storage = config.policy(), torch_dtype(config.storage_dtype)
-    bad = [b.name for b in policy.buckets if b.height % enc.downsample or b.width % enc.downsample]
-    if bad:
-        raise ValueError(f"buckets {bad} of the {enc.preset.base_resolution} table are not multiples of the VAE's "
-                         f"downsampling factor {enc.downsample}; choose a preset with another base resolution")
+    for resolution in config.resolutions():
+        bad = [b.name for b in config.table(resolution) if b.height % enc.downsample or b.width % enc.downsample]
+        if bad:
+            raise ValueError(f"buckets {bad} of the {resolution} table are not multiples of the VAE's downsampling factor "
+                             f"{enc.downsample}; choose another --resolution")
+    check_tables(config, manifest)
     # dtypes by torch's names ("bfloat16"), as every cache records them, whatever the option's spelling
     fingerprint = {**enc.fingerprint(), "storage_dtype": str(storage).removeprefix("torch."), "buckets": policy.fingerprint(),
                    "captions": {"caption_column": config.caption_column, "caption_keys": list(config.caption_key)}}
@@ -239,8 +279,10 @@ def check_cache(config: PrecomputeConfig, enc: Encoders, manifest, inputs: Input
         manifest.check_compatible(fingerprint, schema, config.cache, text_schema)
     growth = {s.name: max(0, (inputs.listings[s.name].listed or 0) - len(inputs.previous[s.name])) for s in inputs.sources}
     if config.check_disk and is_main and any(growth.values()) and not config.repair:
-        # a source's caption variants are that many captions per sample (fewer where some were identical)
-        need = sum(n * estimate_bytes_per_sample(enc, policy, storage, captions=s.caption_variants, control=config.control)
+        # a source's caption variants are that many captions per sample (fewer where some were identical); latents at
+        # the largest resolution
+        largest = config.policy(max(config.resolutions()))
+        need = sum(n * estimate_bytes_per_sample(enc, largest, storage, captions=s.caption_variants, control=config.control)
                    for s in inputs.sources if (n := growth[s.name]))
         check_disk_space(config.cache, need)
     return fingerprint, schema, text_schema
@@ -265,7 +307,9 @@ def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: d
     stale: set[str] = set()
     refused = None
     for source in sources:
-        name, mine = source.name, previous[source.name]
+        # samples of a resolution the source is no longer cached at go, counted as removed
+        name, dropped = source.name, inputs.dropped.get(source.name, set())
+        mine = {k: src for k, src in previous[name].items() if k not in dropped}
         seen_keys = {k for p in parts for k, (n, _) in p["seen"].items() if n == name}
         gone_or_changed, kept = removals(mine, seen_keys, {f["source"] for f in failures if f["dataset"] == name},
                                          all(p["complete"][name] for p in parts))
@@ -275,15 +319,15 @@ def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: d
         refusal = removal_refused(config, source, gone, mine)
         if refusal is not None:
             refused, gone = refused or refusal, set()
-        stale |= changed | gone
-        by_source[name]["removed"] = len(gone)
+        stale |= changed | gone | dropped
+        by_source[name]["removed"] = len(gone) + len(dropped)
         by_source[name]["kept_unreadable"] = kept
     storage = torch_dtype(config.storage_dtype)
     with ShardWriter(cache, fingerprint, schema, text_schema=text_schema) as final:
         final.remove(stale)
         final.drop_unreferenced_texts()  # texts of samples refused, or of a run killed between texts and samples
         store_prompts(final, enc, config.validation_prompt, storage)
-        store_decoder(final, enc, enc.preset)
+        store_decoder(final, enc, enc.preset, recorded_tables(config, final.manifest))
         record_sources(final, sources)
     counts["removed"] = sum(c["removed"] for c in by_source.values())
     counts["kept_unreadable"] = sum(c["kept_unreadable"] for c in by_source.values())
@@ -325,6 +369,29 @@ def cached_latents(config: PrecomputeConfig, enc: Encoders, manifest, schema: di
     latent = enc.latent_spec()
     fields = [*latent.fields, *(n for n in latent.flipped_fields if n in schema), *(latent.control_fields if config.control else ())]
     return CachedLatents(config.cache, manifest.generation, fields)
+
+
+def recorded_tables(config: PrecomputeConfig, manifest) -> dict | None:
+    """The bucket table of every resolution the cache holds samples at (`manifest`, after this run) or this run cached
+    at, for stage one's record; None for a cache of the preset's base resolution alone (its table is the
+    fingerprint's)."""
+    base = config.preset().base_resolution
+    recorded = (CacheSpec.of(manifest).tables if manifest.extra.get("precompute") else None) or {}
+    present = {tag or base for tag in manifest.resolutions()} | set(config.resolutions())
+    tables = {r: recorded.get(r) or config.table(r) for r in sorted(present)}
+    return tables if set(tables) != {base} else None
+
+
+def check_tables(config: PrecomputeConfig, manifest) -> None:
+    """Refuse to cache at a resolution whose recorded table differs from the one this run would use (its samples
+    were bucketed otherwise, e.g. by another granularity)."""
+    if manifest is None or not manifest.extra.get("precompute"):
+        return
+    recorded = CacheSpec.of(manifest, config.cache).tables or {}
+    for resolution in config.resolutions():
+        if resolution in recorded and recorded[resolution] != config.table(resolution):
+            raise ValueError(f"--resolution {resolution}: the cache at {config.cache} holds samples on another bucket table "
+                             f"for that resolution; write into a new directory (--cache DIR)")
 
 
 def check_control(config: PrecomputeConfig, manifest) -> None:
@@ -391,7 +458,7 @@ def store_prompts(writer: ShardWriter, enc: Encoders, validation_prompts, storag
     writer.add_prompts(stored, enc.prompt_schema(storage))
 
 
-def store_decoder(writer: ShardWriter, enc: Encoders, preset: Preset) -> None:
+def store_decoder(writer: ShardWriter, enc: Encoders, preset: Preset, tables: dict | None = None) -> None:
     """Stage one's record (`shards.CacheSpec`): how training rebuilds the VAE decoder, and its weights when they
     exist nowhere else; a re-run that changes nothing commits nothing."""
     decoder, files = enc.decoder_recipe()
@@ -400,6 +467,6 @@ def store_decoder(writer: ShardWriter, enc: Encoders, preset: Preset) -> None:
         if writer.manifest.files.get(role, {}).get("sha256") != hashlib.sha256(blob).hexdigest():
             writer.add_file(role, path, blob)
     record = CacheSpec(enc.latent_spec(), enc.text_spec(), preset.family, preset.name, preset.base_resolution, decoder,
-                       extra={"text_encoder": preset.text.name}).record()
+                       extra={"text_encoder": preset.text.name}, tables=tables).record()
     if writer.manifest.extra.get("precompute") != json.loads(json.dumps(record)):
         writer.set_extra("precompute", record)

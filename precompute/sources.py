@@ -13,6 +13,7 @@ shuffle_tags = true        # ... with the tags shuffled (kohya's shuffle_caption
 keep_tokens = 1            # ... except the first tag (after caption_prefix, which always stays first)
 tag_dropout = 0.1          # ... and each other tag dropped with this probability
 # eval = true              # held out of training: a run reports its loss (the held-out loss), never trains on it
+resolution = [512, 1024]   # cache its images at these resolutions (default: the run's --resolution)
 # with --control (ControlNet caches), where a folder's control images are, when not beside the images:
 control = "/data/photos-canny"   # /data/photos-canny/a/x.png is the control image of /data/photos/a/x.jpg
 masks = true               # cache a loss mask per image (x.mask.png beside x.jpg; masked training's --masked-loss)
@@ -90,6 +91,7 @@ class Source:
         mask_column: the loss mask column of a Hugging Face dataset (default `mask`) or of a folder's
             metadata.jsonl/.csv (default `mask_file_name`); implies `masks`.
         alpha_mask: every image's loss mask is its own alpha channel; implies `masks`.
+        resolution: the resolutions its images are cached at, each on its own bucket table (None: the run's).
     """
 
     name: str
@@ -117,6 +119,7 @@ class Source:
     mask: str | None = None
     mask_column: str | None = None
     alpha_mask: bool = False
+    resolution: tuple[int, ...] | None = None
     from_file: bool = False  # listed by a dataset file (messages name it), rather than DATA itself
 
     def tags(self) -> TagOptions | None:
@@ -166,6 +169,8 @@ class Source:
                                       ("alpha_mask", self.alpha_mask)) if v}
         # a class source's role is written only for one (the records of other sources stay as they were)
         role = {"is_reg": True, "prior_loss_weight": float(self.prior_loss_weight or 1.0)} if self.is_reg else {}
+        if self.resolution:
+            optional["resolution"] = list(self.resolution)
         return {"path": self.path, **share, **optional, **self.tag_record(), **role}
 
 
@@ -218,6 +223,8 @@ KEY_HELP = {  # `python -m precompute --help` lists these
     "mask_column": "the loss mask column of a Hugging Face dataset (default mask) or of the folder's metadata.jsonl/.csv "
                    "(default mask_file_name); implies masks",
     "alpha_mask": "true: every image's loss mask is its own alpha channel (an image without one is skipped); implies masks",
+    "resolution": "the resolution its images are cached at, or a list of several (each a multiple of 64 from 256 to the "
+                  "model's largest; default: --resolution)",
 }
 assert set(KEY_HELP) == KEYS
 NAME = re.compile(r"[^\t\n\r/\\]+")  # printable in `shards ls`' tab-separated lines; not a path
@@ -319,6 +326,9 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         path = values["path"]
         if "://" not in path and not Path(path).is_absolute() and not path.startswith("pipe:"):
             values["path"] = str(file.parent / path)  # relative to the dataset file, wherever it is run from
+        if "resolution" in values:
+            values["resolution"] = tuple(dict.fromkeys(values["resolution"] if isinstance(values["resolution"], list)
+                                                       else [values["resolution"]]))
         for key in ("control", "mask"):
             if key in values and "://" not in values[key] and not Path(values[key]).is_absolute():
                 values[key] = str(file.parent / values[key])
@@ -379,6 +389,11 @@ def _check(key: str, value) -> str | None:
         return None
     if key == "repeats":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a whole number ≥ 1"
+    if key == "resolution":
+        many = value if isinstance(value, list) else [value]
+        if not many or any(isinstance(v, bool) or not isinstance(v, int) or v % 64 or v < 256 for v in many):
+            return "must be a resolution, or a list of them, each a multiple of 64 from 256 to the model's largest"
+        return None
     if key in ("weight", "prior_loss_weight"):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
         return None if ok else "must be a finite number above 0"

@@ -48,6 +48,13 @@ def summary(cache: Cache) -> dict:
     field_bytes = dict(zip(m.shards.fields, (int(v) for v in m.shards.column("field_bytes").sum(0))))
     n = max(m.num_samples, 1)
     captions = m.captions()
+    record = m.extra.get("precompute") or {}
+    # a cache built at several resolutions, or at another than its base one: each one's samples and bucket table
+    resolutions = {}
+    if "resolutions" in record:
+        held = {tag or record.get("base_resolution"): count for tag, count in m.resolutions().items()}
+        resolutions = {"resolutions": {r: {"samples": held.get(int(r), 0), "buckets": names}
+                                       for r, names in record["resolutions"].items()}}
     return {
         "root": str(cache.root),
         "samples": m.num_samples,
@@ -64,6 +71,7 @@ def summary(cache: Cache) -> dict:
                     for name, totals in m.datasets().items()},
         # a cache that stores each text once: the texts stored, the references to them, the bytes saved
         **({"texts": m.text_stats()} if m.texts is not None else {}),
+        **resolutions,
         "generation": m.generation,
         "fingerprint_sha256": m.fingerprint_sha256,
         "fingerprint": m.fingerprint,
@@ -109,6 +117,9 @@ def inspect(
     for name, b in info["buckets"].items():
         bar = "#" * max(1, round(40 * b["samples"] / most)) if b["samples"] else ""
         typer.echo(f"  {name:>10} {b['samples']:>9} {bar}")
+    if "resolutions" in info:
+        typer.echo("\nresolutions: " + ", ".join(f"{r} ({v['samples']} samples, a table of {len(v['buckets'])} buckets)"
+                                                for r, v in info["resolutions"].items()))
     typer.echo("\nsources:")
     for name, src in info["sources"].items():
         share = f"weight {src['weight']:g}" if src.get("weight") is not None else f"repeats {src.get('repeats', 1)}"

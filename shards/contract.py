@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from shards.buckets import Bucket
 from shards.schema import FormatError
 
 TextLayoutKind = Literal["masked", "sd3_joint", "flux"]
@@ -232,11 +233,25 @@ class CacheSpec:
     decoder: DecoderRecipe | None = None
     extra: dict = field(default_factory=dict, compare=False)  # the rest of stage one's record, untyped
     control: dict | None = None  # the fingerprint's `control` part: the cache holds control latents (ControlNet)
+    # the bucket table of every resolution the cache was built at, when one is not `base_resolution` (None: the cache
+    # holds that one alone, on the fingerprint's table)
+    tables: dict[int, tuple[Bucket, ...]] | None = None
 
     def record(self) -> dict:
         """Stage one's record in the manifest's `extra["precompute"]` (keys in the order caches have held them)."""
+        tables = {"resolutions": {str(r): [b.name for b in t] for r, t in sorted(self.tables.items())}} if self.tables else {}
         return {"preset": self.preset, "family": self.family, **self.extra, "base_resolution": self.base_resolution,
-                **({"decoder": self.decoder.to_json()} if self.decoder else {})}
+                **tables, **({"decoder": self.decoder.to_json()} if self.decoder else {})}
+
+    def resolution(self, tag: int) -> int | None:
+        """The resolution of a shard (`ShardEntry.resolution`; 0: the base resolution, None if unknown)."""
+        return tag or self.base_resolution
+
+    def resolutions(self) -> list[int]:
+        """The resolutions the cache was built at (its base resolution alone unless stage one recorded others)."""
+        if self.tables:
+            return sorted(self.tables)
+        return [self.base_resolution] if self.base_resolution else []
 
     @classmethod
     def of(cls, manifest, root: Path | str = "") -> CacheSpec:
@@ -251,6 +266,11 @@ class CacheSpec:
                               f"{', '.join(absent)}); build one with make precompute DATA=...")
         record = dict(manifest.extra.get("precompute") or {})
         decoder = record.pop("decoder", None)
+        try:
+            tables = {int(r): tuple(Bucket.parse(b) for b in names) for r, names in record.pop("resolutions", {}).items()}
+        except (ValueError, TypeError, AttributeError) as e:
+            raise FormatError(f"the cache {root}: stage one's record of its resolutions cannot be read ({e}); re-run stage "
+                              f"one on it") from None
         return cls(LatentSpec.from_fingerprint(fp["vae"]), TextSpec.from_fingerprint(fp["text_encoder"]), record.pop("family", None),
                    record.pop("preset", None), record.pop("base_resolution", None),
-                   DecoderRecipe.from_json(decoder) if decoder else None, record, fp.get("control") or None)
+                   DecoderRecipe.from_json(decoder) if decoder else None, record, fp.get("control") or None, tables or None)

@@ -81,7 +81,12 @@ class Preset:
 
     Args:
         family: the `Family.name` of the VAE (the cache records it; stage two picks its transformer family by it).
+        base_resolution: the resolution whose published table the cache is bucketed on by default.
         transformer: informational here; stage two loads it.
+        granularity: pixels per side of one image token, the VAE's downsampling times the transformer's patch
+            (32 for DC-AE, 16 for an 8x VAE with 2x2 patches): the sides of a bucket table built for another
+            resolution are multiples of it.
+        max_resolution: the largest `--resolution` the model takes.
     """
 
     name: str
@@ -90,6 +95,8 @@ class Preset:
     vae: VaeSpec
     text: TextEncoderSpec
     transformer: str | None
+    granularity: int = 16
+    max_resolution: int = 2048
 
 
 @dataclass

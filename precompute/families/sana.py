@@ -70,12 +70,14 @@ class Sana(Family):
 
     def presets(self) -> dict[str, Preset]:
         text = self.text_encoders()
-        # The DC-AE is fp16-safe and runs in bf16 on CUDA; each model's Gemma comes from its own repository.
+        # The DC-AE is fp16-safe and runs in bf16 on CUDA; each model's Gemma comes from its own repository. Its 32x
+        # downsampling and the transformer's 1x1 patches make buckets multiples of 32 px, up to Sana's 4096 tables
+        # (the tiny DC-AE downsamples 8x).
         out = {name: Preset(name, self.name, 1024, VaeSpec("dc", repo, fp16_safe=True, cuda_dtype="bf16"),
-                            replace(text["gemma2-2b"], repo=repo), repo)
+                            replace(text["gemma2-2b"], repo=repo), repo, granularity=32, max_resolution=4096)
                for name, repo in (("sana-600m", SANA_600M), ("sana-1600m", SANA_1600M))}
         out["tiny-sana"] = Preset("tiny-sana", self.name, 256, VaeSpec("dc", None, fp16_safe=True, cuda_dtype="bf16"),
-                                  text["tiny-gemma2"], None)
+                                  text["tiny-gemma2"], None, granularity=8)
         return out
 
     def text_encoders(self) -> dict[str, TextEncoderSpec]:
