@@ -295,6 +295,7 @@ REFUSED_ON_RESUME = {
     "shuffle_shards": "the epoch's batches depend on it",
     "cache_weight": "the epoch's batches depend on it",
     "eval_fraction": "which samples train and which are held out depends on it",
+    "resolution_weight": "the epoch's batches depend on it",
     "lora_rank": "LoRA adapters resume with the rank, alpha and targets they were trained with",
     "lora_alpha": "LoRA adapters resume with the rank, alpha and targets they were trained with",
     "lora_targets": "LoRA adapters resume with the rank, alpha and targets they were trained with",

@@ -11,6 +11,7 @@ the fields of the concerns it names; every config that holds it holds those too.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -236,6 +237,10 @@ class DataOptions:
                                "and encoders (e.g. a 512 and a 1024 cache); the first one's prompts validate.")
     cache_weight: list[float] = opt([], "With several --cache: each one's share of every epoch, in their order (default: "
                                         "every cache's samples drawn as its sources' repeats and weights say).", above=0)
+    resolution_weight: str | None = opt(None, "A cache built at several resolutions (stage one's --resolution 512,1024): "
+                                              "each resolution's share of every epoch, as RESOLUTION=WEIGHT pairs, one per "
+                                              "resolution the caches hold, e.g. 512=1,1024=2 (default: every sample of "
+                                              "every resolution drawn as its source's repeats and weight say).")
     batch_size: int = opt(8, "Samples per batch on each process (all from one bucket).", at_least=1)
     remainder: Literal["repeat", "drop"] = opt("repeat", "Incomplete batches: repeat (complete them with samples of the same "
                                                          "bucket) or drop.")
@@ -270,6 +275,24 @@ class DataOptions:
         if len({str(c) for c in self.cache}) != len(self.cache):
             raise ValueError(f"--cache names {self.cache[0]} twice; give each cache once (--cache-weight sets shares)")
         self.cache_weight = list(self.cache_weight)
+        self.resolution_weights()  # refuses a malformed --resolution-weight before anything loads
+
+    def resolution_weights(self) -> dict[int, float] | None:
+        """--resolution-weight as {resolution: weight}, or None."""
+        if not self.resolution_weight:
+            return None
+        weights: dict[int, float] = {}
+        for pair in str(self.resolution_weight).split(","):
+            resolution, _, weight = pair.partition("=")
+            try:
+                r, w = int(resolution), float(weight)
+            except ValueError:
+                r, w = 0, math.nan
+            if r <= 0 or not math.isfinite(w) or w <= 0 or r in weights:
+                raise ValueError(f"--resolution-weight {self.resolution_weight}: {pair.strip()!r} is not RESOLUTION=WEIGHT "
+                                 f"with a resolution in pixels, given once, and a weight above 0; e.g. 512=1,1024=2")
+            weights[r] = w
+        return weights
 
 
 @dataclass

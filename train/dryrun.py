@@ -31,7 +31,7 @@ def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: in
                               gpu_memory=device_memory(device) - (CARD_RESERVED if device.type == "cuda" else 0),
                               pretrained_controlnet=None,
                               controlnet_layers=controlnet_layers or cfg.controlnet_layers)
-    return plan(setup, objective)
+    return plan(setup, objective, buckets=list(cache.manifest.buckets()))
 
 
 def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: TrainStep, validator: Validator | None, preset,

@@ -129,6 +129,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 drawn = ("held out (eval = true)" if is_eval_source(c.manifest.extra.get("sources", {}).get(name, {}))
                          else f"{draws.get(label + name, 0)} drawn per epoch")
                 say(f"  source {name or '(unnamed)'}: {totals['samples']} samples, {drawn}{role}")
+    if by_resolution := first.plan.draws_by_resolution():
+        say("resolutions: " + ", ".join(f"{r}: {n} drawn per epoch" for r, n in by_resolution.items()))
     if cfg.train_guidance is not None:
         say(f"guidance embedding at {cfg.train_guidance:g} in training (the unguided target), validation at {cfg.guidance_scale:g}")
     evaluator = build_evaluator(cfg, group, objective, rank, world, device)
@@ -296,7 +298,8 @@ class Epochs:
     def epoch_of(self, number: int, cs: list, start: int = 0) -> Epoch:
         cfg, world = self.cfg, self.world
         plan = BatchPlan.of(cs, cfg.batch_size, seed=cfg.seed, rank=self.rank, world_size=world, remainder=cfg.remainder,
-                            shuffle_shards=cfg.shuffle_shards, weights=cfg.cache_weight or None, eval_fraction=cfg.eval_fraction)
+                            shuffle_shards=cfg.shuffle_shards, weights=cfg.cache_weight or None, eval_fraction=cfg.eval_fraction,
+                            resolution_weights=cfg.resolution_weights())
         if not plan.batches_per_epoch():
             where = ", ".join(f"{c.location} (generation {c.generation})" for c in cs)
             if not sum(len(c) for c in cs):

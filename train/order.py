@@ -37,12 +37,14 @@ def seeded_generator(*parts: int, device: torch.device | str | None = None) -> t
 
 @dataclass(frozen=True, order=True)
 class Stream:
-    """The shards of one bucket and one source (a named dataset) of one cache (of a run's several): what the plan
-    draws batches from."""
+    """The shards of one bucket and one source (a named dataset) of one cache (of a run's several), at one resolution
+    of a cache of several (`resolution`: the shards' `ShardEntry.resolution`, 0 for the cache's base one): what the
+    plan draws batches from."""
 
     bucket: Bucket
     source: str = ""
     cache: int = 0
+    resolution: int = 0
 
 
 def source_draws(samples: dict[Stream, int], records: dict[str, dict]) -> dict[Stream, int]:
@@ -99,7 +101,7 @@ def held_out(caches, fraction: float) -> dict[Stream, tuple[np.ndarray, np.ndarr
     for c, one in enumerate(caches):
         records = one.manifest.extra.get("sources", {})
         names, table = one.shards.datasets(), one.shards
-        heights, widths = table.column("height"), table.column("width")
+        heights, widths, tags = table.column("height"), table.column("width"), table.column("resolution")
         for j, name in enumerate(names):
             share = 1.0 if is_eval_source(records.get(name, {})) else fraction
             if share <= 0:
@@ -112,11 +114,47 @@ def held_out(caches, fraction: float) -> dict[Stream, tuple[np.ndarray, np.ndarr
                 _held_in_shard[memo] = (rows, where[rows])
             rows, where = _held_in_shard[memo]
             if len(rows):
-                stream = Stream(Bucket(int(heights[j]), int(widths[j])), name, c)
+                stream = Stream(Bucket(int(heights[j]), int(widths[j])), name, c, int(tags[j]))
                 out[stream].append((rows + int(one.shard_starts[j]) + offset, where))
         offset += len(one)
     return {st: (np.concatenate([i for i, _ in parts]), np.concatenate([w for _, w in parts]))
             for st, parts in sorted(out.items())}
+
+
+def resolution_draws(draws: dict[Stream, int], resolution_of: dict[Stream, int], weights: dict[int, float]) -> dict[Stream, int]:
+    """The epoch's draws shared out between resolutions by `weights` (resolution in pixels -> weight), each
+    resolution's spread over its streams as their own draws are (rounded to whole draws, the total kept).
+
+    Raises:
+        ValueError: a resolution of the streams has no weight, or a weight names a resolution they do not hold.
+    """
+    per: dict[int, int] = defaultdict(int)
+    for stream, n in draws.items():
+        per[resolution_of[stream]] += n
+    held = ", ".join(map(str, sorted(per)))
+    if missing := sorted(set(per) - set(weights)):
+        raise ValueError(f"--resolution-weight gives no weight to resolution {missing[0]}, which the cache holds; give one "
+                         f"to each of {held}, e.g. --resolution-weight " + ",".join(f"{r}=1" for r in sorted(per)))
+    if extra := sorted(set(weights) - set(per)):
+        raise ValueError(f"--resolution-weight {extra[0]}=...: the cache holds no samples at {extra[0]}; it holds {held}")
+    total, weight = sum(per.values()), sum(weights[r] for r in per)
+    target = _whole({r: total * weights[r] / weight for r in sorted(per)})
+    out: dict[Stream, int] = {}
+    for r in sorted(per):
+        if per[r]:
+            out |= _whole({st: n * target[r] / per[r] for st, n in draws.items() if resolution_of[st] == r})
+    return out
+
+
+def stream_resolution(cache, stream: Stream) -> int:
+    """A stream's resolution in pixels: the one its shards record, or the base resolution of its cache (a
+    `shards.Cache`) as stage one recorded it."""
+    resolution = cache.spec.resolution(stream.resolution)
+    if resolution is None:
+        raise ValueError(f"--resolution-weight: the cache {getattr(cache, 'location', cache.root)} does not record the "
+                         f"resolution it was built at; re-run stage one on it (nothing is encoded again) or leave the "
+                         f"option out")
+    return resolution
 
 
 def cache_labels(locations: list[str]) -> list[str]:
@@ -238,16 +276,17 @@ class BatchPlan:
         # one source: the seeds of the plan before sources existed (its runs resume onto the same batches)
         self._single = len({(st.source, st.cache) for st in self.streams}) <= 1
         self.labels: list[str] | None = None  # with several caches, how batches name their source: "CACHE/SOURCE"
+        self.resolutions: dict[Stream, int] | None = None  # with several resolutions, each stream's in pixels
         self.classes: dict[str, float] = {}  # class sources (`is_reg`) by `source_name`: their prior_loss_weight
         self._epochs: OrderedDict[tuple[int, int, int], _BucketEpoch] = OrderedDict()  # a few recent (epoch, stream, pass)
 
     @classmethod
     def of(cls, cache, batch_size: int, *, weights: list[float] | None = None, eval_fraction: float = 0.0,
-           **kwargs) -> BatchPlan:
+           resolution_weights: dict[int, float] | None = None, **kwargs) -> BatchPlan:
         """The plan of a `shards.Cache`'s generation (or of several caches', their samples numbered one after
-        the other), from their shard tables (no shard is opened): a stream per bucket and source, each source
-        drawn by the share stage one recorded for it; with `weights`, every cache's draws are scaled to its
-        share of the epoch. Held-out samples (`held_out`: sources marked `eval = true`, and `eval_fraction` of the
+        the other), from their shard tables (no shard is opened): a stream per bucket, source and resolution, each
+        source drawn by the share stage one recorded for it; with `weights`, every cache's draws are scaled to its
+        share of the epoch; with `resolution_weights` (resolution in pixels -> weight), every resolution's. Held-out samples (`held_out`: sources marked `eval = true`, and `eval_fraction` of the
         others by key) are never drawn; a source's share counts the samples it trains on."""
         caches = cache if isinstance(cache, (list, tuple)) else [cache]
         held = held_out(caches, eval_fraction) if holds_out(caches, eval_fraction) else {}
@@ -257,12 +296,13 @@ class BatchPlan:
             heights, widths = one.shards.column("height"), one.shards.column("width")
             names = np.array(one.shards.datasets(), dtype=object)
             records = one.manifest.extra.get("sources", {})
+            tags = one.shards.column("resolution")
             samples = {}
-            for h, w, name in sorted(set(zip(heights.tolist(), widths.tolist(), names.tolist()))):
+            for h, w, name, tag in sorted(set(zip(heights.tolist(), widths.tolist(), names.tolist(), tags.tolist()))):
                 if is_eval_source(records.get(name, {})):  # no stream: nothing of it is drawn
                     continue
-                mine = np.flatnonzero((heights == h) & (widths == w) & (names == name))
-                stream = Stream(Bucket(int(h), int(w)), name, c)
+                mine = np.flatnonzero((heights == h) & (widths == w) & (names == name) & (tags == tag))
+                stream = Stream(Bucket(int(h), int(w)), name, c, int(tag))
                 ranges[stream] = (starts[mine], starts[mine + 1])
                 out = held[stream][0] if stream in held else np.zeros(0, np.int64)
                 excluded.append(out)
@@ -275,7 +315,13 @@ class BatchPlan:
             target = _whole({c: sum(totals) * w / sum(weights) for c, w in enumerate(weights)})
             draws = {st: d for c in range(len(caches)) if totals[c] for st, d in _whole(
                 {st: d * target[c] / totals[c] for st, d in draws.items() if st.cache == c}).items()}
+        resolutions = None
+        if resolution_weights or any(st.resolution for st in ranges):
+            resolutions = {st: stream_resolution(caches[st.cache], st) for st in ranges}
+        if resolution_weights:
+            draws = resolution_draws(draws, resolutions, resolution_weights)
         plan = cls(ranges, batch_size, draws=draws, held_out=np.concatenate(excluded) if excluded else None, **kwargs)
+        plan.resolutions = resolutions
         if len(caches) > 1:
             plan.labels = cache_labels([getattr(one, "location", str(one.root)) for one in caches])
         for b, stream in enumerate(plan.streams):
@@ -296,6 +342,14 @@ class BatchPlan:
             out[self.source_name(b)] += d
         return dict(out)
 
+    def draws_by_resolution(self) -> dict[int, int]:
+        """Samples each resolution gives an epoch, for caches built at several (else empty)."""
+        out: dict[int, int] = defaultdict(int)
+        for b, d in enumerate(self.draws):
+            if self.resolutions is not None:
+                out[self.resolutions[self.streams[b]]] += d
+        return dict(sorted(out.items()))
+
     def batches_per_epoch(self) -> int:
         return sum(self.counts)
 
@@ -308,8 +362,14 @@ class BatchPlan:
     # --- within a stream ---
 
     def _tag(self, b: int, p: int) -> tuple:
-        """What sets stream `b`'s pass `p` apart in the seeds (nothing for the one pass of a one-source cache)."""
-        return () if self._single and p == 0 else (self.streams[b].source, self.streams[b].cache, p)
+        """What sets stream `b`'s pass `p` apart in the seeds (nothing for the one pass of a one-source cache at its
+        base resolution)."""
+        stream = self.streams[b]
+        return (() if self._single and p == 0 else (stream.source, stream.cache, p)) + self._resolution_tag(b)
+
+    def _resolution_tag(self, b: int) -> tuple:
+        """A stream of another resolution than the cache's base one seeds apart from one of its bucket at the base."""
+        return (self.streams[b].resolution,) if self.streams[b].resolution else ()
 
     def _bucket_epoch(self, epoch: int, b: int, p: int) -> _BucketEpoch:
         """Stream `b`'s order in pass `p` of `epoch` (kept for the few most recent)."""
@@ -376,7 +436,8 @@ class BatchPlan:
     def _due(self, epoch: int, b: int, k: int) -> float:
         """When stream `b`'s batch `k` comes in the epoch, in [0, 1)."""
         bucket = self.buckets[b]
-        u = derived_seed(self.seed, epoch, bucket.height, bucket.width, k, 7, *self._tag(b, 0)[:2]) / float(1 << 63)
+        who = () if self._single else (self.streams[b].source, self.streams[b].cache)
+        u = derived_seed(self.seed, epoch, bucket.height, bucket.width, k, 7, *who, *self._resolution_tag(b)) / float(1 << 63)
         return (k + u) / self.counts[b]
 
     def _due_before(self, epoch: int, b: int, tau: float) -> int:

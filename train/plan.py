@@ -59,11 +59,13 @@ class _Budget:
         return max(int((room - fixed) // (self.per_sample * scale)), 0)
 
 
-def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda message: None) -> dict:
+def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda message: None,
+         buckets: list[Bucket] | None = None) -> dict:
     """Bytes per component on one rank's device, the predicted peak, the verdict and the largest batch.
 
     `objective`: the run's (its memory is traced); default: the preset's with the trainer's default options. `say`
-    hears what the planner is doing (tracing a real-size model takes a while)."""
+    hears what the planner is doing (tracing a real-size model takes a while). `buckets`: the buckets to give the
+    largest batch of (a cache's); default: the preset's base table."""
     t0 = time.perf_counter()
     preset = get_preset(pc.model)
     say(f"planning {pc.model}: building it on the meta device (no memory) ...")
@@ -124,11 +126,11 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
     if preservation and preservation["peak"] > act:  # the batch is bounded by that forward's peak
         act, per_sample = preservation["peak"], preservation["peak_per_sample"]
     budget = _Budget(static, grads, act, per_sample, pc.batch_size)
-    # Per bucket of the preset's table: activations per sample scale with the bucket's pixels (every
+    # Per bucket (of the cache, or the preset's table): activations per sample scale with the bucket's pixels (every
     # layer is linear in the tokens with fused attention), so the traced slope is rescaled, not retraced.
     pixels = pc.bucket[0] * pc.bucket[1]
     by_bucket = {b.name: budget.largest_batch_at(pc.gpu_memory, b.height * b.width / pixels)
-                 for b in bucket_table(preset.base_resolution)}
+                 for b in buckets or bucket_table(preset.base_resolution)}
     # What a trainer without a cache adds: the VAE and text encoder(s) resident, frozen, in bf16.
     encoders = {name: 2 * n for name, n in preset.encoder_parameters.items()}
     return {

@@ -20,23 +20,35 @@ OPTIONS = ("batch_size", "precision", "weights_dtype", "optimizer", "grad_checkp
 EXIT_INPUT = 2  # as `python -m train`: bad options
 
 
-def plan_command(model: str, *, resolution: int | None = None, bucket: str | None = None, gpu_memory: str = "80GB",
-                 as_json: bool = False, **options) -> None:
+def plan_command(model: str, *, resolution: int | None = None, bucket: str | None = None, cache: str | None = None,
+                 gpu_memory: str = "80GB", as_json: bool = False, **options) -> None:
     """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
     like the trainer's mean the same and default the same."""
-    from shards import Bucket
+    from shards import Bucket, FormatError
     from train.families import get_preset
     from train.plan import format_plan, plan
 
     try:
-        size = tuple(Bucket.parse(bucket)) if bucket else (resolution or get_preset(model).base_resolution,) * 2
+        buckets, largest = cache_resolution(cache) if cache else (None, None)
+        default = largest or get_preset(model).base_resolution
+        size = tuple(Bucket.parse(bucket)) if bucket else (resolution or default,) * 2
         # what it is doing goes to stderr: the plan (or its JSON) alone on stdout
         result = plan(PlanConfig(model, bucket=size, gpu_memory=card_memory(gpu_memory), **options),
-                      say=lambda message: typer.echo(message, err=True))
-    except ValueError as e:  # the message says what to do; no traceback
+                      say=lambda message: typer.echo(message, err=True), buckets=buckets)
+    except (ValueError, FormatError, FileNotFoundError) as e:  # the message says what to do; no traceback
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(EXIT_INPUT) from None
     print(json.dumps(result, indent=1) if as_json else format_plan(result))
+
+
+def cache_resolution(location: str) -> tuple[list, int | None]:
+    """A cache's buckets and its largest resolution (the one a plan traces by default; None if it records none),
+    from its manifest alone."""
+    from shards import open_cache
+
+    opened = open_cache(location)
+    resolutions = opened.spec.resolutions()
+    return list(opened.manifest.buckets()), max(resolutions) if resolutions else None
 
 
 def _parameters() -> list[inspect.Parameter]:
@@ -46,9 +58,13 @@ def _parameters() -> list[inspect.Parameter]:
                           default=typer.Argument(..., help=f"Preset: {', '.join(PRESETS)}.")),
         *typer_parameters(PlanConfig, OPTIONS[:1]),
         inspect.Parameter("resolution", keyword, annotation=Optional[int], default=typer.Option(
-            None, min=8, help="Square bucket of this many pixels a side (default: the preset's base resolution).")),
+            None, min=8, help="Square bucket of this many pixels a side (default: the largest resolution of --cache, else "
+                              "the preset's base resolution).")),
         inspect.Parameter("bucket", keyword, annotation=Optional[str], default=typer.Option(
             None, help="Bucket HxW (instead of --resolution).")),
+        inspect.Parameter("cache", keyword, annotation=Optional[str], default=typer.Option(
+            None, help="A cache built for the run (a directory or URL): the plan traces its largest resolution and gives "
+                       "the largest batch of each of its buckets.")),
         *typer_parameters(PlanConfig, OPTIONS[1:]),
         inspect.Parameter("gpu_memory", keyword, annotation=str, default=typer.Option("80GB", help=GPU_MEMORY_HELP)),
         inspect.Parameter("as_json", keyword, annotation=bool, default=typer.Option(

@@ -28,10 +28,16 @@ class SD3(Family):
 
     def presets(self) -> dict[str, Preset]:
         # The SD3 VAE has no fp16 guarantee (its config asks for upcasting): fp32 by default.
+        # The transformer's learned positions cover pos_embed_max_size tokens a side (2x2 patches of an 8x VAE: 16 px
+        # each), and a table's widest bucket (4:1) is twice its resolution wide: the largest resolution whose every
+        # bucket fits (192 positions: 1536; SD3.5 Medium's 384: 2048, the largest table; the tiny model's 48: 384).
         text = self.text_encoders()
-        out = {name: Preset(name, self.name, 1024, VaeSpec("sd3", repo), replace(text["clip-l-g-t5"], repo=repo), repo)
-               for name, repo in (("sd3-medium", SD3_MEDIUM), ("sd35-medium", SD35_MEDIUM), ("sd35-large", SD35_LARGE))}
-        out["tiny-sd3"] = Preset("tiny-sd3", self.name, 256, VaeSpec("sd3", None), text["tiny-clip-l-g-t5"], None)
+        out = {name: Preset(name, self.name, 1024, VaeSpec("sd3", repo), replace(text["clip-l-g-t5"], repo=repo), repo,
+                            max_resolution=largest)
+               for name, repo, largest in (("sd3-medium", SD3_MEDIUM, 1536), ("sd35-medium", SD35_MEDIUM, 2048),
+                                           ("sd35-large", SD35_LARGE, 1536))}
+        out["tiny-sd3"] = Preset("tiny-sd3", self.name, 256, VaeSpec("sd3", None), text["tiny-clip-l-g-t5"], None,
+                                 max_resolution=384)
         return out
 
     def text_encoders(self) -> dict[str, TextEncoderSpec]:
