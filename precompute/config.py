@@ -31,6 +31,12 @@ DtypeOption = Literal[Dtype, Literal["float32", "bfloat16", "float16"]]
 DTYPE_HELP = "fp32, bf16 or fp16 (float32, bfloat16 and float16 mean the same)"
 # Each published preset's caption token limit, for --help.
 MAX_LENGTHS = ", ".join(f"{name} {get_preset(name).text.max_length}" for name in preset_names() if not name.startswith("tiny-"))
+# The published presets by their largest --resolution and bucket granularity, for --help.
+_LIMITS: dict[tuple[int, int], list[str]] = {}
+for _name in preset_names():
+    if not _name.startswith("tiny-"):
+        _LIMITS.setdefault((get_preset(_name).max_resolution, get_preset(_name).granularity), []).append(_name)
+RESOLUTION_LIMITS = "; ".join(f"{largest} ({step} px): {', '.join(names)}" for (largest, step), names in sorted(_LIMITS.items()))
 
 
 @dataclass
@@ -62,13 +68,15 @@ class PrecomputeConfig:
                                   "once. Applies to a new cache; an existing cache keeps the layout it was built with. "
                                   "--no-dedup-texts stores them with each sample, as caches before it did.")
     resolution: str | None = opt(None, "Cache the images at this resolution: the side of a square of the same area, a "
-                                       "multiple of 64 from 256 to the model's largest (2048; Sana 4096). Its bucket table "
-                                       "is the published one where there is one (256, 512, 1024, 2048), otherwise built as "
-                                       "they are: the 1024 table's aspect ratios scaled to the area, each side a multiple "
-                                       "of the model's granularity (32 px for Sana, 16 for the others). Several, comma-"
-                                       "separated (512,1024): every image is cached at each, and training draws from each "
-                                       "(--resolution-weight). A source of a dataset file may set its own (resolution = 512 "
-                                       "or [512, 1024]). Default: the preset's base resolution (1024; tiny presets 256).")
+                                       "multiple of 64 from 256 to the model's largest. Its bucket table is the published "
+                                       "one where there is one (256, 512, 1024, 2048) and it fits the model, otherwise built "
+                                       "as they are: the 1024 table's aspect ratios scaled to the area, each side rounded "
+                                       "to the model's granularity (the VAE's downsampling times the patch size). Largest "
+                                       f"(granularity): {RESOLUTION_LIMITS}. Several, comma-separated (512,1024): every "
+                                       "image is cached at each, and training draws from each (--resolution-weight). A "
+                                       "source of a dataset file may set its own (resolution = 512 or [512, 1024]). Default: "
+                                       "the resolutions the cache holds the source at, else the preset's base resolution "
+                                       "(1024; tiny presets 256).")
     workers: int = opt(2, "DataLoader worker processes that read, decode and resize images (0: in the main process).",
                        at_least=0)
     storage_dtype: DtypeOption = opt("bf16", f"Dtype of cached latents and embeddings: {DTYPE_HELP}.")

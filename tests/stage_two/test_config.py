@@ -166,7 +166,7 @@ def test_the_plan_command_refuses_what_the_trainer_refuses_through_the_same_rule
 
 def test_the_plan_command_plans_with_the_trainers_defaults(monkeypatch):
     planned = []
-    monkeypatch.setattr(train.plan, "plan", lambda pc, say: planned.append(pc) or {"stub": True})
+    monkeypatch.setattr(train.plan, "plan", lambda pc, say, **_: planned.append(pc) or {"stub": True})
     monkeypatch.setattr(train.plan, "format_plan", lambda result: "formatted")
     result = CliRunner().invoke(plan_app(), ["plan", "tiny-sd3", "--lora-rank", "4", "--resolution", "256", "--gpu-memory", "16GB"],
                                 env=WIDE)
