@@ -127,7 +127,8 @@ class EncodingPass:
 
     def __post_init__(self) -> None:
         self.flipped_fields = [name for name in self.enc.latent_spec().flipped_fields if name in self.schema]
-        self.cached_inputs = {name: set(mine.values()) for name, mine in self.previous.items()}  # "changed" if cached as one
+        # "changed" if cached as one at its resolution (an image cached at another resolution is new at this one)
+        self.cached_inputs = {scope: set(inputs) for scope, inputs in self.stamps.items()}
         self.pending: dict = defaultdict(list)
         self.truncated_texts: set[str] = set()  # text keys of the captions this run found truncated
         self.bad_texts: set[str] = set()  # text keys whose text held NaN/Inf: not stored
@@ -201,7 +202,8 @@ class EncodingPass:
             else:
                 self.writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0), dataset=it["dataset"],
                                   resolution=it.get("resolution", 0))
-                tally.count("changed" if it["source"] in self.cached_inputs[it["dataset"]] else "new", it["dataset"])
+                scope = (it["dataset"], it.get("resolution", 0))
+                tally.count("changed" if it["source"] in self.cached_inputs.get(scope, ()) else "new", it["dataset"])
 
     def encode_captions(self, captions: list[str], count: bool = True) -> list[dict[str, torch.Tensor]]:
         """The text fields of each caption; truncated captions are counted (with `count`) and remembered by key."""

@@ -78,12 +78,13 @@ def test_the_key_mixes_in_a_resolution_other_than_the_base():
 
 @pytest.mark.slow
 def test_two_resolutions_in_one_cache_keep_the_base_ones_keys_and_fingerprint(folder, tmp_path):
-    run(folder, tmp_path / "base")
-    base = load(tmp_path / "base")
+    run(folder, tmp_path / "multi")
+    base = load(tmp_path / "multi")
     assert "resolutions" not in base.extra["precompute"]  # a cache of the base resolution records nothing new
 
+    # a cache of the base resolution (tiny presets: 256) extended with 512: its samples are kept, keys and all
     summary = run(folder, tmp_path / "multi", resolution="256,512")
-    assert summary["new"] == 6
+    assert (summary["unchanged"], summary["new"], summary["changed"]) == (3, 3, 0)
     multi = load(tmp_path / "multi")
     assert multi.fingerprint == base.fingerprint  # the fingerprint does not depend on the resolutions
     assert multi.resolutions() == {0: 3, 512: 3}
