@@ -229,8 +229,8 @@ def open_source(config: PrecomputeConfig, manifest, source, tag: int, skip: froz
     The source's first resolution (`must`) is where a listing that finds nothing is refused."""
     cache, repair = config.cache, config.repair
     policy = config.policy(tag or None)
-    mine = {key: src for key, src, *_ in manifest.samples(source.name, tag)} if manifest else {}
-    only = {mine[k] for k in needed if k in mine} if repair else None
+    at_tag = {key: src for key, src, *_ in manifest.samples(source.name, tag)} if manifest else {}
+    only = {at_tag[k] for k in needed if k in at_tag} if repair else None
     if repair and not only and not must:
         return None
     known = {} if repair else unsalted(manifest.by_source(source.name, tag), source) if manifest else {}
