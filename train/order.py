@@ -146,17 +146,6 @@ def resolution_draws(draws: dict[Stream, int], resolution_of: dict[Stream, int],
     return out
 
 
-def stream_resolution(cache, stream: Stream) -> int:
-    """A stream's resolution in pixels: the one its shards record, or the base resolution of its cache (a
-    `shards.Cache`) as stage one recorded it."""
-    resolution = cache.spec.resolution(stream.resolution)
-    if resolution is None:
-        raise ValueError(f"--resolution-weight: the cache {getattr(cache, 'location', cache.root)} does not record the "
-                         f"resolution it was built at; re-run stage one on it (nothing is encoded again) or leave the "
-                         f"option out")
-    return resolution
-
-
 def cache_labels(locations: list[str]) -> list[str]:
     """Short names of a run's caches: the last component of each location, numbered where two are alike."""
     names = [location.rstrip("/").rsplit("/", 1)[-1] for location in locations]
@@ -276,7 +265,7 @@ class BatchPlan:
         # one source: the seeds of the plan before sources existed (its runs resume onto the same batches)
         self._single = len({(st.source, st.cache) for st in self.streams}) <= 1
         self.labels: list[str] | None = None  # with several caches, how batches name their source: "CACHE/SOURCE"
-        self.resolutions: dict[Stream, int] | None = None  # with several resolutions, each stream's in pixels
+        self.resolutions: dict[Stream, int | None] | None = None  # with several resolutions, each stream's in pixels
         self.classes: dict[str, float] = {}  # class sources (`is_reg`) by `source_name`: their prior_loss_weight
         self._epochs: OrderedDict[tuple[int, int, int], _BucketEpoch] = OrderedDict()  # a few recent (epoch, stream, pass)
 
@@ -315,10 +304,15 @@ class BatchPlan:
             target = _whole({c: sum(totals) * w / sum(weights) for c, w in enumerate(weights)})
             draws = {st: d for c in range(len(caches)) if totals[c] for st, d in _whole(
                 {st: d * target[c] / totals[c] for st, d in draws.items() if st.cache == c}).items()}
-        resolutions = None
+        resolutions = None  # each stream's in pixels: the one its shards record, or its cache's base resolution
         if resolution_weights or any(st.resolution for st in ranges):
-            resolutions = {st: stream_resolution(caches[st.cache], st) for st in ranges}
+            resolutions = {st: caches[st.cache].spec.resolution(st.resolution) for st in ranges}
         if resolution_weights:
+            if unknown := sorted({st.cache for st, r in resolutions.items() if r is None}):
+                one = caches[unknown[0]]
+                raise ValueError(f"--resolution-weight: the cache {getattr(one, 'location', one.root)} does not record the "
+                                 f"resolution it was built at; re-run stage one on it (nothing is encoded again) or leave "
+                                 f"the option out")
             draws = resolution_draws(draws, resolutions, resolution_weights)
         plan = cls(ranges, batch_size, draws=draws, held_out=np.concatenate(excluded) if excluded else None, **kwargs)
         plan.resolutions = resolutions
@@ -346,7 +340,7 @@ class BatchPlan:
         """Samples each resolution gives an epoch, for caches built at several (else empty)."""
         out: dict[int, int] = defaultdict(int)
         for b, d in enumerate(self.draws):
-            if self.resolutions is not None:
+            if self.resolutions is not None and self.resolutions[self.streams[b]] is not None:
                 out[self.resolutions[self.streams[b]]] += d
         return dict(sorted(out.items()))
 
