@@ -99,7 +99,16 @@ def test_two_resolutions_in_one_cache_keep_the_base_ones_keys_and_fingerprint(fo
 
     again = run(folder, tmp_path / "multi")  # a re-run without --resolution keeps the cache's resolutions
     assert (again["unchanged"], again["new"], again["removed"]) == (6, 0, 0)
-    fewer = run(folder, tmp_path / "multi", resolution="512")  # naming fewer removes the others, counted
+    data = tmp_path / "copy" / "folder"  # the same source, by name
+    shutil.copytree(folder, data)
+    (data / "00001.txt").write_text("a new caption")  # the image is the same: each resolution's latent is its own
+    edited = run(data, tmp_path / "multi")
+    assert (edited["changed"], edited["unchanged"]) == (2, 4)
+    cache = Cache(tmp_path / "multi")
+    for i in range(len(cache)):
+        s = cache[i]
+        assert s["latent"].shape[1:] == (s.bucket.height // 8, s.bucket.width // 8)
+    fewer = run(data, tmp_path / "multi", resolution="512")  # naming fewer removes the others, counted
     assert (fewer["unchanged"], fewer["removed"]) == (3, 3)
     assert load(tmp_path / "multi").resolutions() == {512: 3}
     assert CacheSpec.of(load(tmp_path / "multi")).resolutions() == [512]
