@@ -92,3 +92,16 @@ def test_plan_reads_the_caches_resolution_and_buckets(cache, capsys):
     assert set(result["largest_batch_per_bucket"]) == {b.name for b in Cache(cache).manifest.buckets()}
     plan_command("tiny-sana", cache=str(cache), resolution=512, as_json=True)
     assert json.loads(capsys.readouterr().out)["config"]["bucket"] == "512x512"
+
+
+@pytest.mark.slow
+def test_a_768_cache_of_a_16px_model_trains(tmp_path):
+    """Flux's 8x VAE and 2x2 patches: a 768 table built on 16 px steps, read from the cache, trains."""
+    data = make_folder(tmp_path / "data", count=2)
+    precompute(str(data), "tiny-flux", tmp_path / "cache", workers=0, progress=False, allow_upscale=True, resolution="768")
+    c = Cache(tmp_path / "cache")
+    assert c.spec.resolutions() == [768] and set(c.manifest.buckets()) <= set(resolution_table(768, 16))
+    train(TrainConfig(model="tiny-flux", cache=[str(tmp_path / "cache")], run=tmp_path / "run", steps=2, batch_size=1,
+                      progress=False, log_every=1, checkpoint_every=1000, validate=False))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)
