@@ -275,8 +275,12 @@ def read_init(path: Path, preset) -> InitAdapter:
     or `pytorch_lora_weights.safetensors`; DoRA too), peft's (a directory with `adapter_config.json`; any type), the
     LyCORIS layout (any type) or another trainer's that the family's pipeline converts (`lora_state_dict`: kohya's
     sd-scripts layouts and others, LoRA). Refuses a file with layers that name no module of the model, naming them."""
-    path = Path(path).expanduser().resolve()
-    if not path.exists():
+    try:
+        path = Path(path).expanduser().resolve()
+        found = path.exists()
+    except (OSError, ValueError) as e:  # a path no file system holds (a NUL in it), a loop of links
+        raise ValueError(f"--init-lora {str(path)!r}: {e}") from None
+    if not found:
         raise ValueError(f"--init-lora {path}: no such file or directory")
     if path.is_dir() and not (path / "adapter_config.json").exists():
         from train import lycoris
