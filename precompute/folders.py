@@ -400,18 +400,13 @@ def read_folder_entry(entry: FolderEntry) -> Record:
     except OSError as e:
         return Record(entry.source, None, missing=os_reason(e), detail=f"{type(e).__name__}: {e}")
     record = Record(entry.source, image, captions, control_detail=entry.control_looked, mask_detail=entry.mask_looked)
-    if entry.control is not None:
-        try:
-            record.control = read_regular(entry.control)
-        except OSError as e:
-            record.control_missing = "missing_control" if isinstance(e, FileNotFoundError) else "unreadable_control"
-            record.control_detail = f"{type(e).__name__}: {e}"
-    if entry.mask is not None:
-        try:
-            record.mask = read_regular(entry.mask)
-        except OSError as e:
-            record.mask_missing = "missing_mask" if isinstance(e, FileNotFoundError) else "unreadable_mask"
-            record.mask_detail = f"{type(e).__name__}: {e}"
+    for kind, path in (("control", entry.control), ("mask", entry.mask)):  # its control image, its loss mask
+        if path is not None:
+            try:
+                setattr(record, kind, read_regular(path))
+            except OSError as e:  # kept as the reason the sample is skipped (missing_mask, unreadable_control, ...)
+                setattr(record, f"{kind}_missing", f"{'missing' if isinstance(e, FileNotFoundError) else 'unreadable'}_{kind}")
+                setattr(record, f"{kind}_detail", f"{type(e).__name__}: {e}")
     return record
 
 

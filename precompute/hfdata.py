@@ -234,29 +234,26 @@ class HFDataset(torch.utils.data.IterableDataset):
                 mask = masks[j].as_py() if masks is not None else None
                 yield self._row(n, images[j].as_py(), captions[j].as_py(), stamp, part.start + j, self.known.get(n), control, mask)
 
+    def _companion(self, cell, column: str | None) -> tuple[bytes | None, str | None, OSError | None]:
+        """A control image's or loss mask's bytes and path from its column's cell (nothing when no such column is read).
+        A path that cannot be read comes back as its error, for the record to report; a bad cell raises `BadCell`."""
+        if not column:
+            return None, None, None
+        try:
+            data, path = _image_of(cell, self.listing.root, column, self._inside)
+        except OSError as e:
+            return None, None, e
+        return data, path, None
+
     def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None, mask_cell=None) -> dict:
         try:
             data, referenced = _image_of(image, self.listing.root, self.listing.image_column, self._inside)
+            control, control_path, control_error = self._companion(control_cell, self.listing.control_column)
+            mask, mask_path, mask_error = self._companion(mask_cell, self.listing.mask_column)
         except BadCell as e:
             return {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
-        except OSError as e:
+        except OSError as e:  # the image's own path (a companion's is reported with its record)
             return {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
-        control, control_path, control_error = None, None, None
-        if self.listing.control_column:
-            try:
-                control, control_path = _image_of(control_cell, self.listing.root, self.listing.control_column, self._inside)
-            except BadCell as e:
-                return {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
-            except OSError as e:
-                control_error = e
-        mask, mask_path, mask_error = None, None, None
-        if self.listing.mask_column:
-            try:
-                mask, mask_path = _image_of(mask_cell, self.listing.root, self.listing.mask_column, self._inside)
-            except BadCell as e:
-                return {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
-            except OSError as e:
-                mask_error = e
         try:
             stamp = row_stamp(file_stamp, row, referenced, control_path, mask_path)
         except OSError as e:
