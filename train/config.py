@@ -433,8 +433,8 @@ class EvalOptions:
     `validate_every`, `checkpoint_every` and `steps`."""
 
     eval_fraction: float = opt(0.0, "Hold this fraction of every source's samples out of training (chosen by a hash of each "
-                                    "sample's key: the same samples in every run, resume, world size and as the cache "
-                                    "grows) and report their loss (--eval-every). Sources the dataset file marks eval = "
+                                    "sample's input, so an image's copies at every resolution go together: the same "
+                                    "samples in every run, resume, world size and as the cache grows) and report their loss (--eval-every). Sources the dataset file marks eval = "
                                     "true are held out whole, with or without it. 0: only those.", at_least=0, below=1)
     eval_every: int | None = opt(None, "Compute the held-out loss every N steps, and at the end (0: only at the end). "
                                        "Default: --validate-every if set, else --checkpoint-every.", at_least=0)

@@ -41,7 +41,7 @@ class EvalBatch:
 
     source: str
     indices: list[int]
-    where: list[float]  # each sample's key_fraction: its noise seed
+    where: list[float]  # each sample's sample_fraction: its noise seed
     real: int
 
 

@@ -74,10 +74,19 @@ def is_eval_source(record: dict) -> bool:
 
 
 def key_fraction(key: str) -> float:
-    """Where a sample key falls in [0, 1), uniformly: a function of the key alone, so a sample held out of training is
-    held out in every run, resume, world size and generation of the cache."""
+    """Where a string falls in [0, 1), uniformly: a function of the string alone."""
     digest = hashlib.blake2b(key.encode("utf-8", "surrogateescape"), digest_size=8, person=b"held-out").digest()
     return int.from_bytes(digest, "little") / 2.0**64
+
+
+def sample_fraction(key: str, source: str, dataset: str = "") -> float:
+    """Where a sample falls in [0, 1) for `--eval-fraction`: by its input (the file or tar member stage one read it
+    from), so every sample of one image is held out or trained together — its copies at each resolution, and its
+    versions before and after a caption, mask or flip edit, which change its key. A sample with no recorded input
+    (cached before inputs were named) falls by its key. The source's name is mixed in, so two sources holding the
+    same file names fall independently. A sample held out of training is held out in every run, resume, world size
+    and generation of the cache."""
+    return key_fraction(f"{dataset}\0{source}" if source else key)
 
 
 def holds_out(caches, fraction: float) -> bool:
@@ -90,9 +99,9 @@ _held_in_shard: dict[tuple[str, str, float], tuple[np.ndarray, np.ndarray]] = {}
 
 
 def held_out(caches, fraction: float) -> dict[Stream, tuple[np.ndarray, np.ndarray]]:
-    """The samples no training batch draws, per stream, as (global indices, their keys' place in [0, 1)) in index
-    order: every sample of a source stage one marked `eval = true`, and, of the other sources, those whose key falls
-    below `fraction` (`key_fraction`). Read from the manifests' sample index, no shard opened; each shard's keys are
+    """The samples no training batch draws, per stream, as (global indices, their place in [0, 1)) in index
+    order: every sample of a source stage one marked `eval = true`, and, of the other sources, those whose input falls
+    below `fraction` (`sample_fraction`). Read from the manifests' sample index, no shard opened; each shard's keys are
     hashed once per process (a new generation hashes only its new shards). With several caches, their samples are
     numbered one after the other, as `BatchPlan.of` numbers them."""
     caches = caches if isinstance(caches, (list, tuple)) else [caches]
@@ -109,7 +118,8 @@ def held_out(caches, fraction: float) -> dict[Stream, tuple[np.ndarray, np.ndarr
             entry = table[j]
             memo = (entry.path, entry.sha256, share)
             if memo not in _held_in_shard:
-                where = np.array([key_fraction(k) for k in table.samples_of(int(table.rows[j]))[0]], dtype=np.float64)
+                keys, inputs, _ = table.samples_of(int(table.rows[j]))
+                where = np.array([sample_fraction(k, s, name) for k, s in zip(keys, inputs)], dtype=np.float64)
                 rows = np.flatnonzero(where < share)
                 _held_in_shard[memo] = (rows, where[rows])
             rows, where = _held_in_shard[memo]

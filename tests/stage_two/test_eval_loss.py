@@ -12,7 +12,7 @@ from conftest import FINGERPRINT, SCHEMA, VALIDATION_PROMPTS, make_sample
 
 from shards import Cache, ShardWriter
 from train.config import TrainConfig
-from train.order import BatchPlan, held_out, key_fraction
+from train.order import BatchPlan, held_out, sample_fraction
 
 pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models (left out of make test-fast)
 
@@ -30,13 +30,19 @@ def sourced_cache(root, indices, records=RECORDS):
     return Cache(root)
 
 
+def fractions(cache) -> dict[str, float]:
+    """Each sample key's place in [0, 1) for --eval-fraction, from its recorded input."""
+    names = cache.shards.datasets()
+    return {key: sample_fraction(key, source, names[j]) for key, source, _, j, _ in cache.manifest.samples()}
+
+
 def expected_held(cache, fraction, offset=0) -> set[int]:
     """Global indices held out, computed from the keys and sources alone."""
-    names = cache.shards.datasets()
+    names, where = cache.shards.datasets(), fractions(cache)
     out = set()
     for key, i in cache.keys():
         j, _ = cache.locate(i)
-        if names[j] == "holdout" or key_fraction(key) < fraction:
+        if names[j] == "holdout" or where[key] < fraction:
             out.add(i + offset)
     return out
 
@@ -61,6 +67,22 @@ def test_no_held_out_sample_enters_a_training_batch_in_any_epoch_or_rank(tmp_pat
     names = cache.shards.datasets()
     kept = {name: sum(1 for i in set(range(90)) - held if names[cache.locate(i)[0]] == name) for name in ("photos", "faces")}
     assert draws == {"photos": 2 * kept["photos"], "faces": kept["faces"]}  # shares count what trains (repeats 2)
+
+
+def test_an_image_is_held_out_at_every_resolution_or_at_none(tmp_path):
+    """A fraction is drawn per input, not per key: an image's samples under two keys (at two resolutions) are held out
+    or trained together, so the held-out loss never measures an image the run trains on at another resolution."""
+    with ShardWriter(tmp_path / "c", FINGERPRINT, SCHEMA, max_shard_samples=4) as w:
+        for i in range(60):
+            for offset in (0, 1000):  # its two samples, of two keys and buckets (two resolutions, or a caption edit)
+                w.write(*make_sample(i + offset), source=f"img{i}.png", dataset="photos")
+    cache = Cache(tmp_path / "c")
+    inputs = {i: source for i, (_, source, *_) in enumerate(cache.manifest.samples())}
+    held = {int(i) for idx, _ in held_out(cache, 0.3).values() for i in idx}
+    held_inputs = {inputs[i] for i in held}
+    assert 5 < len(held_inputs) < 40 and len(held) == 2 * len(held_inputs)  # both copies of each held-out image
+    seen = trained(BatchPlan.of(cache, 2, eval_fraction=0.3, seed=1), 3)
+    assert seen and not {inputs[i] for i in seen} & held_inputs
 
 
 def test_held_out_samples_stay_out_across_several_caches(tmp_path):
@@ -178,7 +200,7 @@ def test_the_held_out_loss_is_logged_and_its_samples_never_train(cache, tmp_path
 
     keys = trained_keys(monkeypatch)
     train(config(cache, tmp_path / "run", steps=6, eval_every=2, report_to=["tensorboard"]))
-    held = {k for k, _ in Cache(cache).keys() if key_fraction(k) < 0.3}
+    held = {k for k, f in fractions(Cache(cache)).items() if f < 0.3}
     assert held and keys and not set(keys) & held
     logged = rows(tmp_path / "run")
     evaluated = [r for r in logged if "eval_loss" in r]
@@ -229,15 +251,15 @@ def test_an_eval_source_is_evaluated_per_source_and_eval_batches_limits_it(tmp_p
     built = Cache(tmp_path / "cache")
     eval_keys = {k for k, i in built.keys() if built.shards.datasets()[built.locate(i)[0]] == "b"}
     keys = trained_keys(monkeypatch)
-    train(config(tmp_path / "cache", tmp_path / "run", eval_fraction=0.25, eval_every=2))
+    train(config(tmp_path / "cache", tmp_path / "run", eval_fraction=0.5, eval_every=2))
     assert eval_keys and keys and not set(keys) & eval_keys
     last = rows(tmp_path / "run")[-1]
     assert set(last["eval_loss_by_source"]) == {"a", "b"} and last["samples_by_source"] == {"a": 8}
-    assert last["eval_samples"] == len(eval_keys) + sum(1 for k, _ in Cache(tmp_path / "cache").keys()
-                                                         if k not in eval_keys and key_fraction(k) < 0.25)
-    train(config(tmp_path / "cache", tmp_path / "limited", eval_fraction=0.25, eval_batches=1, steps=1))
+    where = fractions(built)
+    assert last["eval_samples"] == len(eval_keys) + sum(1 for k, f in where.items() if k not in eval_keys and f < 0.5)
+    train(config(tmp_path / "cache", tmp_path / "limited", eval_fraction=0.5, eval_batches=1, steps=1))
     assert 1 <= rows(tmp_path / "limited")[-1]["eval_samples"] <= 2 < last["eval_samples"]  # one batch of at most 2
-    everything = min(max(key_fraction(k) for k, _ in built.keys() if k not in eval_keys) + 1e-9, 0.999999)
+    everything = min(max(f for k, f in where.items() if k not in eval_keys) + 1e-9, 0.999999)
     with pytest.raises(ValueError, match="is held out .*nothing to train on"):
         train(config(tmp_path / "cache", tmp_path / "none", eval_fraction=everything))
 
