@@ -350,12 +350,11 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
     # a run's checkpoints are rotated (--keep-checkpoints): samples go beside them, named by the checkpoint's step
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     out = Path(out) if out else run_dir / "samples" / ckpt.name
-    out.mkdir(parents=True, exist_ok=True)
     validator = Validator(cache, preset, objective, prompts=list(prompts), buckets=list(buckets), steps=steps, guidance=guidance,
                           seed=seed, decode_device="cpu", out=out, model_name=preset.name)
     if not validator:
-        raise ValueError(f"{cache.location} holds no prompts; pass --validation-prompt TEXT for prompts cached there, or add "
-                         f"some with {add_prompts_command(cache, [])}")
+        raise ValueError(f"{cache.location} holds no prompts; add some with {add_prompts_command(cache, [])}")
+    out.mkdir(parents=True, exist_ok=True)  # after the checks: a refused command leaves no empty folder behind
     dtype = DTYPES[precision]
     latents = validator.sample(model, dtype, progress=say)
     del model

@@ -84,6 +84,9 @@ def card_memory(text: str) -> float:
         size = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t) * GiB
     except ValueError:
         raise ValueError(f"--gpu-memory {text!r}: give the card's memory, e.g. 16GB, 24GiB or 80") from None
+    if size > 4 * 2**40:  # 4 TiB: no card has it; a bare byte count (as --gpu-memory once took) is the likely mistake
+        raise ValueError(f"--gpu-memory {text!r}: no card has {size / GiB:,.0f} GiB; give its memory as sold, e.g. 16GB "
+                         f"(a bare number is GiB, not bytes)")
     if not size > CARD_RESERVED:  # also NaN
         raise ValueError(f"--gpu-memory {text!r}: a card must have more than the {CARD_RESERVED / GiB:g} GiB the CUDA "
                          f"context and workspaces take; give its memory, e.g. 16GB")

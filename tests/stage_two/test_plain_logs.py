@@ -85,7 +85,7 @@ def test_gpu_memory_means_the_card_of_the_readme_table():
     from train.plan_config import CARD_RESERVED, GiB, PlanConfig, card_memory
 
     assert {card_memory(t) for t in ("16GB", "16GiB", "16G", "16", " 16gb ")} == {16 * GiB - CARD_RESERVED}
-    for bad in ("0.5GB", "sixteen", "nan"):
+    for bad in ("0.5GB", "sixteen", "nan", "17179869184"):  # the last: bytes, as --gpu-memory once took
         with pytest.raises(ValueError, match="--gpu-memory"):
             card_memory(bad)
     setup = dict(batch_size=2, grad_checkpointing="all", bucket=(256, 256))
