@@ -438,8 +438,9 @@ class EvalOptions:
                                     "true are held out whole, with or without it. 0: only those.", at_least=0, below=1)
     eval_every: int | None = opt(None, "Compute the held-out loss every N steps, and at the end (0: only at the end). "
                                        "Default: --validate-every if set, else --checkpoint-every.", at_least=0)
-    eval_batches: int = opt(0, "Evaluate at most this many batches of held-out samples (each source and bucket takes its "
-                               "turn; the same ones every time); 0: all of them.", at_least=0)
+    eval_batches: int = opt(32, "Evaluate at most this many batches of held-out samples (each source and bucket takes its "
+                                "turn; the same ones every time), so a large held-out set costs a bounded time every "
+                                "--eval-every steps (32 batches x --eval-timesteps forwards); 0: all of them.", at_least=0)
     eval_timesteps: int = opt(8, "Fixed noise levels each held-out sample is evaluated at: the training timestep density's "
                                  "quantiles (flow matching) or evenly spaced timesteps (DDPM), each with noise fixed by "
                                  "the sample's key. Each costs one forward of the batch.", at_least=1)
