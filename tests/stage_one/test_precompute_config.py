@@ -157,6 +157,7 @@ print(json.dumps([hashlib.sha256(json.dumps(sorted(tokenizer().get_vocab().items
 """
 
 
+@pytest.mark.slow
 def test_the_tiny_tokenizers_are_the_same_in_every_process():
     """Else a tiny-sd3 cache could not be extended by another run: its fingerprint records the vocabularies."""
     code = VOCABULARY_DIGESTS.format(root=str(Path(__file__).resolve().parents[2]))

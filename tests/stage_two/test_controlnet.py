@@ -112,6 +112,7 @@ def test_depth_and_structure_are_checked():
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
 def test_the_controlled_forward_is_what_the_stock_pipeline_computes(tmp_path, model):
     """The stock ControlNet pipeline's transformer output at one denoising step equals `controlled_forward` on the
     inputs it fed the ControlNet and the transformer, the control latent taken back to the cache's form; also for
@@ -197,6 +198,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(runs, caches, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
 def test_the_export_loads_into_the_stock_pipeline_and_follows_the_control_image(runs, tmp_path, model):
     import diffusers
 

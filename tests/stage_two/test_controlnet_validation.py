@@ -126,6 +126,7 @@ def derived(item) -> int:
 
 
 @pytest.mark.parametrize("model", MODELS)
+@pytest.mark.slow
 def test_a_run_writes_grids_of_its_items_and_its_dry_run_meets_its_plan(caches, tmp_path, model):
     # checkpointed, as the planner's ControlNet rows run (without it, tiny-sana's frozen blocks' backward on the CPU
     # holds ~18 % more than planned: transients the plan does not model)

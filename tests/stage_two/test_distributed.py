@@ -163,6 +163,7 @@ def test_fsdp_checkpoint_is_sharded_resumes_exactly_and_exports(tiny_caches, run
     assert any(not torch.equal(ema[k], exported[k]) for k in ema)
 
 
+@pytest.mark.slow
 def test_resuming_with_another_world_size_is_refused(tiny_caches, runs, tmp_path):
     shutil.copytree(runs / "one", tmp_path / "run")  # saved by one process
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "train",

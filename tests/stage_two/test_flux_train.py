@@ -151,6 +151,7 @@ def test_a_dropped_caption_is_the_cached_empty_caption(flux_cache):
     assert all(torch.equal(cond[k], empty[k]) for k in cond) and cond["text"].abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_tiny_flux_trains_resumes_exactly_and_its_export_generates_through_the_stock_pipeline(flux_cache, parts, tmp_path):
     straight = train(cfg(flux_cache, tmp_path / "straight", validate=True, validation_bucket=["256x256"]))
     train(cfg(flux_cache, tmp_path / "resumed", steps=3))
@@ -225,6 +226,7 @@ def test_tiny_flux_lora_trains_adapters_alone_resumes_exactly_and_loads_into_flu
     assert torch.allclose(generate(), after, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_plan_counts_flux_dev_and_its_encoders():
     out = subprocess.run([sys.executable, "-m", "train", "plan", "flux-dev", "--batch-size", "1", "--json"], cwd=ROOT,
                          capture_output=True, text=True)
@@ -236,6 +238,7 @@ def test_plan_counts_flux_dev_and_its_encoders():
 
 
 @pytest.mark.parametrize("lora,ckpt", [(0, "off"), (4, "off"), (0, "all"), (0, "every-2")])
+@pytest.mark.slow
 def test_dry_run_measures_one_flux_step_next_to_the_plan(flux_cache, tmp_path, lora, ckpt, capsys):
     """Checkpointing covers the single-stream blocks too (3 of tiny-flux's 1 + 2 blocks, every other: 1)."""
     result = train(TrainConfig(model="tiny-flux", cache=flux_cache, run=tmp_path, batch_size=4, precision="fp32", progress=False,
@@ -361,6 +364,7 @@ def test_flux_dev_trains_at_guidance_one_and_validates_at_three_and_a_half():
     assert "| guidance embedding | 1 in training (the unguided target); validation sampled at guidance_scale 3.5" in "\n".join(rows)
 
 
+@pytest.mark.slow
 def test_tiny_flux_feeds_its_guidance_embedding_1_in_training_and_3_5_in_validation(flux_cache, tmp_path, monkeypatch):
     from train.families import flux
 

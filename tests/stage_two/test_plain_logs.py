@@ -36,6 +36,7 @@ def test_piped_output_shows_loss_lines(tiny_caches, tmp_path):
     assert "\r" not in out.stdout + out.stderr  # no progress bar redrawing itself in the log
 
 
+@pytest.mark.slow
 def test_no_progress_prints_the_lines_at_a_terminal_too(tiny_caches, tmp_path):
     """stdout is a terminal (a pseudo-terminal here): the bar, unless --no-progress asks for the plain lines."""
 

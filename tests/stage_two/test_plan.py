@@ -77,6 +77,7 @@ def test_predicted_peak_within_15_percent_of_measured(model, batch, bucket, opti
     assert abs(predicted / actual - 1) <= 0.15, (predicted, actual)
 
 
+@pytest.mark.slow
 def test_lora_plan_counts_adapters_alone():
     full = plan(PlanConfig("sd35-large", batch_size=1, weights_dtype="bf16", optimizer="adamw", grad_checkpointing="all"))
     lora = plan(PlanConfig("sd35-large", batch_size=1, weights_dtype="bf16", optimizer="adamw", grad_checkpointing="all",
@@ -118,6 +119,7 @@ def test_controlnet_plan_of_sd35_large_on_80gb():
         plan(PlanConfig("sd3-medium", controlnet=True, controlnet_layers=40))
 
 
+@pytest.mark.slow
 def test_plan_cli_json_and_verdict():
     out = subprocess.run([sys.executable, "-m", "train", "plan", "sana-1600m", "--batch-size", "4", "--optimizer", "came",
                           "--grad-checkpointing", "all", "--gpu-memory", "48GB", "--json"], cwd=ROOT, capture_output=True, text=True)

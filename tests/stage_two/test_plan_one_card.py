@@ -35,6 +35,7 @@ def test_the_plan_counts_quantized_weights_at_their_size():
     assert plans["int8"]["bytes"]["activations"] > plans["none"]["bytes"]["activations"] == plans["nf4"]["bytes"]["activations"]
 
 
+@pytest.mark.slow
 def test_the_plan_keeps_swapped_blocks_off_the_device_but_three_in_flight():
     resident, swapped = one_card("flux-dev"), one_card("flux-dev", blocks_to_swap=20)
     single = 2 * (3072 * 3072 * 3 + 3 * 3072 + 3072 * 12288 + 12288 + 15360 * 3072 + 3072 + 3072 * 9216 + 9216 + 2 * 128)

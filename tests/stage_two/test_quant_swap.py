@@ -49,6 +49,7 @@ def losses(run: Path) -> list[float]:
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-sana"])
+@pytest.mark.slow
 def test_a_quantized_base_trains_as_the_bf16_base_does(caches, tmp_path, model, kind, capsys):
     """The same run on the bf16 base and on its int8 / fp8 weights: every step's loss within 1 % (the quantization error
     of the frozen weights is all that differs; measured 0.1-0.3 % on these presets), and the adapters learn what they
@@ -163,6 +164,7 @@ def test_block_swapping_gives_the_losses_of_a_run_without_it(caches, tmp_path, s
     assert losses(tmp_path / "swapped") == losses(tmp_path / "resident")
 
 
+@pytest.mark.slow
 def test_a_resumed_quantized_swapped_run_equals_an_uninterrupted_one(caches, tmp_path):
     """Stopped after 3 steps and resumed with the swap changed (applied on resume, logged): the losses of 6 steps in one go."""
     setup = dict(base_quant="int8", grad_checkpointing="all")
@@ -193,6 +195,7 @@ def test_two_processes_train_a_quantized_swapped_base_as_one(caches, tmp_path):
     ("tiny-flux", dict(lora_rank=4, weights_dtype="bf16", blocks_to_swap=2)),
     ("tiny-sana", dict(lora_rank=0, controlnet=True, base_quant="int8", grad_checkpointing="all", blocks_to_swap=1)),
 ], ids=["sd3-int8", "sana-int8-checkpointed", "flux-swap", "sana-controlnet-int8-swap"])
+@pytest.mark.slow
 def test_dry_runs_meet_their_plans(caches, tmp_path, model, options):
     result = train(TrainConfig(model=model, cache=caches / model, run=tmp_path, batch_size=8, precision="bf16", progress=False,
                                dry_run=True, validation_steps=2, workers=0, **options))

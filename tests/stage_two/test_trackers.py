@@ -89,6 +89,7 @@ def wandb_run(directory):
     return run, rows, files
 
 
+@pytest.mark.slow
 def test_wandb_receives_the_scalars_grids_and_config_and_a_resume_continues_its_run(cache, tmp_path, offline):
     run = tmp_path / "run"
     train(config(cache, run, report_to=["wandb"]))

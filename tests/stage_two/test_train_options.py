@@ -60,7 +60,7 @@ def test_adamw_8bit_without_bitsandbytes_says_how_to_install(monkeypatch):
     real = builtins.__import__
     monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))
                         if name == "bitsandbytes" else real(name, *a, **k))
-    with pytest.raises(ValueError, match=r"pip install 'cachedit\[8bit\]'"):
+    with pytest.raises(ValueError, match=r"pip install -e '\.\[8bit\]'"):
         build_optimizer(TrainConfig(optimizer="adamw-8bit"), [torch.nn.Parameter(torch.zeros(2))], torch.device("cuda"))
 
 
