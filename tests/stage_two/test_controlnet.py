@@ -198,7 +198,6 @@ def test_a_resumed_run_equals_an_uninterrupted_one(runs, caches, model):
 
 
 @pytest.mark.parametrize("model", MODELS)
-@pytest.mark.slow
 def test_the_export_loads_into_the_stock_pipeline_and_follows_the_control_image(runs, tmp_path, model):
     import diffusers
 

@@ -151,7 +151,6 @@ def test_a_dropped_caption_is_the_cached_empty_caption(flux_cache):
     assert all(torch.equal(cond[k], empty[k]) for k in cond) and cond["text"].abs().sum() > 0
 
 
-@pytest.mark.slow
 def test_tiny_flux_trains_resumes_exactly_and_its_export_generates_through_the_stock_pipeline(flux_cache, parts, tmp_path):
     straight = train(cfg(flux_cache, tmp_path / "straight", validate=True, validation_bucket=["256x256"]))
     train(cfg(flux_cache, tmp_path / "resumed", steps=3))

@@ -164,7 +164,6 @@ def test_block_swapping_gives_the_losses_of_a_run_without_it(caches, tmp_path, s
     assert losses(tmp_path / "swapped") == losses(tmp_path / "resident")
 
 
-@pytest.mark.slow
 def test_a_resumed_quantized_swapped_run_equals_an_uninterrupted_one(caches, tmp_path):
     """Stopped after 3 steps and resumed with the swap changed (applied on resume, logged): the losses of 6 steps in one go."""
     setup = dict(base_quant="int8", grad_checkpointing="all")

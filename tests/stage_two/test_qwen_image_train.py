@@ -199,7 +199,6 @@ def test_a_dropped_caption_is_the_cached_empty_caption(qwen_cache):
     assert torch.equal(cond["text"], empty["text"])
 
 
-@pytest.mark.slow
 def test_tiny_qwen_image_trains_resumes_exactly_and_its_export_generates_through_the_stock_pipeline(qwen_cache, parts, tmp_path):
     straight = train(cfg(qwen_cache, tmp_path / "straight", validate=True, validation_bucket=["256x256"]))
     train(cfg(qwen_cache, tmp_path / "resumed", steps=3))

@@ -207,7 +207,6 @@ def test_training_never_imports_an_encoder():
     assert found == []
 
 
-@pytest.mark.slow
 def test_training_process_holds_no_encoder_even_while_validating(caches, tmp_path):
     code = f"""
 import sys, gc, torch
