@@ -145,12 +145,12 @@ class ModelOptions:
 
     def take_init_lora(self) -> None:
         """--init-lora: the file's adapter type, rank, alpha and layers unless told otherwise (where they must agree)."""
-        from train import lora
+        from train import init_lora
         from train.families import get_preset
 
         if self.controlnet:
             raise ValueError("--init-lora starts LoRA adapters; a ControlNet run trains none")
-        init = lora.read_init(Path(self.init_lora), get_preset(self.model))
+        init = init_lora.read_init(Path(self.init_lora), get_preset(self.model))
         if self.lora_rank and self.lora_rank != init.rank:
             raise ValueError(f"--init-lora {self.init_lora} holds rank-{init.rank} adapters; this run has --lora-rank "
                              f"{self.lora_rank}. Leave --lora-rank out (or give {init.rank}).")

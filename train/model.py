@@ -13,7 +13,7 @@ import torch
 
 from shards import LatentSpec
 from shards.options import DTYPES, install_extra
-from train import checkpoint, controlnet, distributed, lora, quant
+from train import checkpoint, controlnet, distributed, init_lora, lora, quant
 from train.config import TrainConfig
 from train.ema import EMA
 from train.families import get_family
@@ -77,7 +77,7 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
             adapters = resume_from / checkpoint.ADAPTER_DIR
             lora.load_adapter_state(model, lora.read_adapter(adapters), adapters)
         elif cfg.init_lora:
-            fresh = lora.load_init(model, lora.read_init(Path(cfg.init_lora), preset), adapter, cfg.init_lora)
+            fresh = init_lora.load_init(model, init_lora.read_init(Path(cfg.init_lora), preset), adapter, cfg.init_lora)
             say(f"adapters start from {cfg.init_lora}" + (f"; {fresh} layers it does not hold start new" if fresh else ""))
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         targets = sorted(adapter.target_modules)

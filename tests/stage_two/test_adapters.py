@@ -11,7 +11,7 @@ import torch
 from conftest import losses, stage_one_cache
 from safetensors.torch import load_file, save_file
 
-from train import lora, lycoris
+from train import init_lora, lora, lycoris
 from train.checkpoint import ADAPTER_DIR, complete_checkpoints
 from train.config import TrainConfig
 from train.families import get_family, get_preset
@@ -132,12 +132,12 @@ def test_the_lycoris_file_rebuilds_peft_merged_weights(tmp_path, model_name, ada
     assert read == set(tensors)
 
     # and back: --init-lora of the file gives peft's weights, hence the same merged model
-    init = lora.read_init(written, get_preset(model_name))
+    init = init_lora.read_init(written, get_preset(model_name))
     assert (init.adapter, init.rank, init.alpha) == (adapter, rank, 6.0)
     again = copy.deepcopy(base)
     lora.add_lora(again, lora.lora_config(FAMILY[model_name], init.rank, init.alpha, init.modules, adapter=init.adapter,
                                           factor=init.factor, decompose_both=init.decompose_both))
-    assert lora.load_init(again, init, lora.lora_config(FAMILY[model_name], rank, 6.0, adapter=adapter), written) == 0
+    assert init_lora.load_init(again, init, lora.lora_config(FAMILY[model_name], rank, 6.0, adapter=adapter), written) == 0
     assert all(torch.allclose(v, expected[k], rtol=1e-5, atol=1e-6) for k, v in merged(again).items())
 
 
@@ -174,7 +174,7 @@ def test_a_run_exports_in_both_layouts_and_init_lora_continues_from_either(cache
 
     # the EMA weights by the same names: they differ from the trained ones, and rebuild the model's EMA merge
     ema_file = export(run, tmp_path / "ema", ema=True, lora_format="lycoris")
-    ema_state = lora.read_init(ema_file, get_preset("tiny-sana")).state
+    ema_state = init_lora.read_init(ema_file, get_preset("tiny-sana")).state
     assert ema_state.keys() == trained.keys() and any(not torch.allclose(ema_state[k], trained[k]) for k in trained)
     ema_model, _, _ = load_model(ckpt, ema=True)
     assert all(torch.allclose(ema_state[k], v, atol=1e-6) for k, v in lora.adapter_state(ema_model).items())
@@ -186,7 +186,7 @@ def test_a_run_exports_in_both_layouts_and_init_lora_continues_from_either(cache
         model = build_transformer(get_preset("tiny-sana"), None, 0)
         config = lora.lora_config("sana", cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, adapter=cfg.adapter)
         lora.add_lora(model, config, seed=1)
-        lora.load_init(model, lora.read_init(source, get_preset("tiny-sana")), config, source)
+        init_lora.load_init(model, init_lora.read_init(source, get_preset("tiny-sana")), config, source)
         started = lora.adapter_state(model)
         assert started.keys() == trained.keys() and all(torch.equal(started[k], trained[k]) for k in trained), source
 
@@ -215,13 +215,13 @@ def kohya_flux_file(tmp_path):
 
 def test_init_lora_takes_a_kohya_flux_file_through_diffusers_converter(tmp_path):
     written, base, expected = kohya_flux_file(tmp_path)
-    init = lora.read_init(written, get_preset("tiny-flux"))
+    init = init_lora.read_init(written, get_preset("tiny-flux"))
     assert init.adapter == "lora" and init.rank == 4  # diffusers splits the fused q, k, v back to rank 4, alpha folded
     assert "transformer_blocks.0.attn.add_k_proj" in init.modules
     model = copy.deepcopy(base)
     config = lora.lora_config("flux", init.rank, init.alpha, init.modules)
     lora.add_lora(model, config)
-    lora.load_init(model, init, config, written)
+    init_lora.load_init(model, init, config, written)
     assert all(torch.allclose(v, expected[k], rtol=1e-5, atol=1e-5) for k, v in merged(model).items())
 
 
@@ -233,20 +233,20 @@ def test_a_file_for_other_modules_is_refused_naming_them(tmp_path):
              for k, v in tensors.items()}
     save_file(stray, tmp_path / "stray.safetensors")
     with pytest.raises(ValueError, match="name no module of this model .*lycoris_transformer_blocks_7_attn1_to_q"):
-        lora.read_init(tmp_path / "stray.safetensors", get_preset("tiny-sana"))
+        init_lora.read_init(tmp_path / "stray.safetensors", get_preset("tiny-sana"))
 
     _, model, config = random_adapters("tiny-sana", "lora", 4, 4.0)
     state = {f"transformer.{k}": v for k, v in lora.adapter_state(model).items()}
     save_file({**state, "transformer.blocks.3.attn.to_q.lora_A.weight": torch.ones(4, 32)}, tmp_path / "diffusers.safetensors")
     with pytest.raises(ValueError, match="name no module of this tiny-sana transformer .*blocks.3.attn.to_q"):
-        lora.read_init(tmp_path / "diffusers.safetensors", get_preset("tiny-sana"))
+        init_lora.read_init(tmp_path / "diffusers.safetensors", get_preset("tiny-sana"))
     save_file({**state, "text_encoder.layers.0.q.lora_A.weight": torch.ones(4, 32)}, tmp_path / "te.safetensors")
     with pytest.raises(ValueError, match="other models than the transformer .*text_encoder.layers.0.q"):
-        lora.read_init(tmp_path / "te.safetensors", get_preset("tiny-sana"))
+        init_lora.read_init(tmp_path / "te.safetensors", get_preset("tiny-sana"))
     (tmp_path / "k").mkdir()
     save_file({"lora_unet_nothing_here.lora_down.weight": torch.ones(4, 32)}, tmp_path / "k" / "x.safetensors")
     with pytest.raises(ValueError, match="lora_unet_nothing_here"):
-        lora.read_init(tmp_path / "k" / "x.safetensors", get_preset("tiny-sana"))
+        init_lora.read_init(tmp_path / "k" / "x.safetensors", get_preset("tiny-sana"))
 
 
 def test_the_options_are_checked_with_the_file(tmp_path, caches):
@@ -266,12 +266,12 @@ def test_the_options_are_checked_with_the_file(tmp_path, caches):
         run_cfg(cache, tmp_path, init_lora=str(tmp_path / "lokr"), lora_rank=8)
     with pytest.raises(ValueError, match="holds lokr adapters; this run has --adapter loha"):
         run_cfg(cache, tmp_path, init_lora=str(tmp_path / "lokr"), adapter="loha")
-    init = lora.read_init(tmp_path / "lokr", get_preset("tiny-sana"))
+    init = init_lora.read_init(tmp_path / "lokr", get_preset("tiny-sana"))
     other = build_transformer(get_preset("tiny-sana"), None, 0)
     config = lora.lora_config("sana", 4, 4.0, init.modules, adapter="lokr", factor=2)  # 2 x 16 factors, not 4 x 8
     lora.add_lora(other, config)
     with pytest.raises(ValueError, match="shaped unlike this run's adapters .*size mismatch"):
-        lora.load_init(other, init, config, tmp_path / "lokr")
+        init_lora.load_init(other, init, config, tmp_path / "lokr")
     with pytest.raises(ValueError, match="kohya: it holds plain LoRA adapters; write dora adapters as diffusers"):
         lora.save_adapter(tmp_path / "k", "flux", {}, lora.lora_config("flux", 4, adapter="dora"), lora_format="kohya")
 
