@@ -1,6 +1,6 @@
 """The held-out loss: the training loss of samples no batch trains on, at fixed timesteps and noise.
 
-The held-out samples are the plan's (`train.order.held_out`: sources stage one marked `eval = true`, and
+The held-out samples are the plan's (`train.streams.held_out`: sources stage one marked `eval = true`, and
 `--eval-fraction` of the others by key hash); training never draws them. Every `--eval-every` steps each of them is
 taken at `--eval-timesteps` fixed noise levels (the training density's quantiles, `fixed_times`) with noise fixed by
 its key and the level, its latent the cached posterior's mean (or the deterministic latent) and its first caption,
@@ -28,8 +28,9 @@ from train import distributed
 from train.config import TrainConfig
 from train.data import TextLayout, sample_mask
 from train.families.base import ModelPreset
-from train.order import cache_labels, derived_seed, held_out, holds_out
+from train.order import derived_seed
 from train.presets import model_forward
+from train.streams import cache_labels, held_out, holds_out
 
 EVAL_NOISE = 4_000_037  # a stream of seeds of its own: no seed a training draw uses
 
@@ -46,7 +47,7 @@ class EvalBatch:
 
 
 def eval_batches(held: dict, global_size: int, labels: list[str] | None, limit: int = 0) -> list[EvalBatch]:
-    """The held-out samples (`train.order.held_out`) as global batches, each of one stream (source and bucket). Streams
+    """The held-out samples (`train.streams.held_out`) as global batches, each of one stream (source and bucket). Streams
     take turns batch by batch and `limit` (0: all) keeps the first batches of that order, so every stream is evaluated
     on as many as it can be; a stream cut short keeps the samples first in key-hash order (a random subset of it, the
     same every time). A stream's batches read its samples in index order: shard by shard."""

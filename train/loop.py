@@ -28,11 +28,12 @@ from train.families import get_preset
 from train.families.base import ModelPreset
 from train.metrics import Metrics, progress_line, write_memory_report
 from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption, train_guidance
-from train.order import BatchPlan, is_eval_source
+from train.order import BatchPlan
 from train.plan import format_plan
 from train.prefetch import Prefetcher
 from train.state import TrainState, own_run
 from train.step import Diverged, TrainStep
+from train.streams import is_eval_source
 from train.validate import Validator, add_prompts_command
 
 

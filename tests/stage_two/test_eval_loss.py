@@ -12,7 +12,8 @@ from conftest import FINGERPRINT, SCHEMA, VALIDATION_PROMPTS, make_sample
 
 from shards import Cache, ShardWriter
 from train.config import TrainConfig
-from train.order import BatchPlan, held_out, sample_fraction
+from train.order import BatchPlan
+from train.streams import held_out, sample_fraction
 
 pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models (left out of make test-fast)
 
@@ -151,7 +152,7 @@ def test_an_eval_source_is_read_from_the_dataset_file_and_recorded(tmp_path):
 def test_eval_batches_take_turns_and_a_limit_keeps_a_fixed_random_subset_read_in_index_order():
     from shards import Bucket
     from train.evaluate import eval_batches
-    from train.order import Stream
+    from train.streams import Stream
 
     big, small = Stream(Bucket(64, 64), "a"), Stream(Bucket(48, 80), "a")
     held = {big: (np.arange(10), np.linspace(0.9, 0.0, 10)), small: (np.arange(20, 23), np.array([0.3, 0.1, 0.2]))}

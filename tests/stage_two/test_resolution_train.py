@@ -11,7 +11,8 @@ from precompute.sample_data import make_folder
 from shards import Bucket, Cache, resolution_table
 from train.config import TrainConfig
 from train.loop import train
-from train.order import BatchPlan, Stream, resolution_draws
+from train.order import BatchPlan
+from train.streams import Stream, resolution_draws
 
 pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models
 

@@ -160,7 +160,8 @@ def test_samples_cached_before_sources_had_names_are_adopted_by_the_same_data(tm
 def two_source_plan(records: dict, sizes=(400, 400), **kw):
     """A plan over two sources of `sizes` samples, each in two buckets of 10-sample shards."""
     from shards import Bucket
-    from train.order import BatchPlan, Stream, source_draws
+    from train.order import BatchPlan
+    from train.streams import Stream, source_draws
 
     ranges, samples, start = {}, {}, 0
     for name, n in zip(("a", "b"), sizes):
@@ -201,7 +202,8 @@ def test_sources_are_drawn_by_their_repeats_or_weights(records, share):
 
 def test_a_one_source_plan_keeps_the_batches_of_a_cache_without_sources():
     from shards import Bucket
-    from train.order import BatchPlan, Stream
+    from train.order import BatchPlan
+    from train.streams import Stream
 
     ranges = {Bucket(64, 64): [range(0, 10), range(10, 17)], Bucket(48, 80): [range(17, 30)]}
     named = {Stream(b, "photos"): spans for b, spans in ranges.items()}
