@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections import Counter
 
 # transformers, per class it imports whose preferred backend is missing: "`CLIPImageProcessor` requires torchvision (not
@@ -21,20 +22,27 @@ TRUNCATION = r"truncated because|Token indices sequence length is longer than"
 class Collapsed(logging.Filter):
     """Records whose message matches `pattern`: the first of each key (the pattern's first group) is rewritten as
     `summary` (formatted with the groups) and let through, the others are dropped; with `summary` None all are
-    dropped. `seen` counts them by key."""
+    dropped. `seen` counts them by key.
+
+    Loggers call their filters without a lock, and libraries log from their loading threads (transformers and
+    diffusers load weights in thread pools), so counting and deciding is one locked step: two threads' first records
+    of a key must not both be let through."""
 
     def __init__(self, pattern: str, summary: str | None = None):
         super().__init__(pattern)
         self.pattern, self.summary = re.compile(pattern), summary
         self.seen: Counter[str] = Counter()
+        self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
         match = self.pattern.search(record.getMessage())
         if match is None:
             return True
         key = match.group(1) if match.groups() else ""
-        self.seen[key] += 1
-        if self.summary is None or self.seen[key] > 1:
+        with self._lock:
+            self.seen[key] += 1
+            first = self.seen[key] == 1
+        if self.summary is None or not first:
             return False
         record.msg, record.args = self.summary.format(*match.groups()), ()
         return True
