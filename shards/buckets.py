@@ -16,26 +16,43 @@ from typing import NamedTuple
 
 
 class Bucket(NamedTuple):
-    """A bucket's identity: its pixel height and width (integers, never float strings)."""
+    """A bucket's identity: its pixel height and width (integers, never float strings) and, for a clip, its number of
+    frames.
+
+    `frames` 0 is an image (a latent without a frame axis, as every image family stores it); F >= 1 is a clip of F
+    pixel frames (a video family's latent has a frame axis; a one-frame clip is an image in a video cache). A batch
+    never mixes buckets, hence never mixes frame counts. Named "HxW" for an image, "FxHxW" for a clip."""
 
     height: int
     width: int
+    frames: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.height}x{self.width}"
+        return f"{self.frames}x{self.height}x{self.width}" if self.frames else f"{self.height}x{self.width}"
 
     @property
     def aspect(self) -> float:
         return self.height / self.width
 
+    @property
+    def pixels(self) -> int:
+        """Pixels of one frame."""
+        return self.height * self.width
+
+    def with_frames(self, frames: int) -> Bucket:
+        return Bucket(self.height, self.width, frames)
+
     @classmethod
     def parse(cls, text: str) -> Bucket:
-        """Parse `"HxW"` (e.g. `"1024x768"`)."""
-        m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
+        """Parse `"HxW"` (e.g. `"1024x768"`) or a clip's `"FxHxW"` (e.g. `"81x480x832"`)."""
+        m = re.fullmatch(r"\s*(?:(\d+)\s*[xX×]\s*)?(\d+)\s*[xX×]\s*(\d+)\s*", text)
         if not m:
-            raise ValueError(f"bucket {text!r} is not of the form HEIGHTxWIDTH, e.g. 1024x768")
-        return cls(int(m.group(1)), int(m.group(2)))
+            raise ValueError(f"bucket {text!r} is not of the form HEIGHTxWIDTH (an image, e.g. 1024x768) or "
+                             f"FRAMESxHEIGHTxWIDTH (a clip, e.g. 81x480x832)")
+        if m.group(1) is not None and int(m.group(1)) < 1:
+            raise ValueError(f"bucket {text!r}: a clip has at least one frame")
+        return cls(int(m.group(2)), int(m.group(3)), int(m.group(1) or 0))
 
     def __str__(self) -> str:
         return self.name

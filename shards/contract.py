@@ -17,7 +17,7 @@ from typing import Literal
 from shards.buckets import Bucket
 from shards.schema import FormatError
 
-TextLayoutKind = Literal["masked", "sd3_joint", "flux"]
+TextLayoutKind = Literal["masked", "sd3_joint", "flux", "padded"]
 # The horizontally flipped image's latent fields are the latent fields' names with this prefix, ragged: one row
 # for a sample of a source cached with `flip = true`, none for the others (8 bytes of offsets each).
 FLIP_PREFIX = "flip_"
@@ -90,7 +90,10 @@ class LatentSpec:
     (z - shift_factor) * scaling_factor, or, for a VAE normalised per channel (`latents_mean` and `latents_std`,
     one value per channel, as its pipeline applies them), as (z - latents_mean[c]) * (1 / latents_std[c]). A KL
     VAE's posterior is stored as `latent_mean` + `latent_std` (training samples a fresh latent every draw); a
-    deterministic one's (DC-AE) as `latent`."""
+    deterministic one's (DC-AE) as `latent`.
+
+    `temporal_downsample`: 0 for a cache of images (latents (C, h, w)); for a video VAE's cache of clips, pixel frames
+    per latent frame after the first: a clip of F frames is stored (C, (F - 1) // temporal_downsample + 1, h, w)."""
 
     channels: int
     downsample: int
@@ -99,6 +102,7 @@ class LatentSpec:
     posterior: Literal["mean_std", "deterministic"]
     latents_mean: tuple[float, ...] | None = None
     latents_std: tuple[float, ...] | None = None
+    temporal_downsample: int = 0
 
     def __post_init__(self) -> None:
         _check_channel_stats(self.latents_mean, self.latents_std, "latent spec", self.channels)
@@ -131,9 +135,16 @@ class LatentSpec:
         return {"fields": list(self.control_fields), "image": "the training image's bucket, resize and crop",
                 "encoder": "the cache's VAE", "stored": self.stored}
 
-    def shape(self, height: int, width: int) -> tuple[int, int, int]:
-        """The latent's shape for a bucket of `height` x `width` pixels."""
-        return self.channels, height // self.downsample, width // self.downsample
+    def shape(self, height: int, width: int, frames: int = 0) -> tuple[int, ...]:
+        """The latent's shape for a bucket of `height` x `width` pixels (and `frames` frames, for a clip)."""
+        spatial = (height // self.downsample, width // self.downsample)
+        return (self.channels, self.latent_frames(frames), *spatial) if frames else (self.channels, *spatial)
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a clip of `frames` pixel frames (the first alone, then one per `temporal_downsample`)."""
+        if not self.temporal_downsample:
+            raise ValueError("this cache holds images: its latents have no frame axis")
+        return (frames - 1) // self.temporal_downsample + 1
 
     def fingerprint(self) -> dict:
         """The fingerprint's `vae` entries this spec owns (stage one adds the VAE's identity beside them)."""
@@ -141,6 +152,8 @@ class LatentSpec:
                "downsample": self.downsample, "posterior": self.posterior, "stored": self.stored}
         if self.latents_mean is not None:  # absent otherwise: the fingerprints of caches without them do not change
             out.update(latents_mean=list(self.latents_mean), latents_std=list(self.latents_std))
+        if self.temporal_downsample:  # likewise: written by caches of clips only
+            out["temporal_downsample"] = self.temporal_downsample
         return out
 
     @classmethod
@@ -148,7 +161,7 @@ class LatentSpec:
         mean, std = vae.get("latents_mean"), vae.get("latents_std")
         return cls(vae["latent_channels"], vae["downsample"], vae.get("scaling_factor", 1.0), vae.get("shift_factor", 0.0),
                    vae.get("posterior", "deterministic"), None if mean is None else tuple(mean),
-                   None if std is None else tuple(std))
+                   None if std is None else tuple(std), int(vae.get("temporal_downsample", 0)))
 
 
 def _check_channel_stats(mean, std, what: str, channels: int | None = None) -> None:
@@ -173,7 +186,10 @@ class TextSpec:
     cat(pad(clip, to the joint width), T5 tokens) as StableDiffusion3Pipeline builds it, with `t5_tokens`
     zero tokens in T5's place when it was dropped. "flux" (Flux.1): per caption `text`, every one of the `t5_tokens`
     T5 tokens padding included (`t5_width` wide; Flux attends to the padding without a mask, so it is part of the
-    input), and `pooled` (`pooled_width`,), CLIP-L's pooled output; the text ids are zeros, as FluxPipeline builds them."""
+    input), and `pooled` (`pooled_width`,), CLIP-L's pooled output; the text ids are zeros, as FluxPipeline builds them.
+    "padded" (Wan): one `text` field of valid tokens per caption, as "masked" stores it; the transformer's input is each
+    caption zero-filled to `max_tokens`, without a mask, as the pipeline's `encode_prompt` zero-fills past a caption's
+    length (so the rebuild is exact)."""
 
     layout: TextLayoutKind
     width: int | None
@@ -205,6 +221,8 @@ class TextSpec:
         elif self.layout == "flux":
             out["layout"] = {"kind": "flux", "t5_tokens": self.t5_tokens, "pooled_width": self.pooled_width,
                              "t5_width": self.t5_width}
+        elif self.layout == "padded":
+            out["layout"] = {"kind": "padded"}
         return out
 
     @classmethod
@@ -212,6 +230,8 @@ class TextSpec:
         layout = text.get("layout") or {"kind": "masked"}
         if layout["kind"] == "masked":
             return cls("masked", text.get("hidden_size"), text["max_length"])
+        if layout["kind"] == "padded":
+            return cls("padded", text.get("hidden_size"), text["max_length"])
         if layout["kind"] == "flux":
             return cls("flux", text.get("hidden_size"), text["max_length"], t5_tokens=layout["t5_tokens"],
                        pooled_width=layout["pooled_width"], t5_width=layout["t5_width"])

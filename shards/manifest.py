@@ -106,16 +106,17 @@ class Manifest:
         return int(self.shards.column("bytes").sum())
 
     def buckets(self) -> dict[Bucket, BucketStats]:
-        """Totals per bucket, in (height, width) order."""
-        h, w = self.shards.column("height"), self.shards.column("width")
+        """Totals per bucket, in (height, width, frames) order."""
+        h, w, f = (self.shards.column(c) for c in ("height", "width", "frames"))
         n, b = self.shards.column("samples"), self.shards.column("bytes")
         stats: dict[Bucket, BucketStats] = {}
         if len(h):
-            pairs, inverse = np.unique(np.stack([h, w], 1), axis=0, return_inverse=True)
+            triples, inverse = np.unique(np.stack([h, w, f], 1), axis=0, return_inverse=True)
             inverse = inverse.reshape(-1)
-            for k, (hh, ww) in enumerate(pairs):
+            for k, (hh, ww, ff) in enumerate(triples):
                 mine = inverse == k
-                stats[Bucket(int(hh), int(ww))] = BucketStats(Bucket(int(hh), int(ww)), int(n[mine].sum()), int(mine.sum()), int(b[mine].sum()))
+                bucket = Bucket(int(hh), int(ww), int(ff))
+                stats[bucket] = BucketStats(bucket, int(n[mine].sum()), int(mine.sum()), int(b[mine].sum()))
         return dict(sorted(stats.items()))
 
     def check_compatible(self, fingerprint: dict, schema: Schema, root: str | os.PathLike, text_schema: Schema | None = None) -> None:

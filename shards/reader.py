@@ -374,9 +374,9 @@ class Cache:
     def ranges_by_bucket(self) -> dict[Bucket, list[range]]:
         """Global index ranges of each bucket's samples, without opening any shard."""
         out: dict[Bucket, list[range]] = {}
-        heights, widths = self.shards.column("height"), self.shards.column("width")
+        heights, widths, frames = (self.shards.column(c) for c in ("height", "width", "frames"))
         for j in range(len(self._paths)):
-            out.setdefault(Bucket(int(heights[j]), int(widths[j])), []).append(range(int(self._starts[j]), int(self._starts[j + 1])))
+            out.setdefault(Bucket(int(heights[j]), int(widths[j]), int(frames[j])), []).append(range(int(self._starts[j]), int(self._starts[j + 1])))
         return dict(sorted(out.items()))
 
     def prompts(self) -> dict[str, Prompt]:

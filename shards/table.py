@@ -58,7 +58,9 @@ class ShardEntry:
     resolution: int = 0
 
     def to_json(self) -> dict:
-        obj = {"path": self.path, "bucket": [self.bucket.height, self.bucket.width], "samples": self.samples,
+        # a clip's bucket adds its frames; an image's is [height, width] as it always was
+        bucket = [self.bucket.height, self.bucket.width] + ([self.bucket.frames] if self.bucket.frames else [])
+        obj = {"path": self.path, "bucket": bucket, "samples": self.samples,
                "bytes": self.bytes, "sha256": self.sha256, "field_bytes": self.field_bytes,
                "keys": self.keys, "sources": self.sources, "stamps": self.stamps}
         if self.texts is not None:  # keys written only by caches that store texts once: others' commits are unchanged
@@ -99,6 +101,7 @@ class ShardTable:
         self.names = names  # the prefixes of its tensors in a snapshot: the shard columns', the sample index's
         self._paths: list[str] = []
         self._height, self._width = array("i"), array("i")
+        self._frames = array("i")  # per row: `Bucket.frames` (0 for images)
         self._samples, self._bytes = array("q"), array("q")
         self._sha = bytearray()
         self._field_bytes = array("q")
@@ -126,6 +129,7 @@ class ShardTable:
         self._paths.append(e.path)
         self._height.append(e.bucket.height)
         self._width.append(e.bucket.width)
+        self._frames.append(e.bucket.frames)
         self._samples.append(e.samples)
         self._bytes.append(e.bytes)
         self._sha += bytes.fromhex(e.sha256)
@@ -243,7 +247,7 @@ class ShardTable:
 
     def entry_at_row(self, j: int) -> ShardEntry:
         f = len(self.fields)
-        return ShardEntry(self._paths[j], Bucket(self._height[j], self._width[j]), self._samples[j], self._bytes[j],
+        return ShardEntry(self._paths[j], Bucket(self._height[j], self._width[j], self._frames[j]), self._samples[j], self._bytes[j],
                           self._sha[32 * j : 32 * j + 32].hex(), dict(zip(self.fields, self._field_bytes[f * j : f * j + f])),
                           dataset=self._dataset_names[self._dataset[j]], resolution=self._resolution[j])
 
@@ -257,12 +261,12 @@ class ShardTable:
         return [self._paths[j] for j in self.rows]
 
     def column(self, name: str) -> np.ndarray:
-        """A live column as an array: "samples", "bytes", "height", "width", "resolution", "text_refs",
+        """A live column as an array: "samples", "bytes", "height", "width", "frames", "resolution", "text_refs",
         "text_ref_bytes" or "field_bytes" (K, F)."""
         if name == "field_bytes":
             return np.frombuffer(self._field_bytes, dtype=np.int64).reshape(-1, len(self.fields))[self.rows]
         source = {"samples": self._samples, "bytes": self._bytes, "height": self._height, "width": self._width,
-                  "resolution": self._resolution, "text_refs": self._text_refs, "text_ref_bytes": self._text_ref_bytes}[name]
+                  "frames": self._frames, "resolution": self._resolution, "text_refs": self._text_refs, "text_ref_bytes": self._text_ref_bytes}[name]
         return np.frombuffer(source, dtype=np.int64 if source.typecode == "q" else np.int32)[self.rows]
 
     def datasets(self) -> list[str]:
@@ -326,6 +330,8 @@ class ShardTable:
         tensors[f"{P}.field_bytes"] = torch.from_numpy(self.column("field_bytes").copy().reshape(-1, f))
         if any(self._dataset_names[1:]):
             tensors[f"{P}.dataset"], tensors[f"{P}.dataset.offsets"] = _ragged(self.datasets())
+        if any(self._frames):  # written only by caches of clips: an image cache's snapshot is as it always was
+            tensors[f"{P}.frames"] = torch.from_numpy(self.column("frames").copy())
         if any(self._resolution):
             tensors[f"{P}.resolution"] = torch.from_numpy(self.column("resolution").copy())
         keys, sources, stamps, shard = [], [], [], []
@@ -364,6 +370,8 @@ class ShardTable:
         t._paths = [confined(p, where) for p in paths]
         bucket = tensors["shards.bucket"].numpy()
         t._height, t._width = array("i", bucket[:, 0].tobytes()), array("i", bucket[:, 1].tobytes())
+        frames = tensors.get("shards.frames")
+        t._frames = array("i", frames.numpy().astype(np.int32).tobytes() if frames is not None else bytes(4 * len(t._paths)))
         t._samples, t._bytes = array("q", tensors["shards.samples"].numpy().tobytes()), array("q", tensors["shards.bytes"].numpy().tobytes())
         t._sha = bytearray(tensors["shards.sha256"].numpy().tobytes())
         t._field_bytes = array("q", tensors["shards.field_bytes"].numpy().tobytes())

@@ -156,16 +156,17 @@ class BatchPlan:
         ranges, draws, offset, totals, excluded = {}, {}, 0, [], []
         for c, one in enumerate(caches):
             starts = one.shard_starts + offset
-            heights, widths = one.shards.column("height"), one.shards.column("width")
+            heights, widths, frames = (one.shards.column(c) for c in ("height", "width", "frames"))
             names = np.array(one.shards.datasets(), dtype=object)
             records = one.manifest.extra.get("sources", {})
             tags = one.shards.column("resolution")
             samples = {}
-            for h, w, name, tag in sorted(set(zip(heights.tolist(), widths.tolist(), names.tolist(), tags.tolist()))):
+            for h, w, f, name, tag in sorted(set(zip(heights.tolist(), widths.tolist(), frames.tolist(), names.tolist(),
+                                                     tags.tolist()))):
                 if is_eval_source(records.get(name, {})):  # no stream: nothing of it is drawn
                     continue
-                mine = np.flatnonzero((heights == h) & (widths == w) & (names == name) & (tags == tag))
-                stream = Stream(Bucket(int(h), int(w)), name, c, int(tag))
+                mine = np.flatnonzero((heights == h) & (widths == w) & (frames == f) & (names == name) & (tags == tag))
+                stream = Stream(Bucket(int(h), int(w), int(f)), name, c, int(tag))
                 ranges[stream] = (starts[mine], starts[mine + 1])
                 out = held[stream][0] if stream in held else np.zeros(0, np.int64)
                 excluded.append(out)
@@ -236,8 +237,10 @@ class BatchPlan:
         return (() if self._single and p == 0 else (stream.source, stream.cache, p)) + self._resolution_tag(b)
 
     def _resolution_tag(self, b: int) -> tuple:
-        """A stream of another resolution than the cache's base one seeds apart from one of its bucket at the base."""
-        return (self.streams[b].resolution,) if self.streams[b].resolution else ()
+        """A stream of another resolution than the cache's base one seeds apart from one of its bucket at the base, and
+        a clip bucket apart from the other frame counts of its size (an image stream's seeds are as they always were)."""
+        stream = self.streams[b]
+        return ((stream.resolution,) if stream.resolution else ()) + (("frames", stream.bucket.frames) if stream.bucket.frames else ())
 
     def _bucket_epoch(self, epoch: int, b: int, p: int) -> _BucketEpoch:
         """Stream `b`'s order in pass `p` of `epoch` (kept for the few most recent)."""

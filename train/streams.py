@@ -89,7 +89,7 @@ def held_out(caches, fraction: float) -> dict[Stream, tuple[np.ndarray, np.ndarr
     for c, one in enumerate(caches):
         records = one.manifest.extra.get("sources", {})
         names, table = one.shards.datasets(), one.shards
-        heights, widths, tags = table.column("height"), table.column("width"), table.column("resolution")
+        heights, widths, frames, tags = (table.column(c) for c in ("height", "width", "frames", "resolution"))
         for j, name in enumerate(names):
             share = 1.0 if is_eval_source(records.get(name, {})) else fraction
             if share <= 0:
@@ -103,7 +103,7 @@ def held_out(caches, fraction: float) -> dict[Stream, tuple[np.ndarray, np.ndarr
                 _held_in_shard[memo] = (rows, where[rows])
             rows, where = _held_in_shard[memo]
             if len(rows):
-                stream = Stream(Bucket(int(heights[j]), int(widths[j])), name, c, int(tags[j]))
+                stream = Stream(Bucket(int(heights[j]), int(widths[j]), int(frames[j])), name, c, int(tags[j]))
                 out[stream].append((rows + int(one.shard_starts[j]) + offset, where))
         offset += len(one)
     return {st: (np.concatenate([i for i, _ in parts]), np.concatenate([w for _, w in parts]))

@@ -73,3 +73,13 @@ def test_resolution_problem_names_the_range():
     assert resolution_problem(512, 2048) is None and resolution_problem(2048, 2048) is None
     for bad in (500, 192, 4096, 0, "512"):
         assert "multiple of 64 from 256 to 2048" in resolution_problem(bad, 2048) or "whole number" in resolution_problem(bad, 2048)
+
+
+def test_a_clip_bucket_has_frames_and_an_image_bucket_is_as_it_always_was():
+    clip = Bucket.parse("81x480x832")
+    assert (clip.frames, clip.height, clip.width, clip.name, str(clip)) == (81, 480, 832, "81x480x832", "81x480x832")
+    assert Bucket.parse("480x832") == Bucket(480, 832) == Bucket(480, 832, 0) and Bucket(480, 832).name == "480x832"
+    assert Bucket(480, 832).with_frames(17) == Bucket(480, 832, 17) != Bucket(480, 832, 33)
+    for bad in ("0x480x832", "480", "1x2x3x4"):
+        with pytest.raises(ValueError, match="FRAMESxHEIGHTxWIDTH|at least one frame"):
+            Bucket.parse(bad)
