@@ -108,7 +108,7 @@ def video_codec(suffix: str) -> str:
 def make_video(path: Path | str, kind: str = "shapes", frames: int = 48, fps: float = 24.0,
                size: tuple[int, int] = (64, 96), seed: int = 0, *, times: list[float] | None = None,
                pix_fmt: str | None = None, rotate: int = 0, codec: str | None = None, faststart: bool = False,
-               lossless: bool = False, gop: int | None = None, mirror: bool = False) -> str:
+               lossless: bool = False, gop: int | None = None, mirror: bool = False, pixel_aspect: float = 1.0) -> str:
     """Write a video of `draw_frames(kind, frames, size, seed)`; returns its caption.
 
     Args:
@@ -123,6 +123,7 @@ def make_video(path: Path | str, kind: str = "shapes", frames: int = 48, fps: fl
         faststart: mp4/mov: the index before the frames (as streaming sites serve them).
         lossless: H.264 at constant quality 0 (colours survive but for the RGB <-> YUV rounding).
         gop: frames from one keyframe to the next (default: the encoder's, 250 for H.264).
+        pixel_aspect: the width of a pixel over its height as players show it (anamorphic video: 4/3, 2, ...).
     """
     path = Path(path)
     pictures, caption = draw_frames(kind, frames, size, seed)
@@ -147,6 +148,8 @@ def make_video(path: Path | str, kind: str = "shapes", frames: int = 48, fps: fl
             stream.options = {"x264-params": "mbtree=0", **({"crf": "0"} if lossless else {})}
         if gop:
             stream.codec_context.gop_size = gop
+        if pixel_aspect != 1:
+            stream.codec_context.sample_aspect_ratio = Fraction(pixel_aspect).limit_denominator(1000)
         tick = Fraction(1, 1000) if times is not None else 1 / Fraction(stream.average_rate)
         stream.codec_context.time_base = tick
         if rotate or mirror:

@@ -16,6 +16,7 @@ import io
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from precompute.images import allow_pixels, as_pixels, to_rgb
+from precompute.images import allow_pixels, to_rgb
 
 VIDEO_PREPROCESSING_VERSION = 1  # bump when anything below changes the frames produced
 
@@ -50,6 +51,8 @@ _IMAGE_MAGIC = (b"GIF87a", b"GIF89a", b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"B
 # A GIF or WebP frame without a usable delay is shown for 100 ms, as browsers do (they also stretch delays of
 # 10 ms or less, which ancient encoders wrote for "as fast as possible", to 100 ms).
 _DEFAULT_DELAY_MS = 100
+# Tags that are not UTF-8 are read, not refused (PyAV 19 always reads them so, and has no such argument).
+_OPEN_OPTIONS = {"metadata_errors": "replace"} if int(av.__version__.split(".")[0]) < 19 else {}
 # Without an index, decoding forward is cheaper than a seek for a gap shorter than this (seconds).
 _SEEK_GAP = 2
 
@@ -124,6 +127,7 @@ class Clip:
     index: int  # which clip of the input (0..), part of the sample key
     start: int  # first frame, counted at the policy's frame rate
     frames: np.ndarray  # (F, H, W, 3) uint8 RGB, F a member of frame_buckets, rotation applied
+    size: tuple[int, int] = (0, 0)  # (height, width) of the video's frames as shown, before `read_clips`' fit
 
 
 class _DecodeTimeout(Exception):
@@ -134,11 +138,12 @@ class _DecodeTimeout(Exception):
 class _Frame:
     t: Fraction  # presentation time, seconds
     end: Fraction  # when the next frame is due, as far as this frame knows
-    source: object  # an av.VideoFrame or a PIL image
+    source: object  # an av.VideoFrame, or an image's frame as (H, W, 3) uint8
     pixels: np.ndarray | None = field(default=None, repr=False)
 
 
-def read_clips(data: bytes, policy: ClipPolicy, max_pixels: int, stats: dict | None = None) -> tuple[list[Clip], str | None, str]:
+def read_clips(data: bytes, policy: ClipPolicy, max_pixels: int, stats: dict | None = None,
+               fit: Callable[[int, int], tuple[int, int]] | None = None) -> tuple[list[Clip], str | None, str]:
     """A video's clips as `policy` extracts them.
 
     Args:
@@ -147,6 +152,9 @@ def read_clips(data: bytes, policy: ClipPolicy, max_pixels: int, stats: dict | N
         max_pixels: a video whose frames have more pixels is refused before any frame is decoded.
         stats: when given, filled with what decoding took: "packets" read, "frames" decoded, "seeks" made,
             "length" (the video's length in frames at the policy's frame rate, when it was needed).
+        fit: (height, width) of the frames as shown -> the (height, width) to resize and crop them to, as
+            `fit_frames` does, frame by frame as they are decoded (a clip of a 4K video is never held at 4K);
+            None: the frames as shown.
 
     Returns:
         (clips, None, "") or ([], reason, detail) with a reason of `VIDEO_REASONS`.
@@ -158,7 +166,7 @@ def read_clips(data: bytes, policy: ClipPolicy, max_pixels: int, stats: dict | N
     deadline = time.monotonic() + policy.timeout_s
     reader = _ImageReader if data.startswith(_IMAGE_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP") else _AVReader
     try:
-        with reader(data, max_pixels, deadline, stats) as r:
+        with reader(data, max_pixels, deadline, stats, fit) as r:
             if r.failure:
                 return [], *r.failure
             return _extract(r, policy, stats)
@@ -166,6 +174,8 @@ def read_clips(data: bytes, policy: ClipPolicy, max_pixels: int, stats: dict | N
         return [], "decode_timeout", f"over {policy.timeout_s:g} s ({stats['frames']} frames decoded)"
     except _TooManyPixels as e:
         return [], "too_many_pixels", str(e)
+    except _SizeChange as e:
+        return [], "corrupt_video", str(e)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         return [], "too_many_pixels", str(e)
     except (av.FFmpegError, OSError, ValueError, EOFError, SyntaxError) as e:
@@ -191,7 +201,7 @@ def _extract(r: _AVReader | _ImageReader, policy: ClipPolicy, stats: dict) -> tu
         frames = r.clip([r.start + (start + k) / fps for k in range(n)])
         if len(frames) < n:
             # the data ended before the clip did: a cut-off file, or a video shorter than its (absent) length
-            if not frames and not stats["frames"]:
+            if not len(frames) and not stats["frames"]:
                 return [], *(("corrupt_video", r.error) if r.error else ("no_frames", "the video stream holds no frame"))
             stated = r.stated_end()
             if r.error or stated is not None and r.start + (start + len(frames)) / fps < stated - r.slack:
@@ -202,10 +212,7 @@ def _extract(r: _AVReader | _ImageReader, policy: ClipPolicy, stats: dict) -> tu
             if not fits:
                 return ([], *_short(start + len(frames), policy)) if not clips else (clips, None, "")
             frames = frames[:fits[-1]]
-        sizes = {f.pixels.shape for f in frames}
-        if len(sizes) > 1:
-            return [], "corrupt_video", f"the frame size changes within a clip: {' -> '.join(str(z[1::-1]) for z in sizes)}"
-        clips.append(Clip(index, start, np.stack([f.pixels for f in frames])))
+        clips.append(Clip(index, start, frames, r.size))
         if len(frames) < n:  # the video ended: no clip after this one
             break
     return clips, None, ""
@@ -225,16 +232,23 @@ class _TooManyPixels(Exception):
     pass
 
 
+class _SizeChange(Exception):
+    pass
+
+
 class _Reader:
     """What `_extract` asks of a decoder: the video's start, its stated end, and the frames shown at given times."""
 
     start: Fraction = Fraction(0)
     slack: Fraction = Fraction(0)  # how far the data may end before the stated end without being cut off
+    tolerance: Fraction = Fraction(0)  # how late a frame may be and still count as due at a time
     failure: tuple[str, str] | None = None
     still = False  # a still image: one frame, whatever the frame rate
 
-    def __init__(self, max_pixels: int, deadline: float, stats: dict):
-        self.max_pixels, self.deadline, self.stats = max_pixels, deadline, stats
+    def __init__(self, max_pixels: int, deadline: float, stats: dict, fit=None):
+        self.max_pixels, self.deadline, self.stats, self.fit = max_pixels, deadline, stats, fit
+        self.size: tuple[int, int] | None = None  # (height, width) of the frames as shown
+        self.target: tuple[int, int] | None = None  # what `fit` made of it
         self.prev: _Frame | None = None  # the last frame taken: the one shown until `pending` is due
         self.pending: _Frame | None = None  # decoded, not yet taken
         self.eof = False
@@ -270,14 +284,13 @@ class _Reader:
     def take(self):
         self.prev, self.pending = self.pending, None
 
-    def clip(self, targets: list[Fraction]) -> list[_Frame]:
-        """The frames shown at `targets` (ascending), fewer when the video ends before the last; decodes from the
-        current position, or seeks when the first target is far ahead."""
+    def clip(self, targets: list[Fraction]) -> np.ndarray:
+        """The frames shown at `targets` (ascending), (F, H, W, 3) uint8, fewer when the video ends before the last;
+        decodes from the current position, or seeks when the first target is far ahead."""
         self.position(targets[0])
-        out = []
-        tolerance = self.tolerance(targets)
+        out, count = None, 0
         for target in targets:
-            while (nxt := self.peek()) is not None and nxt.t <= target + tolerance:
+            while (nxt := self.peek()) is not None and nxt.t <= target + self.tolerance:
                 self.take()
             if self.prev is None:  # the target is before the first frame: the first frame is what is shown
                 if nxt is None:
@@ -285,27 +298,38 @@ class _Reader:
                 self.take()
             if self.peek() is None and target >= self.prev.end:
                 break  # past the last frame's display time
-            self.pixels(self.prev)  # converted now, so that the decoded frame is released
-            out.append(self.prev)
-        return out
-
-    def tolerance(self, targets: list[Fraction]) -> Fraction:
-        return Fraction(0)
+            pixels = self.pixels(self.prev)  # (H, W, 3)
+            if out is None:  # filled in place: a long clip of large frames is held once
+                out = np.empty((len(targets), *pixels.shape), np.uint8)
+            elif pixels.shape != out.shape[1:]:
+                raise _SizeChange(f"the frame size changes within a clip, from {out.shape[2]}x{out.shape[1]} to "
+                                  f"{pixels.shape[1]}x{pixels.shape[0]}")
+            out[count] = pixels
+            count += 1
+        return out[:count] if out is not None else np.empty((0, 0, 0, 3), np.uint8)
 
     def position(self, target: Fraction):
         pass
 
     def pixels(self, f: _Frame) -> np.ndarray:
-        if f.pixels is None:  # a frame shown at several targets converts once
-            f.pixels, f.source = self.to_rgb(f.source), None
+        """A frame as shown (H, W, 3) uint8, fitted to `fit`'s size when given; a frame shown at several targets is
+        converted once."""
+        if f.pixels is None:
+            rgb = self.to_rgb(f.source)
+            if self.size is None:
+                self.size = rgb.shape[:2]
+                self.target = self.fit(*self.size) if self.fit is not None else None
+            elif rgb.shape[:2] != self.size:
+                raise _SizeChange(f"the frame size changes from {self.size[1]}x{self.size[0]} to {rgb.shape[1]}x{rgb.shape[0]}")
+            f.pixels, f.source = rgb if self.target is None else _fit_frame(rgb, *self.target), None
         return f.pixels
 
 
 class _AVReader(_Reader):
     """A video container through PyAV."""
 
-    def __init__(self, data: bytes, max_pixels: int, deadline: float, stats: dict):
-        super().__init__(max_pixels, deadline, stats)
+    def __init__(self, data: bytes, max_pixels: int, deadline: float, stats: dict, fit=None):
+        super().__init__(max_pixels, deadline, stats, fit)
         self.data = data
         self.container = None
         try:
@@ -322,9 +346,13 @@ class _AVReader(_Reader):
             self.failure = ("no_video_stream", f"streams: {', '.join(kinds) or 'none'}")
             return
         s = self.stream
-        self.tb = s.time_base or Fraction(1, 90000)
-        rate = s.average_rate or s.guessed_rate or s.base_rate
-        self.interval = Fraction(1) / Fraction(rate) if rate else Fraction(1, 25)  # a frame's duration when unknown
+        self.tb = _fraction(s.time_base) or Fraction(1, 90000)
+        rate = _fraction(s.average_rate) or _fraction(s.guessed_rate) or _fraction(s.base_rate)
+        self.interval = 1 / rate if rate else Fraction(1, 25)  # a frame's duration when unknown
+        self.sar = _fraction(s.sample_aspect_ratio)
+        # timestamps are rounded to the time base (Matroska's is a millisecond): a frame up to one tick late counts as
+        # due, never more than a millisecond late
+        self.tolerance = min(self.tb, Fraction(1, 1000))
         self.start = (s.start_time or 0) * self.tb
         if s.codec_context.width and s.codec_context.height:
             self.guard(s.codec_context.width, s.codec_context.height)
@@ -334,9 +362,12 @@ class _AVReader(_Reader):
     def open(self):
         if self.container is not None:
             self.container.close()
-        self.container = av.open(io.BytesIO(self.data), mode="r", metadata_errors="replace")
+        self.container = av.open(io.BytesIO(self.data), mode="r", **_OPEN_OPTIONS)
         if self.container.streams.video:
             self.stream = self.container.streams.video[0]
+        # AVI has no presentation timestamps (what it stores are decoding positions, out of order with B-frames):
+        # its frames are counted from the start at the stated rate, and it is never seeked into
+        self.counted = "avi" in self.container.format.name.split(",")
         self.packets = None
         self.last_t = None
         self.prev = self.pending = None
@@ -374,13 +405,13 @@ class _AVReader(_Reader):
         self.open()
         return end
 
-    def tolerance(self, targets):
-        # timestamps are rounded to the time base: a frame up to one tick late counts as due
-        return min(self.tb, (targets[1] - targets[0]) / 4) if len(targets) > 1 else self.tb
-
     def position(self, target: Fraction):
         """Seek to the keyframe before `target` unless decoding forward from here reaches it as soon."""
         here = self.prev.t if self.prev is not None else None
+        if self.counted:  # never seeked into: forward from here, or from the start again
+            if here is not None and here > target:
+                self.seek(None)
+            return
         if here is None and self.packets is None and target - self.start < _SEEK_GAP:
             return  # from the start
         if here is not None and here <= target:
@@ -388,8 +419,10 @@ class _AVReader(_Reader):
             if keyframe is None and target - here < _SEEK_GAP or keyframe is not None and keyframe <= here:
                 return
         self.seek(target)
-        if (nxt := self.peek()) is not None and nxt.t > target + self.tb and target > self.start:
-            self.seek(None)  # landed after the target (a broken index): decode from the start instead
+        if ((nxt := self.peek()) is None or nxt.t > target + self.tb) and target > self.start:
+            # landed after the target, or on a frame that is not a keyframe (an index that MPEG-TS guesses):
+            # decode from the start instead
+            self.seek(None)
 
     def keyframe_before(self, target: Fraction) -> Fraction | None:
         entries = self.stream.index_entries
@@ -440,7 +473,7 @@ class _AVReader(_Reader):
                 self.check()
                 self.stats["frames"] += 1
                 self.guard(frame.width, frame.height)
-                if frame.pts is not None:
+                if frame.pts is not None and not self.counted:
                     t = frame.pts * self.tb
                 elif self.last_t is not None:
                     t = self.last_t + self.interval
@@ -448,23 +481,24 @@ class _AVReader(_Reader):
                     t = self.start
                 if self.last_t is not None and t <= self.last_t:
                     continue  # a timestamp going backwards: a broken stream's duplicate
-                duration = frame.duration * self.tb if frame.duration else self.interval
+                duration = frame.duration * self.tb if getattr(frame, "duration", None) else self.interval
                 self.last_t = t
                 yield _Frame(t, t + duration, frame)
 
     def to_rgb(self, frame) -> np.ndarray:
         width, height = frame.width, frame.height
-        sar = self.stream.sample_aspect_ratio
+        sar = self.sar
         if sar and sar != 1:  # anamorphic: stretched to square pixels, as players show it
             width, height = (round(width * sar), height) if sar > 1 else (width, round(height / sar))
+        # one thread: decoding runs in worker processes, and swscale's threads cost more than they give there
         rgb = frame.to_ndarray(format="rgb24", width=width, height=height, src_color_range=frame.color_range,
-                               interpolation="BICUBIC")  # (H, W, 3) uint8
+                               interpolation="BICUBIC", threads=1)  # (H, W, 3) uint8
         turns, mirror = _orientation(frame)
         if turns is None:  # no display matrix: the legacy tag, clockwise degrees
             turns, mirror = round(-self.rotate / 90) % 4, False
         if turns or mirror:
             rgb = np.rot90(rgb, k=turns)
-            rgb = np.ascontiguousarray(rgb[:, ::-1] if mirror else rgb)
+            rgb = rgb[:, ::-1] if mirror else rgb  # a view: copied into the clip
         return rgb
 
 
@@ -478,7 +512,8 @@ _ORIENTATIONS = {
 
 def _orientation(frame) -> tuple[int | None, bool]:
     """(quarter turns counterclockwise, mirrored) as the frame's display matrix says; (None, False) without one."""
-    for data in frame.side_data:
+    side_data = getattr(frame, "side_data", ())
+    for data in (side_data[i] for i in range(len(side_data))):  # by position: what iterating yields differs by version
         if getattr(data.type, "name", "") == "DISPLAYMATRIX":
             a, b, _, c, d = np.frombuffer(bytes(data), "<i4")[:5].tolist()
             key = tuple(int(np.sign(v)) if abs(v) > 0x8000 else 0 for v in (a, b, c, d))  # 16.16 fixed point
@@ -486,6 +521,11 @@ def _orientation(frame) -> tuple[int | None, bool]:
                 return _ORIENTATIONS[key]
             return round(frame.rotation / 90) % 4, False  # not a multiple of 90 degrees: the nearest one
     return None, False
+
+
+def _fraction(rational) -> Fraction | None:
+    """A PyAV rational (a Fraction, or an AVRational from PyAV 19) as a Fraction; None when unset or zero."""
+    return Fraction(rational.numerator, rational.denominator) if rational else None
 
 
 def _rotate_tag(metadata: dict) -> int:
@@ -499,8 +539,8 @@ def _rotate_tag(metadata: dict) -> int:
 class _ImageReader(_Reader):
     """A GIF, WebP, APNG or still image through Pillow, timed by its frame durations."""
 
-    def __init__(self, data: bytes, max_pixels: int, deadline: float, stats: dict):
-        super().__init__(max_pixels, deadline, stats)
+    def __init__(self, data: bytes, max_pixels: int, deadline: float, stats: dict, fit=None):
+        super().__init__(max_pixels, deadline, stats, fit)
         allow_pixels(max_pixels)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the header's size is checked below
@@ -526,6 +566,7 @@ class _ImageReader(_Reader):
         for i in range(self.count):
             self.check()
             self.img.seek(i)
+            self.img.load()  # WebP reads a frame's duration with its pixels
             end += self.delay()
         self.img.seek(0)
         return end
@@ -535,8 +576,8 @@ class _ImageReader(_Reader):
         return Fraction(_DEFAULT_DELAY_MS if ms <= 10 else round(ms), 1000)
 
     def position(self, target):
-        if self.prev is not None and self.prev.t > target:  # never: clips come in order
-            raise AssertionError("clips out of order")
+        if self.prev is not None and self.prev.t > target:  # overlapping clips: decoded again from the first frame
+            self.index, self.t, self.prev, self.pending, self.eof = 0, Fraction(0), None, None, False
 
     def decode_next(self) -> _Frame | None:
         if self.index >= self.count:
@@ -551,10 +592,10 @@ class _ImageReader(_Reader):
         self.index += 1
         self.t += delay
         # a frame's pixels depend on the frames before it (disposal): converted now, while it is the current one
-        return _Frame(t, t + delay, None, np.asarray(to_rgb(self.img)))
+        return _Frame(t, t + delay, np.asarray(to_rgb(self.img)))
 
     def to_rgb(self, source) -> np.ndarray:
-        raise AssertionError("image frames are converted when read")
+        return source
 
 
 def fit_frames(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
@@ -569,10 +610,16 @@ def fit_frames(frames: np.ndarray, height: int, width: int) -> torch.Tensor:
     Returns:
         (3, F, height, width) uint8.
     """
-    _, h, w, _ = frames.shape
+    return torch.from_numpy(np.stack([_fit_frame(f, height, width) for f in frames])).permute(3, 0, 1, 2).contiguous()
+
+
+def _fit_frame(frame: np.ndarray, height: int, width: int) -> np.ndarray:
+    """(H0, W0, 3) -> (height, width, 3) uint8, as `precompute.images.prepare` resizes and crops an image."""
+    h, w = frame.shape[:2]
     scale = max(height / h, width / w)
     rw, rh = max(width, round(w * scale)), max(height, round(h * scale))
     top, left = (rh - height) // 2, (rw - width) // 2
-    box = (left, top, left + width, top + height)
-    out = [as_pixels(Image.fromarray(f).resize((rw, rh), Image.BICUBIC).crop(box)) for f in frames]  # each (3, h, w)
-    return torch.stack(out, dim=1)
+    img = Image.fromarray(np.ascontiguousarray(frame))
+    if (rw, rh) != (w, h):
+        img = img.resize((rw, rh), Image.BICUBIC)
+    return np.asarray(img.crop((left, top, left + width, top + height)), dtype=np.uint8)

@@ -22,9 +22,9 @@ def video(tmp_path, name="v.mp4", kind="index", frames=240, fps=24.0, **kw) -> b
     return (tmp_path / name).read_bytes()
 
 
-def clips_of(data, stats=None, max_pixels=MAX_PIXELS, **policy):
+def clips_of(data, stats=None, max_pixels=MAX_PIXELS, fit=None, **policy):
     clips, reason, detail = read_clips(data, ClipPolicy(**{"frame_rate": 16.0, "frame_buckets": WAN, **policy}),
-                                       max_pixels, stats)
+                                       max_pixels, stats, fit)
     assert reason is None, (reason, detail)
     return clips
 
@@ -111,13 +111,36 @@ def test_pixel_formats_and_odd_sizes(tmp_path, pix_fmt, size):
     assert np.abs(clip.frames[3, -8, -8].astype(int) - frame_color(3)).max() <= 4
 
 
+def test_anamorphic_video_gets_square_pixels(tmp_path):
+    """A 64x48 picture of pixels twice as wide as tall is shown 128 wide: the corner marker is 32 wide, not 16."""
+    clip = clips_of(video(tmp_path, frames=17, fps=16.0, size=(48, 64), pixel_aspect=2.0))[0]
+    assert clip.frames.shape == (17, 48, 128, 3)
+    white = clip.frames[0].min(axis=2) > 200
+    assert white[:12, :30].all() and not white[:12, 34:].any() and not white[14:].any()
+    assert indices(clip, at=(30, 100)) == list(range(17))
+
+
 @pytest.mark.parametrize("name, codec", [("v.mov", None), ("v.mkv", None), ("v.webm", None), ("v.mp4", "mpeg4"),
-                                         ("v.gif", None), ("v.webp", None)])
+                                         ("v.avi", None), ("v.ts", None), ("v.mpg", "mpeg2video"), ("v.gif", None),
+                                         ("v.webp", None)])
 def test_containers(tmp_path, name, codec):
-    """20 fps (50 ms, exact in a GIF's centiseconds) to 16 fps: frame j is source frame floor(j * 20 / 16)."""
-    clip = clips_of(video(tmp_path, name, frames=30, fps=20.0, codec=codec))[0]
-    assert clip.frames.shape == (17, 64, 96, 3)
-    assert indices(clip) == [j * 5 // 4 for j in range(17)]
+    """20 fps (50 ms, exact in a GIF's centiseconds) to 16 fps: frame j of a clip starting at s is source frame
+    floor((s + j) * 20 / 16). Two clips: the second is reached by a seek where the container allows one (AVI's
+    timestamps are decoding positions, MPEG-TS guesses its index: both still give the right frames)."""
+    clips = clips_of(video(tmp_path, name, frames=30, fps=20.0, codec=codec), extraction="uniform", clips=2)
+    assert len(clips) == 2 and clips[0].start == 0 and clips[1].start in (6, 7)  # MPEG-PS states 23 frames, not 24
+    for c in clips:
+        assert c.frames.shape == (17, 64, 96, 3)
+        assert indices(c) == [(c.start + j) * 5 // 4 for j in range(17)]
+
+
+@pytest.mark.parametrize("name", ["v.gif", "v.mp4"])
+def test_overlapping_uniform_clips(tmp_path, name):
+    """30 frames at 20 fps are 24 at 16 fps: three 17-frame clips start at 0, 3 and 7, each overlapping the last."""
+    clips = clips_of(video(tmp_path, name, frames=30, fps=20.0), extraction="uniform", clips=3)
+    assert [(c.start, c.frames.shape[0]) for c in clips] == [(0, 17), (3, 17), (7, 17)]
+    for c in clips:
+        assert indices(c) == [(c.start + j) * 5 // 4 for j in range(17)]
 
 
 def test_still_image_is_a_one_frame_clip(tmp_path):
@@ -207,6 +230,27 @@ def test_fit_frames_resizes_each_frame_as_images_are(tmp_path):
     got = fit_frames(frames, 48, 80)
     assert got.shape == (3, 3, 48, 80) and got.dtype == torch.uint8
     assert torch.equal(got, torch.stack(expected, dim=1))
+
+
+@pytest.mark.parametrize("name", ["v.mp4", "v.gif"])
+def test_fit_while_decoding_equals_fit_frames(tmp_path, name):
+    """`fit` resizes each frame as it is decoded, to the size it picks from the frames' shown size: the clip is
+    what `fit_frames` makes of the clip at full size, and `Clip.size` is the size as shown (after turning)."""
+    data = video(tmp_path, name, kind="shapes", frames=30, fps=20.0, size=(64, 96), rotate=90 if name == "v.mp4" else 0)
+    asked = []
+
+    def fit(height, width):
+        asked.append((height, width))
+        return (40, 24) if height > width else (24, 40)
+
+    full = clips_of(data, extraction="uniform", clips=2)
+    fitted = clips_of(data, extraction="uniform", clips=2, fit=fit)
+    shown = (96, 64) if name == "v.mp4" else (64, 96)
+    assert asked == [shown] and [c.size for c in fitted] == [c.size for c in full] == [shown, shown]
+    for a, b in zip(full, fitted):
+        assert (a.index, a.start) == (b.index, b.start)
+        assert b.frames.shape == (17, *fit(*shown), 3)
+        assert torch.equal(torch.from_numpy(b.frames).permute(3, 0, 1, 2), fit_frames(a.frames, *fit(*shown)))
 
 
 def test_policy_fingerprint_and_checks():
