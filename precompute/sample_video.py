@@ -89,7 +89,11 @@ def draw_frames(kind: str, frames: int, size: tuple[int, int], seed: int = 0) ->
         else:
             draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[fg])
         out.append(np.asarray(img))
-    return out, f"a {fg} {shape} moving {motion} on a {bg} background"
+    return out, f"{_a(fg)} {fg} {shape} moving {motion} on {_a(bg)} {bg} background"
+
+
+def _a(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
 
 
 def video_codec(suffix: str) -> str:

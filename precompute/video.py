@@ -387,11 +387,11 @@ class _AVReader(_Reader):
         if tag:
             try:
                 h, m, sec = tag.split(":")
-                return Fraction(int(h) * 3600 + int(m) * 60) + Fraction(sec)
+                return self.start + Fraction(int(h) * 3600 + int(m) * 60) + Fraction(sec)
             except ValueError:
                 pass
-        if len(self.container.streams) == 1 and self.container.duration:
-            return Fraction(self.container.duration, av.time_base)
+        if len(self.container.streams) == 1 and self.container.duration:  # the container's is the stream's
+            return Fraction((self.container.start_time or 0) + self.container.duration, av.time_base)
         return None
 
     def scan_end(self) -> Fraction:
