@@ -29,6 +29,8 @@ BAD_VIDEOS = {
     "garbage": "corrupt_video",  # bytes that are no container at all
     "truncated": "corrupt_video",  # an mp4 cut off before its index (moov written last, as by default)
     "truncated_faststart": "truncated_video",  # an mp4 with its index first, cut off after a quarter of its frames
+    "truncated_in_packet": "truncated_video",  # the same, cut off in the middle of a frame's data
+    "corrupt_frames": "corrupt_video",  # random bytes over a frame's data a second into the video
     "audio_only": "no_video_stream",
     "zero_frames": "no_frames",  # an AVI whose video stream holds no frame (MP4 and Matroska drop such a stream)
     "too_short": "too_short",  # 0.25 s: shorter than a 17-frame clip at 16 fps (with no 1-frame bucket)
@@ -189,6 +191,14 @@ def write_bad(path: Path | str, kind: str, seed: int = 0) -> Path:
         make_video(path, "index", 96, 24.0, (64, 96), seed, faststart=kind == "truncated_faststart")
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2] if kind == "truncated" else data[: _byte_of_frame(path, 24)])
+    elif kind in ("truncated_in_packet", "corrupt_frames"):
+        make_video(path, "index", 96, 24.0, (64, 96), seed, faststart=True, gop=24)
+        data, at = bytearray(path.read_bytes()), _byte_of_frame(path, 24)
+        if kind == "corrupt_frames":
+            data[at:at + 200] = random.Random(seed).randbytes(200)
+        else:
+            data = data[:at + 40]
+        path.write_bytes(bytes(data))
     elif kind == "audio_only":
         with av.open(str(path), "w", format="mp4") as out:
             stream = out.add_stream("aac", rate=16000, layout="mono")

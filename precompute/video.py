@@ -37,8 +37,8 @@ EXTRACTIONS = ("head", "uniform", "chunk", "full")
 # Reasons a video is skipped (merged into precompute.inputs.REASONS; the two shared with images mean the same).
 VIDEO_REASONS = {
     "empty_file": "zero-byte file",
-    "corrupt_video": "not a decodable video: unknown container, corrupt or truncated data",
-    "truncated_video": "the video's decodable data ends before its clips do (a cut-off or corrupt file)",
+    "corrupt_video": "not a decodable video: unknown container, or data that fails to decode where a clip is",
+    "truncated_video": "the file ends before its clips do, before the length its container states (a cut-off file)",
     "no_video_stream": "a media file without a video stream (audio only)",
     "no_frames": "a video stream that decodes to no frames",
     "too_short": "shorter than the shortest frame bucket at the family's frame rate",
@@ -203,11 +203,12 @@ def _extract(r: _AVReader | _ImageReader, policy: ClipPolicy, stats: dict) -> tu
             # the data ended before the clip did: a cut-off file, or a video shorter than its (absent) length
             if not len(frames) and not stats["frames"]:
                 return [], *(("corrupt_video", r.error) if r.error else ("no_frames", "the video stream holds no frame"))
+            if r.error:
+                return [], r.error_reason, f"undecodable data after {float(r.end_seen):.3f} s: {r.error}"
             stated = r.stated_end()
-            if r.error or stated is not None and r.start + (start + len(frames)) / fps < stated - r.slack:
-                return [], "truncated_video", (f"decodable frames end at {float(r.end_seen):.3f} s"
-                                               + (f", the container states {float(stated):.3f} s" if stated else "")
-                                               + (f" ({r.error})" if r.error else ""))
+            if stated is not None and r.start + (start + len(frames)) / fps < stated - r.slack:
+                return [], "truncated_video", (f"the data ends at {float(r.end_seen):.3f} s, the container states "
+                                               f"{float(stated):.3f} s")
             fits = [b for b in policy.frame_buckets if b <= len(frames)]
             if not fits:
                 return ([], *_short(start + len(frames), policy)) if not clips else (clips, None, "")
@@ -254,6 +255,7 @@ class _Reader:
         self.eof = False
         self.end_seen = Fraction(0)
         self.error = ""  # why decoding stopped before the end of the data
+        self.error_reason = "corrupt_video"  # or truncated_video: the undecodable data was where the file is cut off
 
     def __enter__(self):
         return self
@@ -468,6 +470,8 @@ class _AVReader(_Reader):
                 decoded = packet.decode()
             except av.FFmpegError as e:  # undecodable data ends the video here (a cut-off last packet, corrupt bytes)
                 self.error = f"{type(e).__name__}: {e}"
+                if packet.pos is not None and packet.pos + packet.size >= len(self.data):
+                    self.error_reason = "truncated_video"  # the last packet, cut off
                 return
             for frame in decoded:
                 self.check()

@@ -190,13 +190,16 @@ def test_bad_videos_are_named_failures(tmp_path, kind):
     assert reason in VIDEO_REASONS
 
 
-def test_truncated_file_is_fine_when_the_clips_end_before_the_cut(tmp_path):
-    """A file cut off after a second still gives its head clip of 0.5 s: nothing past the clip is decoded."""
-    data = write_bad(tmp_path / "cut.mp4", "truncated_faststart").read_bytes()
+@pytest.mark.parametrize("kind", ["truncated_faststart", "truncated_in_packet", "corrupt_frames"])
+def test_damage_after_the_clips_is_never_read(tmp_path, kind):
+    """A file cut off or corrupt a second in still gives its head clip of 0.5 s: nothing past the clip is decoded;
+    a clip that reaches the damage fails the file."""
+    data = write_bad(tmp_path / "cut.mp4", kind).read_bytes()
     (clip,) = clips_of(data, frame_buckets=(1, 9))
     assert clip.frames.shape[0] == 9 and indices(clip) == [j * 3 // 2 for j in range(9)]
-    _, reason, detail = read_clips(data, ClipPolicy(16.0, (1, 9), "uniform", clips=2), MAX_PIXELS)
-    assert reason == "truncated_video" and "4.000 s" in detail
+    _, reason, detail = read_clips(data, ClipPolicy(16.0, (1, 9), "chunk"), MAX_PIXELS)
+    assert reason == BAD_VIDEOS[kind]
+    assert "4.000 s" in detail if kind == "truncated_faststart" else "undecodable data after" in detail
 
 
 def test_decode_timeout(tmp_path):
