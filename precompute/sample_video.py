@@ -114,7 +114,8 @@ def video_codec(suffix: str) -> str:
 def make_video(path: Path | str, kind: str = "shapes", frames: int = 48, fps: float = 24.0,
                size: tuple[int, int] = (64, 96), seed: int = 0, *, times: list[float] | None = None,
                pix_fmt: str | None = None, rotate: int = 0, codec: str | None = None, faststart: bool = False,
-               lossless: bool = False, gop: int | None = None, mirror: bool = False, pixel_aspect: float = 1.0) -> str:
+               lossless: bool = False, gop: int | None = None, mirror: bool = False, pixel_aspect: float = 1.0,
+               rotate_tag: bool = False) -> str:
     """Write a video of `draw_frames(kind, frames, size, seed)`; returns its caption.
 
     Args:
@@ -125,6 +126,7 @@ def make_video(path: Path | str, kind: str = "shapes", frames: int = 48, fps: fl
         pix_fmt: the encoder's pixel format ("yuv420p10le" for 10-bit; default yuv420p, yuv444p for odd sizes).
         rotate: clockwise degrees a player turns the frames by (the display matrix of a phone held upright).
         mirror: a player also mirrors them left to right, after turning (a front camera's).
+        rotate_tag: `rotate` is written as the legacy `rotate` tag (older FFmpeg's, kept by Matroska) instead.
         codec: the encoder (default `video_codec`).
         faststart: mp4/mov: the index before the frames (as streaming sites serve them).
         lossless: H.264 at constant quality 0 (colours survive but for the RGB <-> YUV rounding).
@@ -158,7 +160,9 @@ def make_video(path: Path | str, kind: str = "shapes", frames: int = 48, fps: fl
             stream.codec_context.sample_aspect_ratio = Fraction(pixel_aspect).limit_denominator(1000)
         tick = Fraction(1, 1000) if times is not None else 1 / Fraction(stream.average_rate)
         stream.codec_context.time_base = tick
-        if rotate or mirror:
+        if rotate_tag:
+            stream.metadata["rotate"] = str(rotate)
+        elif rotate or mirror:
             stream.set_display_rotation(-rotate, hflip=mirror)  # PyAV takes counterclockwise degrees
         for k, picture in enumerate(pictures):
             # converted here, in one thread: the encoder's own conversion differs from run to run in its last bits

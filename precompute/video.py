@@ -101,6 +101,7 @@ class ClipPolicy:
             "resample": "frame shown at each time, by presentation timestamp",
             "rotation": "display matrix applied",
             "pixel_aspect": "square",
+            "animated_images": f"frame delays, {_DEFAULT_DELAY_MS} ms for 10 ms or less",
             "video_preprocessing_version": VIDEO_PREPROCESSING_VERSION,
         }
 
@@ -126,7 +127,7 @@ class Clip:
 
     index: int  # which clip of the input (0..), part of the sample key
     start: int  # first frame, counted at the policy's frame rate
-    frames: np.ndarray  # (F, H, W, 3) uint8 RGB, F a member of frame_buckets, rotation applied
+    frames: np.ndarray  # (F, H, W, 3) uint8 RGB, F a member of frame_buckets, turned as shown (and fitted, with `fit`)
     size: tuple[int, int] = (0, 0)  # (height, width) of the video's frames as shown, before `read_clips`' fit
 
 
@@ -533,9 +534,9 @@ def _fraction(rational) -> Fraction | None:
 
 
 def _rotate_tag(metadata: dict) -> int:
-    """The legacy `rotate` tag (clockwise degrees) of older demuxers; 0 when absent."""
+    """The legacy `rotate` tag (clockwise degrees) of older demuxers and muxers (Matroska's is ROTATE); 0 when absent."""
     try:
-        return int(metadata.get("rotate", 0))
+        return int(float(metadata.get("rotate") or metadata.get("ROTATE") or 0))
     except ValueError:
         return 0
 

@@ -89,10 +89,13 @@ def test_variable_frame_rate_resampled_by_timestamp(tmp_path):
     assert indices(clip) == [max(i for i, t in enumerate(times) if t <= j / 16) for j in range(33)]
 
 
-@pytest.mark.parametrize("rotate, mirror", [(90, False), (180, False), (270, False), (90, True), (0, True)])
-def test_display_matrix_applied(tmp_path, rotate, mirror):
-    """A phone video stored sideways comes out as the phone showed it: the white corner marker moves with the turn."""
-    frame = clips_of(video(tmp_path, frames=1, size=(64, 96), rotate=rotate, mirror=mirror))[0].frames[0]
+@pytest.mark.parametrize("name, rotate, mirror, tag", [("v.mp4", 90, False, False), ("v.mp4", 180, False, False),
+                                                       ("v.mp4", 270, False, False), ("v.mp4", 90, True, False),
+                                                       ("v.mp4", 0, True, False), ("v.mkv", 90, False, True)])
+def test_display_matrix_applied(tmp_path, name, rotate, mirror, tag):
+    """A phone video stored sideways comes out as the phone showed it: the white corner marker moves with the turn
+    (the display matrix, or the legacy rotate tag)."""
+    frame = clips_of(video(tmp_path, name, frames=1, size=(64, 96), rotate=rotate, mirror=mirror, rotate_tag=tag))[0].frames[0]
     stored = np.zeros((64, 96), bool)
     stored[:16, :24] = True  # the marker, top left as stored
     shown = np.rot90(stored, -rotate // 90)  # clockwise
