@@ -12,8 +12,10 @@ for bad data.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
+import struct
 import time
 import warnings
 from collections.abc import Callable
@@ -40,6 +42,7 @@ VIDEO_REASONS = {
     "corrupt_video": "not a decodable video: unknown container, or data that fails to decode where a clip is",
     "truncated_video": "the file ends before its clips do, before the length its container states (a cut-off file)",
     "no_video_stream": "a media file without a video stream (audio only)",
+    "unsupported_codec": "a video codec that this build of FFmpeg (PyAV's) cannot decode",
     "no_frames": "a video stream that decodes to no frames",
     "too_short": "shorter than the shortest frame bucket at the family's frame rate",
     "too_many_pixels": "over the pixel limit (decompression bomb guard)",
@@ -349,6 +352,9 @@ class _AVReader(_Reader):
             self.failure = ("no_video_stream", f"streams: {', '.join(kinds) or 'none'}")
             return
         s = self.stream
+        if s.codec_context is None:
+            self.failure = ("unsupported_codec", "PyAV's FFmpeg has no decoder for the video stream's codec")
+            return
         self.tb = _fraction(s.time_base) or Fraction(1, 90000)
         rate = _fraction(s.average_rate) or _fraction(s.guessed_rate) or _fraction(s.base_rate)
         self.interval = 1 / rate if rate else Fraction(1, 25)  # a frame's duration when unknown
@@ -541,6 +547,15 @@ def _rotate_tag(metadata: dict) -> int:
         return 0
 
 
+@contextlib.contextmanager
+def _pillow_errors():
+    """Pillow's plugins meet corrupt data with whatever their parsing raises: as an OSError, like the rest."""
+    try:
+        yield
+    except (IndexError, KeyError, struct.error) as e:
+        raise OSError(f"corrupt image data ({type(e).__name__}: {e})") from e
+
+
 class _ImageReader(_Reader):
     """A GIF, WebP, APNG or still image through Pillow, timed by its frame durations."""
 
@@ -555,7 +570,8 @@ class _ImageReader(_Reader):
         except _TooManyPixels:
             self.img.close()
             raise
-        self.count = getattr(self.img, "n_frames", 1)
+        with _pillow_errors():
+            self.count = getattr(self.img, "n_frames", 1)  # GIF: read through every frame's header
         self.still = self.count == 1
         self.index = 0
         self.t = Fraction(0)
@@ -570,8 +586,9 @@ class _ImageReader(_Reader):
         end = Fraction(0)
         for i in range(self.count):
             self.check()
-            self.img.seek(i)
-            self.img.load()  # WebP reads a frame's duration with its pixels
+            with _pillow_errors():
+                self.img.seek(i)
+                self.img.load()  # WebP reads a frame's duration with its pixels
             end += self.delay()
         self.img.seek(0)
         return end
@@ -587,7 +604,7 @@ class _ImageReader(_Reader):
     def decode_next(self) -> _Frame | None:
         if self.index >= self.count:
             return None
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _pillow_errors():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             self.img.seek(self.index)
             self.img.load()
