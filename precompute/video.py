@@ -434,7 +434,7 @@ class _AVReader(_Reader):
             self.seek(None)
 
     def keyframe_before(self, target: Fraction) -> Fraction | None:
-        entries = self.stream.index_entries
+        entries = getattr(self.stream, "index_entries", ())  # older PyAV has none
         if len(entries) == 0:
             return None
         ts = target / self.tb
