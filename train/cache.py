@@ -192,4 +192,5 @@ def until_damaged(batches, damaged: list):
 
 
 def largest_bucket(cache: Cache) -> Bucket:
-    return max(cache.manifest.buckets(), key=lambda b: (b.height * b.width, b))
+    """The bucket of the most pixels per sample: a frame's pixels times its frames for a clip (its longest clips)."""
+    return max(cache.manifest.buckets(), key=lambda b: (b.pixels * max(b.frames, 1), b))

@@ -67,11 +67,15 @@ class TrainingSamples(torch.utils.data.Dataset):
     drawn from its cached posterior like the image's, right after it (DC-AE's is taken as stored); a ControlNet
     sample is never the flipped view (its control latent is the unflipped image's). With `masked` (--masked-loss),
     also the sample's loss mask at latent resolution (`shards.MASK`; all 255 for a sample cached without one),
-    mirrored with the flipped view; it takes no draw.
+    mirrored with the flipped view; it takes no draw. A clip's latent keeps its frame axis, (C, T, h, w), and is drawn
+    like an image's. `conditioning`: further per-sample fields the family's transformer takes
+    (`Family.conditioning_fields`), stacked into the batch under their names in `conditioning_dtype` (the run's compute
+    dtype); they take no draw.
     """
 
     def __init__(self, cache: Cache | str | os.PathLike, seed: int, caption_dropout: float, null: str = "empty", *,
-                 check_digests: bool = True, offset: int = 0, control: bool = False, masked: bool = False):
+                 check_digests: bool = True, offset: int = 0, control: bool = False, masked: bool = False,
+                 conditioning: tuple[str, ...] = (), conditioning_dtype: torch.dtype = torch.float32):
         if not isinstance(cache, Cache):
             cache = Cache(cache)
         cache.check_digests = check_digests
@@ -85,6 +89,8 @@ class TrainingSamples(torch.utils.data.Dataset):
         if masked:
             check_masks(cache)
         self.masked = masked
+        check_conditioning(cache, conditioning)
+        self.conditioning, self.conditioning_dtype = tuple(conditioning), conditioning_dtype
         if null not in ("empty", "zeros"):
             raise ValueError(f"caption dropout embedding {null!r}: choose empty or zeros")
         self.null = None
@@ -115,23 +121,29 @@ class TrainingSamples(torch.utils.data.Dataset):
         item = {"key": s.key, "bucket": s.bucket, "latent": latent, "cond": cond}
         if self.masked:
             item["mask"] = sample_mask(s.fields, latent.shape[-2:], flipped=view == FLIP_PREFIX)
+        if self.conditioning:
+            item["conditioning"] = {name: s[name] for name in self.conditioning}
         return {**item, "control": control} if self.control else item
 
     def _draw(self, s, prefix: str, g: torch.Generator) -> torch.Tensor:
         """The latent in fields `prefix` + the latent fields' names: a draw from the cached posterior
-        (mean + std * eps), or as stored (DC-AE). (C, h, w)"""
+        (mean + std * eps), or as stored (DC-AE). (C, h, w), or (C, T, h, w) for a clip"""
+        dims = 4 if s.bucket.frames else 3  # a clip's latent has its frame axis, a one-frame clip's too
         if self.posterior:
             mean, std = s[prefix + "latent_mean"].float(), s[prefix + "latent_std"].float()
-            return mean.reshape(mean.shape[-3:]) + std.reshape(std.shape[-3:]) * torch.randn(mean.shape[-3:], generator=g)
-        return s[prefix + "latent"].float().reshape(s[prefix + "latent"].shape[-3:])
+            shape = mean.shape[-dims:]
+            return mean.reshape(shape) + std.reshape(shape) * torch.randn(shape, generator=g)
+        return s[prefix + "latent"].float().reshape(s[prefix + "latent"].shape[-dims:])
 
     def collate(self, samples: list[dict]) -> dict:
-        """Stack latents (B, C, h, w) and control latents as `control` (B, C, h, w); the text as `TextLayout.collate`
-        builds it."""
+        """Stack latents (B, C, h, w) (a clip's (B, C, T, h, w)) and control latents as `control` (B, C, h, w); the
+        conditioning fields under their names (B, ...) in the compute dtype; the text as `TextLayout.collate` builds it."""
         return {
             "latents": torch.stack([s["latent"] for s in samples]),
             **({"control": torch.stack([s["control"] for s in samples])} if "control" in samples[0] else {}),
             **({"mask": torch.stack([s["mask"] for s in samples])} if "mask" in samples[0] else {}),
+            **{name: torch.stack([s["conditioning"][name] for s in samples]).to(self.conditioning_dtype)
+               for name in self.conditioning},
             **self.layout.collate([s["cond"] for s in samples]),
             "bucket": tuple(samples[0]["bucket"]),
             "keys": [s["key"] for s in samples],
@@ -156,8 +168,20 @@ def sample_mask(fields: dict, size: tuple[int, int], flipped: bool = False) -> t
     return m.flip(-1) if flipped else m
 
 
+def check_conditioning(cache: Cache, names: tuple[str, ...]) -> None:
+    """Refuse a cache without the conditioning fields the model takes (`Family.conditioning_fields`), naming them."""
+    missing = [name for name in names if name not in cache.schema]
+    if missing:
+        raise ValueError(f"{cache.location} holds no {', '.join(missing)} field(s), which this model takes beside the "
+                         f"latents; build the cache for this model's preset with stage one (python -m precompute DATA "
+                         f"--model PRESET --cache DIR)")
+
+
 def check_masks(cache: Cache) -> None:
     """Refuse --masked-loss on a cache without loss masks (none of its sources was cached with them), naming the fix."""
+    if cache.spec.latent.temporal_downsample:
+        raise ValueError(f"--masked-loss: {cache.location} holds clips, and loss masks are cached for images only; train "
+                         f"without --masked-loss")
     sources = (cache.manifest.extra.get("sources") or {}).values()
     if MASK in cache.schema and any(isinstance(r, dict) and r.get("masks") for r in sources):
         return

@@ -27,6 +27,7 @@ from shards.options import DTYPES
 from train import distributed
 from train.config import TrainConfig
 from train.data import TextLayout, sample_mask
+from train.families import get_family, get_preset
 from train.families.base import ModelPreset
 from train.order import derived_seed
 from train.presets import model_forward
@@ -79,12 +80,15 @@ class Evaluator:
         timesteps: the fixed noise levels per sample.
         limit: at most this many global batches (0: all).
         control: ControlNet runs: batches carry the samples' control latents.
+        conditioning: the cached fields the family's transformer takes beside the latents (`Family.conditioning_fields`).
         device, precision: where and under which autocast dtype the forwards run.
     """
 
     def __init__(self, caches: list, objective, *, fraction: float, batch_size: int, rank: int, world: int,
-                 timesteps: int, limit: int, device: torch.device, precision: torch.dtype, control: bool = False):
+                 timesteps: int, limit: int, device: torch.device, precision: torch.dtype, control: bool = False,
+                 conditioning: tuple[str, ...] = ()):
         self.caches, self.objective, self.control = caches, objective, control
+        self.conditioning, self.precision = tuple(conditioning), precision
         self.batch_size, self.rank, self.timesteps, self.device = batch_size, rank, timesteps, device
         self.starts = np.cumsum([0] + [len(c) for c in caches])
         labels = cache_labels([c.location for c in caches]) if len(caches) > 1 else None
@@ -115,18 +119,22 @@ class Evaluator:
         cache, layout = self.caches[k], self.layouts[k]
         latent = cache.spec.latent
         latents, controls, conds, masks = [], [], [], []
+        fields: dict[str, list[torch.Tensor]] = {name: [] for name in self.conditioning}
         for i in indices:
             s = cache[i - int(self.starts[k])]
-            shape = latent.shape(s.bucket.height, s.bucket.width)
+            shape = latent.shape(*s.bucket)  # a clip's (C, T, h, w)
             latents.append(s.fields[latent.fields[0]].float().reshape(shape))  # the posterior's mean, or the latent
             if self.control:
                 controls.append(s.fields[latent.control_fields[0]].float().reshape(shape))
             conds.append(layout.caption(s.fields, 0))
             if getattr(self.objective, "masked_loss", False):  # the training loss's mask weights this loss too
                 masks.append(sample_mask(s.fields, shape[-2:]))
+            for name in self.conditioning:
+                fields[name].append(s.fields[name])
         batch = {"latents": torch.stack(latents), **({"control": torch.stack(controls)} if self.control else {}),
                  **({"mask": torch.stack(masks)} if masks else {}),
-                 **layout.collate(conds), "bucket": (s.bucket.height, s.bucket.width)}
+                 **{name: torch.stack(rows).to(self.precision) for name, rows in fields.items()},
+                 **layout.collate(conds), "bucket": tuple(s.bucket)}
         batch = {n: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for n, v in batch.items()}
         position = self.rank * self.batch_size + torch.arange(len(indices))
         batch["weight"] = (position < eb.real).float().to(self.device)  # (B,) 0 for the samples completing the batch
@@ -134,7 +142,7 @@ class Evaluator:
         return batch
 
     def _noise(self, where: list[float], t: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """The fixed noise of each sample (by its key) at level `t` (B, C, h, w), drawn on the CPU: the same numbers on
+        """The fixed noise of each sample (by its key) at level `t` (B, C, h, w) or (B, C, T, h, w), drawn on the CPU: the same numbers on
         any device."""
         return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(
             derived_seed(EVAL_NOISE, int(w * 2**53), t))) for w in where]).to(self.device)
@@ -192,7 +200,8 @@ def build_evaluator(cfg: TrainConfig, group: list, objective, rank: int, world: 
         return None
     evaluator = Evaluator(group, objective, fraction=cfg.eval_fraction, batch_size=cfg.batch_size, rank=rank, world=world,
                           timesteps=cfg.eval_timesteps, limit=cfg.eval_batches, device=device,
-                          precision=DTYPES[cfg.precision], control=cfg.controlnet)
+                          precision=DTYPES[cfg.precision], control=cfg.controlnet,
+                          conditioning=get_family(get_preset(cfg.model).family).conditioning_fields(group[0].spec))
     return evaluator if evaluator else None
 
 

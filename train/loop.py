@@ -24,7 +24,7 @@ from train.config import TrainConfig
 from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples, check_masks
 from train.dryrun import dry_run, startup_plan
 from train.evaluate import build_evaluator, eval_due, evaluate
-from train.families import get_preset
+from train.families import get_family, get_preset
 from train.families.base import ModelPreset
 from train.metrics import Metrics, progress_line, write_memory_report
 from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption, train_guidance
@@ -315,10 +315,12 @@ class Epochs:
                              f"--remainder {cfg.remainder}; use a smaller --batch-size"
                              + (" or --remainder repeat" if cfg.remainder != "repeat" else ""))
         parts, offset = [], 0
-        for c in cs:
+        family = get_family(self.preset.family)
+        for c in cs:  # a family's conditioning fields (an image-to-video model's first frame) in the compute dtype
             parts.append(TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, self.preset),
                                          check_digests=cfg.check_digests, offset=offset, control=cfg.controlnet,
-                                         masked=cfg.masked_loss))
+                                         masked=cfg.masked_loss, conditioning=family.conditioning_fields(c.spec),
+                                         conditioning_dtype=DTYPES[cfg.precision]))
             offset += len(c)
         return Epoch(number, plan, parts[0] if len(parts) == 1 else CacheSamples(parts), start)
 

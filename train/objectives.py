@@ -15,6 +15,9 @@ With `masked_loss`, the per-element loss is weighted by the batch's loss mask (`
 normalise: a kept element's gradient is what it is unmasked, and an all-white mask gives the unmasked loss exactly.
 Every family's prediction is unpacked to (B, C, h, w) before the loss, so the mask, at latent resolution, lines up
 with packed families' latents as it does with the others'.
+
+A clip's latents have a frame axis, (B, C, T, h, w): the noise is drawn for every element, a sample's timestep holds for
+all its frames, and the loss is the mean over every element (loss masks are cached for images only).
 """
 
 from __future__ import annotations
@@ -51,8 +54,17 @@ def loss_mask(batch: dict, masked: bool) -> torch.Tensor | None:
 
 
 def masked_mean(err: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Per-sample mean of a per-element loss (B, C, h, w), each element weighted by the mask first (B,)."""
-    return (err if mask is None else err * mask).mean(dim=(1, 2, 3))
+    """Per-sample mean of a per-element loss (B, C, h, w) or (B, C, T, h, w), each element weighted by the mask first
+    (B,)."""
+    if mask is not None and mask.dim() != err.dim():
+        raise ValueError(f"a loss mask {tuple(mask.shape)} cannot weight latents {tuple(err.shape)}: loss masks are cached "
+                         f"for images only; train without --masked-loss")
+    return (err if mask is None else err * mask).mean(dim=tuple(range(1, err.dim())))
+
+
+def per_sample(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B,) values shaped to broadcast over each sample's elements of `like` (B, C, h, w) or (B, C, T, h, w)."""
+    return values.reshape(-1, *[1] * (like.dim() - 1))
 
 
 @dataclass
@@ -130,19 +142,19 @@ class FlowMatching:
                  target_fn: ModelFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-sample losses (B,) and noise levels in [0, 1) (B,); `part` = (rank, world size). `target_fn`: a
         prediction to match instead of the data's velocity (output preservation: the base model's, no gradients)."""
-        x0 = batch["latents"]  # (B, C, h, w)
+        x0 = batch["latents"]  # (B, C, h, w), a clip's (B, C, T, h, w)
         n = x0.shape[0]
-        pixels = batch["bucket"][0] * batch["bucket"][1]
+        pixels = batch["bucket"][0] * batch["bucket"][1]  # of one frame
         s = global_slice(self.sigmas(n * part[1], pixels, generator, x0.device), n, part)
         noise = global_slice(torch.randn((n * part[1], *x0.shape[1:]), generator=generator, device=x0.device), n, part)
         return self.loss_at(model_fn, batch, s, noise, target_fn), s
 
     def loss_at(self, model_fn: ModelFn, batch: dict, s: torch.Tensor, noise: torch.Tensor,
                 target_fn: ModelFn | None = None) -> torch.Tensor:
-        """Per-sample losses (B,) at noise levels `s` (B,) with this `noise` (B, C, h, w): the training loss, given
-        its draws (`target_fn`: as `__call__`'s)."""
+        """Per-sample losses (B,) at noise levels `s` (B,) with this `noise` (the latents' shape): the training loss,
+        given its draws (`target_fn`: as `__call__`'s)."""
         x0 = batch["latents"]
-        s4 = s[:, None, None, None]
+        s4 = per_sample(s, x0)
         xt = (1 - s4) * x0 + s4 * noise
         # the target's forward first: its memory is freed before the trained forward saves its activations
         base = target_fn(xt, s * 1000, batch).float() if target_fn is not None else None
@@ -252,7 +264,7 @@ def vlb_terms(scheduler: DDPMScheduler, x0: torch.Tensor, xt: torch.Tensor, t: t
     coef_xt = (1 - ac_prev) * (1 - betas).sqrt() / (1 - ac)
 
     def at(table: torch.Tensor) -> torch.Tensor:  # the schedule in float64, each sample's entry in float32
-        return table[t].float()[:, None, None, None]
+        return per_sample(table[t].float(), x0)
 
     true_mean = at(coef_x0) * x0 + at(coef_xt) * xt
     true_log_var = at(posterior_log_var)
@@ -264,7 +276,7 @@ def vlb_terms(scheduler: DDPMScheduler, x0: torch.Tensor, xt: torch.Tensor, t: t
     d = model_log_var - true_log_var
     kl = 0.5 * (d + torch.expm1(-d) + (true_mean - model_mean) ** 2 * torch.exp(-model_log_var))
     nll = -discretized_gaussian_log_likelihood(x0, model_mean, 0.5 * model_log_var)
-    per_dim = torch.where((t == 0)[:, None, None, None], nll, kl)
+    per_dim = torch.where(per_sample(t == 0, x0), nll, kl)
     return masked_mean(per_dim, mask) / math.log(2.0)
 
 

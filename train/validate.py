@@ -73,23 +73,26 @@ def sampling_scheduler(preset: ModelPreset, objective, pixels: int):
 
 
 @torch.no_grad()
-def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, latent_shape: tuple[int, int, int],
+def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, latent_shape: tuple[int, ...],
              pixels: int, *, steps: int, guidance: float, seed: int, precision: torch.dtype,
              layout: TextLayout | None = None, forward: Callable | None = None,
-             control: torch.Tensor | None = None) -> torch.Tensor:
-    """One sample (C, h, w) at the cache's latent scale, guided as the family's pipeline guides (`Family.denoise`); `pixels`
-    of its bucket.
+             control: torch.Tensor | None = None, conditioning: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """One sample (C, h, w), a clip's (C, T, h, w), at the cache's latent scale, guided as the family's pipeline guides
+    (`Family.denoise`); `pixels` of its bucket (of one frame).
     `cond` and `null` are one caption's cached text fields each. `forward` (default: the model's own) is called as
     (latents, timesteps, batch); `control`, a control latent (C, h, w) as the cache stores it, goes into that batch
-    for both halves of the guidance, as the stock ControlNet pipelines condition them."""
+    for both halves of the guidance, as the stock ControlNet pipelines condition them, and so do the `conditioning`
+    fields of one cached sample (`Family.conditioning_fields`: an image-to-video model's first frame)."""
     device = next(model.parameters()).device
-    c, h, w = latent_shape
+    c = latent_shape[0]
     family = get_family(preset.family)
     scheduler = family.sampling_scheduler(objective, pixels)
     family.set_timesteps(scheduler, objective, steps, pixels, device)
     g = torch.Generator().manual_seed(seed)
-    latents = (torch.randn(1, c, h, w, generator=g) * getattr(scheduler, "init_noise_sigma", 1.0)).to(device)
+    latents = (torch.randn(1, *latent_shape, generator=g) * getattr(scheduler, "init_noise_sigma", 1.0)).to(device)
     text = (layout or TextLayout()).collate([{k: v.float() for k, v in fields.items()} for fields in (null, cond)])
+    for name, value in (conditioning or {}).items():
+        text[name] = value.to(precision)[None].expand(2, *value.shape)
     if control is not None:
         text["control"] = control.float()[None].expand(2, *control.shape[-3:])
     text = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in text.items()}

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from shards import CacheSpec, LatentSpec, TextSpec
+from shards import Bucket, CacheSpec, LatentSpec, TextSpec
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # Attention projections (query, key, value, output), the LoRA targets most families share; names match by suffix
@@ -194,6 +194,12 @@ class Family(ABC):
     precondition_outputs: ClassVar[bool] = False  # default of --precondition-outputs (flow matching)
     controlnet: ClassVar[ControlNet | None] = None
     no_controlnet: ClassVar[str] = ""  # why --controlnet is refused, where `controlnet` is None
+    # a video family's VAE: pixel frames per latent frame after the first (a clip of F frames has (F - 1) // k + 1 latent
+    # frames; the transformer patches one latent frame at a time); 0: the family's models take images
+    temporal_downsample: ClassVar[int] = 0
+    # frames per second of the clips a video family's models were trained on: its validation videos play at this rate
+    # unless the cache records the rate its clips were resampled to
+    frame_rate: ClassVar[float | None] = None
 
     # --- the transformer and its presets ---
 
@@ -255,6 +261,12 @@ class Family(ABC):
         """What the transformer's config calls its latent channels, for messages."""
         return "in_channels"
 
+    def conditioning_fields(self, spec: CacheSpec) -> tuple[str, ...]:
+        """The per-sample fields of a cache (beside the latents and the text) the transformer's call takes: stage two
+        stacks them into every batch under the same names, (B, ...) on the device in the compute dtype, for `forward`
+        (e.g. an image-to-video model's cached first-frame condition). None by default."""
+        return ()
+
     # --- the objective ---
 
     def mu(self, image_tokens: int) -> float:
@@ -273,19 +285,31 @@ class Family(ABC):
         the transformer's. Default: `masked_call`."""
         return masked_call(model, xt, t, batch)
 
-    def example_batch(self, config: Mapping, preset: ModelPreset, bucket: tuple[int, int], batch: int, tokens: int,
+    def example_batch(self, config: Mapping, preset: ModelPreset, bucket: tuple[int, ...], batch: int, tokens: int,
                       dtype: torch.dtype, device: torch.device | str = "meta") -> dict[str, torch.Tensor]:
-        """A batch of `batch` samples of the bucket (height, width) in pixels with `tokens` caption tokens, zeros on
-        `device` (the planner traces `forward` with it): `latents` (B, C, h, w) and the text fields."""
+        """A batch of `batch` samples of the bucket (a `shards.Bucket`: height, width and, for a clip, frames; or a
+        (height, width) pair) with `tokens` caption tokens, zeros on `device` (the planner traces `forward` with it):
+        `latents` (B, C, h, w), or (B, C, T, h, w) for a clip, and the text fields."""
+        bucket = Bucket(*bucket)
         down = preset.latent_downsample
-        latents = torch.zeros(batch, self.latent_channels(config), bucket[0] // down, bucket[1] // down, device=device,
-                              dtype=dtype)
+        frames = (self.latent_frames(bucket.frames),) if bucket.frames else ()
+        latents = torch.zeros(batch, self.latent_channels(config), *frames, bucket.height // down, bucket.width // down,
+                              device=device, dtype=dtype)
         return {"latents": latents, **self.text.example(config, self, batch, tokens, dtype, device)}
 
-    def image_tokens(self, config: Mapping, preset: ModelPreset, bucket: tuple[int, int]) -> int:
-        """Tokens of one image of the bucket in the transformer's sequence."""
+    def image_tokens(self, config: Mapping, preset: ModelPreset, bucket: tuple[int, ...]) -> int:
+        """Tokens of one sample of the bucket in the transformer's sequence: an image's patches, or a clip's, latent
+        frame by latent frame (latent frames x (h / patch) x (w / patch))."""
+        bucket = Bucket(*bucket)
         per_token = preset.latent_downsample * self.latent_patch(config)
-        return (bucket[0] // per_token) * (bucket[1] // per_token)
+        frames = self.latent_frames(bucket.frames) if bucket.frames else 1
+        return frames * (bucket.height // per_token) * (bucket.width // per_token)
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a clip of `frames` pixel frames (`temporal_downsample`)."""
+        if not self.temporal_downsample:
+            raise ValueError(f"{self.title} models take images, not clips of {frames} frames: plan an image bucket (HxW)")
+        return (frames - 1) // self.temporal_downsample + 1
 
     # --- validation ---
 
