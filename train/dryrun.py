@@ -26,7 +26,7 @@ def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: in
     the ControlNet the run built (a pretrained or resumed one has its own)."""
     largest = largest_bucket(cache)
     # the ControlNet planned is one of the depth built, whatever its weights
-    setup = PlanConfig.of_run(cfg, bucket=(largest.height, largest.width), world_size=world,
+    setup = PlanConfig.of_run(cfg, bucket=largest, world_size=world,
                               parallel="fsdp" if parallel == "fsdp" else "ddp", text_tokens=cache.spec.text.tokens,
                               gpu_memory=device_memory(device) - (CARD_RESERVED if device.type == "cuda" else 0),
                               pretrained_controlnet=None,
@@ -54,7 +54,7 @@ def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: Trai
             cond = validator.items[0].cond if validator.items else validator.prompts[0].cond
             control = batch["control"][0] if "control" in batch else None
             generate(step.model.module, preset, step.objective, cond, validator.null,
-                     cache.spec.latent.shape(largest.height, largest.width), largest.height * largest.width, steps=2,
+                     cache.spec.latent.shape(*largest), largest.pixels, steps=2,
                      guidance=cfg.guidance_scale, seed=0, precision=DTYPES[cfg.precision], layout=validator.layout,
                      forward=step.model.forward if control is not None else None, control=control)
 

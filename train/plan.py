@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from shards import Bucket, bucket_table
+from shards import ASPECT_RATIO_TABLES, Bucket, bucket_table, resolution_table
 from shards.options import DTYPE_BYTES, DTYPES
 from train.config import TrainConfig
 from train.families import get_family, get_preset
@@ -107,8 +107,8 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
         objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank), preset, config)
     per_element = objective_bytes(objective, family.latent_channels(config), family.output_channels(config))
     passes = "forward/backward" if pc.checkpoint_every_k() or pc.blocks_to_swap else "forward"
-    say(f"tracing {pc.model} {passes} at {pc.bucket[0]}x{pc.bucket[1]}, batch {pc.batch_size} and {pc.batch_size + 1}, "
-        f"{pc.precision} ...")
+    tokens = family.image_tokens(config, preset, pc.traced)
+    say(f"tracing {pc.model} {passes} at {pc.traced.name}, batch {pc.batch_size} and {pc.batch_size + 1}, {pc.precision} ...")
     act = activations(pc, preset, pc.batch_size, per_element)
     # activations grow linearly with the batch: the slope from two traces gives the largest batch
     per_sample = activations(pc, preset, pc.batch_size + 1, per_element) - act
@@ -126,15 +126,19 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
     if preservation and preservation["peak"] > act:  # the batch is bounded by that forward's peak
         act, per_sample = preservation["peak"], preservation["peak_per_sample"]
     budget = _Budget(static, grads, act, per_sample, pc.batch_size)
-    # Per bucket (of the cache, or the preset's table): activations per sample scale with the bucket's pixels (every
-    # layer is linear in the tokens with fused attention), so the traced slope is rescaled, not retraced.
-    pixels = pc.bucket[0] * pc.bucket[1]
-    by_bucket = {b.name: budget.largest_batch_at(pc.gpu_memory, b.height * b.width / pixels)
-                 for b in buckets or bucket_table(preset.base_resolution)}
+    # Per bucket (of the cache, or the preset's table, at the traced clip length): activations per sample scale with
+    # the bucket's pixels, times its latent frames for a clip (every layer is linear in the tokens with fused
+    # attention), so the traced slope is rescaled, not retraced.
+    def size(b: Bucket) -> int:
+        return b.pixels * (family.latent_frames(b.frames) if b.frames else 1)
+
+    table = buckets or [b.with_frames(pc.traced.frames) for b in default_table(preset, family, config)]
+    by_bucket = {b.name: budget.largest_batch_at(pc.gpu_memory, size(b) / size(pc.traced)) for b in table}
     # What a trainer without a cache adds: the VAE and text encoder(s) resident, frozen, in bf16.
     encoders = {name: 2 * n for name, n in preset.encoder_parameters.items()}
     return {
-        "config": {**asdict(pc), "bucket": f"{pc.bucket[0]}x{pc.bucket[1]}", "ema": pc.ema_placement()},
+        "config": {**asdict(pc), "bucket": pc.traced.name, "ema": pc.ema_placement()},
+        "tokens_per_sample": tokens,
         "encoders_resident": encoders,
         "peak_with_encoders_resident": peak + sum(encoders.values()),
         "parameters": n_params,
@@ -156,6 +160,14 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
     }
 
 
+def default_table(preset, family, config) -> tuple[Bucket, ...]:
+    """The buckets of the preset's base resolution: the published table, or the 1024 table's aspect ratios scaled to
+    its area (as stage one builds one for another resolution)."""
+    if preset.base_resolution in ASPECT_RATIO_TABLES:
+        return bucket_table(preset.base_resolution)
+    return resolution_table(preset.base_resolution, preset.latent_downsample * family.latent_patch(config))
+
+
 def activations(pc: PlanConfig, preset, batch: int, per_element: tuple[float, float]) -> float:
     """Activation bytes of a batch of `batch`, traced through the setup built in the compute dtype (as autocast runs
     it): with checkpointing or swapped blocks, the peak of the backward pass that recomputes them."""
@@ -164,7 +176,7 @@ def activations(pc: PlanConfig, preset, batch: int, per_element: tuple[float, fl
         built = build_frozen(pc, preset, meta_loader(preset), dtype=compute, device="meta", adapter_dtype=compute)
         net = built.controlnet.to(compute) if built.controlnet is not None else None
     every = pc.checkpoint_every_k()
-    traced = trace_activations(built.transformer, preset, batch, pc.bucket, pc.text_tokens or preset.text_tokens, compute,
+    traced = trace_activations(built.transformer, preset, batch, pc.traced, pc.text_tokens or preset.text_tokens, compute,
                                every, per_element, controlnet=net, swapped=pc.blocks_to_swap)
     return traced["checkpointed"] if every or pc.blocks_to_swap else traced["full"]
 
@@ -180,9 +192,9 @@ def preservation_costs(pc: PlanConfig, preset) -> dict:
         with quiet_diffusers():
             return build_frozen(pc, preset, meta_loader(preset), dtype=compute, device="meta", adapter_dtype=compute).transformer
 
-    peak = trace_base_forward(built(), preset, pc.batch_size, pc.bucket, tokens, compute)
-    more = trace_base_forward(built(), preset, pc.batch_size + 1, pc.bucket, tokens, compute)
-    flops = trace_flops(built(), preset, pc.batch_size, pc.bucket, tokens, compute, pc.checkpoint_every_k(), pc.blocks_to_swap)
+    peak = trace_base_forward(built(), preset, pc.batch_size, pc.traced, tokens, compute)
+    more = trace_base_forward(built(), preset, pc.batch_size + 1, pc.traced, tokens, compute)
+    flops = trace_flops(built(), preset, pc.batch_size, pc.traced, tokens, compute, pc.checkpoint_every_k(), pc.blocks_to_swap)
     return {"peak": peak, "peak_per_sample": more - peak, "flops": flops["base_forward"], "step_flops": flops["step"],
             "added_compute": flops["base_forward"] / flops["step"] if flops["step"] else 0.0}
 
@@ -196,7 +208,8 @@ def format_plan(result: dict) -> str:
         + (f", ControlNet of {result['controlnet_layers']} blocks: {result['trainable_parameters']:,} trainable, the "
            f"transformer frozen" if cfg["controlnet"] else "")
         + f"; batch {cfg['batch_size']} at "
-        f"{cfg['bucket']}, {cfg['precision']} compute, "
+        f"{cfg['bucket']}{' (' + format(result['tokens_per_sample'], ',') + ' tokens a sample)' if 'tokens_per_sample' in result else ''}, "
+        f"{cfg['precision']} compute, "
         f"{cfg['weights_dtype'] + ' weights' if cfg['base_quant'] == 'none' else 'frozen base in ' + cfg['base_quant'] + ' (the rest bf16)'}"
         f"{', blocks swapped: the last ' + str(cfg['blocks_to_swap']) if cfg['blocks_to_swap'] else ''}, {cfg['optimizer']}, checkpointing "
         f"{cfg['grad_checkpointing']}, EMA {cfg['ema']}, {cfg['world_size']} rank(s) {cfg['parallel'] if cfg['world_size'] > 1 else ''}"

@@ -20,20 +20,19 @@ OPTIONS = ("batch_size", "precision", "weights_dtype", "optimizer", "grad_checkp
 EXIT_INPUT = 2  # as `python -m train`: bad options
 
 
-def plan_command(model: str, *, resolution: int | None = None, bucket: str | None = None, cache: str | None = None,
-                 gpu_memory: str = "80GB", as_json: bool = False, **options) -> None:
+def plan_command(model: str, *, resolution: int | None = None, bucket: str | None = None, frames: int | None = None,
+                 cache: str | None = None, gpu_memory: str = "80GB", as_json: bool = False, **options) -> None:
     """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
     like the trainer's mean the same and default the same."""
-    from shards import Bucket, FormatError
-    from train.families import get_preset
+    from shards import FormatError, open_cache
     from train.plan import format_plan, plan
 
     try:
-        buckets, largest = cache_resolution(cache) if cache else (None, None)
-        default = largest or get_preset(model).base_resolution
-        size = tuple(Bucket.parse(bucket)) if bucket else (resolution or default,) * 2
+        opened = open_cache(cache) if cache else None
+        size = traced_bucket(model, resolution, bucket, frames, opened)
+        buckets = list(opened.manifest.buckets()) if opened is not None else None
         # what it is doing goes to stderr: the plan (or its JSON) alone on stdout
-        result = plan(PlanConfig(model, bucket=size, gpu_memory=card_memory(gpu_memory), **options),
+        result = plan(PlanConfig(model, bucket=tuple(size) if size.frames else size[:2], gpu_memory=card_memory(gpu_memory), **options),
                       say=lambda message: typer.echo(message, err=True), buckets=buckets)
     except (ValueError, FormatError, FileNotFoundError) as e:  # the message says what to do; no traceback
         typer.echo(f"error: {e}", err=True)
@@ -41,14 +40,28 @@ def plan_command(model: str, *, resolution: int | None = None, bucket: str | Non
     print(json.dumps(result, indent=1) if as_json else format_plan(result))
 
 
-def cache_resolution(location: str) -> tuple[list, int | None]:
-    """A cache's buckets and its largest resolution (the one a plan traces by default; None if it records none),
-    from its manifest alone."""
-    from shards import open_cache
+def traced_bucket(model: str, resolution: int | None, bucket: str | None, frames: int | None, cache=None):
+    """The bucket a plan traces (`shards.Bucket`): --bucket (HxW, or a clip's FxHxW); else a square of --resolution
+    pixels (default: the largest resolution of --cache, else the preset's base resolution), a clip of --frames frames
+    when given; else, for a cache of clips (a `shards.Cache`), its largest clip bucket (the most pixels times frames)."""
+    from shards import Bucket
+    from train.families import get_preset
 
-    opened = open_cache(location)
-    resolutions = opened.spec.resolutions()
-    return list(opened.manifest.buckets()), max(resolutions) if resolutions else None
+    if bucket is not None:
+        if resolution is not None:
+            raise ValueError("--bucket and --resolution both name the bucket: give one")
+        parsed = Bucket.parse(bucket)
+        if frames is not None and parsed.frames != frames:
+            raise ValueError(f"--bucket {bucket} and --frames {frames} disagree: give the frames in --bucket (FxHxW) alone")
+        return parsed
+    if cache is not None:
+        clips = [b for b in cache.manifest.buckets() if b.frames]
+        if clips and resolution is None and frames is None:  # the clips the run will train on, not a square
+            return max(clips, key=lambda b: (b.pixels * b.frames, b))
+        resolutions = cache.spec.resolutions()
+        resolution = resolution or (max(resolutions) if resolutions else None)
+    side = resolution or get_preset(model).base_resolution
+    return Bucket(side, side, frames or 0)
 
 
 def _parameters() -> list[inspect.Parameter]:
@@ -61,10 +74,13 @@ def _parameters() -> list[inspect.Parameter]:
             None, min=8, help="Square bucket of this many pixels a side (default: the largest resolution of --cache, else "
                               "the preset's base resolution).")),
         inspect.Parameter("bucket", keyword, annotation=Optional[str], default=typer.Option(
-            None, help="Bucket HxW (instead of --resolution).")),
+            None, help="Bucket HxW, or a clip's FRAMESxHxW, e.g. 81x480x832 (instead of --resolution).")),
+        inspect.Parameter("frames", keyword, annotation=Optional[int], default=typer.Option(
+            None, min=1, help="Plan a clip of this many frames at the --resolution square (a video model's; e.g. 81): its "
+                              "latent frames x patches are the tokens traced.")),
         inspect.Parameter("cache", keyword, annotation=Optional[str], default=typer.Option(
-            None, help="A cache built for the run (a directory or URL): the plan traces its largest resolution and gives "
-                       "the largest batch of each of its buckets.")),
+            None, help="A cache built for the run (a directory or URL): the plan traces its largest resolution (a cache "
+                       "of clips: its largest clip bucket) and gives the largest batch of each of its buckets.")),
         *typer_parameters(PlanConfig, OPTIONS[1:]),
         inspect.Parameter("gpu_memory", keyword, annotation=str, default=typer.Option("80GB", help=GPU_MEMORY_HELP)),
         inspect.Parameter("as_json", keyword, annotation=bool, default=typer.Option(

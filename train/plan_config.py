@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from shards.buckets import Bucket
 from shards.options import check_options, help_of, opt
 from train.config import (
     DataOptions,
@@ -43,7 +44,8 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
                                       + " Planning only: came-8bit (no maintained implementation to train with).")
     ema_decay: float = shared(OptimizerOptions, "ema_decay", help="EMA decay (0: no EMA; above 0: plan its shadow weights "
                                                                   "on --ema-device).")
-    bucket: tuple[int, int] = opt((1024, 1024), "Bucket (height, width) in pixels to trace.")
+    bucket: tuple[int, ...] = opt((1024, 1024), "Bucket to trace: (height, width) in pixels, or a clip's (height, width, "
+                                                "frames) (a `shards.Bucket`).")
     world_size: int = opt(1, "Number of devices.", at_least=1)
     text_tokens: int | None = opt(None, "Caption tokens to plan for (default: the preset's limit, as stage one caches "
                                         "them).", at_least=1)
@@ -53,6 +55,9 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
 
     def __post_init__(self) -> None:
         check_options(self)
+        if len(self.bucket) not in (2, 3) or min(self.bucket[:2]) < 1 or min(self.bucket[2:], default=0) < 0:
+            raise ValueError(f"bucket {self.bucket!r}: give (height, width) or a clip's (height, width, frames), sides at "
+                             f"least 1 pixel (frames 0: an image)")
         for concern in (ModelOptions, MemoryOptions, ParallelOptions):
             concern.check(self)
         check_preservation(self)
@@ -62,6 +67,11 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
         """The plan of training run `cfg`: its options this config shares, and `plan_only`'s (which win)."""
         names = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(cfg)}
         return cls(**{**{name: getattr(cfg, name) for name in names}, **plan_only})
+
+    @property
+    def traced(self) -> Bucket:
+        """The bucket traced, as a `shards.Bucket` (frames 0: an image)."""
+        return Bucket(*self.bucket)
 
     def ema_placement(self) -> str:
         """Where the EMA's shadow weights are: "off", "device" or "cpu"."""
