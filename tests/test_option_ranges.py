@@ -52,6 +52,7 @@ TRAIN = {
     "max_bad_steps": ([0], [1]),
     "validate_every": ([-1], [0]),  # 0: only at the end (documented)
     "validation_steps": ([0], [1]),
+    "validation_frames": ([0], [1]),
     "guidance_scale": ([-1.0, NAN], [0.0, 4.5]),
     "train_guidance": ([-1.0, INF], [0.0, 1.0]),
     "eval_fraction": ([1.0, -0.1, NAN], [0.0, 0.05]),

@@ -119,6 +119,7 @@ def sample_command(
                                             "(default: the run's own first --cache)."),
     validation_prompt: list[str] = typer.Option([], help="Prompt to sample (repeatable; default: every prompt in the cache)."),
     validation_bucket: list[str] = like_train("validation_bucket", []),
+    validation_frames: int | None = like_train("validation_frames", help=help_of(TrainConfig, "validation_frames") + RUNS_OWN),
     validation_steps: int | None = like_train("validation_steps", help=help_of(TrainConfig, "validation_steps") + RUNS_OWN),
     guidance_scale: float | None = like_train("guidance_scale", help=help_of(TrainConfig, "guidance_scale") + RUNS_OWN),
     validation_seed: int | None = like_train("validation_seed", help=help_of(TrainConfig, "validation_seed") + RUNS_OWN),
@@ -129,12 +130,14 @@ def sample_command(
     out: Path | None = typer.Option(None, help="Output directory (default: RUN/samples/STEP, e.g. runs/MODEL/samples/"
                                     "step-00001000: beside the checkpoints, which the run rotates away)."),
 ) -> None:
-    """Images for cached prompts from any checkpoint: one PNG per prompt and bucket, their paths on stdout (what it is
+    """Images for cached prompts from any checkpoint: one PNG per prompt and bucket (from a cache of clips, an mp4 each
+    and their contact sheet), their paths on stdout (what it is
     doing on stderr). Options mean what the trainer's validation options mean."""
     from train.export import sample
 
     def go():
-        for path in sample(run, prompt_cache, out, prompts=validation_prompt, buckets=validation_bucket, steps=validation_steps,
+        for path in sample(run, prompt_cache, out, prompts=validation_prompt, buckets=validation_bucket,
+                           frames=validation_frames, steps=validation_steps,
                            guidance=guidance_scale, seed=validation_seed, ema=ema, decode_device=decode_device,
                            precision=precision, say=lambda message: typer.echo(message, err=True)):
             print(path)

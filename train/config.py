@@ -400,7 +400,12 @@ class ValidationOptions:
     validation_prompt: list[str] = opt([], "Validation prompt (repeatable); its embedding must be in the cache (precompute "
                                            "--validation-prompt). Default: every prompt cached with the data.")
     validate_every: int = opt(0, "Sample a validation grid every N steps (0: only at the end).", at_least=0)
-    validation_bucket: list[str] = opt([], "Bucket HxW to sample at (repeatable; default: the cache's 3 most populous).")
+    validation_bucket: list[str] = opt([], "Bucket HxW to sample at (repeatable; default: the cache's 3 most populous); a "
+                                           "cache of clips: FRAMESxHxW, e.g. 81x480x832, or HxW at --validation-frames "
+                                           "(default: its most populous clip bucket).")
+    validation_frames: int | None = opt(None, "Frames of each validation video of a cache of clips (a clip length the "
+                                              "model takes, e.g. 81; default: the frames of the cache's most populous clip "
+                                              "bucket).", at_least=1)
     validation_steps: int | None = opt(None, "Sampler steps per validation image (default: the preset's, e.g. 20; fewer for a "
                                              "step-distilled model, as it was distilled for).", at_least=1)
     guidance_scale: float | None = opt(None, "Classifier-free guidance scale (the cached empty caption is the unconditional "

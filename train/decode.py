@@ -1,4 +1,4 @@
-"""Latents to pictures, away from the training device.
+"""Latents to pictures (and a clip's latents to videos, `train.video`), away from the training device.
 
 The VAE's decoder is rebuilt from the recipe stage one recorded in the cache manifest (class, weights
 source, latent scaling) and runs in a background process on the CPU by default, so the training
@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from shards import Cache, DecoderRecipe
@@ -48,12 +49,12 @@ def load_decoder(recipe: DecoderRecipe, device: torch.device) -> torch.nn.Module
 
 
 def unscale(recipe: DecoderRecipe, latents: torch.Tensor) -> torch.Tensor:
-    """(B, C, h, w) latents as the cache stores them -> the VAE's latent z (float32), as the family's pipeline
-    undoes its normalisation before decoding."""
+    """(B, C, h, w) latents, or a clip's (B, C, T, h, w), as the cache stores them -> the VAE's latent z (float32), as
+    the family's pipeline undoes its normalisation before decoding."""
     z = latents.float()
     if recipe.latents_mean is None:
         return z / recipe.scaling_factor + recipe.shift_factor
-    shape = (1, len(recipe.latents_mean), 1, 1)
+    shape = (1, len(recipe.latents_mean), *[1] * (z.dim() - 2))
     mean = torch.tensor(recipe.latents_mean).view(shape).to(z.device, z.dtype)
     inverse_std = 1.0 / torch.tensor(recipe.latents_std).view(shape).to(z.device, z.dtype)
     return z / inverse_std + mean  # the pipelines' own expression: the stored latents are (z - mean) * (1 / std)
@@ -71,6 +72,15 @@ def decode(vae: torch.nn.Module, recipe: DecoderRecipe, latents: torch.Tensor) -
         pixels = vae.decode(z).sample.float().clamp(-1, 1)
     pixels = ((pixels + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
     return [Image.fromarray(p) for p in pixels]
+
+
+@torch.inference_mode()
+def decode_clip(vae: torch.nn.Module, recipe: DecoderRecipe, latents: torch.Tensor) -> np.ndarray:
+    """(1, C, T, h, w) cached-scale latents of a clip -> its frames (F, H, W, 3) uint8, decoded by the video VAE."""
+    if not recipe.frame_axis:
+        raise ValueError(f"the cache's decoder, {recipe.vae_class}, decodes images; its latents have no frame axis")
+    pixels = vae.decode(unscale(recipe, latents.to(vae.device))).sample[0].float().clamp(-1, 1)  # (3, F, H, W)
+    return ((pixels + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).cpu().numpy()
 
 
 def grid(title: str, rows: list[tuple[str, list]]) -> Image.Image:
@@ -94,12 +104,33 @@ def grid(title: str, rows: list[tuple[str, list]]) -> Image.Image:
 
 
 def render(vae, recipe: DecoderRecipe, job: dict) -> Path:
-    """Decode a job's rows of latents and write its grid; returns the PNG's path."""
+    """Decode a job's rows of latents and write its grid; returns the PNG's path. A job of clips (`fps` set) writes
+    each row's clip as `<name>.mp4` beside the grid, which is their contact sheet (`train.video`)."""
+    if job.get("fps"):
+        return render_clips(vae, recipe, job)
     rows = [(label, [im for z in latents for im in decode(vae, recipe, z[None])]) for label, latents in job["rows"]]
     buf = io.BytesIO()
     grid(job["title"], rows).save(buf, format="PNG")
     atomic_write_bytes(job["path"], buf.getvalue())
     return Path(job["path"])
+
+
+def render_clips(vae, recipe: DecoderRecipe, job: dict) -> Path:
+    """Decode a job of clips: each row's one latent (C, T, h, w) becomes `<name>.mp4` (`job["names"]`, in `path`'s
+    folder) at `fps`, and a row of the contact sheet written at `path`; returns the sheet's path."""
+    from train.video import sheet_row, write_mp4
+
+    path = Path(job["path"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for (label, (z,)), name in zip(job["rows"], job["names"]):
+        frames = decode_clip(vae, recipe, z[None])
+        write_mp4(path.parent / f"{name}.mp4", frames, job["fps"])
+        rows.append((label, sheet_row(frames)))
+    buf = io.BytesIO()
+    grid(job["title"], rows).save(buf, format="PNG")
+    atomic_write_bytes(path, buf.getvalue())
+    return path
 
 
 def _worker(recipe: DecoderRecipe, jobs, results) -> None:
@@ -129,8 +160,13 @@ class Decoder:
             self._process.start()
             self._pending = 0
 
-    def submit(self, title: str, rows: list[tuple[str, list[torch.Tensor]]], path: Path) -> None:
+    def submit(self, title: str, rows: list[tuple[str, list[torch.Tensor]]], path: Path, *, names: list[str] | None = None,
+               fps: float | None = None) -> None:
+        """Queue a grid of `rows` (label, latents) at `path`; with `fps`, rows of one clip each, written as
+        `names[k]`.mp4 beside `path` (their contact sheet)."""
         job = {"title": title, "rows": [(label, [z.detach().float().cpu() for z in zs]) for label, zs in rows], "path": str(path)}
+        if fps:
+            job.update(fps=fps, names=list(names))
         if self.device is None:
             self._jobs.put(job)
             self._pending += 1

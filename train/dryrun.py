@@ -13,6 +13,7 @@ from shards.options import DTYPES
 from train.cache import largest_bucket
 from train.config import TrainConfig
 from train.data import TrainingSamples
+from train.families import get_family
 from train.metrics import device_memory
 from train.plan import measure_peak, plan
 from train.plan_config import CARD_RESERVED, PlanConfig
@@ -53,10 +54,12 @@ def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: Trai
         if validator is not None:  # a ControlNet run samples from the batch's first control latent
             cond = validator.items[0].cond if validator.items else validator.prompts[0].cond
             control = batch["control"][0] if "control" in batch else None
+            conditioning = {name: batch[name][0] for name in get_family(preset.family).conditioning_fields(cache.spec)}
             generate(step.model.module, preset, step.objective, cond, validator.null,
                      cache.spec.latent.shape(*largest), largest.pixels, steps=2,
                      guidance=cfg.guidance_scale, seed=0, precision=DTYPES[cfg.precision], layout=validator.layout,
-                     forward=step.model.forward if control is not None else None, control=control)
+                     forward=step.model.forward if control is not None else None, control=control,
+                     conditioning=conditioning)
 
     measured = measure_peak(one_step, device)
     predicted = planned["predicted_peak"]

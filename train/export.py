@@ -321,14 +321,17 @@ def push_to_hub(out: Path, repo: str, private: bool = False, commit_message: str
 
 
 def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None = None, *, prompts: list[str] = (),
-           buckets: list[str] = (), steps: int | None = None, guidance: float | None = None, seed: int | None = None,
+           buckets: list[str] = (), frames: int | None = None, steps: int | None = None, guidance: float | None = None,
+           seed: int | None = None,
            ema: bool = False, decode_device: str | None = None, precision: str | None = None,
            say: Callable[[str], None] = lambda message: None) -> list[Path]:
-    """Images for cached prompts from a checkpoint: one PNG per prompt and bucket, in `out` (default: RUN/samples/STEP,
+    """Images for cached prompts from a checkpoint: one PNG per prompt and bucket (a cache of clips: one mp4 each and
+    their contact sheet), in `out` (default: RUN/samples/STEP,
     beside the checkpoints, which a run rotates away). The prompts come from `prompt_cache` (default: the run's own
     first --cache). Sampler steps, guidance, seed, decode device and precision default to the run's own validation
     settings. `say` hears the progress: which image is being sampled, then decoded."""
-    from train.decode import decode, load_decoder
+    from train.decode import decode, load_decoder, render_clips
+    from train.video import SHEET
 
     ckpt = checkpoint.find(run)
     cfg = checkpoint.load_state(ckpt)["config"]
@@ -351,7 +354,8 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     out = Path(out) if out else run_dir / "samples" / ckpt.name
     validator = Validator(cache, preset, objective, prompts=list(prompts), buckets=list(buckets), steps=steps, guidance=guidance,
-                          seed=seed, decode_device="cpu", out=out, model_name=preset.name)
+                          seed=seed, decode_device="cpu", out=out, model_name=preset.name,
+                          frames=frames if frames is not None else cfg.get("validation_frames"))
     if not validator:
         raise ValueError(f"{cache.location} holds no prompts; add some with {add_prompts_command(cache, [])}")
     out.mkdir(parents=True, exist_ok=True)  # after the checks: a refused command leaves no empty folder behind
@@ -361,8 +365,15 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
     if device.type == "cuda":
         torch.cuda.empty_cache()
     decoding = device if decode_device == "device" else torch.device("cpu")
-    say(f"decoding {len(latents)} image(s) on {decoding.type} into {out} ...")
+    say(f"decoding {len(latents)} {'video' if validator.fps else 'image'}(s) on {decoding.type} into {out} ...")
     vae = load_decoder(validator.recipe, decoding)
+    if validator.fps:  # a clip cache: an mp4 per prompt and bucket, and their contact sheet
+        rows = [(f"{text} ({bucket.name})", [z]) for (text, bucket), z in latents.items()]
+        names = [f"{_slug(text)}-{bucket.name}-seed{seed}" for text, bucket in latents]
+        sheet = render_clips(vae, validator.recipe, {"title": f"{ckpt.name} · {steps} steps, guidance {guidance} · "
+                                                              f"{validator.fps:g} fps", "rows": rows, "names": names,
+                                                     "fps": validator.fps, "path": str(out / SHEET)})
+        return [out / f"{name}.mp4" for name in names] + [sheet]
     written = []
     for (text, bucket), z in latents.items():
         image = decode(vae, validator.recipe, z[None])[0]

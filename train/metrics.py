@@ -24,6 +24,14 @@ log = logging.getLogger("train")
 SCALARS = ("loss", "smoothed_loss", "lr", "grad_norm", "samples_per_s", "data_wait", "peak_memory")
 
 
+def grid_step(path: Path) -> int:
+    """The step a validation grid was sampled at, from its path: RUN/samples-stepNNNNNNNN.png, or a contact sheet of
+    videos, RUN/samples/NNNNNNNN/contact-sheet.png."""
+    if path.stem.startswith("samples-step"):
+        return int(path.stem.removeprefix("samples-step"))
+    return int(path.parent.name)
+
+
 class Metrics:
     """The run's numbers, aggregated per logging window across ranks; rank 0 writes them.
 
@@ -139,7 +147,7 @@ class Metrics:
             self.grids.append(message)
             tqdm.write(f"validation samples: {message}")
             if self.trackers is not None:
-                self.trackers.image(message, int(Path(message).stem.removeprefix("samples-step")))
+                self.trackers.image(message, grid_step(Path(message)))
 
     def close(self, plot: bool = True) -> None:
         if self.file is not None:

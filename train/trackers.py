@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shards.atomic import atomic_write_bytes
 from shards.options import install_extra
+from train.video import SHEET
 
 MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb"}  # --report-to name: what it imports
 
@@ -58,6 +59,7 @@ class Trackers:
             # grids are decoded in the background and arrive after later steps' scalars: their own x-axis
             self.wandb.define_metric("validation_step")
             self.wandb.define_metric("validation", step_metric="validation_step")
+            self.wandb.define_metric("validation_videos", step_metric="validation_step")
 
     def log(self, scalars: dict[str, float], step: int, group: str = "train") -> None:
         """Scalars of `step` under `group/` ("train", or "eval" for the held-out loss)."""
@@ -69,7 +71,8 @@ class Trackers:
             self.wandb_step = max(self.wandb_step, step)
 
     def image(self, path: str, step: int) -> None:
-        """A validation grid (a PNG file) sampled at `step`."""
+        """A validation grid (a PNG file) sampled at `step`; a contact sheet of videos, and to wandb the videos (the mp4
+        files beside it) too (TensorBoard's add_video would need moviepy: the sheet stands for them there)."""
         if self.tensorboard is not None:
             import numpy as np
             from PIL import Image
@@ -84,7 +87,10 @@ class Trackers:
             row = max(step, self.wandb_step)
             self.grids = self.grids + [(step, path)] if self.grids_row == row else [(step, path)]
             self.grids_row = row
+            videos = sorted(Path(path).parent.glob("*.mp4")) if Path(path).name == SHEET else []
             self.wandb.log({"validation": [wandb.Image(p, caption=f"step {s}") for s, p in self.grids],
+                            **({"validation_videos": [wandb.Video(str(v), caption=f"step {step}: {v.stem}", format="mp4")
+                                                      for v in videos]} if videos else {}),
                             "validation_step": step}, step=row)
 
     def close(self) -> None:

@@ -25,6 +25,7 @@ from train.families import get_family
 from train.families.base import ModelPreset
 from train.order import derived_seed
 from train.presets import model_forward
+from train.video import SHEET
 
 
 @dataclass
@@ -65,6 +66,41 @@ def default_buckets(cache: Cache, n: int = 3) -> list[Bucket]:
     """The cache's `n` most populous buckets."""
     stats = cache.manifest.buckets()
     return sorted(stats, key=lambda b: (-stats[b].samples, b))[:n]
+
+
+def clip_buckets(cache: Cache, requested: list[str], frames: int | None) -> list[Bucket]:
+    """The clip buckets a cache of clips validates at: the requested ones (FxHxW, or HxW at `frames`), else its most
+    populous clip bucket (at `frames` when given). A clip length the VAE cannot encode (F = k x temporal factor + 1) is
+    refused."""
+    step = cache.spec.latent.temporal_downsample
+    stats = cache.manifest.buckets()
+    clips = sorted((b for b in stats if b.frames > 1), key=lambda b: (-stats[b].samples, b)) or default_buckets(cache, 1)
+    common = clips[0] if clips else Bucket(cache.spec.base_resolution or 256, cache.spec.base_resolution or 256, 1)
+    out = []
+    for b in [Bucket.parse(name) for name in requested] or [common]:
+        b = b.with_frames(frames or b.frames or common.frames)
+        if (b.frames - 1) % step:
+            raise ValueError(f"validation clips of {b.frames} frames: the cache's VAE encodes clips of k x {step} + 1 frames "
+                             f"(e.g. {4 * step + 1}); choose --validation-frames or a --validation-bucket FxHxW of such a length")
+        out.append(b)
+    return out
+
+
+def frame_rate(cache: Cache, preset: ModelPreset) -> float:
+    """Frames per second of a cache's clips: the rate stage one resampled them to, as it recorded it, else the rate the
+    family's models were trained at."""
+    recorded = cache.spec.extra.get("frame_rate")
+    rate = recorded or get_family(preset.family).frame_rate
+    if not rate:
+        raise ValueError(f"{cache.location} records no frame rate for its clips and {preset.family} models have none")
+    return float(rate)
+
+
+def slug(text: str) -> str:
+    """A file name's part made of `text`: lower-case letters and digits, dashes between."""
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "prompt"
 
 
 def sampling_scheduler(preset: ModelPreset, objective, pixels: int):
@@ -138,7 +174,8 @@ class Validator:
     from its control latent and caption, and its own image (all decoded by the background decoder)."""
 
     def __init__(self, cache: Cache, preset: ModelPreset, objective, *, prompts: list[str], buckets: list[str], steps: int,
-                 guidance: float, seed: int, decode_device: str, out: Path, model_name: str, items: int = 0):
+                 guidance: float, seed: int, decode_device: str, out: Path, model_name: str, items: int = 0,
+                 frames: int | None = None):
         if items < 0:
             raise ValueError(f"--validation-items {items}: give 0 (no grids) or more")
         self.items = validation_items(cache, items) if items else []
@@ -151,17 +188,27 @@ class Validator:
                              f"{add_prompts_command(cache, prompts)}")
         self.layout = TextLayout.of(cache)
         self.null = self.layout.caption(null.fields)  # the empty caption, as the family's pipeline guides
-        # items come with their own buckets and ground truth; prompts are sampled at these buckets beside dataset latents
-        self.buckets = [] if self.items else [Bucket.parse(b) for b in buckets] or default_buckets(cache)
         latent = cache.spec.latent
+        # a cache of clips validates with videos: at its most common clip length, at a frame rate stage one recorded
+        self.fps = frame_rate(cache, preset) if latent.temporal_downsample else None
+        if frames is not None and not self.fps:
+            raise ValueError(f"--validation-frames {frames}: {cache.location} holds images, not clips")
+        # items come with their own buckets and ground truth; prompts are sampled at these buckets beside dataset latents
+        self.buckets = ([] if self.items else clip_buckets(cache, buckets, frames) if self.fps else
+                        [Bucket.parse(b) for b in buckets] or default_buckets(cache))
         bad = [b.name for b in self.buckets if b.height % latent.downsample or b.width % latent.downsample]
         if bad:
             raise ValueError(f"validation buckets {bad} are not multiples of the VAE's downsampling factor {latent.downsample}")
-        self.shapes = [latent.shape(b.height, b.width) for b in self.buckets]
+        self.shapes = [latent.shape(*b) for b in self.buckets]
         self.preset, self.objective = preset, objective
         self.steps, self.guidance, self.seed = steps, guidance, seed
         self.out = out
-        self.references = [] if self.items else reference_latents(cache, self.buckets)
+        # one dataset clip (decoding a video costs many images'), or a few dataset images
+        self.references = [] if self.items else reference_latents(cache, self.buckets, 1 if self.fps else 4)
+        # the fields the family's transformer takes beside the caption (an image-to-video model's first frame): each
+        # bucket samples with those of its first cached sample, the dataset clip shown beside the samples
+        names = get_family(preset.family).conditioning_fields(cache.spec)
+        self.conditioning = {b: first_fields(cache, b, names) for b in self.buckets} if names else {}
         self.recipe = decoder_recipe(cache)
         self.decode_device = None if decode_device == "cpu" else torch.device(decode_device)
         self.decoder: Decoder | None = None  # started at the first grid
@@ -205,7 +252,7 @@ class Validator:
                 latents[prompt.text, b] = generate(model, self.preset, self.objective, prompt.cond, self.null, shape,
                                                    b.height * b.width, steps=self.steps, guidance=self.guidance,
                                                    seed=derived_seed(self.seed, i, *shape), precision=precision,
-                                                   layout=self.layout)
+                                                   layout=self.layout, conditioning=self.conditioning.get(b))
             return latents
         finally:
             if swapped:
@@ -222,8 +269,15 @@ class Validator:
 
         Under FSDP every rank samples (the weights are sharded) and only one submits the grid."""
         latents = self.sample(model, precision, ema, params, controlnet=controlnet, forward=forward)
-        path = self.out / f"samples-step{step:08d}.png"
+        path = self.out / "samples" / f"{step:08d}" / SHEET if self.fps else self.out / f"samples-step{step:08d}.png"
         if not submit:
+            return path
+        if self.decoder is None:
+            self.decoder = Decoder(self.recipe, self.decode_device)
+        if self.fps:  # a video per prompt and bucket, and the dataset clip, beside their contact sheet
+            rows, names = self.clip_rows(latents)
+            self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance} · {self.fps:g} fps", rows, path,
+                                names=names, fps=self.fps)
             return path
         if self.items:
             rows = [(f"{item.name} ({item.bucket.name}): control, generated, ground truth",
@@ -235,10 +289,18 @@ class Validator:
                 rows.append(("dataset latents, decoded: " + ", ".join(name for name, _ in self.references),
                              [z for _, z in self.references]))
             buckets = ", ".join(b.name for b in self.buckets)
-        if self.decoder is None:
-            self.decoder = Decoder(self.recipe, self.decode_device)
         self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance} · buckets {buckets}", rows, path)
         return path
+
+    def clip_rows(self, latents: dict) -> tuple[list[tuple[str, list[torch.Tensor]]], list[str]]:
+        """The rows of a contact sheet of clips (label, [latent]) and their videos' file names: every prompt at every
+        bucket, then the dataset clip."""
+        rows = [(f"{p.text} ({b.name})", [latents[p.text, b]]) for p in self.prompts for b in self.buckets]
+        names = [f"{k:02d}-{slug(p.text)}-{b.name}" for k, (p, b) in enumerate((p, b) for p in self.prompts for b in self.buckets)]
+        for name, z in self.references:
+            rows.append((f"dataset clip, decoded: {name}", [z]))
+            names.append(f"dataset-{slug(Path(name).stem)}")
+        return rows, names
 
     def finished(self, wait: bool = False) -> list[tuple[str, str]]:
         """Grids decoded since the last call; `wait` waits for all and stops the decoder."""
@@ -262,6 +324,17 @@ def _swap(params: list[torch.Tensor], shadow: list[torch.Tensor]) -> None:
     """Exchange the storage of each weight and its shadow; a second call puts both back."""
     for p, s in zip(params, shadow):
         p.data, s.data = s.data, p.data
+
+
+def first_fields(cache: Cache, bucket: Bucket, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Fields `names` of the first cached sample of `bucket`, as stored."""
+    ranges = cache.ranges_by_bucket()
+    if bucket not in ranges:
+        raise ValueError(f"validation at {bucket.name} samples with the cached {', '.join(names)} of a clip of that bucket, "
+                         f"and {cache.location} holds none; choose a --validation-bucket (and --validation-frames) it holds: "
+                         f"{', '.join(b.name for b in ranges)}")
+    sample = cache[ranges[bucket][0].start]
+    return {name: sample.fields[name].clone() for name in names}
 
 
 def reference_latents(cache: Cache, buckets: list[Bucket], n: int = 4) -> list[tuple[str, torch.Tensor]]:

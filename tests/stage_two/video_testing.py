@@ -5,7 +5,6 @@ that reads it, for the generic stage-two code tested without a family's transfor
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import torch
@@ -95,7 +94,8 @@ def clip_cache(root: Path, *, family: str = "stand-in-video", preset: str = "sta
     image-to-video cache); with `decoder`, the tiny video VAE's weights stored in the cache as its decoder."""
     g = torch.Generator().manual_seed(seed)
     schema = {"latent_mean": Field(torch.bfloat16), "latent_std": Field(torch.bfloat16),
-              "text": Field(torch.bfloat16, ragged=True), "text_lengths": Field(torch.int32, ragged=True)}
+              "text": Field(torch.bfloat16, ragged=True), "text_lengths": Field(torch.int32, ragged=True),
+              "source": Field(torch.uint8, ragged=True)}
     if condition:
         schema["condition"] = Field(torch.bfloat16)
     fingerprint = {"vae": {"id": "tiny-video-vae", **LATENT.fingerprint()}, "text_encoder": {"id": "tiny-umt5", **TEXT.fingerprint()}}
@@ -109,10 +109,11 @@ def clip_cache(root: Path, *, family: str = "stand-in-video", preset: str = "sta
                 fields = {"latent_mean": torch.randn(shape, generator=g).bfloat16(),
                           "latent_std": (0.05 + 0.1 * torch.rand(shape, generator=g)).bfloat16(),
                           "text": torch.randn(sum(lengths), TEXT_WIDTH, generator=g).bfloat16(),
-                          "text_lengths": torch.tensor(lengths, dtype=torch.int32)}
+                          "text_lengths": torch.tensor(lengths, dtype=torch.int32),
+                          "source": torch.tensor(list(f"videos/clip{k:04d}.mp4".encode()), dtype=torch.uint8)}
                 if condition:
                     fields["condition"] = torch.randn(4 + CHANNELS, *shape[1:], generator=g).bfloat16()
-                w.write(f"clip{k:04d}", bucket, fields, source=f"videos/clip{k:04d}.mp4")
+                w.write(f"clip{k:04d}", bucket, fields)
                 k += 1
         text_schema = {"text": schema["text"]}
         w.add_prompts({prompt_key(t): Prompt(t, {"text": torch.randn(0 if not t else 4 + i, TEXT_WIDTH, generator=g).bfloat16()})
@@ -130,9 +131,3 @@ def clip_cache(root: Path, *, family: str = "stand-in-video", preset: str = "sta
         extra = {"frame_rate": 16.0, **({"image_to_video": True} if condition else {})}
         w.set_extra("precompute", CacheSpec(LATENT, TEXT, family, preset, 64, recipe, extra=extra).record())
     return root
-
-
-def png_size(data: bytes) -> tuple[int, int]:
-    from PIL import Image
-
-    return Image.open(io.BytesIO(data)).size
