@@ -18,8 +18,7 @@ from precompute.folders import CAPTION_COLUMN
 from precompute.images import ImagePolicy
 from precompute.presets import get_preset, get_text_encoder, preset_names, text_encoder_names
 from precompute.sources import MAX_VARIANTS, TAG_KEYS, Source, check_tags, is_dataset_file, sources_of
-from shards import Bucket, bucket_table, resolution_table
-from shards.buckets import resolution_problem
+from shards import Bucket
 from shards.options import Dtype, check_options, default_of, flag, opt
 
 # Images per VAE batch. Large batches pay on GPUs; on CPUs a batch's activations fall out of the caches
@@ -68,7 +67,9 @@ class PrecomputeConfig:
                                   "once. Applies to a new cache; an existing cache keeps the layout it was built with. "
                                   "--no-dedup-texts stores them with each sample, as caches before it did.")
     resolution: str | None = opt(None, "Cache the images at this resolution: the side of a square of the same area, a "
-                                       "multiple of 64 from 256 to the model's largest. Its bucket table is the published "
+                                       "multiple of 64 from 256 to the model's largest (a video model: a multiple of its "
+                                       "granularity, with 480 and 720 its 480p and 720p tables, areas 480x832 and 720x1280, "
+                                       "which hold those sizes). Its bucket table is the published "
                                        "one where there is one (256, 512, 1024, 2048) and it fits the model, otherwise built "
                                        "as they are: the 1024 table's aspect ratios scaled to the area, each side rounded "
                                        "to the model's granularity (the VAE's downsampling times the patch size). Largest "
@@ -241,13 +242,14 @@ class PrecomputeConfig:
         else:
             parts = [p.strip() for p in str(given).split(",")]
             wanted = [int(p) if p.isdigit() else p for p in parts]
+        problem_of = family(preset.family).resolution_problem
         for value in wanted:
-            if problem := resolution_problem(value, preset.max_resolution):
+            if problem := problem_of(preset, value):
                 raise ValueError(f"--resolution {given}: {problem} for {preset.name}; e.g. --resolution 512 or "
                                  f"--resolution 512,1024")
         for source in self.sources():
             for value in source.resolution or ():
-                if problem := resolution_problem(value, preset.max_resolution):
+                if problem := problem_of(preset, value):
                     raise ValueError(f"source {source.name!r} sets resolution = {value}: {problem} for {preset.name}")
         return ",".join(str(r) for r in dict.fromkeys(wanted)) if wanted else None
 
@@ -276,11 +278,10 @@ class PrecomputeConfig:
         return 0 if resolution == self.preset().base_resolution else resolution
 
     def table(self, resolution: int) -> tuple[Bucket, ...]:
-        """The bucket table of a resolution: the base resolution's as it always was, others by `resolution_table`."""
+        """The bucket table of a resolution, as the model's family builds it (image families: the base resolution's
+        published table as it always was, others by `resolution_table`)."""
         preset = self.preset()
-        if resolution == preset.base_resolution:
-            return bucket_table(resolution)
-        return resolution_table(resolution, preset.granularity)
+        return family(preset.family).bucket_table(preset, resolution)
 
     def sources(self) -> list[Source]:
         """DATA as its sources: a dataset file's, or one source named after the path with the run's caption-variant

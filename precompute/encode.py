@@ -1,4 +1,5 @@
-"""The frozen encoders: the family's VAE for images, its pipeline's `encode_prompt` for captions.
+"""The frozen encoders: the family's VAE for images and clips, its pipeline's `encode_prompt` for captions, and for an
+image-to-video preset what its pipeline computes from a clip's first frame.
 
 What differs between families (which classes load, how pixels become latent fields, which text fields a caption
 has) is asked of the family (`precompute.families`); devices, dtypes, the fingerprint, the schema and the decoder
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from precompute.families import family
-from precompute.families.base import Preset
+from precompute.families.base import FirstFrameSide, Preset
 from precompute.presets import weights_digest, weights_sources
 from shards import LATENT_KEY, MASK, DecoderRecipe, Field, LatentSpec, Schema, TextSpec, diff_fingerprints
 from shards.fingerprint import normalize
@@ -43,29 +44,37 @@ class TextBatch:
 
 
 class Encoders:
-    """The preset's VAE and text encoder, frozen, in eval mode, on one device.
+    """The preset's VAE and text encoder (and an image-to-video preset's image encoder), frozen, in eval mode, on one
+    device.
 
     Args:
         preset: the family's preset.
         device: where to run.
-        vae_dtype / text_dtype: compute dtypes, fp32, bf16 or fp16 (None: the preset's defaults for the device).
+        vae_dtype / text_dtype / image_dtype: compute dtypes, fp32, bf16 or fp16 (None: the preset's defaults for the
+            device); `image_dtype` is the first frame's image encoder's.
         pretrained: a local directory in the diffusers layout that replaces the preset's repos
-            (for both encoders), e.g. a downloaded snapshot or a saved tiny preset.
+            (for every encoder), e.g. a downloaded snapshot or a saved tiny preset.
         vae: False builds the text side only (`python -m precompute prompts`): nothing that needs the VAE
-            (`encode_images`, `latent_spec`, `schema`, `fingerprint`, `decoder_recipe`) is available.
+            (`encode_images`, `encode_videos`, `latent_spec`, `schema`, `fingerprint`, `decoder_recipe`) is available.
         sources: `weights_sources(preset, pretrained, vae)` when the caller has it (asked of the Hub once).
     """
 
     def __init__(self, preset: Preset, device: torch.device, *, vae_dtype: str | None = None, text_dtype: str | None = None,
-                 pretrained: str | None = None, vae: bool = True, sources: dict[str, str] | None = None):
+                 pretrained: str | None = None, vae: bool = True, sources: dict[str, str] | None = None,
+                 image_dtype: str | None = None):
         self.preset, self.device = preset, device
         # a Hub repository the Hub cannot serve loads from its cached snapshot (or fails here, saying what to do); the
         # fingerprint and the decoder recipe name the repository all the same
         self.sources = weights_sources(preset, pretrained, vae) if sources is None else sources
         self.family, self.text_family = family(preset.family), family(preset.text.family)
         self.vae: torch.nn.Module | None = None
+        # what an image-to-video preset caches from a clip's first frame (none for other presets)
+        self.first_frame_fields = self.family.first_frame_fields(preset)
+        self.first_frame: FirstFrameSide | None = None
         if vae:
             self._load_vae(vae_dtype, pretrained)
+            if self.first_frame_fields:
+                self._load_first_frame(image_dtype, pretrained)
         self._load_text(text_dtype, pretrained)
 
     def _load_vae(self, dtype: str | None, pretrained: str | None) -> None:
@@ -79,6 +88,16 @@ class Encoders:
             self.vae.to(self.vae_dtype)
         self.latent = self.family.latent_spec(self.vae)
         self.downsample = self.latent.downsample
+
+    def _load_first_frame(self, dtype: str | None, pretrained: str | None) -> None:
+        spec = self.preset.image_encoder
+        self.image_dtype = compute_dtype(dtype, spec.cuda_dtype if spec else "fp32", self.device)
+        repo = pretrained or (spec.repo if spec else None)
+        self.image_source = None if spec is None else repo or f"tiny-{spec.kind} (seeded)"
+        load_from = self.sources.get(repo, repo) if repo else None
+        self.first_frame = self.family.load_first_frame(self.preset, self.vae, load_from, self.image_dtype)
+        for module in self.first_frame.modules.values():
+            module.to(self.device, self.image_dtype).eval().requires_grad_(False)
 
     def _load_text(self, dtype: str | None, pretrained: str | None) -> None:
         spec = self.preset.text
@@ -106,13 +125,15 @@ class Encoders:
     def schema(self, storage_dtype: torch.dtype, control: bool = False) -> Schema:
         """Fields of every sample. The text fields hold all of a sample's captions back to back and
         `text_lengths` their token counts, so one image can carry several captions. With `control`, the control
-        image's latent fields (ControlNet caches), stacked like the image's. `mask` (a row for a sample with a loss
-        mask) and `latent_key` are `shards.MASK` and `shards.LATENT_KEY`."""
+        image's latent fields (ControlNet caches), stacked like the image's. An image-to-video preset's first-frame
+        fields (`first_frame_fields`) are stacked like the latents. `mask` (a row for a sample with a loss mask) and
+        `latent_key` are `shards.MASK` and `shards.LATENT_KEY`."""
         return {
             **{name: Field(storage_dtype) for name in self.latent.fields},
             # the flipped image's latent: one row for samples of a `flip = true` source, none for the others
             **{name: Field(storage_dtype, ragged=True) for name in self.latent.flipped_fields},
             **{name: Field(storage_dtype) for name in (self.latent.control_fields if control else ())},
+            **{name: Field(storage_dtype) for name in self.first_frame_fields},
             **self.prompt_schema(storage_dtype),
             "text_lengths": Field(torch.int32, ragged=True),
             "original_size": Field(torch.int32),
@@ -136,9 +157,26 @@ class Encoders:
                 "weights": weights_digest(self.vae),
                 "compute_dtype": str(self.vae_dtype).removeprefix("torch."),
                 **self.latent.fingerprint(),
+                **self.family.vae_fingerprint(self.vae),
             },
             "text_encoder": self.text_fingerprint(),
+            **({"first_frame": self.first_frame_fingerprint()} if self.first_frame else {}),
         }
+
+    def first_frame_fingerprint(self) -> dict:
+        """The fingerprint's `first_frame` part, for an image-to-video preset only: the fields and the image encoder
+        that computes `image_embeds` (its processor's settings included)."""
+        side = self.first_frame
+        out = {"fields": list(self.first_frame_fields), "pipeline": type(side.pipeline).__name__, "vae": "the cache's VAE"}
+        if side.spec is not None:
+            (module,) = side.modules.values()
+            settings = json.dumps(side.processor.to_dict(), sort_keys=True, default=str).encode()
+            out["image_encoder"] = {"class": type(module).__name__, "source": self.image_source,
+                                    "revision": side.spec.revision, "weights": weights_digest(module),
+                                    "compute_dtype": str(self.image_dtype).removeprefix("torch."),
+                                    "processor": type(side.processor).__name__,
+                                    "processor_sha256": hashlib.sha256(settings).hexdigest()}
+        return out
 
     def text_fingerprint(self) -> dict:
         """The fingerprint's `text_encoder` part: what determines every cached caption and prompt embedding."""
@@ -155,6 +193,7 @@ class Encoders:
             ),
             "clean_caption": False,
             "padding": self.text_family.padding,
+            **self.text_family.text_fingerprint(self.text),
         }
 
     def _text_modules_fingerprint(self) -> dict:
@@ -191,6 +230,18 @@ class Encoders:
         family stores them."""
         x = pixels.to(self.device, non_blocking=True).to(self.vae_dtype) / 127.5 - 1.0
         return self.family.encode_images(self.vae, x, self.latent)
+
+    @torch.inference_mode()
+    def encode_videos(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """(B, 3, F, H, W) uint8 clips of one bucket (F = 1: images in a video cache) -> the latent fields, each
+        (B, C, T, h, w), normalised as the family stores them, and an image-to-video preset's first-frame fields,
+        all float32 on the encoding device. Pixels go to [-1, 1] in float32 by the expression of the pipelines'
+        image and video processors (p / 255, then 2x - 1: the same bits), then to the VAE's dtype."""
+        x = (2.0 * (pixels.to(self.device, non_blocking=True).float() / 255.0) - 1.0).to(self.vae_dtype)
+        fields = self.family.encode_videos(self.vae, x, self.latent)
+        if self.first_frame is not None:
+            fields.update(self.family.encode_first_frames(self.first_frame, x, pixels[:, :, 0], self.latent))
+        return fields
 
     @torch.inference_mode()
     def encode_text(self, captions: list[str], instruction: bool = True) -> TextBatch:

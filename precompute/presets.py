@@ -58,6 +58,8 @@ def weights_sources(preset: Preset, pretrained: str | None = None, vae: bool = T
     """
     text_folders = [f for pair in families.family(preset.text.family).text_subfolders(preset.text) for f in pair]
     sides = [(preset.vae.repo, preset.vae.revision, [preset.vae.subfolder])] if vae else []
+    if vae and (image := preset.image_encoder) is not None:  # an image-to-video preset's first-frame encoder
+        sides.append((image.repo, image.revision, [image.subfolder, image.processor_subfolder]))
     sides.append((preset.text.repo, preset.text.revision, text_folders))
     wanted: dict[tuple[str, str | None], list[str]] = {}  # the folders each repository is read for
     for repo, revision, folders in sides:
@@ -119,6 +121,7 @@ def _cached_snapshot(repo: str, revision: str | None, folders: list[str]) -> str
 def save_tiny(preset: Preset, directory) -> None:
     """Write a tiny preset's components in the diffusers layout, to load back with `from_pretrained` (--pretrained)."""
     families.family(preset.family).save_tiny_vae(preset.vae, str(directory))
+    families.family(preset.family).save_tiny_first_frame(preset, str(directory))
     families.family(preset.text.family).save_tiny_text(preset.text, str(directory))
 
 

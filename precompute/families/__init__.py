@@ -23,6 +23,7 @@ FAMILIES: tuple[Family, ...] = (
     load("flux"),
     load("qwen_image"),
     load("z_image"),
+    load("wan"),
 )
 
 DEFAULT_PRESET = "tiny-sana"  # what `python -m precompute` encodes with when --model is not given

@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shards import LatentSpec, TextSpec
+from shards import Bucket, LatentSpec, TextSpec, bucket_table, resolution_table
+from shards.buckets import resolution_problem
 from shards.options import Dtype
 
 # Where T5 can be left out: the error every other family's encoder gives for --drop-t5.
@@ -76,6 +77,25 @@ class TextEncoderSpec:
 
 
 @dataclass(frozen=True)
+class ImageEncoderSpec:
+    """The image encoder an image-to-video preset embeds a clip's first frame with (a CLIP vision model and its image
+    processor, used through the family's pipeline), loaded from the preset's repository like the VAE.
+
+    Args:
+        kind: the family's name for this encoder.
+        repo: Hub id or local directory (diffusers layout); None builds the tiny model.
+        cuda_dtype: compute dtype on CUDA by default.
+    """
+
+    kind: str
+    repo: str | None
+    subfolder: str = "image_encoder"
+    processor_subfolder: str = "image_processor"
+    revision: str | None = None
+    cuda_dtype: Dtype = "bf16"
+
+
+@dataclass(frozen=True)
 class Preset:
     """A model family's encoders, bucket table and the transformer stage two trains.
 
@@ -87,6 +107,10 @@ class Preset:
             (32 for DC-AE, 16 for an 8x VAE with 2x2 patches): the sides of a bucket table built for another
             resolution are multiples of it.
         max_resolution: the largest `--resolution` the model takes.
+        image_to_video: the transformer is conditioned on a clip's first frame: the cache holds the family's
+            first-frame fields (`Family.first_frame_fields`) beside the latents.
+        image_encoder: the first frame's image encoder, where the transformer also takes its embedding.
+        frame_rate: frames per second of this preset's clips, where it differs from its family's.
     """
 
     name: str
@@ -97,6 +121,9 @@ class Preset:
     transformer: str | None
     granularity: int = 16
     max_resolution: int = 2048
+    image_to_video: bool = False
+    image_encoder: ImageEncoderSpec | None = None
+    frame_rate: float | None = None
 
 
 @dataclass
@@ -114,6 +141,19 @@ class TextSide:
     instruction: list[str] | None = None
 
 
+@dataclass
+class FirstFrameSide:
+    """What an image-to-video preset computes from a clip's first frame, loaded: the family's image-to-video pipeline
+    built with the VAE (and the image encoder and its processor, where the preset has one), nothing else.
+
+    `modules`: the image encoder by subfolder (empty without one); `processor`: its image processor or None."""
+
+    spec: ImageEncoderSpec | None
+    modules: dict[str, torch.nn.Module]
+    processor: object
+    pipeline: object
+
+
 class Family(ABC):
     """A model family as stage one sees it. One instance per family (`FAMILY` in its module), without state:
     what a load produces (a VAE module, a `TextSide`) is handed back to the methods that use it.
@@ -126,12 +166,21 @@ class Family(ABC):
             e.g. "CLIP-L + T5 (clip-l-t5)".
         frame_axis: the VAE takes and returns video, (B, C, T, H, W); the cache holds one frame without that axis
             (`encode_images` drops it) and the decoder recipe records it.
+        video: the cache holds clips: every sample's latent fields keep the frame axis, (C, T, h, w), an image being
+            a one-frame clip (`encode_videos`).
+        frame_rate: frames per second clips are resampled to (a preset may set its own, `frame_rate_of`).
+        temporal_downsample: pixel frames per latent frame after the first: F = 4k + 1 frames encode to k + 1.
+        frame_buckets: the clip lengths (pixel frames) a video source is cut to by default.
     """
 
     name: str
     padding: str = "trimmed"
     own_text_encoder: str | None = None
     frame_axis: bool = False
+    video: bool = False
+    frame_rate: float | None = None
+    temporal_downsample: int = 0
+    frame_buckets: tuple[int, ...] = ()
 
     # -- names ---------------------------------------------------------------------------------------------------
 
@@ -159,6 +208,17 @@ class Family(ABC):
     def encode_images(self, vae: torch.nn.Module, x: torch.Tensor, latent: LatentSpec) -> dict[str, torch.Tensor]:
         """(B, 3, H, W) pixels in [-1, 1], in the VAE's dtype and on its device -> the latent fields of `latent`
         (`latent.fields`), each (B, C, H / downsample, W / downsample) float32, normalised as `latent` records."""
+
+    def encode_videos(self, vae: torch.nn.Module, x: torch.Tensor, latent: LatentSpec) -> dict[str, torch.Tensor]:
+        """(B, 3, F, H, W) pixel frames in [-1, 1], in the VAE's dtype and on its device -> the latent fields, each
+        (B, C, T, h, w) float32 with T = (F - 1) // temporal_downsample + 1, normalised as `latent` records. Only
+        a `video` family encodes clips."""
+        raise ValueError(f"{self.name} models take images, not video clips: choose a video model's preset")
+
+    def vae_fingerprint(self, vae: torch.nn.Module) -> dict:
+        """Entries of the fingerprint's `vae` part beside the latent spec that change what the VAE computes (e.g. how
+        large frames are tiled); empty by default, so the fingerprints of caches without them do not change."""
+        return {}
 
     def save_tiny_vae(self, spec: VaeSpec, directory: str) -> None:
         """Write the tiny VAE in the diffusers layout (`directory/spec.subfolder`), to load back with `load_vae`."""
@@ -205,6 +265,54 @@ class Family(ABC):
     @abstractmethod
     def truncated(self, side: TextSide, captions: list[str]) -> list[bool]:
         """Which captions exceed a token limit the pipeline truncates them to (counted, reported to the user)."""
+
+    def text_fingerprint(self, side: TextSide) -> dict:
+        """Entries of the fingerprint's `text_encoder` part beside the generic ones that change what the pipeline
+        computes (e.g. how it cleans a caption); empty by default."""
+        return {}
+
+    # -- the first frame: image-to-video presets ---------------------------------------------------------------------
+
+    def first_frame_fields(self, preset: Preset) -> tuple[str, ...]:
+        """The fields an image-to-video preset caches from a clip's first frame, each fixed-shape per bucket; none
+        for other presets."""
+        return ()
+
+    def load_first_frame(self, preset: Preset, vae: torch.nn.Module, repo: str | None, dtype: torch.dtype) -> FirstFrameSide:
+        """The pipeline that computes `first_frame_fields`, with the VAE already loaded and the image encoder loaded
+        from `repo` (models in `dtype`), or the tiny one with `repo` None. The caller moves the image encoder to its
+        device and dtype and freezes it."""
+        raise ValueError(f"{preset.name} is not an image-to-video preset")
+
+    def encode_first_frames(self, side: FirstFrameSide, x: torch.Tensor, first: torch.Tensor,
+                            latent: LatentSpec) -> dict[str, torch.Tensor]:
+        """(B, 3, F, H, W) clips in [-1, 1] (VAE dtype and device) and their first frames as the images they are,
+        (B, 3, H, W) uint8 -> per field of `first_frame_fields` a float32 (B, ...) tensor computed from each clip's
+        first frame as the family's image-to-video pipeline computes it from an image it is given."""
+        raise ValueError("this family has no image-to-video presets")
+
+    def save_tiny_first_frame(self, preset: Preset, directory: str) -> None:
+        """Write the tiny image encoder and its processor in the diffusers layout, to load back with
+        `load_first_frame` (nothing where the preset has none)."""
+        return None
+
+    # -- buckets -------------------------------------------------------------------------------------------------------
+
+    def frame_rate_of(self, preset: Preset) -> float | None:
+        """Frames per second a preset's clips are resampled to (None: the family takes images)."""
+        return preset.frame_rate or self.frame_rate
+
+    def resolution_problem(self, preset: Preset, resolution: object) -> str | None:
+        """Why `resolution` is not one a bucket table can be built for with this preset (None: it is). By default
+        the published tables' areas: multiples of 64 up to the preset's largest."""
+        return resolution_problem(resolution, preset.max_resolution)
+
+    def bucket_table(self, preset: Preset, resolution: int) -> tuple[Bucket, ...]:
+        """The (height, width) buckets of a resolution: by default the published table of the preset's base one, as
+        it always was, and for others the 1024 table's aspect ratios scaled to that area (`resolution_table`)."""
+        if resolution == preset.base_resolution:
+            return bucket_table(resolution)
+        return resolution_table(resolution, preset.granularity)
 
     # -- checks and estimates ------------------------------------------------------------------------------------
 
