@@ -163,10 +163,13 @@ class Wan(Family):
             # Its image conditioning (the first frame's latent in place of the noise) is not cached: text to video.
             real("wan2.2-ti2v-5b", WAN22_TI2V_5B, 720, vae=wan22_vae, granularity=32, frame_rate=24.0),
         )}
-        tiny = dict(vae=wan21_vae, text=text["tiny-umt5"], transformer=None, max_resolution=256)
-        out["tiny-wan"] = Preset("tiny-wan", self.name, 64, **tiny)
-        out["tiny-wan-i2v"] = Preset("tiny-wan-i2v", self.name, 64, image_to_video=True,
-                                     image_encoder=ImageEncoderSpec("clip-vit-h", None, cuda_dtype="fp32"), **tiny)
+        tiny = dict(vae=wan21_vae, transformer=None, max_resolution=256)
+        out["tiny-wan"] = Preset("tiny-wan", self.name, 64, text=text["tiny-umt5"], **tiny)
+        # An image-conditioned transformer takes the image's tokens as those before the last 512 (WanAttnProcessor):
+        # the I2V caption is zero-filled to the pipelines' 512 tokens, at any width.
+        out["tiny-wan-i2v"] = Preset("tiny-wan-i2v", self.name, 64, text=replace(text["tiny-umt5"], max_length=MAX_TOKENS),
+                                     image_to_video=True, image_encoder=ImageEncoderSpec("clip-vit-h", None, cuda_dtype="fp32"),
+                                     **tiny)
         return out
 
     def text_encoders(self) -> dict[str, TextEncoderSpec]:

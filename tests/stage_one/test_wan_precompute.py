@@ -149,10 +149,11 @@ def test_the_tiny_encoders_save_and_load_back_as_published_ones_load(saved, enco
     assert t2v.fingerprint()["vae"]["temporal_downsample"] == 4
 
 
-def test_cached_text_rebuilds_the_pipelines_prompt_embeddings(encoders, stock):
+def test_cached_text_rebuilds_the_pipelines_prompt_embeddings(saved, encoders, stock):
     """Each caption's stored valid tokens, zero-filled to the limit, are exactly WanPipeline.encode_prompt's
     embeddings of the batch (one cut at the limit, the empty caption too)."""
-    batch = encoders.encode_text(CAPTIONS)
+    t2v = Encoders(get_preset("tiny-wan"), CPU, pretrained=str(saved), vae=False)  # the same umT5, 64 tokens
+    batch = t2v.encode_text(CAPTIONS)
     with torch.no_grad():
         embeds, _ = stock["text"].encode_prompt(CAPTIONS, do_classifier_free_guidance=False, max_sequence_length=TOKENS, device="cpu")
     assert embeds.shape == (4, TOKENS, 32)
@@ -160,8 +161,16 @@ def test_cached_text_rebuilds_the_pipelines_prompt_embeddings(encoders, stock):
     assert torch.equal(rebuilt, embeds)
     assert [len(f["text"]) for f in batch.fields] == [9, 5, 1, TOKENS]  # words + end of sequence; the empty one: EOS
     assert batch.truncated == [False, False, False, True]
-    spec = encoders.text_spec()
+    spec = t2v.text_spec()
     assert (spec.layout, spec.width, spec.max_tokens) == ("padded", 32, TOKENS)
+    # the image-to-video transformer takes exactly 512 text tokens: tiny-wan-i2v's captions fill to 512
+    assert (encoders.text_spec().layout, encoders.text_spec().max_tokens) == ("padded", 512)
+    fields = encoders.encode_text(CAPTIONS[:2]).fields
+    with torch.no_grad():
+        embeds, _ = stock["text"].encode_prompt(CAPTIONS[:2], do_classifier_free_guidance=False, max_sequence_length=512,
+                                                 device="cpu")
+    assert embeds.shape == (2, 512, 32) and all(torch.equal(f["text"], e[: len(f["text"])]) for f, e in zip(fields, embeds))
+    assert not embeds[0, 9:].any() and not embeds[1, 5:].any()
 
 
 def test_cached_latents_are_the_pipelines_normalised_posterior(encoders, stock):
@@ -184,6 +193,18 @@ def test_cached_latents_are_the_pipelines_normalised_posterior(encoders, stock):
         one = FAMILY.encode_images(encoders.vae, 2.0 * (pixels[:, :, 0].float() / 255.0) - 1.0, encoders.latent)
     single = encoders.encode_videos(pixels[:, :, :1])
     assert one["latent_mean"].shape == (2, 16, 1, 8, 12) and torch.equal(one["latent_mean"], single["latent_mean"])
+
+
+def test_the_vae_is_causal_a_clips_first_latent_frames_are_its_first_frames_latents(encoders):
+    """The first latent frame depends on the first pixel frame alone, and the first k + 1 on the first 4k + 1: the
+    first-frame latent TI2V-5B conditions on is the cached clip's first latent frame (and a clip's cached latents hold
+    those of its shorter heads)."""
+    pixels = clips(2, 17, 64, 64, seed=3)
+    whole = encoders.encode_videos(pixels)
+    for frames, latent_frames in ((1, 1), (9, 3)):
+        head = encoders.encode_videos(pixels[:, :, :frames])
+        assert torch.equal(whole["latent_mean"][:, :, :latent_frames], head["latent_mean"])
+        assert torch.equal(whole["latent_std"][:, :, :latent_frames], head["latent_std"])
 
 
 def test_the_first_frame_fields_are_what_the_image_to_video_pipeline_builds(encoders, stock):
