@@ -265,3 +265,30 @@ def test_the_tiny_clip_encodes_fast():
     out = enc.encode_videos(pixels)
     assert out["latent_mean"].shape == (1, 16, 5, 8, 8)
     assert time.perf_counter() - start < 1.0
+
+
+def test_a_real_image_to_video_preset_loads_every_part_from_its_repository(tmp_path, monkeypatch):
+    """wan2.1-i2v-14b-480p from a Hugging Face cache snapshot of its repository (the tiny components in its layout):
+    the VAE, umT5, the CLIP image encoder and its processor load with `from_pretrained` and encode as the tiny preset;
+    without a copy, the error names every folder the encoders read."""
+    from huggingface_hub import constants
+
+    from precompute.presets import weights_sources
+
+    preset = get_preset("wan2.1-i2v-14b-480p")
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set") as e:
+        weights_sources(preset)
+    assert (f"hf download {wan.WAN21_I2V_480P} --include 'vae/*' 'image_encoder/*' 'image_processor/*' 'text_encoder/*' "
+            f"'tokenizer/*' --local-dir DIR") in str(e.value)
+    repo = tmp_path / "hub" / f"models--{wan.WAN21_I2V_480P.replace('/', '--')}"
+    commit = "0" * 40
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    save_tiny(get_preset("tiny-wan-i2v"), repo / "snapshots" / commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    enc = Encoders(preset, CPU)
+    assert enc.fingerprint()["first_frame"]["image_encoder"]["source"] == wan.WAN21_I2V_480P
+    pixels = clips(1, 5, 64, 64, seed=4)
+    got, tiny = enc.encode_videos(pixels), Encoders(get_preset("tiny-wan-i2v"), CPU).encode_videos(pixels)
+    assert list(got) == ["latent_mean", "latent_std", "condition", "image_embeds"]
+    assert all(torch.equal(got[k], tiny[k]) for k in got)
