@@ -40,18 +40,12 @@ MAX_TOKENS = 512
 TINY_TOKENS = 64
 # The tiny CLIP vision encoder's width and input size (the published one: 1280 wide, 224 px, 257 tokens).
 TINY_IMAGE_WIDTH, TINY_IMAGE_SIZE, TINY_IMAGE_PATCH = 32, 32, 8
-# The sizes the released models generate at, by resolution (480p, 720p) and granularity: each is a bucket of that
-# resolution's table (with its transpose) even where the 1024 table's aspect ratios, scaled, round beside it
-# (16:9 at 720p scales to 720x1264).
-PUBLISHED_SIZES = {(480, 16): (480, 832), (720, 16): (720, 1280), (720, 32): (704, 1280)}
-# Frames with more pixels than this are encoded in overlapping spatial tiles (AutoencoderKLWan's enable_tiling:
-# 256-px tiles at a 192-px stride, blended), bounding the encoder's memory at any frame size; at or below it a clip is
-# encoded whole, as the stock pipelines encode it. Time needs no tiling: AutoencoderKLWan._encode already runs the
-# encoder causally over the first frame and then 4 frames at a time, carrying a 2-frame feature cache, so memory does
-# not grow with the clip's length (measured on the CPU in fp32 with the Wan 2.1 VAE: about 10 KB per pixel of a frame
-# at the peak, 64x112 pixels from 5 to 33 frames within 0.15 GiB, i.e. about 9 GiB for a 720x1280 frame: a 720p x
-# 81-frame clip encodes whole on a 24 GB card, and larger frames are tiled).
-TILE_ABOVE_PIXELS = 720 * 1280
+# --resolution 480 and 720 are the 480p and 720p areas; any other resolution is a square's side, as for images.
+AREAS = {480: (480, 832), 720: (720, 1280)}
+# The sizes the released models generate at, by resolution and granularity: each is a bucket of that resolution's
+# table (with its transpose) even where the 1024 table's aspect ratios, scaled, round beside it (16:9 at 720p scales
+# to 720x1264; TI2V-5B's 32-px tokens make its 720p 704x1280).
+PUBLISHED_SIZES = {(480, 16): (480, 832), (480, 32): (480, 832), (720, 16): (720, 1280), (720, 32): (704, 1280)}
 # The Wan 2.2 VAE (TI2V-5B): its published config, diffusers' `AutoencoderKLWan` defaults otherwise (dim_mult
 # [1, 2, 4, 4], two residual blocks, temporal downsampling in the last two stages).
 WAN22_VAE = dict(
@@ -117,19 +111,30 @@ def clip_table(resolution: int, granularity: int) -> tuple[Bucket, ...]:
     """The 1024 table's aspect ratios at an area of `resolution`² (480p: 480 x 832; 720p: 720 x 1280), each side
     rounded to a multiple of `granularity`, with the released models' own sizes in place of the scaled buckets nearest
     them; ordered by aspect ratio as the published tables are."""
-    area = PUBLISHED_SIZES.get((resolution, granularity), (resolution, resolution))
-    scale = math.sqrt(area[0] * area[1]) / 1024
+    height, width = AREAS.get(resolution, (resolution, resolution))
+    scale = math.sqrt(height * width) / 1024
 
     def side(pixels: float) -> int:
         return max(granularity, math.floor(pixels * scale / granularity + 0.5) * granularity)
 
     buckets = list(dict.fromkeys(Bucket(side(b.height), side(b.width)) for b in ASPECT_RATIO_1024))
     if (resolution, granularity) in PUBLISHED_SIZES:
-        for size in (Bucket(*area), Bucket(area[1], area[0])):
+        h, w = PUBLISHED_SIZES[resolution, granularity]
+        for size in (Bucket(h, w), Bucket(w, h)):
             if size not in buckets:  # in place of the scaled bucket of the nearest aspect ratio
                 nearest = min(buckets, key=lambda b: abs(math.log(b.aspect / size.aspect)))
                 buckets[buckets.index(nearest)] = size
     return tuple(sorted(buckets, key=lambda b: b.aspect))
+
+
+# Frames with more pixels than any bucket of the 720p tables are encoded in overlapping spatial tiles (AutoencoderKLWan's
+# enable_tiling: 256-px tiles at a 192-px stride, blended), which bounds the encoder's memory at any frame size; up to
+# 720p a clip is encoded whole, exactly as the stock pipelines encode it. Time needs no tiling: AutoencoderKLWan._encode
+# already runs the encoder causally over the first frame and then 4 frames at a time, carrying a 2-frame feature cache,
+# so memory does not grow with the clip's length. Measured on the CPU in fp32 with the Wan 2.1 VAE's architecture: a
+# peak of about 10 KB per pixel of a frame (64x112 pixels: 5 to 33 frames within 0.15 GiB), i.e. about 9 GiB for a
+# 720x1280 frame: a 720p x 81-frame clip encodes whole on a 24 GB card.
+TILE_ABOVE_PIXELS = max(b.pixels for granularity in (16, 32) for b in clip_table(720, granularity))
 
 
 class Wan(Family):

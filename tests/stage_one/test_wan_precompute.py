@@ -89,15 +89,17 @@ def test_presets_and_what_the_family_declares():
 
 def test_bucket_tables_of_480p_and_720p():
     for name, resolution, size in (("wan2.1-t2v-1.3b", 480, (480, 832)), ("wan2.1-i2v-14b-720p", 720, (720, 1280)),
-                                   ("wan2.2-ti2v-5b", 720, (704, 1280))):
+                                   ("wan2.2-ti2v-5b", 720, (704, 1280)), ("wan2.2-ti2v-5b", 480, (480, 832))):
         preset = get_preset(name)
         table = FAMILY.bucket_table(preset, resolution)
         assert len(table) == 33 and len(set(table)) == 33  # one bucket per aspect ratio of the 1024 table
         assert all(b.frames == 0 and b.height % preset.granularity == 0 and b.width % preset.granularity == 0 for b in table)
         assert Bucket(*size) in table and Bucket(size[1], size[0]) in table  # the sizes the models generate at
         assert [b.aspect for b in table] == sorted(b.aspect for b in table)
-        square = size[0] * size[1]
-        assert all(abs(b.height * b.width / square - 1) < 0.12 for b in table if 0.5 <= b.aspect <= 2)
+        area = (720 * 1280) if resolution == 720 else (480 * 832)
+        assert all(abs(b.pixels / area - 1) < 0.12 for b in table if 0.5 <= b.aspect <= 2)
+        assert all(b.pixels <= wan.TILE_ABOVE_PIXELS for b in table)  # encoded whole, as the pipelines encode
+    assert any(b.pixels > wan.TILE_ABOVE_PIXELS for b in FAMILY.bucket_table(get_preset("wan2.1-t2v-14b"), 1024))
     # the 480p and 720p tables through the run's options, and the resolutions the family takes
     config = PrecomputeConfig("data", "wan2.1-t2v-1.3b", resolution="480,720")
     assert config.table(480) == FAMILY.bucket_table(get_preset("wan2.1-t2v-1.3b"), 480)
