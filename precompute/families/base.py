@@ -164,8 +164,8 @@ class Family(ABC):
         own_text_encoder: None when the family's transformer takes any single-sequence text encoder of the masked
             layout (padding trimmed, a mask); else what it needs, for the error refusing another family's encoder,
             e.g. "CLIP-L + T5 (clip-l-t5)".
-        frame_axis: the VAE takes and returns video, (B, C, T, H, W); the cache holds one frame without that axis
-            (`encode_images` drops it) and the decoder recipe records it.
+        frame_axis: the VAE takes and returns video, (B, C, T, H, W), and the decoder recipe records it; an image
+            family's cache holds one frame without that axis (`encode_images` drops it), a `video` family's keeps it.
         video: the cache holds clips: every sample's latent fields keep the frame axis, (C, T, h, w), an image being
             a one-frame clip (`encode_videos`).
         frame_rate: frames per second clips are resampled to (a preset may set its own, `frame_rate_of`).
