@@ -132,8 +132,8 @@ def clip_table(resolution: int, granularity: int) -> tuple[Bucket, ...]:
 # 720p a clip is encoded whole, exactly as the stock pipelines encode it. Time needs no tiling: AutoencoderKLWan._encode
 # already runs the encoder causally over the first frame and then 4 frames at a time, carrying a 2-frame feature cache,
 # so memory does not grow with the clip's length. Measured on the CPU in fp32 with the Wan 2.1 VAE's architecture: a
-# peak of about 10 KB per pixel of a frame (64x112 pixels: 5 to 33 frames within 0.15 GiB), i.e. about 9 GiB for a
-# 720x1280 frame: a 720p x 81-frame clip encodes whole on a 24 GB card.
+# peak growing by about 15 KB per pixel of a frame (64x112 pixels: 5 to 33 frames within 0.15 GiB), i.e. about 13 GiB
+# for a 720x1280 frame: a 720p x 81-frame clip encodes whole on a 24 GB card, even in fp32.
 TILE_ABOVE_PIXELS = max(b.pixels for granularity in (16, 32) for b in clip_table(720, granularity))
 
 
