@@ -278,13 +278,16 @@ class Wan(Family):
     # -- buckets --
 
     def resolution_problem(self, preset: Preset, resolution: object) -> str | None:
-        """480 and 720 (the 480p and 720p tables) and any other multiple of the preset's granularity from 4 tokens a
-        side to its largest."""
+        """480 and 720 (the 480p and 720p tables, whatever the granularity) and any multiple of the preset's
+        granularity from 4 tokens a side to its largest."""
         step, smallest = preset.granularity, 4 * preset.granularity
         if isinstance(resolution, bool) or not isinstance(resolution, int):
             return f"{resolution!r} is not a whole number of pixels"
+        if resolution in AREAS:
+            return None
         if resolution % step or not smallest <= resolution <= preset.max_resolution:
-            return f"{resolution} is not a multiple of {step} from {smallest} to {preset.max_resolution} (the model's largest)"
+            return (f"{resolution} is neither 480 nor 720 (the 480p and 720p tables) nor a multiple of {step} from "
+                    f"{smallest} to {preset.max_resolution} (the model's largest)")
         return None
 
     def bucket_table(self, preset: Preset, resolution: int) -> tuple[Bucket, ...]:

@@ -106,8 +106,14 @@ def test_bucket_tables_of_480p_and_720p():
     assert Bucket(720, 1280) in config.table(720)
     assert Bucket(64, 64) in PrecomputeConfig("data", "tiny-wan").table(64)
     for bad in ("500", "32", "1040"):
-        with pytest.raises(ValueError, match=rf"--resolution {bad}: {bad} is not a multiple of 16 from 64 to 1024"):
+        with pytest.raises(ValueError, match=rf"--resolution {bad}: {bad} is neither 480 nor 720 .* nor a multiple of 16 "
+                                             r"from 64 to 1024"):
             PrecomputeConfig("data", "wan2.1-t2v-1.3b", resolution=bad)
+    # TI2V-5B's 32-px tokens: 720 (its 720p table) and 480 all the same, other sides multiples of 32
+    ti2v = PrecomputeConfig("data", "wan2.2-ti2v-5b", resolution="480,720,512")
+    assert ti2v.resolutions() == (480, 720, 512) and Bucket(704, 1280) in ti2v.table(720)
+    with pytest.raises(ValueError, match="--resolution 496: 496 is neither 480 nor 720 .* nor a multiple of 32"):
+        PrecomputeConfig("data", "wan2.2-ti2v-5b", resolution="496")
     with pytest.raises(ValueError, match="--resolution 480: 480 is not a multiple of 64"):
         PrecomputeConfig("data", "tiny-sana", resolution="480")  # image families keep their rule
 
