@@ -205,14 +205,25 @@ def test_cached_latents_are_the_pipelines_normalised_posterior(encoders, stock):
 
 def test_the_vae_is_causal_a_clips_first_latent_frames_are_its_first_frames_latents(encoders):
     """The first latent frame depends on the first pixel frame alone, and the first k + 1 on the first 4k + 1: the
-    first-frame latent TI2V-5B conditions on is the cached clip's first latent frame (and a clip's cached latents hold
-    those of its shorter heads)."""
+    first-frame latent TI2V-5B conditions on (WanImageToVideoPipeline with expand_timesteps) is the cached clip's first
+    latent frame, so its cache needs no field of its own (and a clip's cached latents hold those of its shorter heads)."""
+    from diffusers import WanImageToVideoPipeline
+
     pixels = clips(2, 17, 64, 64, seed=3)
     whole = encoders.encode_videos(pixels)
     for frames, latent_frames in ((1, 1), (9, 3)):
         head = encoders.encode_videos(pixels[:, :, :frames])
         assert torch.equal(whole["latent_mean"][:, :, :latent_frames], head["latent_mean"])
         assert torch.equal(whole["latent_std"][:, :, :latent_frames], head["latent_std"])
+    # TI2V's image conditioning as WanImageToVideoPipeline builds it with expand_timesteps (its second value)
+    ti2v = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=encoders.vae, scheduler=None, expand_timesteps=True)
+    for i in range(2):
+        image = 2.0 * (pixels[i : i + 1, :, 0].float() / 255.0) - 1.0
+        with torch.no_grad():
+            _, condition, _ = ti2v.prepare_latents(image, 1, 16, 64, 64, 17, torch.float32, CPU,
+                                                   generator=torch.Generator().manual_seed(0))
+        alone = encoders.encode_videos(pixels[i : i + 1])  # batched alike: a batch of 2 moves the last bits
+        assert torch.equal(condition, alone["latent_mean"][:, :, :1])
 
 
 def test_the_first_frame_fields_are_what_the_image_to_video_pipeline_builds(encoders, stock):
