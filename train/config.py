@@ -93,6 +93,13 @@ class ModelOptions:
     controlnet_conditioning_scale: float = opt(1.0, "Scale of the ControlNet's residuals in training (the pipelines' "
                                                     "controlnet_conditioning_scale; applied on resume when changed).",
                                                     at_least=0)
+    expert: Literal["high", "low"] | None = opt(
+        None, "Presets of two experts (a high-noise transformer and a low-noise transformer_2, split at the preset's "
+              "boundary timestep; python -m train plan --help lists them): the one this run trains, from its released "
+              "weights, with timesteps drawn only from its range: high (transformer, timesteps at or above the boundary "
+              "x 1000) or low (transformer_2, below it), each from the run's timestep density cut to that range (its "
+              "shape kept). Required for those presets; the two are trained as two runs and exported separately. Other "
+              "presets: leave it out.")
     base_quant: Literal["none", "int8", "fp8", "nf4"] = opt(
         "none", "Keep the frozen transformer of a LoRA or ControlNet run quantized: its Linear weights in int8 or fp8 (torchao "
                 "weight-only, on any device) or nf4 (bitsandbytes 4-bit, CUDA), both from the quant extra; norms, biases "
@@ -107,6 +114,7 @@ class ModelOptions:
             raise ValueError(f"--model {self.model!r}: choose one of {', '.join(PRESETS)}")
         if self.pretrained_controlnet:
             self.controlnet = True
+        get_preset(self.model, self.expert)  # refuses --expert for a preset of one transformer
         if self.controlnet and (family := get_family(get_preset(self.model).family)).controlnet is None:
             raise ValueError(family.no_controlnet)
         if self.controlnet and self.lora_rank:
@@ -341,7 +349,8 @@ class OptimizerOptions:
 
 @dataclass
 class ObjectiveOptions:
-    """What the loss is: the timestep density, its weights and the family's objective parameters."""
+    """What the loss is: the timestep density, its weights and the family's objective parameters. Reads `model` and
+    `expert`."""
 
     weighting_scheme: WeightingScheme = opt(
         "logit_normal", "Flow matching, as diffusers' flow-matching trainers name it: the timestep density and the loss weight "
@@ -390,6 +399,13 @@ class ObjectiveOptions:
 
     def check(self) -> None:
         check_preservation(self)
+        from train.families import get_preset
+
+        preset = get_preset(self.model)
+        if preset.experts and self.expert is None:
+            raise ValueError(f"{self.model} is two experts, a high-noise and a low-noise transformer split at timestep "
+                             f"{preset.expert_boundary * 1000:g}: choose the one this run trains with --expert high or "
+                             f"--expert low")
 
 
 @dataclass

@@ -51,7 +51,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     is_main = rank == 0
     say = print if is_main else (lambda *a, **k: None)  # one voice for all ranks
     parallel = parallelism(cfg, world, device)
-    preset = get_preset(cfg.model)
+    preset = get_preset(cfg.model, cfg.expert)  # a two-expert model's: the trained expert's weights
     trackers.require(cfg.report_to)  # a tracker asked for but not installed stops the run before any weights load
     if preset.objective != "flow" and cfg.weighting_scheme != "logit_normal":
         raise ValueError(f"--weighting-scheme {cfg.weighting_scheme} sets flow matching timesteps; {cfg.model} trains with DDPM")

@@ -333,13 +333,15 @@ def build_ema(cfg: TrainConfig, params, device: torch.device) -> EMA | None:
 def build_run_objective(cfg: TrainConfig, preset: ModelPreset, config: dict):
     """The objective with this run's options and the preset's and family's defaults (`Family.precondition_outputs`;
     a `dynamic_shift` preset shifts by the image's sequence length unless --flow-shift or --resolution-shift says
-    otherwise; DDPM models with variance channels train them in full fine-tunes)."""
+    otherwise; one expert of a two-expert model draws its own timestep range (--expert); DDPM models with variance
+    channels train them in full fine-tunes)."""
     if preset.objective == "flow":
         precondition = cfg.precondition_outputs if cfg.precondition_outputs is not None else get_family(preset.family).precondition_outputs
         return build_objective("flow", preset.prediction, weighting_scheme=cfg.weighting_scheme, logit_mean=cfg.logit_mean,
                                logit_std=cfg.logit_std, mode_scale=cfg.mode_scale, precondition_outputs=precondition,
                                shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
                                base_resolution=preset.base_resolution, masked_loss=cfg.masked_loss,
+                               timestep_range=preset.expert_range(getattr(cfg, "expert", None)),
                                **flow_shift_kind(cfg.flow_shift, cfg.resolution_shift, preset))
     variance_channels = config.get("out_channels", config["in_channels"]) == 2 * config["in_channels"]
     learned = cfg.learned_variance if cfg.learned_variance is not None else (variance_channels and not cfg.lora_rank)

@@ -85,6 +85,9 @@ class FlowMatching:
         pixels_per_token: image pixels per token of the transformer's sequence ((VAE factor x patch)^2).
         mu_of: the family's mu of an image sequence length (`Family.mu`), as its pipeline computes it.
         masked_loss: weight each element's loss by the batch's loss mask (see the module's docstring).
+        timestep_range: the noise levels [low, high) drawn (one expert of a two-expert model trains on its own range;
+            high 1 includes 1): the training density, shift included, cut to the range and renormalised, drawn by its
+            inverse CDF (`quantile`), so the two experts' ranges together are the whole model's density.
     """
 
     weighting_scheme: str = "logit_normal"
@@ -99,6 +102,7 @@ class FlowMatching:
     pixels_per_token: int = 256
     mu_of: Callable[[int], float] | None = None
     masked_loss: bool = False
+    timestep_range: tuple[float, float] = (0.0, 1.0)
 
     def __post_init__(self) -> None:
         if self.dynamic_shift and self.mu_of is None:
@@ -123,7 +127,14 @@ class FlowMatching:
         return self.shift * (math.sqrt(pixels) / self.base_resolution if self.resolution_shift else 1.0)
 
     def sigmas(self, n: int, pixels: int, generator: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
-        """`n` noise levels in (0, 1) for a bucket of `pixels`, drawn on `device`."""
+        """`n` noise levels in (0, 1) for a bucket of `pixels`, drawn on `device` (in `timestep_range`)."""
+        low, high = self.timestep_range
+        if (low, high) != (0.0, 1.0):  # one expert's range: the density cut to it, by its inverse CDF
+            a, b = self.cdf(low, pixels), self.cdf(high, pixels)
+            q = a + (b - a) * torch.rand(n, generator=generator, device=device, dtype=torch.float64)
+            s = self.quantile(q, pixels)
+            # the boundary belongs to the range above it: a level rounded onto it from below stays below
+            return s.clamp(low, math.nextafter(high, 0.0) if high < 1 else 1.0).float()
         u = compute_density_for_timestep_sampling(DENSITY[self.weighting_scheme], n, self.logit_mean, self.logit_std,
                                                   self.mode_scale, device=device, generator=generator)
         shift = self.shift_at(pixels)
@@ -168,9 +179,17 @@ class FlowMatching:
 
     def fixed_times(self, n: int, pixels: int) -> torch.Tensor:
         """`n` fixed noise levels for a bucket of `pixels`: the quantiles (k + 1/2) / n of the training density,
-        shifted as training shifts (n,). Their mean loss is a stratified estimate of the training loss's expectation,
-        without its sampling noise."""
+        shifted as training shifts and cut to `timestep_range` (n,). Their mean loss is a stratified estimate of the
+        training loss's expectation, without its sampling noise."""
         q = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+        low, high = self.timestep_range
+        if (low, high) != (0.0, 1.0):
+            a, b = self.cdf(low, pixels), self.cdf(high, pixels)
+            q = a + (b - a) * q
+        return self.quantile(q, pixels).float()
+
+    def quantile(self, q: torch.Tensor, pixels: int) -> torch.Tensor:
+        """The training density's noise level at quantile `q` in [0, 1] (float64, shift included)."""
         kind = DENSITY[self.weighting_scheme]
         if kind == "logit_normal":
             u = torch.sigmoid(self.logit_mean + self.logit_std * math.sqrt(2.0) * torch.special.erfinv(2 * q - 1))
@@ -180,7 +199,18 @@ class FlowMatching:
         else:
             u = q
         shift = self.shift_at(pixels)
-        return (shift * u / (1 + (shift - 1) * u)).float()
+        return shift * u / (1 + (shift - 1) * u)
+
+    def cdf(self, sigma: float, pixels: int) -> float:
+        """The fraction of the training density below noise level `sigma` (the inverse of `quantile`, by bisection)."""
+        if sigma <= 0 or sigma >= 1:
+            return 0.0 if sigma <= 0 else 1.0
+        low, high = torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64)
+        for _ in range(60):  # float64's precision
+            mid = (low + high) / 2
+            below = self.quantile(mid[None], pixels)[0] < sigma
+            low, high = torch.where(below, mid, low), torch.where(below, high, mid)
+        return float((low + high) / 2)
 
 
 class DDPM:

@@ -21,6 +21,7 @@ from shards import ASPECT_RATIO_TABLES, Bucket, bucket_table, resolution_table
 from shards.options import DTYPE_BYTES, DTYPES
 from train.config import TrainConfig
 from train.families import get_family, get_preset
+from train.families.base import EXPERT_NAMES
 from train.frozen import build_frozen, meta_loader, quiet_diffusers, swapped_blocks
 from train.lora import TITLES
 from train.model import build_run_objective
@@ -104,7 +105,9 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
 
     config = preset.transformer_config()
     if objective is None:
-        objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank), preset, config)
+        # a two-expert model's experts share one architecture: the high-noise one's plan, unless --expert names one
+        expert = pc.expert or (EXPERT_NAMES[0] if preset.experts else None)
+        objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank, expert=expert), preset, config)
     per_element = objective_bytes(objective, family.latent_channels(config), family.output_channels(config))
     passes = "forward/backward" if pc.checkpoint_every_k() or pc.blocks_to_swap else "forward"
     tokens = family.image_tokens(config, preset, pc.traced)

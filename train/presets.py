@@ -68,10 +68,10 @@ def resolve_weights(preset: ModelPreset, pretrained: str | None = None, revision
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
 
-    local_copy = (f"Download it where the Hub is reachable (huggingface-cli download {source} --include 'transformer/*' "
+    local_copy = (f"Download it where the Hub is reachable (huggingface-cli download {source} --include '{preset.subfolder}/*' "
                   f"--local-dir DIR) and pass --pretrained DIR, or train from random initialisation with --from-scratch.")
     try:
-        path = snapshot_download(source, revision=revision, allow_patterns=["transformer/*"])
+        path = snapshot_download(source, revision=revision, allow_patterns=[f"{preset.subfolder}/*"])
     except GatedRepoError:
         raise ValueError(f"{source} is gated on the Hub: accept its licence on huggingface.co and log in "
                          f"(huggingface-cli login), or {local_copy[0].lower()}{local_copy[1:]}") from None
@@ -96,7 +96,7 @@ def build_transformer(preset: ModelPreset, weights: Weights | str | None, seed: 
         weights = resolve_weights(preset, weights)
     if weights is not None and weights.kind != "fresh":
         path = Path(weights.path)
-        subfolder = "transformer" if (path / "transformer").is_dir() or not (path / "config.json").exists() else None
+        subfolder = preset.subfolder if (path / preset.subfolder).is_dir() or not (path / "config.json").exists() else None
         if quant:
             return quantization.load(cls, path, subfolder, quant)
         return cls.from_pretrained(path, subfolder=subfolder, torch_dtype=dtype)

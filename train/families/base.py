@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import import_module
 from pathlib import Path
 from typing import ClassVar
@@ -25,6 +25,8 @@ from shards import Bucket, CacheSpec, LatentSpec, TextSpec
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # Attention projections (query, key, value, output), the LoRA targets most families share; names match by suffix
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
+# the experts of a two-expert model, as --expert names them: the high-noise one first (`ModelPreset.experts`)
+EXPERT_NAMES = ("high", "low")
 # the text stream's projections of a joint (MMDiT) attention
 TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
@@ -61,6 +63,11 @@ class ModelPreset:
             `--guidance-scale`).
         train_guidance: the value a guidance-distilled model's guidance embedding gets while training
             (`--train-guidance`); None for models without one.
+        subfolder: the folder of `repo` (a released pipeline) holding the transformer.
+        experts: a model of two experts of one architecture: the subfolders of the released pipeline holding them,
+            the high-noise one first (`--expert` chooses which trains); () for one transformer.
+        expert_boundary: where they split, a fraction of the timestep range: the high-noise expert denoises timesteps
+            at or above boundary x 1000, the low-noise one those below (the pipeline's `boundary_ratio`).
     """
 
     name: str
@@ -80,10 +87,32 @@ class ModelPreset:
     validation_steps: int = 20
     guidance_scale: float = 4.5
     train_guidance: float | None = None
+    subfolder: str = "transformer"
+    experts: tuple[str, ...] = ()
+    expert_boundary: float | None = None
 
     @property
     def transformer_class(self) -> type:
         return registry().get_family(self.family).transformer_class()
+
+    def expert(self, which: str | None) -> ModelPreset:
+        """The preset of expert `which` ("high" or "low") of a two-expert model: its transformer's subfolder; None: this
+        preset as it is."""
+        if which is None:
+            return self
+        if not self.experts:
+            raise ValueError(f"--expert {which}: {self.name} is one transformer, not two experts; leave --expert out")
+        if which not in EXPERT_NAMES:
+            raise ValueError(f"--expert {which!r}: choose {' or '.join(EXPERT_NAMES)}")
+        return replace(self, subfolder=self.experts[EXPERT_NAMES.index(which)])
+
+    def expert_range(self, which: str | None) -> tuple[float, float]:
+        """The noise levels (sigma = timestep / 1000) expert `which` trains on: [boundary, 1] for "high", [0, boundary)
+        for "low"; all of them, (0, 1), for None."""
+        if which is None:
+            return (0.0, 1.0)
+        self.expert(which)  # refuses what it cannot be
+        return (self.expert_boundary, 1.0) if which == "high" else (0.0, self.expert_boundary)
 
     def transformer_config(self) -> dict:
         cfg = self.config if isinstance(self.config, dict) else json.loads((CONFIGS / self.config).read_text())
