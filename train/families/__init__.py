@@ -17,6 +17,7 @@ MODULES = (
     "flux",
     "qwen_image",
     "z_image",
+    "wan",
 )
 
 FAMILIES: list[Family] = [import_module(f"{__name__}.{module}").FAMILY for module in MODULES]
@@ -27,11 +28,13 @@ PRESETS: dict[str, Callable[[], ModelPreset]] = dict(sorted(
 DEFAULT_PRESET = "tiny-sana"
 
 
-def get_preset(name: str) -> ModelPreset:
+def get_preset(name: str, expert: str | None = None) -> ModelPreset:
+    """The preset of this name; of a two-expert model, the preset of `expert` ("high" or "low": `ModelPreset.expert`)."""
     try:
-        return PRESETS[name]()
+        preset = PRESETS[name]()
     except KeyError:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}") from None
+    return preset.expert(expert)
 
 
 def get_family(name: str) -> Family:

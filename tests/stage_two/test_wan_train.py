@@ -1,0 +1,363 @@
+"""Wan in stage two: the transformer gets what WanPipeline / WanImageToVideoPipeline give it (latents, the condition on
+the channels, timestep, zero-filled umT5 tokens, the CLIP image embedding), validation samples what they sample (UniPC,
+guidance, two experts switching at the boundary), the released architectures have their parameter counts, each expert
+of a two-expert model draws only its own timesteps, and adapters load through the pipelines' load_lora_weights in
+diffusers' and musubi-tuner's layouts."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import record_calls
+
+from shards import TextSpec
+from train import lora
+from train.config import TrainConfig
+from train.data import TextLayout
+from train.families import PRESETS, get_family, get_preset
+from train.families.wan import SCHEDULER, TEXT_TOKENS, Wan
+from train.model import build_run_objective
+from train.presets import build_transformer, model_forward
+
+pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models (left out of make test-fast)
+
+ROOT = Path(__file__).resolve().parents[2]
+WIDTH = 32  # tiny-wan's text width (the tiny umT5's)
+FAMILY: Wan = get_family("wan")
+# the released transformers' parameter counts (the published configs on the meta device); the A14B presets count one expert
+COUNTS = {"wan2.1-t2v-1.3b": 1_418_996_800, "wan2.1-t2v-14b": 14_288_491_584, "wan2.1-i2v-14b-480p": 16_394_878_784,
+          "wan2.1-i2v-14b-720p": 16_394_878_784, "wan2.2-t2v-a14b": 14_288_491_584, "wan2.2-i2v-a14b": 14_288_901_184,
+          "wan2.2-ti2v-5b": 4_999_787_712}
+
+
+def tiny_vae():
+    """A tiny AutoencoderKLWan (the Wan 2.1 VAE's 16 channels, 8x spatial and 4x temporal), seeded."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
+
+
+def stock(transformer, *, vae=None, transformer_2=None, boundary=None, flow_shift=3.0, image_to_video=False):
+    """The stock pipeline around `transformer` (captions given as embeddings: no text encoder), with its scheduler as
+    published; I2V with a tiny CLIP vision tower when the transformer takes image embeddings."""
+    import diffusers
+
+    scheduler = diffusers.UniPCMultistepScheduler(**SCHEDULER, flow_shift=flow_shift)
+    if not image_to_video:
+        return diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler, transformer=transformer,
+                                     transformer_2=transformer_2, boundary_ratio=boundary)
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    encoder = processor = None
+    if transformer.config.image_dim is not None:
+        torch.manual_seed(0)
+        encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=transformer.config.image_dim, projection_dim=32, num_hidden_layers=2,
+                                                   num_attention_heads=4, image_size=32, intermediate_size=37, patch_size=4))
+        processor = CLIPImageProcessor(crop_size=32, size=32)
+    return diffusers.WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler,
+                                             image_processor=processor, image_encoder=encoder, transformer=transformer,
+                                             transformer_2=transformer_2, boundary_ratio=boundary)
+
+
+def captions(seed: int = 1) -> tuple[dict, dict]:
+    """A caption's and the null caption's valid umT5 tokens, as the cache stores them (trimmed)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"text": torch.randn(11, WIDTH, generator=g)}, {"text": torch.randn(1, WIDTH, generator=g)}
+
+
+def padded(*conds: dict) -> torch.Tensor:
+    """What the pipelines' encode_prompt returns for these captions: their tokens zero-filled to 512."""
+    return TextLayout(TextSpec("padded", WIDTH, TEXT_TOKENS)).collate(list(conds))["text"]
+
+
+def first_frame() -> "PIL.Image.Image":  # noqa: F821
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+
+
+def test_the_padded_layout_zero_fills_to_512_as_encode_prompt_does():
+    cond, null = captions()
+    text = TextLayout(TextSpec("padded", WIDTH, TEXT_TOKENS)).collate([null, cond])["text"]
+    assert text.shape == (2, TEXT_TOKENS, WIDTH)
+    assert torch.equal(text[1, :11], cond["text"]) and not text[1, 11:].any() and not text[0, 1:].any()
+    assert FAMILY.text.problems(TextSpec("padded", WIDTH, 256), get_preset("tiny-wan-i2v").transformer_config(), FAMILY) == [
+        "text tokens: cache 256, an image-conditioned Wan transformer takes exactly 512 (its attention takes the tokens "
+        "before the last 512 as the image's)"]
+    assert FAMILY.text.problems(TextSpec("padded", WIDTH, 256), get_preset("tiny-wan").transformer_config(), FAMILY) == []
+
+
+def test_the_transformer_gets_what_wanpipeline_gives_it():
+    """Our forward on the pipeline's latents, timestep and the cached captions zero-filled: the same call and output."""
+    transformer = build_transformer(get_preset("tiny-wan"), None, 0).eval()
+    calls = record_calls(transformer)
+    cond, null = captions()
+    latents = torch.randn(1, 16, 3, 8, 12, generator=torch.Generator().manual_seed(2))  # 9 frames at 64 x 96
+    stock(transformer)(prompt_embeds=padded(cond), negative_prompt_embeds=padded(null), latents=latents, height=64, width=96,
+                       num_frames=9, num_inference_steps=2, guidance_scale=5.0, output_type="latent")
+    assert len(calls) == 4  # two steps, each a pass on the caption and one on the negative (empty) caption
+    for j, c in ((0, cond), (1, null)):
+        seen = calls[j]
+        with torch.no_grad():
+            ours = model_forward(transformer, "wan")(seen["hidden_states"], seen["timestep"], {"text": padded(c)})
+        mine = calls[-1]
+        for name in ("hidden_states", "timestep", "encoder_hidden_states"):
+            assert torch.equal(mine[name], seen[name]), name
+        assert mine["encoder_hidden_states_image"] is None and seen.get("encoder_hidden_states_image") is None
+        assert torch.equal(ours, seen["out"])
+
+
+def test_the_i2v_transformer_gets_the_condition_and_image_embedding_as_the_pipeline_gives_them():
+    """Wan 2.1 I2V: the noisy latents with the condition (mask, first-frame latent) on the channels, and the CLIP
+    embedding of the first frame; our forward takes both from the batch as stage one caches them."""
+    transformer = build_transformer(get_preset("tiny-wan-i2v"), None, 0).eval()
+    calls = record_calls(transformer)
+    cond, null = captions()
+    stock(transformer, vae=tiny_vae(), image_to_video=True)(
+        image=first_frame(), prompt_embeds=padded(cond), negative_prompt_embeds=padded(null), height=64, width=64,
+        num_frames=9, num_inference_steps=2, guidance_scale=5.0, output_type="latent", generator=torch.Generator().manual_seed(0))
+    seen = calls[0]
+    assert seen["hidden_states"].shape == (1, 36, 3, 8, 8) and seen["encoder_hidden_states_image"].shape == (1, 65, 32)
+    batch = {"text": padded(cond), "condition": seen["hidden_states"][:, 16:], "image_embeds": seen["encoder_hidden_states_image"]}
+    with torch.no_grad():
+        ours = model_forward(transformer, "wan")(seen["hidden_states"][:, :16], seen["timestep"], batch)
+    for name in ("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"):
+        assert torch.equal(calls[-1][name], seen[name]), name
+    assert torch.equal(ours, seen["out"])
+    # the condition's mask: 1 on the first frame's four pixel frames, 0 after
+    mask = seen["hidden_states"][0, 16:20]
+    assert bool((mask[:, 0] == 1).all()) and not mask[:, 1:].any()
+    with pytest.raises(ValueError, match="image-to-video: it takes the first-frame condition"):
+        model_forward(transformer, "wan")(seen["hidden_states"][:, :16], seen["timestep"], {"text": padded(cond)})
+
+
+@pytest.mark.parametrize("guidance", [5.0, 1.0], ids=["cfg", "no-cfg"])
+def test_validation_samples_what_wanpipeline_samples(guidance):
+    """The family's scheduler, timesteps and loop against WanPipeline.__call__ from the same noise and captions."""
+    preset = get_preset("tiny-wan")
+    transformer = build_transformer(preset, None, 0).eval()
+    objective = build_run_objective(TrainConfig(model="tiny-wan"), preset, preset.transformer_config())
+    cond, null = captions()
+    noise = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(7))
+    pixels, steps = 64 * 64, 4
+    with torch.no_grad():
+        scheduler = FAMILY.sampling_scheduler(objective, pixels)
+        FAMILY.set_timesteps(scheduler, objective, steps, pixels, torch.device("cpu"))
+        text = TextLayout(TextSpec("padded", WIDTH, TEXT_TOKENS)).collate([null, cond])
+        ours = FAMILY.denoise(model_forward(transformer, "wan"), scheduler, noise.clone(), text, guidance=guidance, channels=16,
+                              autocast=torch.autocast("cpu", enabled=False))
+        out = stock(transformer, flow_shift=objective.shift_at(pixels))(
+            prompt_embeds=padded(cond), negative_prompt_embeds=padded(null), latents=noise.clone(), height=64, width=64,
+            num_frames=9, num_inference_steps=steps, guidance_scale=guidance, output_type="latent").frames
+    assert ours.shape == out.shape and torch.allclose(ours, out, atol=1e-6)
+    assert not torch.allclose(ours, noise, atol=1e-2)  # it sampled
+
+
+def two_experts(monkeypatch, boundary: float = 0.875):
+    """A tiny two-expert preset (Wan 2.2 A14B's layout at CPU size: two tiny-wan transformers split at `boundary`)."""
+    tiny = get_preset("tiny-wan")
+    monkeypatch.setitem(PRESETS, "tiny-wan-a14b", lambda: dataclasses.replace(
+        tiny, name="tiny-wan-a14b", experts=("transformer", "transformer_2"), expert_boundary=boundary, guidance_scale=4.0,
+        guidance_scale_2=3.0))
+    return get_preset("tiny-wan-a14b")
+
+
+def test_two_experts_sample_as_the_pipeline_switches_them(monkeypatch):
+    """The high-noise expert with its guidance at timesteps >= boundary x 1000, the low-noise one with its own after,
+    as WanPipeline with transformer_2 and boundary_ratio samples."""
+    preset = two_experts(monkeypatch)
+    high, low = (build_transformer(preset, None, seed).eval() for seed in (0, 1))
+    objective = build_run_objective(TrainConfig(model="tiny-wan-a14b", expert="high"), preset, preset.transformer_config())
+    cond, null = captions()
+    noise = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(7))
+    used = record_calls(low)
+    with torch.no_grad():
+        scheduler = FAMILY.sampling_scheduler(objective, 64 * 64)
+        FAMILY.set_timesteps(scheduler, objective, 6, 64 * 64, torch.device("cpu"))
+        text = TextLayout(TextSpec("padded", WIDTH, TEXT_TOKENS)).collate([null, cond])
+        ours = FAMILY.denoise(model_forward(high, "wan"), scheduler, noise.clone(), text, guidance=4.0, channels=16,
+                              autocast=torch.autocast("cpu", enabled=False), low=model_forward(low, "wan"),
+                              boundary=preset.expert_boundary, guidance_2=3.0)
+        switched = len(used)
+        out = stock(high, transformer_2=low, boundary=0.875, flow_shift=3.0)(
+            prompt_embeds=padded(cond), negative_prompt_embeds=padded(null), latents=noise.clone(), height=64, width=64,
+            num_frames=9, num_inference_steps=6, guidance_scale=4.0, guidance_scale_2=3.0, output_type="latent").frames
+    assert 0 < switched < 12  # both experts denoised
+    assert torch.allclose(ours, out, atol=1e-6)
+
+
+@pytest.mark.parametrize("expert", ["high", "low"])
+@pytest.mark.parametrize("scheme", ["logit_normal", "mode", "none"])
+def test_each_expert_draws_only_its_own_timesteps(monkeypatch, expert, scheme):
+    """--expert high draws timesteps in [boundary x 1000, 1000], low in [0, boundary x 1000), from the run's density cut to
+    the range (the same shape: its quantiles are the whole density's, restricted), for the objective's draws and the
+    held-out loss's fixed timesteps alike."""
+    preset = two_experts(monkeypatch)
+    objective = build_run_objective(TrainConfig(model="tiny-wan-a14b", expert=expert, weighting_scheme=scheme),
+                                    get_preset("tiny-wan-a14b", expert), preset.transformer_config())
+    pixels = 64 * 64
+    t = objective.sigmas(20_000, pixels, torch.Generator().manual_seed(0)) * 1000
+    inside = (t >= 875) & (t <= 1000) if expert == "high" else (t >= 0) & (t < 875)
+    assert bool(inside.all()), (float(t.min()), float(t.max()))
+    # the same density: draws of the whole model's, kept where they fall in the range, have the same quantiles
+    whole = dataclasses.replace(objective, timestep_range=(0.0, 1.0)).sigmas(200_000, pixels, torch.Generator().manual_seed(1)) * 1000
+    kept = whole[(whole >= 875) == (expert == "high")]
+    for q in (0.1, 0.5, 0.9):
+        assert abs(float(t.quantile(q)) - float(kept.quantile(q))) < 12, q
+    fixed = objective.fixed_times(8, pixels) * 1000
+    assert bool(((fixed >= 875) if expert == "high" else (fixed < 875)).all()) and bool((fixed.diff() > 0).all())
+
+    # a training step's timesteps (the loss's draw) stay in range too
+    seen = []
+
+    def model_fn(xt, s, batch):
+        seen.append(s)
+        return torch.zeros_like(xt)
+    batch = {"latents": torch.zeros(64, 16, 1, 2), "bucket": (64, 64)}
+    for step in range(5):
+        objective(model_fn, batch, torch.Generator().manual_seed(step))
+    s = torch.cat(seen)
+    assert bool(((s >= 875) if expert == "high" else (s < 875)).all())
+
+
+def test_the_expert_option_loads_its_transformer_and_is_required_for_two_experts(monkeypatch):
+    assert get_preset("wan2.2-t2v-a14b", "high").subfolder == "transformer"
+    assert get_preset("wan2.2-i2v-a14b", "low").subfolder == "transformer_2"
+    assert (get_preset("wan2.2-t2v-a14b").expert_boundary, get_preset("wan2.2-i2v-a14b").expert_boundary) == (0.875, 0.9)
+    with pytest.raises(ValueError, match="wan2.2-t2v-a14b is two experts.*--expert high or --expert low"):
+        TrainConfig(model="wan2.2-t2v-a14b")
+    with pytest.raises(ValueError, match="--expert low: tiny-wan is one transformer"):
+        TrainConfig(model="tiny-wan", expert="low")
+    assert get_preset("wan2.2-t2v-a14b").expert_range("low") == (0.0, 0.875)
+
+
+@pytest.mark.parametrize("name", sorted(COUNTS))
+def test_the_published_architectures_have_their_parameter_counts(name):
+    preset = get_preset(name)
+    with torch.device("meta"):
+        model = preset.transformer_class.from_config(preset.transformer_config())
+    assert sum(p.numel() for p in model.parameters()) == COUNTS[name]
+    assert len(FAMILY.blocks(model)) == preset.transformer_config()["num_layers"]
+    assert preset.family == "wan" and preset.text_tokens == 512 and preset.repo.startswith("Wan-AI/")
+
+
+def test_the_published_flow_shifts_and_boundaries():
+    shifts = {name: get_preset(name).flow_shift for name in COUNTS}
+    assert shifts == {"wan2.1-t2v-1.3b": 3.0, "wan2.1-t2v-14b": 5.0, "wan2.1-i2v-14b-480p": 3.0, "wan2.1-i2v-14b-720p": 5.0,
+                      "wan2.2-t2v-a14b": 3.0, "wan2.2-i2v-a14b": 3.0, "wan2.2-ti2v-5b": 5.0}
+    assert FAMILY.pipeline_of(get_preset("wan2.2-i2v-a14b")) == "WanImageToVideoPipeline"
+    assert FAMILY.pipeline_of(get_preset("wan2.2-t2v-a14b")) == "WanPipeline"
+
+
+@pytest.mark.slow  # plans the real 1.3B model on the meta device
+def test_plan_prints_the_parameter_count():
+    out = subprocess.run([sys.executable, "-m", "train", "plan", "wan2.1-t2v-1.3b", "--batch-size", "1", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["parameters"] == COUNTS["wan2.1-t2v-1.3b"]
+
+
+def adapted(preset_name: str, seed: int = 0):
+    """A tiny Wan transformer with the family's default LoRA layers, their B factors random (a trained adapter)."""
+    preset = get_preset(preset_name)
+    model = build_transformer(preset, None, 0).eval()
+    config = lora.lora_config("wan", 4, 8.0)
+    lora.add_lora(model, config, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model, config
+
+
+@pytest.mark.parametrize("name", ["tiny-wan", "tiny-wan-i2v"])
+def test_adapters_load_through_load_lora_weights_in_both_layouts(name, tmp_path):
+    """The adapters written in diffusers' layout and in musubi-tuner's (lora_unet_blocks_0_self_attn_q.lora_down.weight
+    with alpha) load into the stock pipeline's transformer with load_lora_weights and predict what the trained one does."""
+    from safetensors.torch import load_file
+
+    model, config = adapted(name)
+    state = lora.adapter_state(model)
+    assert {"blocks.0.attn1.to_q.lora_A.weight", "blocks.1.attn2.to_out.0.lora_B.weight", "blocks.0.ffn.net.0.proj.lora_A.weight",
+            "blocks.1.ffn.net.2.lora_B.weight"} <= set(state)
+    assert ("blocks.0.attn2.add_k_proj.lora_A.weight" in state) == (name == "tiny-wan-i2v")
+    preset = get_preset(name)
+    cfg = preset.transformer_config()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 16, 2, 4, 4, generator=g)
+    batch = {"text": padded(captions()[0])}
+    if FAMILY.condition_channels(cfg):
+        batch |= {"condition": torch.randn(1, 20, 2, 4, 4, generator=g), "image_embeds": torch.randn(1, 5, 32, generator=g)}
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        expected = model_forward(model, "wan")(x, t, batch)
+    for fmt in ("diffusers", "kohya"):
+        written = lora.save_adapter(tmp_path / fmt, "wan", state, config, lora_format=fmt)
+        if fmt == "kohya":
+            keys = load_file(written)
+            assert keys["lora_unet_blocks_0_self_attn_q.alpha"] == 8.0
+            assert {"lora_unet_blocks_1_cross_attn_o.lora_up.weight", "lora_unet_blocks_0_ffn_2.lora_down.weight"} <= set(keys)
+            assert ("lora_unet_blocks_0_cross_attn_k_img.lora_down.weight" in keys) == (name == "tiny-wan-i2v")
+        pipe = stock(build_transformer(preset, None, 0).eval(), image_to_video=name == "tiny-wan-i2v")
+        pipe.load_lora_weights(tmp_path / fmt, weight_name=written.name)
+        with torch.no_grad():
+            loaded = model_forward(pipe.transformer, "wan")(x, t, batch)
+        assert torch.allclose(loaded, expected, atol=1e-5), fmt
+        with torch.no_grad():
+            base = model_forward(build_transformer(preset, None, 0), "wan")(x, t, batch)
+        assert not torch.allclose(base, expected, atol=1e-3)  # the adapters change the prediction
+
+
+def test_the_low_noise_experts_adapters_load_into_transformer_2(monkeypatch, tmp_path):
+    """A low-noise expert's LoRA loads into the pipeline's transformer_2 (load_into_transformer_2=True), as diffusers
+    loads Wan 2.2's second denoiser's adapters."""
+    two_experts(monkeypatch)
+    model, config = adapted("tiny-wan")
+    written = lora.save_adapter(tmp_path, "wan", lora.adapter_state(model), config)
+    preset = get_preset("tiny-wan")
+    pipe = stock(build_transformer(preset, None, 0), transformer_2=build_transformer(preset, None, 0), boundary=0.875)
+    pipe.load_lora_weights(tmp_path, weight_name=written.name, load_into_transformer_2=True)
+    x, batch, t = torch.randn(1, 16, 1, 4, 4), {"text": padded(captions()[0])}, torch.tensor([100.0])
+    with torch.no_grad():
+        assert torch.allclose(model_forward(pipe.transformer_2, "wan")(x, t, batch), model_forward(model, "wan")(x, t, batch), atol=1e-5)
+        assert not torch.allclose(model_forward(pipe.transformer, "wan")(x, t, batch), model_forward(model, "wan")(x, t, batch), atol=1e-3)
+
+
+def test_a_kohya_export_of_layers_outside_the_blocks_is_refused(tmp_path):
+    model = build_transformer(get_preset("tiny-wan"), None, 0)
+    config = lora.lora_config("wan", 4, targets=["proj_out"])
+    lora.add_lora(model, config)
+    with pytest.raises(ValueError, match="proj_out: musubi-tuner's Wan layout names the Linear layers of the transformer's blocks"):
+        lora.save_adapter(tmp_path, "wan", lora.adapter_state(model), config, lora_format="kohya")
+
+
+def test_an_exported_transformer_generates_a_video_through_wanpipeline(tmp_path):
+    """A full fine-tune's export (the transformer in diffusers' layout, OUT/transformer) loads in WanPipeline beside the
+    VAE and generates frames."""
+    from diffusers import WanTransformer3DModel
+
+    build_transformer(get_preset("tiny-wan"), None, 0).save_pretrained(tmp_path / "transformer", safe_serialization=True)
+    transformer = WanTransformer3DModel.from_pretrained(tmp_path, subfolder="transformer")
+    cond, null = captions()
+    frames = stock(transformer, vae=tiny_vae())(prompt_embeds=padded(cond), negative_prompt_embeds=padded(null), height=64,
+                                               width=64, num_frames=9, num_inference_steps=2, output_type="np",
+                                               generator=torch.Generator().manual_seed(0)).frames[0]
+    assert frames.shape == (9, 64, 64, 3) and np.isfinite(frames).all() and float(frames.std()) > 0
+
+
+def test_the_planner_traces_clips_with_their_condition():
+    preset = get_preset("tiny-wan-i2v")
+    config = preset.transformer_config()
+    batch = FAMILY.example_batch(config, preset, (17, 64, 96), 2, TEXT_TOKENS, torch.float32)
+    assert batch["latents"].shape == (2, 16, 5, 8, 12) and batch["condition"].shape == (2, 20, 5, 8, 12)
+    assert batch["image_embeds"].shape == (2, 257, 32) and batch["text"].shape == (2, 512, WIDTH)
+    assert FAMILY.image_tokens(config, preset, (17, 64, 96)) == 5 * 4 * 6
+    assert FAMILY.image_tokens(get_preset("wan2.1-t2v-14b").transformer_config(), get_preset("wan2.1-t2v-14b"),
+                               (81, 480, 832)) == 21 * 30 * 52

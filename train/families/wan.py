@@ -1,0 +1,249 @@
+"""Wan 2.1 / 2.2: a video DiT over (B, C, T, h, w) latents in 1 x 2 x 2 patches, cross-attending to every umT5 token of
+the caption zero-filled to 512 (no mask); image-to-video models take the cached first-frame condition (mask and latent)
+on the channels and, for Wan 2.1, the CLIP embedding of the first frame. Flow matching with a fixed shift; sampled as
+WanPipeline / WanImageToVideoPipeline sample: UniPC in flow sigmas, classifier-free guidance against the empty caption,
+one transformer pass per caption. Wan 2.2 A14B is two experts of one shape: `transformer` (high noise) below the
+boundary's timestep and `transformer_2` (low noise) after it. Adapters in diffusers' layout or musubi-tuner's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from train.families.base import ATTENTION, Family, ModelPreset, TextInput
+
+# The published scheduler (scheduler/scheduler_config.json of the Wan-AI/*-Diffusers repositories): UniPC, second order
+# (bh2), in flow sigmas shifted by `flow_shift` (set per preset), ending at sigma 0.
+SCHEDULER = {
+    "num_train_timesteps": 1000, "prediction_type": "flow_prediction", "use_flow_sigmas": True, "solver_order": 2,
+    "solver_type": "bh2", "predict_x0": True, "lower_order_final": True, "final_sigmas_type": "zero",
+    "timestep_spacing": "linspace", "steps_offset": 0,
+}
+# Wan's features at CPU size: 1 x 2 x 2 patches, 3-axis RoPE (a head of 12: 4 + 4 + 4), a feed-forward, cross-attention
+# to the tiny umT5's width, 16 latent channels (the Wan 2.1 VAE's)
+TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16, text_dim=32,
+            freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+            rope_max_seq_len=32)
+# Wan 2.1 I2V at CPU size: the condition's 4 mask and 16 latent channels on top, and the tiny CLIP vision tower's width
+# for the image embedding (added keys and values in every cross-attention, of the transformer's width)
+TINY_I2V = {**TINY, "in_channels": 36, "image_dim": 32, "added_kv_proj_dim": 24}
+TEXT_TOKENS = 512  # umT5's tokens as the pipelines pad them; WanAttnProcessor takes the tokens past 512 as the image's
+# The experts of Wan 2.2 A14B in the released pipeline (WanPipeline / WanImageToVideoPipeline `boundary_ratio`): the
+# high-noise `transformer` takes timesteps at or above boundary x 1000, the low-noise `transformer_2` those below.
+EXPERTS = ("transformer", "transformer_2")
+# Parameter counts of the published encoders (diffusers 0.42.1 / transformers 5.24 modules on the meta device): umT5-XXL's
+# encoder as the pipelines load it (UMT5EncoderModel), the Wan 2.1 VAE (AutoencoderKLWan's default config), the Wan 2.2
+# VAE (z_dim 48, 16x spatial) and Wan 2.1 I2V's CLIP ViT-H/14 vision tower
+UMT5 = {"umT5-XXL encoder (UMT5EncoderModel)": 5_680_910_336}
+VAE21 = {"Wan 2.1 VAE (AutoencoderKLWan)": 126_892_531}
+VAE22 = {"Wan 2.2 VAE (AutoencoderKLWan, z_dim 48)": 704_688_668}
+CLIP_H = {"CLIP ViT-H/14 vision (CLIPVisionModel)": 630_766_080}
+
+
+@dataclass(frozen=True)
+class WanPreset(ModelPreset):
+    """A Wan preset: which stock pipeline samples it (`image_to_video`: WanImageToVideoPipeline, with cached first-frame
+    conditions) and its validation guidance of the low-noise expert (`guidance_scale_2`, the pipeline's)."""
+
+    image_to_video: bool = False
+    guidance_scale_2: float | None = None
+
+
+def preset(name: str, repo: str, config: str, shift: float, resolution: int, encoders: dict, **kwargs) -> WanPreset:
+    # validation as the pipelines' defaults: 50 steps at guidance 5.0
+    return WanPreset(name, "wan", repo, config, "flow", "flow", flow_shift=shift, base_resolution=resolution,
+                     released_dtype="bf16", encoder_parameters={**UMT5, **encoders}, text_tokens=TEXT_TOKENS,
+                     validation_steps=50, **{"guidance_scale": 5.0, **kwargs})
+
+
+class WanText(TextInput):
+    """"padded": per caption `text`, umT5's valid tokens as stored, zero-filled to the cache's `max_tokens` (512) when
+    collated, exactly as the pipelines' encode_prompt zero-fills them; no mask (the transformer takes none)."""
+
+    layout = "padded"
+    description = "umT5's tokens zero-filled to max_tokens, no mask"
+
+    def collate(self, spec, conds):
+        """`text` (B, max_tokens, D), each caption's tokens first and zeros after."""
+        rows = [c["text"] for c in conds]
+        longest = max(r.shape[0] for r in rows)
+        if longest > spec.max_tokens:
+            raise ValueError(f"a caption of {longest} tokens is longer than the cache's max_tokens {spec.max_tokens}; the "
+                             f"cache is damaged (stage one cuts captions there)")
+        text = torch.zeros(len(rows), spec.max_tokens, rows[0].shape[1], dtype=rows[0].dtype)
+        for j, r in enumerate(rows):
+            text[j, : r.shape[0]] = r
+        return {"text": text}
+
+    def problems(self, spec, config, family):
+        problems = super().problems(spec, config, family)
+        if config.get("image_dim") is not None and spec.max_tokens != TEXT_TOKENS:
+            # WanAttnProcessor splits the image tokens off as everything before the last 512
+            problems.append(f"text tokens: cache {spec.max_tokens}, an image-conditioned Wan transformer takes exactly "
+                            f"{TEXT_TOKENS} (its attention takes the tokens before the last {TEXT_TOKENS} as the image's)")
+        return problems
+
+    def example(self, config, family, batch, tokens, dtype, device="meta"):
+        return {"text": torch.zeros(batch, tokens, family.text_width(config), device=device, dtype=dtype)}
+
+
+class Wan(Family):
+    name = "wan"
+    title = "Wan"
+    transformer = "WanTransformer3DModel"
+    pipeline = "WanPipeline"
+    text = WanText()
+    # musubi-tuner's layers (networks/lora_wan.py: every Linear of a block): self- and cross-attention q, k, v, out, the
+    # image keys and values of I2V models, and the feed-forward; the set diffusers reads back from musubi's files
+    lora_targets = ATTENTION + ("add_k_proj", "add_v_proj", "ffn.net.0.proj", "ffn.net.2")
+    lora_formats = ("diffusers", "kohya", "lycoris")
+    null_caption = "empty"  # WanPipeline's negative prompt defaults to "": its embedding, zero-filled
+    no_controlnet = "--controlnet trains the ControlNets of the families that have one here; Wan has none in diffusers"
+
+    def presets(self):
+        # flow_shift: the published scheduler configs' (Wan 2.1 480p models 3.0, 720p models 5.0; Wan 2.2 A14B 3.0, its
+        # diffusers scheduler; TI2V-5B 5.0). A14B: two experts split at the released boundary_ratio, 0.875 (T2V) and 0.9
+        # (I2V); validation's guidance of each as the original inference configs (high noise 4.0 / low 3.0; 3.5 / 3.5)
+        return {
+            "wan2.1-t2v-1.3b": lambda: preset("wan2.1-t2v-1.3b", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
+                                              "wan21_t2v_1_3b_transformer.json", 3.0, 480, VAE21),
+            "wan2.1-t2v-14b": lambda: preset("wan2.1-t2v-14b", "Wan-AI/Wan2.1-T2V-14B-Diffusers",
+                                             "wan21_t2v_14b_transformer.json", 5.0, 720, VAE21),
+            "wan2.1-i2v-14b-480p": lambda: preset("wan2.1-i2v-14b-480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+                                                  "wan21_i2v_14b_transformer.json", 3.0, 480, {**VAE21, **CLIP_H},
+                                                  image_to_video=True),
+            "wan2.1-i2v-14b-720p": lambda: preset("wan2.1-i2v-14b-720p", "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers",
+                                                  "wan21_i2v_14b_transformer.json", 5.0, 720, {**VAE21, **CLIP_H},
+                                                  image_to_video=True),
+            "wan2.2-t2v-a14b": lambda: preset("wan2.2-t2v-a14b", "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
+                                              "wan22_t2v_a14b_transformer.json", 3.0, 720, VAE21, experts=EXPERTS,
+                                              expert_boundary=0.875, guidance_scale=4.0, guidance_scale_2=3.0),
+            "wan2.2-i2v-a14b": lambda: preset("wan2.2-i2v-a14b", "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
+                                              "wan22_i2v_a14b_transformer.json", 3.0, 720, VAE21, experts=EXPERTS,
+                                              expert_boundary=0.9, guidance_scale=3.5, guidance_scale_2=3.5,
+                                              image_to_video=True),
+            "wan2.2-ti2v-5b": lambda: preset("wan2.2-ti2v-5b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+                                             "wan22_ti2v_5b_transformer.json", 5.0, 720, VAE22, latent_downsample=16),
+            "tiny-wan": lambda: WanPreset("tiny-wan", self.name, None, TINY, "flow", "flow", flow_shift=3.0,
+                                          base_resolution=64, text_tokens=TEXT_TOKENS, validation_steps=4, guidance_scale=5.0),
+            "tiny-wan-i2v": lambda: WanPreset("tiny-wan-i2v", self.name, None, TINY_I2V, "flow", "flow", flow_shift=3.0,
+                                              base_resolution=64, text_tokens=TEXT_TOKENS, validation_steps=4,
+                                              guidance_scale=5.0, image_to_video=True),
+        }
+
+    def pipeline_of(self, preset: ModelPreset) -> str:
+        """The stock pipeline that samples the preset."""
+        return "WanImageToVideoPipeline" if getattr(preset, "image_to_video", False) else self.pipeline
+
+    def blocks(self, model):
+        return list(model.blocks)
+
+    # --- the cache it reads: latents (C, T, h, w), an I2V model's condition on top of them ---
+
+    def latent_channels(self, config: Mapping) -> int:
+        return config.get("out_channels") or config["in_channels"]  # an I2V model's in_channels count the condition's
+
+    def condition_channels(self, config: Mapping) -> int:
+        """Channels of the cached first-frame condition (mask and latent) an image-to-video model takes (0: none)."""
+        return config["in_channels"] - self.latent_channels(config)
+
+    def channels_name(self) -> str:
+        return "out_channels"
+
+    def latent_patch(self, config: Mapping) -> int:
+        return config.get("patch_size", (1, 2, 2))[1]
+
+    def text_width(self, config: Mapping) -> int:
+        return config["text_dim"]
+
+    # --- the transformer's call ---
+
+    def forward(self, model, config, xt, t, batch, guidance):
+        """As WanPipeline / WanImageToVideoPipeline call it: the noisy latents (B, C, T, h, w), with an I2V model's cached
+        `condition` (B, 4 + C, T, h, w) concatenated on the channels, the timestep (B,) in [0, 1000], the caption's tokens
+        zero-filled to 512 and, for Wan 2.1 I2V, the cached CLIP `image_embeds` (B, 257, 1280)."""
+        x = xt
+        if self.condition_channels(config):
+            if "condition" not in batch:
+                raise ValueError("this Wan transformer is image-to-video: it takes the first-frame condition stage one "
+                                 "caches for an I2V preset (the batch has none); train from a cache built for it")
+            x = torch.cat([xt, batch["condition"].to(xt.dtype)], dim=1)
+        image = None
+        if config.get("image_dim") is not None:
+            if "image_embeds" not in batch:
+                raise ValueError("this Wan transformer takes the first frame's CLIP embedding, which stage one caches for "
+                                 "Wan 2.1 I2V presets (the batch has none); train from a cache built for it")
+            image = batch["image_embeds"].to(xt.dtype)
+        return model(hidden_states=x, timestep=t, encoder_hidden_states=batch["text"].to(xt.dtype),
+                     encoder_hidden_states_image=image, return_dict=False)[0]
+
+    def example_batch(self, config, preset, bucket, batch, tokens, dtype, device="meta"):
+        """Zeros of a batch of clips at `bucket` (height, width) or (frames, height, width) pixels: latents (B, C, T, h, w)
+        and, for I2V models, the condition and image embedding the cache holds."""
+        frames, height, width = bucket if len(bucket) == 3 else (1, *bucket)
+        down, t = preset.latent_downsample, (frames - 1) // 4 + 1
+        shape = (batch, self.latent_channels(config), t, height // down, width // down)
+        out = {"latents": torch.zeros(shape, device=device, dtype=dtype), **self.text.example(config, self, batch, tokens, dtype, device)}
+        if self.condition_channels(config):
+            out["condition"] = torch.zeros(batch, self.condition_channels(config), *shape[2:], device=device, dtype=dtype)
+        if config.get("image_dim") is not None:
+            out["image_embeds"] = torch.zeros(batch, 257, config["image_dim"], device=device, dtype=dtype)
+        return out
+
+    def image_tokens(self, config, preset, bucket):
+        frames, height, width = bucket if len(bucket) == 3 else (1, *bucket)
+        per_token = preset.latent_downsample * self.latent_patch(config)
+        return ((frames - 1) // 4 + 1) * (height // per_token) * (width // per_token)
+
+    # --- validation, as the stock pipelines sample ---
+
+    def sampling_scheduler(self, objective, pixels):
+        from diffusers import UniPCMultistepScheduler
+
+        return UniPCMultistepScheduler(**SCHEDULER, flow_shift=objective.shift_at(pixels))
+
+    def set_timesteps(self, scheduler, objective, steps, pixels, device):
+        scheduler.set_timesteps(steps, device=device)
+        scheduler.set_begin_index(0)
+
+    def denoise(self, forward, scheduler, latents, text, *, guidance, channels, autocast, low: Callable | None = None,
+                boundary: float | None = None, guidance_2: float | None = None):
+        """The pipelines' loop: one pass on the caption and, when `guidance` > 1, one on the null caption, combined by
+        `combine`. Two experts: `forward` (high noise) at timesteps >= `boundary` x 1000 and `low` with `guidance_2` after
+        (default: `guidance`), as the pipelines switch at `boundary_ratio`. `text` holds the null caption's fields, then
+        the prompt's (an I2V model's condition and image embedding too)."""
+        null, caption = (single(text, j) for j in (0, 1))
+        switch = None if boundary is None else boundary * scheduler.config.num_train_timesteps
+        for t in scheduler.timesteps:
+            model, scale = forward, guidance
+            if switch is not None and t < switch:
+                model, scale = low, guidance if guidance_2 is None else guidance_2
+            with autocast:
+                pred = model(latents, t.expand(1), caption).float()
+                if scale > 1:
+                    pred = self.combine(model(latents, t.expand(1), null).float(), pred, scale)
+            latents = scheduler.step(pred, t, latents).prev_sample
+        return latents
+
+    # --- LoRA and export ---
+
+    def save_adapter(self, directory: Path, state, config, lora_format, fold):
+        if lora_format == "kohya":
+            from train.families import wan_kohya
+
+            return wan_kohya.save(directory, state, config)
+        return super().save_adapter(directory, state, config, lora_format, fold)
+
+    def usage_call_args(self) -> str:
+        return "num_frames=81"
+
+
+def single(text: dict, j: int) -> dict:
+    """Row `j` of every field of a collated batch, as a batch of one."""
+    return {k: v[j : j + 1] if isinstance(v, torch.Tensor) else v for k, v in text.items()}
+
+
+FAMILY = Wan()
