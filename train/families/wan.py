@@ -30,7 +30,7 @@ TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, 
 # Wan 2.1 I2V at CPU size: the condition's 4 mask and 16 latent channels on top, and the tiny CLIP vision tower's width
 # for the image embedding (added keys and values in every cross-attention, of the transformer's width)
 TINY_I2V = {**TINY, "in_channels": 36, "image_dim": 32, "added_kv_proj_dim": 24}
-TEXT_TOKENS = 512  # umT5's tokens as the pipelines pad them; WanAttnProcessor takes the tokens past 512 as the image's
+TEXT_TOKENS = 512  # umT5's tokens as the pipelines pad them; WanAttnProcessor takes the tokens before the last 512 as the image's
 # The experts of Wan 2.2 A14B in the released pipeline (WanPipeline / WanImageToVideoPipeline `boundary_ratio`): the
 # high-noise `transformer` takes timesteps at or above boundary x 1000, the low-noise `transformer_2` those below.
 EXPERTS = ("transformer", "transformer_2")
@@ -104,14 +104,15 @@ class Wan(Family):
     no_controlnet = "--controlnet trains the ControlNets of the families that have one here; Wan has none in diffusers"
 
     def presets(self):
-        # flow_shift: the published scheduler configs' (Wan 2.1 480p models 3.0, 720p models 5.0; Wan 2.2 A14B 3.0, its
-        # diffusers scheduler; TI2V-5B 5.0). A14B: two experts split at the released boundary_ratio, 0.875 (T2V) and 0.9
-        # (I2V); validation's guidance of each as the original inference configs (high noise 4.0 / low 3.0; 3.5 / 3.5)
+        # flow_shift at the base resolution, as diffusers' Wan schedulers sample: 3.0 at 480p, 5.0 at 720p ("5.0 for 720P,
+        # 3.0 for 480P", WanPipeline's example; Wan 2.2 A14B's diffusers scheduler 3.0; TI2V-5B, a 720p model, 5.0);
+        # --flow-shift sets another. A14B: two experts split at the released boundary_ratio, 0.875 (T2V) and 0.9 (I2V);
+        # validation's guidance of each as the original inference configs (high noise 4.0 / low 3.0; 3.5 / 3.5)
         return {
             "wan2.1-t2v-1.3b": lambda: preset("wan2.1-t2v-1.3b", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
                                               "wan21_t2v_1_3b_transformer.json", 3.0, 480, VAE21),
             "wan2.1-t2v-14b": lambda: preset("wan2.1-t2v-14b", "Wan-AI/Wan2.1-T2V-14B-Diffusers",
-                                             "wan21_t2v_14b_transformer.json", 5.0, 720, VAE21),
+                                             "wan21_t2v_14b_transformer.json", 3.0, 480, VAE21),
             "wan2.1-i2v-14b-480p": lambda: preset("wan2.1-i2v-14b-480p", "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
                                                   "wan21_i2v_14b_transformer.json", 3.0, 480, {**VAE21, **CLIP_H},
                                                   image_to_video=True),
@@ -119,16 +120,17 @@ class Wan(Family):
                                                   "wan21_i2v_14b_transformer.json", 5.0, 720, {**VAE21, **CLIP_H},
                                                   image_to_video=True),
             "wan2.2-t2v-a14b": lambda: preset("wan2.2-t2v-a14b", "Wan-AI/Wan2.2-T2V-A14B-Diffusers",
-                                              "wan22_t2v_a14b_transformer.json", 3.0, 720, VAE21, experts=EXPERTS,
+                                              "wan22_t2v_a14b_transformer.json", 3.0, 480, VAE21, experts=EXPERTS,
                                               expert_boundary=0.875, guidance_scale=4.0, guidance_scale_2=3.0),
             "wan2.2-i2v-a14b": lambda: preset("wan2.2-i2v-a14b", "Wan-AI/Wan2.2-I2V-A14B-Diffusers",
-                                              "wan22_i2v_a14b_transformer.json", 3.0, 720, VAE21, experts=EXPERTS,
+                                              "wan22_i2v_a14b_transformer.json", 3.0, 480, VAE21, experts=EXPERTS,
                                               expert_boundary=0.9, guidance_scale=3.5, guidance_scale_2=3.5,
                                               image_to_video=True),
             "wan2.2-ti2v-5b": lambda: preset("wan2.2-ti2v-5b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
                                              "wan22_ti2v_5b_transformer.json", 5.0, 720, VAE22, latent_downsample=16),
+            # the tiny umT5 caches 64 tokens; an image-conditioned transformer takes exactly 512 (WanText.problems)
             "tiny-wan": lambda: WanPreset("tiny-wan", self.name, None, TINY, "flow", "flow", flow_shift=3.0,
-                                          base_resolution=64, text_tokens=TEXT_TOKENS, validation_steps=4, guidance_scale=5.0),
+                                          base_resolution=64, text_tokens=64, validation_steps=4, guidance_scale=5.0),
             "tiny-wan-i2v": lambda: WanPreset("tiny-wan-i2v", self.name, None, TINY_I2V, "flow", "flow", flow_shift=3.0,
                                               base_resolution=64, text_tokens=TEXT_TOKENS, validation_steps=4,
                                               guidance_scale=5.0, image_to_video=True),
