@@ -30,6 +30,7 @@ TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, 
 # Wan 2.1 I2V at CPU size: the condition's 4 mask and 16 latent channels on top, and the tiny CLIP vision tower's width
 # for the image embedding (added keys and values in every cross-attention, of the transformer's width)
 TINY_I2V = {**TINY, "in_channels": 36, "image_dim": 32, "added_kv_proj_dim": 24}
+TEMPORAL = 4  # pixel frames per latent frame after the first (the Wan VAEs')
 TEXT_TOKENS = 512  # umT5's tokens as the pipelines pad them; WanAttnProcessor takes the tokens before the last 512 as the image's
 # The experts of Wan 2.2 A14B in the released pipeline (WanPipeline / WanImageToVideoPipeline `boundary_ratio`): the
 # high-noise `transformer` takes timesteps at or above boundary x 1000, the low-noise `transformer_2` those below.
@@ -155,6 +156,15 @@ class Wan(Family):
     def channels_name(self) -> str:
         return "out_channels"
 
+    def cache_problems(self, spec, config):
+        """Besides the base's: the cache must hold clips of the Wan VAE's 4 frames per latent frame."""
+        problems = super().cache_problems(spec, config)
+        if spec.latent.temporal_downsample != TEMPORAL:
+            held = (f"clips of {spec.latent.temporal_downsample} frames per latent frame" if spec.latent.temporal_downsample
+                    else "images (latents without a frame axis)")
+            problems.append(f"latent frames: the cache holds {held}; Wan's VAE makes one latent frame of {TEMPORAL}")
+        return problems
+
     def latent_patch(self, config: Mapping) -> int:
         return config.get("patch_size", (1, 2, 2))[1]
 
@@ -186,7 +196,7 @@ class Wan(Family):
         """Zeros of a batch of clips at `bucket` (height, width) or (frames, height, width) pixels: latents (B, C, T, h, w)
         and, for I2V models, the condition and image embedding the cache holds."""
         frames, height, width = bucket if len(bucket) == 3 else (1, *bucket)
-        down, t = preset.latent_downsample, (frames - 1) // 4 + 1
+        down, t = preset.latent_downsample, (frames - 1) // TEMPORAL + 1
         shape = (batch, self.latent_channels(config), t, height // down, width // down)
         out = {"latents": torch.zeros(shape, device=device, dtype=dtype), **self.text.example(config, self, batch, tokens, dtype, device)}
         if self.condition_channels(config):
@@ -198,7 +208,7 @@ class Wan(Family):
     def image_tokens(self, config, preset, bucket):
         frames, height, width = bucket if len(bucket) == 3 else (1, *bucket)
         per_token = preset.latent_downsample * self.latent_patch(config)
-        return ((frames - 1) // 4 + 1) * (height // per_token) * (width // per_token)
+        return ((frames - 1) // TEMPORAL + 1) * (height // per_token) * (width // per_token)
 
     # --- validation, as the stock pipelines sample ---
 
