@@ -95,7 +95,8 @@ def write_card(directory: Path, ckpt: Path, state: dict, kind: Kind, *, ema: boo
         "## Validation samples", "",
         f"The run's last validation grid (step {grid_step(grid)}): ![validation samples]({url})" if grid
         else "The run left no validation grid at or before this step.", "",
-        "## How to use", "", "```python", usage(preset.family, kind, base, location, weight_name, cfg.get("adapter", "lora")),
+        "## How to use", "", "```python", usage(preset.family, kind, base, location, weight_name, cfg.get("adapter", "lora"),
+                                                 preset=get_preset(state["model"], cfg.get("expert"))),
         "```", "", *comfyui_note(kind, weight_name),
         "## License", "",
         f"Not set by cachedit: choose one, compatible with the base model's license{licence_of_base}, and add it to this "
@@ -242,13 +243,18 @@ def grid_step(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str | None = None, adapter: str = "lora") -> str:
-    """Python that loads the export into the family's stock diffusers pipeline (`adapter`: a LoRA run's `--adapter`)."""
+def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str | None = None, adapter: str = "lora",
+          preset=None) -> str:
+    """Python that loads the export into the family's stock diffusers pipeline (`adapter`: a LoRA run's `--adapter`;
+    `preset`: the run's, whose pipeline samples it and whose transformer, `preset.subfolder`, the export takes the place
+    of: one expert of a two-expert model)."""
     source, note = base.pipeline_source()
     revision = f', revision="{base.revision}"' if base.kind == "hub" and base.revision else ""
     kind_of = get_family(family)
-    pipe = kind_of.pipeline
+    pipe = kind_of.pipeline_of(preset) if preset is not None else kind_of.pipeline
+    component = preset.subfolder if preset is not None else "transformer"
     extra = f", {kind_of.usage_call_args()}" if kind_of.usage_call_args() else ""
+    sample_imports, generate = kind_of.usage_generate(preset, extra)
     if kind == "controlnet":
         pipe, model = kind_of.controlnet.pipeline, kind_of.controlnet.model
         return "\n".join([
@@ -259,10 +265,10 @@ def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str |
     if kind == "full":
         model = kind_of.transformer
         return "\n".join([
-            "import torch", f"from diffusers import {pipe}, {model}", "",
-            f'transformer = {model}.from_pretrained("{location}", subfolder="transformer", torch_dtype=torch.bfloat16)',
-            f'pipe = {pipe}.from_pretrained("{source}"{revision}, transformer=transformer, torch_dtype=torch.bfloat16).to("cuda"){note}',
-            f'image = pipe("a prompt"{extra}).images[0]'])
+            "import torch", f"from diffusers import {pipe}, {model}", *sample_imports, "",
+            f'{component} = {model}.from_pretrained("{location}", subfolder="transformer", torch_dtype=torch.bfloat16)',
+            f'pipe = {pipe}.from_pretrained("{source}"{revision}, {component}={component}, torch_dtype=torch.bfloat16).to("cuda"){note}',
+            *generate])
     if weight_name == LYCORIS_FILE:  # LyCORIS' own loader, which names a diffusers transformer's layers as the file does
         local = Path(location).is_absolute()  # an export directory, or the Hub repository it is pushed to
         imports = [*([] if local else ["from huggingface_hub import hf_hub_download"]), "from lycoris import create_lycoris_from_weights"]
@@ -272,7 +278,7 @@ def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str |
     elif adapter in ("lokr", "loha"):  # peft's layout: diffusers' LoRA loader takes LoRA alone
         imports, loading = ["from peft import PeftModel"], [f'pipe.transformer = PeftModel.from_pretrained(pipe.transformer, "{location}")']
     else:
-        imports, loading = kind_of.lora_usage(location, weight_name)
-    lines = ["import torch", f"from diffusers import {pipe}", *imports]
+        imports, loading = kind_of.lora_usage(location, weight_name, component)
+    lines = ["import torch", f"from diffusers import {pipe}", *sample_imports, *imports]
     lines += ["", f'pipe = {pipe}.from_pretrained("{source}"{revision}, torch_dtype=torch.bfloat16).to("cuda"){note}']
-    return "\n".join(lines + loading + [f'image = pipe("a prompt"{extra}).images[0]'])
+    return "\n".join(lines + loading + generate)

@@ -37,7 +37,7 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
     """(transformer, preset, training state) of a checkpoint; with `ema`, the EMA weights. A ControlNet run's
     checkpoint is refused: its transformer is the frozen base (`write_controlnet` writes what it trained)."""
     state = checkpoint.load_state(ckpt)
-    preset = get_preset(state["model"])
+    preset = get_preset(state["model"], state["config"].get("expert"))  # one expert of a two-expert model: its weights
     cls = preset.transformer_class
     if checkpoint.is_controlnet(ckpt):
         raise ValueError(f"{ckpt} trains a ControlNet, which samples with control images: export it (python -m train export "
@@ -116,7 +116,8 @@ def write_provenance(directory: Path, ckpt: Path, state: dict, ema: bool, **extr
     """`training.json` beside exported weights: which checkpoint, step and weights they are."""
     (directory / "training.json").write_text(json.dumps({
         "checkpoint": str(ckpt.resolve()), "step": state["step"], "weights": "ema" if ema else "trained", "preset": state["model"],
-        "precision_history": state["precision_history"], **extra,
+        "precision_history": state["precision_history"],
+        **({"expert": state["config"]["expert"]} if state["config"].get("expert") else {}), **extra,
     }, indent=1) + "\n")
 
 

@@ -390,3 +390,18 @@ def test_a_cache_of_images_or_of_another_text_layout_is_refused():
     problems = FAMILY.cache_problems(images, config)
     assert any(p.startswith("text layout: cache 'masked'") for p in problems)
     assert "latent frames: the cache holds images (latents without a frame axis); Wan's VAE makes one latent frame of 4" in problems
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_the_export_card_loads_each_expert_where_the_pipeline_takes_it(kind):
+    """The card's code puts a low-noise expert's export in `transformer_2` (its LoRA with load_into_transformer_2), an I2V
+    preset's in WanImageToVideoPipeline with its first frame, and writes the frames as a video."""
+    from train.card import Base, usage
+
+    low = usage("wan", kind, Base("hub", "Wan-AI/Wan2.2-I2V-A14B-Diffusers"), "owner/export", preset=get_preset("wan2.2-i2v-a14b", "low"))
+    assert "WanImageToVideoPipeline.from_pretrained" in low and 'image=load_image("first_frame.png")' in low
+    assert ("transformer_2=transformer_2" in low) if kind == "full" else ("load_into_transformer_2=True" in low)
+    assert '.frames[0]' in low and 'export_to_video(frames, "video.mp4", fps=16)' in low
+    high = usage("wan", kind, Base("hub", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"), "owner/export", preset=get_preset("wan2.2-t2v-a14b", "high"))
+    assert "WanPipeline.from_pretrained" in high and "transformer_2" not in high and "load_image" not in high
+    compile(low, "card", "exec"), compile(high, "card", "exec")

@@ -387,10 +387,19 @@ class Family(ABC):
         `save_lora_weights` writes, which `train.lora.save_adapter` then writes (the default)."""
         return None
 
-    def lora_usage(self, location: str, weight_name: str | None) -> tuple[list[str], list[str]]:
-        """(imports, statements) that load exported adapters into `pipe`, the family's pipeline."""
+    def lora_usage(self, location: str, weight_name: str | None, component: str = "transformer") -> tuple[list[str], list[str]]:
+        """(imports, statements) that load exported adapters into `pipe`, the family's pipeline (into its `component`,
+        an expert's transformer of a two-expert model)."""
         name = f', weight_name="{weight_name}"' if weight_name else ""
         return [], [f'pipe.load_lora_weights("{location}"{name})']
+
+    def pipeline_of(self, preset: ModelPreset) -> str:
+        """The stock pipeline that samples `preset` (its export card's)."""
+        return self.pipeline
+
+    def usage_generate(self, preset: ModelPreset | None, extra: str) -> tuple[list[str], list[str]]:
+        """(imports, statements) of the export card that sample from `pipe` (`extra`: ", " and `usage_call_args`, or "")."""
+        return [], [f'image = pipe("a prompt"{extra}).images[0]']
 
     def usage_call_args(self) -> str:
         """Keyword arguments after the prompt in the export card's `pipe("a prompt", ...)` call, for a pipeline whose

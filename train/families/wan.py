@@ -137,8 +137,7 @@ class Wan(Family):
                                               guidance_scale=5.0, image_to_video=True),
         }
 
-    def pipeline_of(self, preset: ModelPreset) -> str:
-        """The stock pipeline that samples the preset."""
+    def pipeline_of(self, preset):
         return "WanImageToVideoPipeline" if getattr(preset, "image_to_video", False) else self.pipeline
 
     def blocks(self, model):
@@ -249,8 +248,17 @@ class Wan(Family):
             return wan_kohya.save(directory, state, config)
         return super().save_adapter(directory, state, config, lora_format, fold)
 
-    def usage_call_args(self) -> str:
-        return "num_frames=81"
+    def lora_usage(self, location, weight_name, component="transformer"):
+        # diffusers loads Wan adapters into `transformer` (the high-noise expert of Wan 2.2 A14B) unless told otherwise
+        into = ", load_into_transformer_2=True" if component == "transformer_2" else ""
+        name = f', weight_name="{weight_name}"' if weight_name else ""
+        return [], [f'pipe.load_lora_weights("{location}"{name}{into})']
+
+    def usage_generate(self, preset, extra):
+        first = ', image=load_image("first_frame.png")' if getattr(preset, "image_to_video", False) else ""
+        loads = ", load_image" if first else ""
+        return [f"from diffusers.utils import export_to_video{loads}"], [
+            f'frames = pipe("a prompt"{first}, num_frames=81{extra}).frames[0]', 'export_to_video(frames, "video.mp4", fps=16)']
 
 
 def single(text: dict, j: int) -> dict:
