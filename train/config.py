@@ -410,7 +410,7 @@ class ObjectiveOptions:
 
 @dataclass
 class ValidationOptions:
-    """The grids sampled while training. Reads `model` and `controlnet`."""
+    """The grids sampled while training. Reads `model`, `expert` and `controlnet`."""
 
     validate: bool = opt(True, "Sample validation grids (--no-validate: never).")
     validation_prompt: list[str] = opt([], "Validation prompt (repeatable); its embedding must be in the cache (precompute "
@@ -440,7 +440,7 @@ class ValidationOptions:
         if self.validation_steps is None or self.guidance_scale is None:  # the preset's sampling defaults
             from train.families import get_preset
 
-            preset = get_preset(self.model)
+            preset = get_preset(self.model, self.expert)  # one expert of two: its own guidance
             self.validation_steps = preset.validation_steps if self.validation_steps is None else self.validation_steps
             self.guidance_scale = preset.guidance_scale if self.guidance_scale is None else self.guidance_scale
         if self.controlnet and (self.validation_prompt or self.validation_bucket):

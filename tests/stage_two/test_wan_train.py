@@ -230,6 +230,9 @@ def test_the_expert_option_loads_its_transformer_and_is_required_for_two_experts
     with pytest.raises(ValueError, match="--expert low: tiny-wan is one transformer"):
         TrainConfig(model="tiny-wan", expert="low")
     assert get_preset("wan2.2-t2v-a14b").expert_range("low") == (0.0, 0.875)
+    # each validates at its own guidance, as the pipeline guides it (guidance_scale, guidance_scale_2)
+    assert TrainConfig(model="wan2.2-t2v-a14b", expert="high").guidance_scale == 4.0
+    assert TrainConfig(model="wan2.2-t2v-a14b", expert="low").guidance_scale == 3.0
 
 
 @pytest.mark.parametrize("name", sorted(COUNTS))

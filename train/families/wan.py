@@ -8,7 +8,7 @@ boundary's timestep and `transformer_2` (low noise) after it. Adapters in diffus
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,6 +51,11 @@ class WanPreset(ModelPreset):
 
     image_to_video: bool = False
     guidance_scale_2: float | None = None
+
+    def expert(self, which):
+        """The low-noise expert validates at its own guidance (the pipelines' guidance_scale_2)."""
+        chosen = super().expert(which)
+        return replace(chosen, guidance_scale=self.guidance_scale_2) if which == "low" and self.guidance_scale_2 else chosen
 
 
 def preset(name: str, repo: str, config: str, shift: float, resolution: int, encoders: dict, **kwargs) -> WanPreset:
