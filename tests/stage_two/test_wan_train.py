@@ -78,14 +78,17 @@ def first_frame() -> "PIL.Image.Image":  # noqa: F821
 
 
 def test_the_padded_layout_zero_fills_to_512_as_encode_prompt_does():
+    """Captions cached at any limit (the tiny umT5's 64) are zero-filled to the pipelines' default 512 tokens."""
     cond, null = captions()
-    text = TextLayout(TextSpec("padded", WIDTH, TEXT_TOKENS)).collate([null, cond])["text"]
+    text = TextLayout(TextSpec("padded", WIDTH, 64)).collate([null, cond])["text"]
     assert text.shape == (2, TEXT_TOKENS, WIDTH)
     assert torch.equal(text[1, :11], cond["text"]) and not text[1, 11:].any() and not text[0, 1:].any()
-    assert FAMILY.text.problems(TextSpec("padded", WIDTH, 256), get_preset("tiny-wan-i2v").transformer_config(), FAMILY) == [
-        "text tokens: cache 256, an image-conditioned Wan transformer takes exactly 512 (its attention takes the tokens "
+    assert TextLayout(TextSpec("padded", WIDTH, 600)).collate([cond])["text"].shape == (1, 600, WIDTH)
+    assert FAMILY.text.problems(TextSpec("padded", WIDTH, 600), get_preset("tiny-wan-i2v").transformer_config(), FAMILY) == [
+        "text tokens: cache 600, an image-conditioned Wan transformer takes at most 512 (its attention takes the tokens "
         "before the last 512 as the image's)"]
-    assert FAMILY.text.problems(TextSpec("padded", WIDTH, 256), get_preset("tiny-wan").transformer_config(), FAMILY) == []
+    assert FAMILY.text.problems(TextSpec("padded", WIDTH, 64), get_preset("tiny-wan-i2v").transformer_config(), FAMILY) == []
+    assert FAMILY.text.problems(TextSpec("padded", WIDTH, 600), get_preset("tiny-wan").transformer_config(), FAMILY) == []
 
 
 def test_the_transformer_gets_what_wanpipeline_gives_it():
@@ -242,7 +245,7 @@ def test_the_published_architectures_have_their_parameter_counts(name):
         model = preset.transformer_class.from_config(preset.transformer_config())
     assert sum(p.numel() for p in model.parameters()) == COUNTS[name]
     assert len(FAMILY.blocks(model)) == preset.transformer_config()["num_layers"]
-    assert preset.family == "wan" and preset.text_tokens == 512 and preset.repo.startswith("Wan-AI/")
+    assert preset.family == "wan" and preset.text_tokens == TEXT_TOKENS and preset.repo.startswith("Wan-AI/")
 
 
 def test_the_published_flow_shifts_and_boundaries():
@@ -345,7 +348,7 @@ def test_an_exported_transformer_generates_a_video_through_wanpipeline(tmp_path)
 def test_the_planner_traces_clips_with_their_condition():
     preset = get_preset("tiny-wan-i2v")
     config = preset.transformer_config()
-    batch = FAMILY.example_batch(config, preset, (17, 64, 96), 2, TEXT_TOKENS, torch.float32)
+    batch = FAMILY.example_batch(config, preset, (17, 64, 96), 2, 64, torch.float32)
     assert batch["latents"].shape == (2, 16, 5, 8, 12) and batch["condition"].shape == (2, 20, 5, 8, 12)
     assert batch["image_embeds"].shape == (2, 257, 32) and batch["text"].shape == (2, 512, WIDTH)
     assert FAMILY.image_tokens(config, preset, (17, 64, 96)) == 5 * 4 * 6

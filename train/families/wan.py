@@ -66,34 +66,41 @@ def preset(name: str, repo: str, config: str, shift: float, resolution: int, enc
 
 
 class WanText(TextInput):
-    """"padded": per caption `text`, umT5's valid tokens as stored, zero-filled to the cache's `max_tokens` (512) when
-    collated, exactly as the pipelines' encode_prompt zero-fills them; no mask (the transformer takes none)."""
+    """"padded": per caption `text`, umT5's valid tokens as stored, zero-filled to 512 tokens (or the cache's longer
+    `max_tokens`) when collated, exactly as the pipelines' encode_prompt zero-fills them at their default
+    max_sequence_length; no mask (the transformer takes none). The zeros are input: the text embedder maps them to
+    tokens every caption attends to."""
 
     layout = "padded"
-    description = "umT5's tokens zero-filled to max_tokens, no mask"
+    description = "umT5's tokens zero-filled to 512, no mask"
+
+    @staticmethod
+    def tokens(spec) -> int:
+        """The tokens a caption is zero-filled to: the pipelines' 512, or the cache's limit where it is longer."""
+        return max(spec.max_tokens, TEXT_TOKENS)
 
     def collate(self, spec, conds):
-        """`text` (B, max_tokens, D), each caption's tokens first and zeros after."""
+        """`text` (B, 512, D), each caption's tokens first and zeros after."""
         rows = [c["text"] for c in conds]
-        longest = max(r.shape[0] for r in rows)
-        if longest > spec.max_tokens:
+        longest, width = max(r.shape[0] for r in rows), self.tokens(spec)
+        if longest > width:
             raise ValueError(f"a caption of {longest} tokens is longer than the cache's max_tokens {spec.max_tokens}; the "
                              f"cache is damaged (stage one cuts captions there)")
-        text = torch.zeros(len(rows), spec.max_tokens, rows[0].shape[1], dtype=rows[0].dtype)
+        text = torch.zeros(len(rows), width, rows[0].shape[1], dtype=rows[0].dtype)
         for j, r in enumerate(rows):
             text[j, : r.shape[0]] = r
         return {"text": text}
 
     def problems(self, spec, config, family):
         problems = super().problems(spec, config, family)
-        if config.get("image_dim") is not None and spec.max_tokens != TEXT_TOKENS:
+        if config.get("added_kv_proj_dim") is not None and spec.max_tokens > TEXT_TOKENS:
             # WanAttnProcessor splits the image tokens off as everything before the last 512
-            problems.append(f"text tokens: cache {spec.max_tokens}, an image-conditioned Wan transformer takes exactly "
+            problems.append(f"text tokens: cache {spec.max_tokens}, an image-conditioned Wan transformer takes at most "
                             f"{TEXT_TOKENS} (its attention takes the tokens before the last {TEXT_TOKENS} as the image's)")
         return problems
 
     def example(self, config, family, batch, tokens, dtype, device="meta"):
-        return {"text": torch.zeros(batch, tokens, family.text_width(config), device=device, dtype=dtype)}
+        return {"text": torch.zeros(batch, max(tokens, TEXT_TOKENS), family.text_width(config), device=device, dtype=dtype)}
 
 
 class Wan(Family):
@@ -134,11 +141,11 @@ class Wan(Family):
                                               image_to_video=True),
             "wan2.2-ti2v-5b": lambda: preset("wan2.2-ti2v-5b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
                                              "wan22_ti2v_5b_transformer.json", 5.0, 720, VAE22, latent_downsample=16),
-            # the tiny umT5 caches 64 tokens; an image-conditioned transformer takes exactly 512 (WanText.problems)
+            # the tiny umT5 caches up to 64 tokens (zero-filled to 512 as the pipelines do)
             "tiny-wan": lambda: WanPreset("tiny-wan", self.name, None, TINY, "flow", "flow", flow_shift=3.0,
                                           base_resolution=64, text_tokens=64, validation_steps=4, guidance_scale=5.0),
             "tiny-wan-i2v": lambda: WanPreset("tiny-wan-i2v", self.name, None, TINY_I2V, "flow", "flow", flow_shift=3.0,
-                                              base_resolution=64, text_tokens=TEXT_TOKENS, validation_steps=4,
+                                              base_resolution=64, text_tokens=64, validation_steps=4,
                                               guidance_scale=5.0, image_to_video=True),
         }
 
