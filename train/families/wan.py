@@ -141,11 +141,11 @@ class Wan(Family):
                                               image_to_video=True),
             "wan2.2-ti2v-5b": lambda: preset("wan2.2-ti2v-5b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
                                              "wan22_ti2v_5b_transformer.json", 5.0, 720, VAE22, latent_downsample=16),
-            # the tiny umT5 caches up to 64 tokens (zero-filled to 512 as the pipelines do)
+            # stage one's tiny umT5 limits: 64 tokens (zero-filled to 512 as the pipelines do), 512 for the I2V preset
             "tiny-wan": lambda: WanPreset("tiny-wan", self.name, None, TINY, "flow", "flow", flow_shift=3.0,
                                           base_resolution=64, text_tokens=64, validation_steps=4, guidance_scale=5.0),
             "tiny-wan-i2v": lambda: WanPreset("tiny-wan-i2v", self.name, None, TINY_I2V, "flow", "flow", flow_shift=3.0,
-                                              base_resolution=64, text_tokens=64, validation_steps=4,
+                                              base_resolution=64, text_tokens=TEXT_TOKENS, validation_steps=4,
                                               guidance_scale=5.0, image_to_video=True),
         }
 
