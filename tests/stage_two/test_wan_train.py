@@ -398,6 +398,21 @@ def test_a_cache_of_images_or_of_another_text_layout_is_refused():
     assert "latent frames: the cache holds images (latents without a frame axis); Wan's VAE makes one latent frame of 4" in problems
 
 
+def test_an_image_to_video_model_takes_the_first_frame_fields_of_an_image_to_video_cache():
+    from shards import CacheSpec, LatentSpec
+
+    clips = LatentSpec(16, 8, 1.0, 0.0, "mean_std", temporal_downsample=4)
+    i2v = CacheSpec(latent=clips, text=TextSpec("padded", WIDTH, 512), family="wan", preset="tiny-wan-i2v")
+    t2v = dataclasses.replace(i2v, preset="tiny-wan")
+    assert FAMILY.conditioning_fields(i2v) == ("condition", "image_embeds") and FAMILY.conditioning_fields(t2v) == ()
+    assert FAMILY.conditioning_fields(dataclasses.replace(i2v, preset="wan2.2-i2v-a14b")) == ("condition",)
+    model = get_preset("tiny-wan-i2v").transformer_config()
+    assert FAMILY.cache_problems(i2v, model) == [] and FAMILY.cache_problems(i2v, get_preset("tiny-wan").transformer_config()) == []
+    assert FAMILY.cache_problems(t2v, model) == [
+        "first frame: the model takes condition and image_embeds, which stage one caches for image-to-video presets; this "
+        "cache was built for tiny-wan"]
+
+
 @pytest.mark.parametrize("kind", ["full", "lora"])
 def test_the_export_card_loads_each_expert_where_the_pipeline_takes_it(kind):
     """The card's code puts a low-noise expert's export in `transformer_2` (its LoRA with load_into_transformer_2), an I2V

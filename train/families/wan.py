@@ -115,6 +115,8 @@ class Wan(Family):
     lora_formats = ("diffusers", "kohya", "lycoris")
     null_caption = "empty"  # WanPipeline's negative prompt defaults to "": its embedding, zero-filled
     no_controlnet = "--controlnet trains the ControlNets of the families that have one here; Wan has none in diffusers"
+    temporal_downsample = TEMPORAL
+    frame_rate = 16.0  # the clips' rate the Wan models were trained at (TI2V-5B: 24; stage one records a cache's own)
 
     def presets(self):
         # flow_shift at the base resolution, as diffusers' Wan schedulers sample: 3.0 at 480p, 5.0 at 720p ("5.0 for 720P,
@@ -168,13 +170,32 @@ class Wan(Family):
         return "out_channels"
 
     def cache_problems(self, spec, config):
-        """Besides the base's: the cache must hold clips of the Wan VAE's 4 frames per latent frame."""
+        """Besides the base's: the cache must hold clips of the Wan VAE's 4 frames per latent frame, and, for an
+        image-to-video transformer, the first-frame fields it takes."""
         problems = super().cache_problems(spec, config)
         if spec.latent.temporal_downsample != TEMPORAL:
             held = (f"clips of {spec.latent.temporal_downsample} frames per latent frame" if spec.latent.temporal_downsample
                     else "images (latents without a frame axis)")
             problems.append(f"latent frames: the cache holds {held}; Wan's VAE makes one latent frame of {TEMPORAL}")
+        missing = [name for name in self.model_conditioning(config) if name not in self.conditioning_fields(spec)]
+        if missing:
+            problems.append(f"first frame: the model takes {' and '.join(missing)}, which stage one caches for image-to-video "
+                            f"presets; this cache was built for {spec.preset or 'another preset'}")
         return problems
+
+    def model_conditioning(self, config: Mapping) -> tuple[str, ...]:
+        """The cached first-frame fields the transformer takes: an I2V model's `condition`, Wan 2.1's `image_embeds`."""
+        return (("condition",) if self.condition_channels(config) else ()) + (
+            ("image_embeds",) if config.get("image_dim") is not None else ())
+
+    def conditioning_fields(self, spec):
+        """The first-frame fields a cache holds: those of the image-to-video preset stage one built it for (a text-to-video
+        transformer ignores them)."""
+        from train.families import PRESETS, get_preset
+
+        if spec.preset not in PRESETS:
+            return ()
+        return self.model_conditioning(get_preset(spec.preset).transformer_config())
 
     def latent_patch(self, config: Mapping) -> int:
         return config.get("patch_size", (1, 2, 2))[1]
