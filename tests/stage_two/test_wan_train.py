@@ -348,12 +348,15 @@ def test_an_exported_transformer_generates_a_video_through_wanpipeline(tmp_path)
 def test_the_planner_traces_clips_with_their_condition():
     preset = get_preset("tiny-wan-i2v")
     config = preset.transformer_config()
-    batch = FAMILY.example_batch(config, preset, (17, 64, 96), 2, 64, torch.float32)
+    from shards import Bucket
+
+    batch = FAMILY.example_batch(config, preset, Bucket(64, 96, 17), 2, 64, torch.float32)
     assert batch["latents"].shape == (2, 16, 5, 8, 12) and batch["condition"].shape == (2, 20, 5, 8, 12)
     assert batch["image_embeds"].shape == (2, 257, 32) and batch["text"].shape == (2, 512, WIDTH)
-    assert FAMILY.image_tokens(config, preset, (17, 64, 96)) == 5 * 4 * 6
+    assert FAMILY.example_batch(config, preset, (64, 96), 1, 64, torch.float32)["latents"].shape == (1, 16, 1, 8, 12)
+    assert FAMILY.image_tokens(config, preset, Bucket(64, 96, 17)) == 5 * 4 * 6
     assert FAMILY.image_tokens(get_preset("wan2.1-t2v-14b").transformer_config(), get_preset("wan2.1-t2v-14b"),
-                               (81, 480, 832)) == 21 * 30 * 52
+                               Bucket.parse("81x480x832")) == 21 * 30 * 52
 
 
 def lora_grads(options: dict, tmp_path) -> tuple[float, dict]:

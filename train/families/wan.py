@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from shards import Bucket
 from train.families.base import ATTENTION, Family, ModelPreset, TextInput
 
 # The published scheduler (scheduler/scheduler_config.json of the Wan-AI/*-Diffusers repositories): UniPC, second order
@@ -225,10 +226,10 @@ class Wan(Family):
                      encoder_hidden_states_image=image, return_dict=False)[0]
 
     def example_batch(self, config, preset, bucket, batch, tokens, dtype, device="meta"):
-        """Zeros of a batch of clips at `bucket` (height, width) or (frames, height, width) pixels: latents (B, C, T, h, w)
-        and, for I2V models, the condition and image embedding the cache holds."""
-        frames, height, width = bucket if len(bucket) == 3 else (1, *bucket)
-        down, t = preset.latent_downsample, (frames - 1) // TEMPORAL + 1
+        """Zeros of a batch of clips of `bucket` (a `shards.Bucket`, or (height, width): one frame): latents
+        (B, C, T, h, w) and, for I2V models, the condition and image embedding the cache holds."""
+        height, width, frames = Bucket(*bucket)
+        down, t = preset.latent_downsample, (max(frames, 1) - 1) // TEMPORAL + 1
         shape = (batch, self.latent_channels(config), t, height // down, width // down)
         out = {"latents": torch.zeros(shape, device=device, dtype=dtype), **self.text.example(config, self, batch, tokens, dtype, device)}
         if self.condition_channels(config):
@@ -238,9 +239,10 @@ class Wan(Family):
         return out
 
     def image_tokens(self, config, preset, bucket):
-        frames, height, width = bucket if len(bucket) == 3 else (1, *bucket)
+        """Tokens of one clip of `bucket` (a `shards.Bucket`, or (height, width): one frame): latent frames x patches."""
+        height, width, frames = Bucket(*bucket)
         per_token = preset.latent_downsample * self.latent_patch(config)
-        return ((frames - 1) // TEMPORAL + 1) * (height // per_token) * (width // per_token)
+        return ((max(frames, 1) - 1) // TEMPORAL + 1) * (height // per_token) * (width // per_token)
 
     # --- validation, as the stock pipelines sample ---
 
