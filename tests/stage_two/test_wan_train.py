@@ -331,17 +331,20 @@ def test_a_kohya_export_of_layers_outside_the_blocks_is_refused(tmp_path):
         lora.save_adapter(tmp_path, "wan", lora.adapter_state(model), config, lora_format="kohya")
 
 
-def test_an_exported_transformer_generates_a_video_through_wanpipeline(tmp_path):
-    """A full fine-tune's export (the transformer in diffusers' layout, OUT/transformer) loads in WanPipeline beside the
-    VAE and generates frames."""
+@pytest.mark.parametrize("name", ["tiny-wan", "tiny-wan-i2v"])
+def test_an_exported_transformer_generates_a_video_through_the_stock_pipeline(name, tmp_path):
+    """A full fine-tune's export (the transformer in diffusers' layout, OUT/transformer) loads in WanPipeline (an I2V
+    preset's in WanImageToVideoPipeline, from a first frame) beside the VAE and generates frames."""
     from diffusers import WanTransformer3DModel
 
-    build_transformer(get_preset("tiny-wan"), None, 0).save_pretrained(tmp_path / "transformer", safe_serialization=True)
+    build_transformer(get_preset(name), None, 0).save_pretrained(tmp_path / "transformer", safe_serialization=True)
     transformer = WanTransformer3DModel.from_pretrained(tmp_path, subfolder="transformer")
     cond, null = captions()
-    frames = stock(transformer, vae=tiny_vae())(prompt_embeds=padded(cond), negative_prompt_embeds=padded(null), height=64,
-                                               width=64, num_frames=9, num_inference_steps=2, output_type="np",
-                                               generator=torch.Generator().manual_seed(0)).frames[0]
+    i2v = FAMILY.pipeline_of(get_preset(name)) == "WanImageToVideoPipeline"
+    pipe = stock(transformer, vae=tiny_vae(), image_to_video=i2v)
+    frames = pipe(prompt_embeds=padded(cond), negative_prompt_embeds=padded(null), height=64, width=64, num_frames=9,
+                  num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0),
+                  **({"image": first_frame()} if i2v else {})).frames[0]
     assert frames.shape == (9, 64, 64, 3) and np.isfinite(frames).all() and float(frames.std()) > 0
 
 
