@@ -5,6 +5,9 @@ of a two-expert model draws only its own timesteps, and adapters load through th
 diffusers' and musubi-tuner's layouts."""
 
 import dataclasses
+import json
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -432,3 +435,126 @@ def test_the_export_card_loads_each_expert_where_the_pipeline_takes_it(kind):
     high = usage("wan", kind, Base("hub", "Wan-AI/Wan2.2-T2V-A14B-Diffusers"), "owner/export", preset=get_preset("wan2.2-t2v-a14b", "high"))
     assert "WanPipeline.from_pretrained" in high and "transformer_2" not in high and "load_image" not in high
     compile(low, "card", "exec"), compile(high, "card", "exec")
+
+
+# --- training from a cache of clips (stage one's layout, written as stage one writes it: tests/stage_two/video_testing.py) ---
+
+
+def i2v_cache(root: Path) -> Path:
+    """A tiny-wan-i2v cache of 17-frame clips with the first-frame fields stage one caches: `condition` (4 + 16, T, h, w)
+    and the tiny CLIP's `image_embeds` (17, 32)."""
+    from video_testing import LATENT, TEXT, TEXT_WIDTH
+
+    from shards import Bucket, CacheSpec, Field, Prompt, ShardWriter, prompt_key
+
+    g = torch.Generator().manual_seed(5)
+    schema = {"latent_mean": Field(torch.bfloat16), "latent_std": Field(torch.bfloat16), "condition": Field(torch.bfloat16),
+              "image_embeds": Field(torch.bfloat16), "text": Field(torch.bfloat16, ragged=True),
+              "text_lengths": Field(torch.int32, ragged=True)}
+    fingerprint = {"vae": {"id": "tiny-video-vae", **LATENT.fingerprint()}, "text_encoder": {"id": "tiny-umt5", **TEXT.fingerprint()}}
+    shape = LATENT.shape(64, 64, 17)
+    with ShardWriter(root, fingerprint, schema) as w:
+        for k in range(4):
+            w.write(f"clip{k}", Bucket(64, 64, 17), {
+                "latent_mean": torch.randn(shape, generator=g).bfloat16(), "latent_std": torch.full(shape, 0.1).bfloat16(),
+                "condition": torch.randn(20, *shape[1:], generator=g).bfloat16(),
+                "image_embeds": torch.randn(17, 32, generator=g).bfloat16(),
+                "text": torch.randn(5, TEXT_WIDTH, generator=g).bfloat16(), "text_lengths": torch.tensor([5], dtype=torch.int32)},
+                source=f"videos/clip{k}.mp4")
+        w.add_prompts({prompt_key(t): Prompt(t, {"text": torch.randn(len(t) // 4, TEXT_WIDTH, generator=g).bfloat16()})
+                       for t in ("", "a red square moving right")}, {"text": schema["text"]})
+        w.set_extra("precompute", CacheSpec(LATENT, TEXT, "wan", "tiny-wan-i2v", 64, extra={"frame_rate": 16.0,
+                                                                                           "image_to_video": True}).record())
+    return root
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """tiny-wan's cache of clips (17 frames in two shapes, one-frame clips) and tiny-wan-i2v's (first-frame fields)."""
+    from video_testing import clip_cache
+
+    root = tmp_path_factory.mktemp("wan")
+    return {"tiny-wan": clip_cache(root / "t2v", family="wan", preset="tiny-wan", decoder=True),
+            "tiny-wan-i2v": i2v_cache(root / "i2v")}
+
+
+def run_cfg(caches, run, model="tiny-wan", **kw):
+    base = dict(model=model, cache=[str(caches[model if model in caches else "tiny-wan"])], run=run, steps=4, batch_size=2,
+                workers=0, progress=False, log_every=1, checkpoint_every=2, lr=1e-3, precision="fp32", validate=False)
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("model", ["tiny-wan", "tiny-wan-i2v"])
+@pytest.mark.parametrize("adapters", [{}, {"lora_rank": 4, "lora_alpha": 8}], ids=["full", "lora"])
+def test_tiny_wan_trains_from_clips_resumes_exactly_and_exports_what_the_stock_pipeline_loads(caches, tmp_path, model, adapters):
+    """Full and LoRA training of T2V and I2V from a cache of clips: a resumed run's losses are the uninterrupted one's,
+    and the export (the transformer, or the adapters in diffusers' and musubi-tuner's layouts) loads into the stock
+    pipeline's transformer and predicts what the trained checkpoint does."""
+    from conftest import losses
+
+    from train.checkpoint import complete_checkpoints
+    from train.export import export, load_model
+    from train.loop import train
+
+    straight = train(run_cfg(caches, tmp_path / "straight", model, **adapters))
+    train(run_cfg(caches, tmp_path / "resumed", model, steps=2, **adapters))
+    train(run_cfg(caches, tmp_path / "resumed", model, **adapters))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 4
+    trained, preset, _ = load_model(complete_checkpoints(tmp_path / "straight")[-1], ema=False)
+    cfg = preset.transformer_config()
+    g = torch.Generator().manual_seed(3)
+    x, t = torch.randn(1, 16, 5, 8, 8, generator=g), torch.tensor([700.0])
+    batch = {"text": padded(captions()[0])}
+    if FAMILY.condition_channels(cfg):
+        batch |= {"condition": torch.randn(1, 20, 5, 8, 8, generator=g), "image_embeds": torch.randn(1, 17, 32, generator=g)}
+    with torch.no_grad():
+        expected = model_forward(trained.eval(), "wan")(x, t, batch)
+    i2v = model == "tiny-wan-i2v"
+    for fmt in ("diffusers", "kohya") if adapters else ("diffusers",):
+        out = export(tmp_path / "straight", tmp_path / f"export-{fmt}", lora_format=fmt)
+        if adapters:
+            pipe = stock(build_transformer(preset, None, 0).eval(), image_to_video=i2v)
+            pipe.load_lora_weights(out.parent, weight_name=out.name)
+            loaded = pipe.transformer
+        else:
+            from diffusers import WanTransformer3DModel
+
+            loaded = WanTransformer3DModel.from_pretrained(out.parent, subfolder="transformer").eval()
+            assert "training.json" in {p.name for p in out.iterdir()}
+        with torch.no_grad():
+            assert torch.allclose(model_forward(loaded, "wan")(x, t, batch), expected, atol=1e-5), fmt
+    assert math.isfinite(straight["last_loss"])
+    if not adapters:  # the export generates a video through the stock pipeline
+        cond, null = captions()
+        pipe = stock(loaded, vae=tiny_vae(), image_to_video=i2v)
+        frames = pipe(prompt_embeds=padded(cond), negative_prompt_embeds=padded(null), height=64, width=64, num_frames=9,
+                      num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(0),
+                      **({"image": first_frame()} if i2v else {})).frames[0]
+        assert frames.shape == (9, 64, 64, 3) and np.isfinite(frames).all()
+
+
+@pytest.mark.parametrize("expert", ["high", "low"])
+def test_each_expert_trains_on_its_own_timesteps(caches, tmp_path, monkeypatch, expert):
+    """A run of one expert of a two-expert model feeds its transformer only timesteps of its range, step after step, and
+    records the expert in its checkpoint; the export says where the pipeline takes it."""
+    from train.loop import train
+
+    preset = two_experts(monkeypatch)
+    seen = []
+    forward = FAMILY.forward
+
+    def recorded(model, config, xt, t, batch, guidance):
+        if not t.is_meta:  # the planner traces on the meta device
+            seen.append(t.detach().clone())
+        return forward(model, config, xt, t, batch, guidance)
+    monkeypatch.setattr(FAMILY, "forward", recorded)
+    train(run_cfg(caches, tmp_path / "run", "tiny-wan-a14b", expert=expert, steps=6))
+    t = torch.cat(seen)
+    assert len(t) == 12
+    boundary = preset.expert_boundary * 1000
+    assert bool(((t >= boundary) & (t <= 1000)).all()) if expert == "high" else bool(((t >= 0) & (t < boundary)).all())
+    from train.export import export
+
+    out = export(tmp_path / "run", tmp_path / "export")
+    assert json.loads((out / "training.json").read_text())["expert"] == expert
+    assert ("transformer_2=transformer_2" in (out.parent / "README.md").read_text()) == (expert == "low")
