@@ -442,15 +442,16 @@ def test_the_export_card_loads_each_expert_where_the_pipeline_takes_it(kind):
 
 def i2v_cache(root: Path) -> Path:
     """A tiny-wan-i2v cache of 17-frame clips with the first-frame fields stage one caches: `condition` (4 + 16, T, h, w)
-    and the tiny CLIP's `image_embeds` (17, 32)."""
-    from video_testing import LATENT, TEXT, TEXT_WIDTH
+    and the tiny CLIP's `image_embeds` (17, 32); its decoder the tiny video VAE."""
+    from safetensors.torch import save
+    from video_testing import LATENT, MEAN, STD, TEXT, TEXT_WIDTH, tiny_video_vae
 
-    from shards import Bucket, CacheSpec, Field, Prompt, ShardWriter, prompt_key
+    from shards import Bucket, CacheSpec, DecoderRecipe, Field, Prompt, ShardWriter, prompt_key
 
     g = torch.Generator().manual_seed(5)
     schema = {"latent_mean": Field(torch.bfloat16), "latent_std": Field(torch.bfloat16), "condition": Field(torch.bfloat16),
               "image_embeds": Field(torch.bfloat16), "text": Field(torch.bfloat16, ragged=True),
-              "text_lengths": Field(torch.int32, ragged=True)}
+              "text_lengths": Field(torch.int32, ragged=True), "source": Field(torch.uint8, ragged=True)}
     fingerprint = {"vae": {"id": "tiny-video-vae", **LATENT.fingerprint()}, "text_encoder": {"id": "tiny-umt5", **TEXT.fingerprint()}}
     shape = LATENT.shape(64, 64, 17)
     with ShardWriter(root, fingerprint, schema) as w:
@@ -459,12 +460,18 @@ def i2v_cache(root: Path) -> Path:
                 "latent_mean": torch.randn(shape, generator=g).bfloat16(), "latent_std": torch.full(shape, 0.1).bfloat16(),
                 "condition": torch.randn(20, *shape[1:], generator=g).bfloat16(),
                 "image_embeds": torch.randn(17, 32, generator=g).bfloat16(),
-                "text": torch.randn(5, TEXT_WIDTH, generator=g).bfloat16(), "text_lengths": torch.tensor([5], dtype=torch.int32)},
-                source=f"videos/clip{k}.mp4")
+                "text": torch.randn(5, TEXT_WIDTH, generator=g).bfloat16(), "text_lengths": torch.tensor([5], dtype=torch.int32),
+                "source": torch.tensor(list(f"videos/clip{k}.mp4".encode()), dtype=torch.uint8)})
         w.add_prompts({prompt_key(t): Prompt(t, {"text": torch.randn(len(t) // 4, TEXT_WIDTH, generator=g).bfloat16()})
                        for t in ("", "a red square moving right")}, {"text": schema["text"]})
-        w.set_extra("precompute", CacheSpec(LATENT, TEXT, "wan", "tiny-wan-i2v", 64, extra={"frame_rate": 16.0,
-                                                                                           "image_to_video": True}).record())
+        vae = tiny_video_vae()
+        w.add_file("decoder:config.json", "vae/config.json", vae.to_json_string().encode())
+        w.add_file("decoder:diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
+                   save({n: t.contiguous() for n, t in vae.state_dict().items()}))
+        recipe = DecoderRecipe("AutoencoderKLWan", "vae", 1.0, 0.0, in_cache=True, latents_mean=MEAN, latents_std=STD,
+                               frame_axis=True)
+        w.set_extra("precompute", CacheSpec(LATENT, TEXT, "wan", "tiny-wan-i2v", 64, recipe,
+                                            extra={"frame_rate": 16.0, "image_to_video": True}).record())
     return root
 
 
