@@ -503,7 +503,10 @@ def test_tiny_wan_trains_from_clips_resumes_exactly_and_exports_what_the_stock_p
     from train.export import export, load_model
     from train.loop import train
 
-    straight = train(run_cfg(caches, tmp_path / "straight", model, **adapters))
+    # the full fine-tunes validate too: a video per prompt sampled by the family's loop (I2V: from a cached first frame)
+    straight = train(run_cfg(caches, tmp_path / "straight", model, validate=not adapters, validation_steps=2, **adapters))
+    if not adapters:
+        assert straight["grids"] and list((tmp_path / "straight" / "samples").rglob("*-17x64x64.mp4"))
     train(run_cfg(caches, tmp_path / "resumed", model, steps=2, **adapters))
     train(run_cfg(caches, tmp_path / "resumed", model, **adapters))
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 4
