@@ -88,16 +88,19 @@ def tiny_video_vae():
 
 
 def clip_cache(root: Path, *, family: str = "stand-in-video", preset: str = "stand-in", condition: bool = False,
-               decoder: bool = False, buckets=BUCKETS, prompts=PROMPTS, seed: int = 0) -> Path:
+               image_embeds: bool = False, decoder: bool = False, buckets=BUCKETS, prompts=PROMPTS, seed: int = 0) -> Path:
     """A cache of random clips at `buckets` ((bucket, samples) pairs), each with one or two captions, the empty caption
     and `prompts` as prompts; with `condition`, a first-frame condition (4 + C, T, h, w) per sample (recorded as an
-    image-to-video cache); with `decoder`, the tiny video VAE's weights stored in the cache as its decoder."""
+    image-to-video cache), with `image_embeds` a first-frame image embedding (257, 32); with `decoder`, the tiny video
+    VAE's weights stored in the cache as its decoder."""
     g = torch.Generator().manual_seed(seed)
     schema = {"latent_mean": Field(torch.bfloat16), "latent_std": Field(torch.bfloat16),
               "text": Field(torch.bfloat16, ragged=True), "text_lengths": Field(torch.int32, ragged=True),
               "source": Field(torch.uint8, ragged=True)}
     if condition:
         schema["condition"] = Field(torch.bfloat16)
+    if image_embeds:
+        schema["image_embeds"] = Field(torch.bfloat16)
     fingerprint = {"vae": {"id": "tiny-video-vae", **LATENT.fingerprint()}, "text_encoder": {"id": "tiny-umt5", **TEXT.fingerprint()}}
     root = Path(root)
     with ShardWriter(root, fingerprint, schema) as w:
@@ -113,6 +116,8 @@ def clip_cache(root: Path, *, family: str = "stand-in-video", preset: str = "sta
                           "source": torch.tensor(list(f"videos/clip{k:04d}.mp4".encode()), dtype=torch.uint8)}
                 if condition:
                     fields["condition"] = torch.randn(4 + CHANNELS, *shape[1:], generator=g).bfloat16()
+                if image_embeds:
+                    fields["image_embeds"] = torch.randn(257, TEXT_WIDTH, generator=g).bfloat16()
                 w.write(f"clip{k:04d}", bucket, fields)
                 k += 1
         text_schema = {"text": schema["text"]}
