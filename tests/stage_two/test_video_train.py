@@ -114,6 +114,7 @@ def test_tiny_wan_i2v_trains_with_its_cached_first_frame(caches, tmp_path, monke
                        "dataset-clip0000.mp4"}
 
 
+@pytest.mark.slow  # wandb's offline start-up
 def test_the_trackers_show_the_contact_sheet_and_wandb_the_videos(caches, tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from test_trackers import wandb_run
