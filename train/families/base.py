@@ -307,9 +307,10 @@ class Family(ABC):
 
     def forward(self, model, config: Mapping, xt: torch.Tensor, t: torch.Tensor, batch: dict,
                 guidance: float | None) -> torch.Tensor:
-        """The transformer's prediction (B, C, h, w) as the family's pipeline calls it, from noisy latents `xt`
-        (B, C, h, w) as the cache stores them, timesteps `t` (B,) in [0, 1000] (flow: 1000 sigma) and a batch of
-        `TextInput.collate`'s fields (packing, position ids, masks and timestep scaling happen here). `guidance`:
+        """The transformer's prediction (B, C, h, w) (a clip's (B, C, T, h, w)) as the family's pipeline calls it, from
+        noisy latents `xt` of that shape as the cache stores them, timesteps `t` (B,) in [0, 1000] (flow: 1000 sigma) and
+        a batch of `TextInput.collate`'s fields and the `conditioning_fields` (packing, position ids, masks and timestep
+        scaling happen here). `guidance`:
         the value of a guidance-distilled model's guidance embedding. `model` may be a DDP wrapper; `config` is
         the transformer's. Default: `masked_call`."""
         return masked_call(model, xt, t, batch)
@@ -362,8 +363,9 @@ class Family(ABC):
 
     def denoise(self, forward: Callable, scheduler, latents: torch.Tensor, text: dict, *, guidance: float,
                 channels: int, autocast) -> torch.Tensor:
-        """Run the sampler from noise `latents` (1, C, h, w): classifier-free guidance over `text`, a batch of two
-        captions (the null caption, then the prompt), combined by `combine`; returns the final latents."""
+        """Run the sampler from noise `latents` (1, C, h, w) (a clip's (1, C, T, h, w)): classifier-free guidance over
+        `text`, a batch of two captions (the null caption, then the prompt, with the `conditioning_fields` of one cached
+        sample on both rows), combined by `combine`; returns the final latents."""
         for t in scheduler.timesteps:
             x = torch.cat([latents, latents])
             if hasattr(scheduler, "scale_model_input"):
