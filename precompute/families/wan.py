@@ -131,9 +131,10 @@ def clip_table(resolution: int, granularity: int) -> tuple[Bucket, ...]:
 # enable_tiling: 256-px tiles at a 192-px stride, blended), which bounds the encoder's memory at any frame size; up to
 # 720p a clip is encoded whole, exactly as the stock pipelines encode it. Time needs no tiling: AutoencoderKLWan._encode
 # already runs the encoder causally over the first frame and then 4 frames at a time, carrying a 2-frame feature cache,
-# so memory does not grow with the clip's length. Measured on the CPU in fp32 with the Wan 2.1 VAE's architecture: a
-# peak growing by about 15 KB per pixel of a frame (64x112 pixels: 5 to 33 frames within 0.15 GiB), i.e. about 13 GiB
-# for a 720x1280 frame: a 720p x 81-frame clip encodes whole on a 24 GB card, even in fp32.
+# so memory does not grow with the clip's length. Traced on the meta device (every tensor alive at once counted), the
+# Wan 2.1 VAE's encoder holds at most 6.8 GiB for a 720x1280 clip of 81 frames in bf16 (13.0 in fp32), about what it
+# holds for 17: with umT5-XXL beside it (10.6 GiB in bf16) a 720p x 81-frame clip encodes whole on a 24 GB card
+# (tests/stage_one/test_wan_precompute.py).
 TILE_ABOVE_PIXELS = max(b.pixels for granularity in (16, 32) for b in clip_table(720, granularity))
 
 
@@ -149,8 +150,11 @@ class Wan(Family):
 
     def presets(self) -> dict[str, Preset]:
         text = self.text_encoders()
-        # The pipelines' examples load the VAE and the CLIP image encoder in fp32 and umT5 in bf16.
-        wan21_vae, wan22_vae = VaeSpec("wan2.1", None), VaeSpec("wan2.2", None)
+        # On CUDA the VAE encodes in bf16 by default, as Qwen-Image's VAE of the same architecture does here: in fp32
+        # (the pipelines' examples, --vae-dtype fp32) a 720p clip's encoder needs 13.0 GiB beside umT5's 10.6, more
+        # than a 24 GB card holds (6.8 in bf16); 480p fits in fp32 (5.6). The CLIP image encoder runs in fp32, as the
+        # I2V pipeline's example loads it, umT5 in bf16 (it overflows in fp16).
+        wan21_vae, wan22_vae = VaeSpec("wan2.1", None, cuda_dtype="bf16"), VaeSpec("wan2.2", None, cuda_dtype="bf16")
 
         def real(name, repo, base, vae=wan21_vae, i2v=False, clip=False, **kw):
             image = ImageEncoderSpec("clip-vit-h", repo, cuda_dtype="fp32") if clip else None
