@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from precompute.clip_options import check_clip_options, clip_policy
 from precompute.families import DEFAULT_PRESET, family
 from precompute.families.base import Preset
 from precompute.folders import CAPTION_COLUMN
@@ -135,6 +136,24 @@ class PrecomputeConfig:
     alpha_mask: bool = opt(False, "Like --masks, with every image's loss mask taken from its own alpha channel (opaque: "
                                   "trained, transparent: ignored; the image itself is still composited on white). An image "
                                   "without an alpha channel is skipped (missing_mask).")
+    frames: int | None = opt(None, "Video models: the longest clip, in frames at the model's frame rate; a multiple of "
+                                   "its temporal factor plus one (4k+1: 17, 33, 49, 81). Default: the family's longest "
+                                   "frame bucket (81).", at_least=1)
+    frame_buckets: str | None = opt(None, "Video models: the clip lengths a cache holds, comma-separated and ascending, "
+                                          "each 4k+1 and at most --frames (e.g. 1,17,33,49,81). A video's clip is the "
+                                          "longest of them it holds; 1 is an image's (a one-frame clip). Default: the "
+                                          "family's (1,17,33,49,81) up to --frames, and --frames itself. The cache "
+                                          "records them: a run with others is refused. A dataset file's source may "
+                                          "keep fewer (frames, frame_buckets).")
+    clip_extraction: Literal["head", "uniform", "chunk", "full"] = opt(
+        "head", "Video models: which clips of each video become samples (musubi-tuner's frame_extraction). head: one "
+                "clip from the start, the longest bucket the video holds; uniform: --clips clips of that length, evenly "
+                "spaced from the start to the end; chunk: every whole clip of that length, one after the other; full: "
+                "the whole video as one clip, the longest bucket not longer than it. A dataset file's source may set its "
+                "own (clip_extraction); changing it cuts that source's videos again (their samples are replaced).")
+    clips: int = opt(1, "Video models, --clip-extraction uniform: clips per video (a source's clips = N).", at_least=1)
+    decode_timeout: float = opt(60.0, "Video models: seconds a video may take to decode its clips; one that takes longer "
+                                      "(a file that hangs the decoder) is skipped (decode_timeout).", above=0)
     validation_prompt: list[str] = opt([], "A prompt to encode for validation images (repeatable).")
     validation_file: Path | None = opt(None, "A file of validation prompts, one per line (added to --validation-prompt).")
     allow_pipe: bool = opt(False, "Allow pipe: URLs, which run a shell command (checked on every URL a brace pattern expands to).")
@@ -213,6 +232,7 @@ class PrecomputeConfig:
             if source.alpha_mask and files:
                 raise ValueError(f"{where} takes its loss masks from the images' alpha channel (alpha_mask, --alpha-mask) "
                                  f"and sets {files[0]}: masks come from one place; drop one of the two")
+        self._sources = check_clip_options(self, preset)
         if self.repair and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--repair runs in one process (it re-encodes only the damaged shards' samples); run it without torchrun")
 
@@ -311,4 +331,9 @@ class PrecomputeConfig:
         resolution = resolution or self.preset().base_resolution
         return ImagePolicy(self.table(resolution), max_upscale=self.max_upscale,
                            allow_upscale=self.allow_upscale, extreme_aspect=self.extreme_aspect, max_pixels=self.max_pixels,
-                           control=self.control, resolution=self.resolution_tag(resolution))
+                           control=self.control, resolution=self.resolution_tag(resolution), clip=clip_policy(self))
+
+    @property
+    def video(self) -> bool:
+        """The model caches clips (a video family): every sample a clip, an image a one-frame one."""
+        return getattr(family(self.preset().family), "video", False)

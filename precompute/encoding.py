@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from precompute.clips import CLIP
 from precompute.encode import Encoders
 from shards import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, Cache, FormatError, ShardWriter
 from shards.texts import TEXT_KEYS, key_rows, text_key
@@ -145,7 +146,7 @@ class EncodingPass:
             self.tally.wait_s += time.perf_counter() - t_wait  # near zero when decoding is hidden behind encoding
             if item is None:
                 break
-            bar.update(1)
+            bar.update(item.get("inputs", 1))  # an input's clips after its first count no input
             self.take(item)
             counts = self.tally.counts
             bar.set_postfix(new=counts["new"] + counts["changed"], unchanged=counts["unchanged"], failed=counts["failed"], refresh=False)
@@ -167,7 +168,7 @@ class EncodingPass:
             tally.seen[item["key"]] = (name, item["source"])
             tally.count("unchanged", name)
             cached = self.stamps[(name, item.get("resolution", 0))].get(item["source"])
-            if cached and cached[0] == item["key"] and item.get("stamp") and cached[1] != item["stamp"]:
+            if item.get("touched") or cached and cached[0] == item["key"] and item.get("stamp") and cached[1] != item["stamp"]:
                 tally.restamps[item["key"]] = item["stamp"]  # touched, same content: next time it is not read
         elif self.repair and item["key"] not in self.needed:
             tally.counts["changed_since"] += 1  # the input changed after it was cached: a plain re-run updates it
@@ -251,7 +252,8 @@ class EncodingPass:
         fresh = [it for it, f in zip(items, out) if f is None]
         if not fresh:
             return out
-        latents = enc.encode_images(torch.stack([it["pixels"] for it in fresh]))  # (B, C, h, w) each
+        pixels = torch.stack([it["pixels"] for it in fresh])  # (B, 3, H, W) images, (B, 3, F, H, W) clips of one bucket
+        latents = enc.encode_videos(pixels) if fresh[0]["bucket"].frames else enc.encode_images(pixels)
         flips = [j for j, it in enumerate(fresh) if it.get("flip")]
         mirrored = enc.encode_images(torch.stack([fresh[j]["pixels"].flip(-1) for j in flips])) if flips else {}
         # the control images, cropped as their images, through the same VAE: the pipelines' control latents
@@ -294,6 +296,8 @@ class EncodingPass:
         else:
             fields.update({name: torch.cat([c[name] for c in captions]).to(storage) for name in captions[0]})
             fields["text_lengths"] = torch.tensor([c["text"].shape[0] if "text" in c else 0 for c in captions], dtype=torch.int32)
+        if CLIP in self.schema:
+            fields[CLIP] = torch.tensor(it["clip"], dtype=torch.int32)
         fields["original_size"] = torch.tensor(it["original_size"], dtype=torch.int32)
         fields["crop"] = torch.tensor(it["crop"], dtype=torch.int32)
         fields["source"] = torch.frombuffer(bytearray(it["source"].encode("utf-8", "surrogateescape")), dtype=torch.uint8)

@@ -23,10 +23,16 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from precompute.clips import cached_unchanged, prepare_clips
 from precompute.images import ImagePolicy, Record, prepare
 from precompute.paths import OutsideRoot, confined, os_reason, read_regular, stat_regular
+from precompute.video import VIDEO_SUFFIXES
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+# Videos are inputs too: clips in a video model's cache, a named failure (video_input) in an image model's. An animated
+# GIF or WebP is an image of an image model and a video of a video model.
+VIDEO_EXTENSIONS = tuple(s for s in VIDEO_SUFFIXES if s not in IMAGE_EXTENSIONS)
+INPUT_EXTENSIONS = IMAGE_EXTENSIONS + VIDEO_EXTENSIONS
 CAPTION_EXTENSIONS = (".txt", ".caption")
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")  # the first one present is the dataset
 CAPTION_COLUMN = "text"  # the imagefolder convention's caption column
@@ -262,7 +268,7 @@ def _walk_folder(root: Path, control: bool, mask: bool = False) -> Listing:
                 masks.setdefault(os.path.splitext(os.path.splitext(name)[0])[0], []).append(name)
         for name in sorted(filenames):
             stem, ext = os.path.splitext(name)
-            if ext.lower() not in IMAGE_EXTENSIONS or is_control_file(name) or is_mask_file(name):
+            if ext.lower() not in INPUT_EXTENSIONS or is_control_file(name) or is_mask_file(name):
                 continue
             path = Path(dirpath) / name
             source = path.relative_to(root).as_posix()
@@ -390,6 +396,11 @@ def entry_stamp(entry: FolderEntry) -> int:
     return int.from_bytes(h.digest(), "big") >> 1 or 1
 
 
+def is_video_name(path: str) -> bool:
+    """Whether a file's name says it is a video (an animated GIF or WebP is told by its content instead)."""
+    return os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS
+
+
 def read_folder_entry(entry: FolderEntry) -> Record:
     """An entry's image bytes, raw captions, control image and loss mask; a file that cannot be read makes a Record with
     its reason (a control image: `missing_control` or `unreadable_control`, a mask `missing_mask` or `unreadable_mask`,
@@ -399,7 +410,8 @@ def read_folder_entry(entry: FolderEntry) -> Record:
         captions = list(entry.captions) if entry.captions is not None else [read_regular(p) for p in entry.caption_files]
     except OSError as e:
         return Record(entry.source, None, missing=os_reason(e), detail=f"{type(e).__name__}: {e}")
-    record = Record(entry.source, image, captions, control_detail=entry.control_looked, mask_detail=entry.mask_looked)
+    record = Record(entry.source, image, captions, control_detail=entry.control_looked, mask_detail=entry.mask_looked,
+                    video=is_video_name(entry.image))
     for kind, path in (("control", entry.control), ("mask", entry.mask)):  # its control image, its loss mask
         if path is not None:
             try:
@@ -411,14 +423,16 @@ def read_folder_entry(entry: FolderEntry) -> Record:
 
 
 class FolderDataset(torch.utils.data.Dataset):
-    """Map-style dataset over folder entries; each item is `prepare`'s output with the entry's `stamp`.
+    """Map-style dataset over folder entries; each item is `prepare`'s output with the entry's `stamp` (in a video
+    model's cache, `items(i)` gives each of an entry's clips, `precompute.clips`).
 
     Args:
         entries: the entries to read.
         policy: how images become pixels.
         skip_keys: keys already cached: a sample with one of them is "unchanged" after reading.
         known: source -> (key, stamp) of the cached samples. An entry whose stamp is its known stamp is
-            "unchanged" without being read: `{"status": "unchanged", "source", "key": known key, "stamp"}`.
+            "unchanged" without being read: `{"status": "unchanged", "source", "key": known key, "stamp"}`. In a
+            video model's cache, source -> its cached clips ((key, stamp), ...), unchanged as `cached_unchanged` says.
     """
 
     def __init__(self, entries: list[FolderEntry], policy: ImagePolicy, skip_keys: frozenset[str],
@@ -429,13 +443,24 @@ class FolderDataset(torch.utils.data.Dataset):
         return len(self.entries)
 
     def __getitem__(self, i: int) -> dict:
+        """Entry i's item (its first clip's, in a video model's cache: `items` gives them all)."""
+        return next(self.items(i))
+
+    def items(self, i: int) -> Iterator[dict]:
+        """Entry i's items: one per sample it is (an image; each clip of a video), or its failure."""
         entry = self.entries[i]
         try:
             stamp = entry_stamp(entry)
         except OSError as e:
-            return {"status": "failed", "source": entry.source, "reason": os_reason(e),
-                    "detail": f"{type(e).__name__}: {e}", "stamp": 0}
+            yield {"status": "failed", "source": entry.source, "reason": os_reason(e),
+                   "detail": f"{type(e).__name__}: {e}", "stamp": 0}
+            return
         known = self.known.get(entry.source)
+        if self.policy.clip is not None:
+            yield from cached_unchanged(entry.source, stamp, known) or prepare_clips(
+                read_folder_entry(entry), self.policy, self.skip_keys, stamp, known)
+            return
         if known is not None and known[1] == stamp:  # a known stamp of 0 never matches
-            return {"status": "unchanged", "source": entry.source, "key": known[0], "stamp": stamp}
-        return {**prepare(read_folder_entry(entry), self.policy, self.skip_keys), "stamp": stamp}
+            yield {"status": "unchanged", "source": entry.source, "key": known[0], "stamp": stamp}
+            return
+        yield {**prepare(read_folder_entry(entry), self.policy, self.skip_keys), "stamp": stamp}

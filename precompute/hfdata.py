@@ -23,13 +23,15 @@ from pathlib import Path
 
 import torch
 
-from precompute.folders import METADATA_FILES, metadata_captions
+from precompute.clips import cached_unchanged, prepare_clips
+from precompute.folders import METADATA_FILES, is_video_name, metadata_captions
 from precompute.hffiles import Part, PartReader, check_column, data_files, load_pyarrow, parquet_files, schema_and_parts
 from precompute.images import ImagePolicy, Record, prepare
 from precompute.paths import OutsideRoot, confined, names_under, os_reason, read_regular
 
 CONTROL_COLUMN = "control_image"  # the control image column of a ControlNet dataset (diffusers' training scripts' name)
 MASK_COLUMN = "mask"  # the loss mask column of a dataset for masked training
+VIDEO_COLUMN = "video"  # a video dataset's column of videos (the `Video` feature's {bytes, path}, bytes or a path)
 
 
 def is_hf_dataset(data: str) -> bool:
@@ -71,11 +73,15 @@ class HFListing:
 
 
 def list_hf(data: str, split: str = "train", image_column: str = "image", caption_column: str = "text",
-            control_column: str | None = None, mask_column: str | None = None) -> HFListing:
+            control_column: str | None = None, mask_column: str | None = None, video_column: str | None = None,
+            video: bool = False) -> HFListing:
     """The rows of DATA's split, in parts, after checking that every file has the columns (the control and mask
     columns too, when given) and that the image columns hold images. Only file headers and parquet footers are read. A
     file whose header or footer cannot be read (corrupt, empty) is listed as unreadable, with one part of no rows:
     its reader reports it, and the other files are read.
+
+    With `video` (a video model's cache) the input column is `video_column`, or when that is not given the `video`
+    column of a dataset that has one, else `image_column`; its cells are videos or images (one-frame clips).
 
     Raises:
         FileNotFoundError: no data file found.
@@ -92,7 +98,9 @@ def list_hf(data: str, split: str = "train", image_column: str = "image", captio
             unreadable[i] = f"{type(e).__name__}: {e}"
             parts.append(Part(i, -1, 0, 0))
             continue
-        check_column(schema, image_column, "image", path)
+        if video and not parts and not unreadable:  # the first file's columns say which holds the inputs
+            image_column = video_column or (VIDEO_COLUMN if VIDEO_COLUMN in schema.names else image_column)
+        check_column(schema, image_column, "video" if video and image_column in (video_column, VIDEO_COLUMN) else "image", path)
         check_column(schema, caption_column, "caption", path)
         if control_column is not None:
             check_column(schema, control_column, "control", path)
@@ -212,7 +220,12 @@ class HFDataset(torch.utils.data.IterableDataset):
                     yield {"status": "failed", "source": n, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
             return
         stamps = [row_stamp(stamp, part.start + j) for j in range(part.rows)]
-        if all(self.known.get(n, (None, 0))[1] == s for n, s, want in zip(names, stamps, wanted) if want):
+        if self.policy.clip is not None:  # a video model's: each row's cached clips, unchanged by their stamps
+            same = [cached_unchanged(n, s, self.known.get(n)) for n, s, want in zip(names, stamps, wanted) if want]
+            if all(same):  # the whole part is unchanged: nothing is read
+                yield from (item for items in same for item in items)
+                return
+        elif all(self.known.get(n, (None, 0))[1] == s for n, s, want in zip(names, stamps, wanted) if want):
             for n, s, want in zip(names, stamps, wanted):  # the whole part is unchanged: nothing is read
                 if want:
                     yield {"status": "unchanged", "source": n, "key": self.known[n][0], "stamp": s}
@@ -232,7 +245,7 @@ class HFDataset(torch.utils.data.IterableDataset):
             if want:
                 control = controls[j].as_py() if controls is not None else None
                 mask = masks[j].as_py() if masks is not None else None
-                yield self._row(n, images[j].as_py(), captions[j].as_py(), stamp, part.start + j, self.known.get(n), control, mask)
+                yield from self._row(n, images[j].as_py(), captions[j].as_py(), stamp, part.start + j, self.known.get(n), control, mask)
 
     def _companion(self, cell, column: str | None) -> tuple[bytes | None, str | None, OSError | None]:
         """A control image's or loss mask's bytes and path from its column's cell (nothing when no such column is read).
@@ -245,29 +258,38 @@ class HFDataset(torch.utils.data.IterableDataset):
             return None, None, e
         return data, path, None
 
-    def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None, mask_cell=None) -> dict:
+    def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None, mask_cell=None):
+        """A row's items: its sample (each of its clips, in a video model's cache), unchanged or prepared, or its failure."""
+        clips = self.policy.clip is not None
         try:
             data, referenced = _image_of(image, self.listing.root, self.listing.image_column, self._inside)
             control, control_path, control_error = self._companion(control_cell, self.listing.control_column)
             mask, mask_path, mask_error = self._companion(mask_cell, self.listing.mask_column)
         except BadCell as e:
-            return {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
+            yield {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
+            return
         except OSError as e:  # the image's own path (a companion's is reported with its record)
-            return {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
+            yield {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
+            return
         try:
             stamp = row_stamp(file_stamp, row, referenced, control_path, mask_path)
         except OSError as e:
-            return {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
-        if known is not None and known[1] == stamp:
-            return {"status": "unchanged", "source": name, "key": known[0], "stamp": stamp}
+            yield {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
+            return
+        same = cached_unchanged(name, stamp, known) if clips else None
+        if same or not clips and known is not None and known[1] == stamp:
+            yield from same or [{"status": "unchanged", "source": name, "key": known[0], "stamp": stamp}]
+            return
         if data is None:
-            return {"status": "failed", "source": name, "reason": "no_image",
-                    "detail": f"column {self.listing.image_column!r} is empty in this row", "stamp": stamp}
+            yield {"status": "failed", "source": name, "reason": "no_image",
+                   "detail": f"column {self.listing.image_column!r} is empty in this row", "stamp": stamp}
+            return
         texts = metadata_captions(caption, from_csv=False)
         if texts is None:
-            return {"status": "failed", "source": name, "reason": "caption_not_string",
-                    "detail": f"{self.listing.caption_column} is {caption!r}, not a string or a list of strings", "stamp": stamp}
-        record = Record(name, data, list(texts), control=control,
+            yield {"status": "failed", "source": name, "reason": "caption_not_string",
+                   "detail": f"{self.listing.caption_column} is {caption!r}, not a string or a list of strings", "stamp": stamp}
+            return
+        record = Record(name, data, list(texts), control=control, video=referenced is not None and is_video_name(referenced),
                         control_detail=f"column {self.listing.control_column!r} is empty in this row")
         if control_error is not None:  # a control image named by a path that cannot be read
             record.control_missing = "missing_control" if isinstance(control_error, FileNotFoundError) else "unreadable_control"
@@ -276,4 +298,7 @@ class HFDataset(torch.utils.data.IterableDataset):
         if mask_error is not None:  # a loss mask named by a path that cannot be read
             record.mask_missing = "missing_mask" if isinstance(mask_error, FileNotFoundError) else "unreadable_mask"
             record.mask_detail = f"{type(mask_error).__name__}: {mask_error}"
-        return {**prepare(record, self.policy, self.skip_keys), "stamp": stamp}
+        if clips:
+            yield from prepare_clips(record, self.policy, self.skip_keys, stamp, known)
+        else:
+            yield {**prepare(record, self.policy, self.skip_keys), "stamp": stamp}

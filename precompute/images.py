@@ -47,6 +47,9 @@ class ImagePolicy:
         tags: how the source's captions become variants (`precompute.captions`); None: each as written.
         control: every image pairs with a control image (`Record.control`), resized and cropped as the image is;
             an image without one is skipped.
+        clip: a video family's cache: how the source's videos become clips (a `precompute.video.ClipPolicy`: the
+            frame rate, the source's frame buckets and extraction); every sample is a clip, an image a one-frame one.
+            None: an image family's cache, where a video is a `video_input` failure.
         mask: the source's samples carry a loss mask, resized and cropped as the image is: "file", a grayscale image
             of the image's size (`Record.mask`; an image without one is skipped), or "alpha", the image's own alpha
             channel (an image without one is skipped); "" for none. Its bytes (or the alpha marker) join the key.
@@ -65,8 +68,11 @@ class ImagePolicy:
     control: bool = False
     mask: str = ""
     resolution: int = 0
+    clip: object | None = None
 
     def fingerprint(self) -> dict:
+        """The fingerprint's `buckets` part; a video family's cache adds its clips' (`clips_fingerprint`)."""
+        clips = {"clips": clips_fingerprint(self.clip)} if self.clip is not None else {}
         return {
             "table": [b.name for b in self.buckets],
             "resize": "cover, bicubic, antialiased",
@@ -77,7 +83,16 @@ class ImagePolicy:
             "alpha": "composited on white",
             "exif_orientation": "applied",
             "preprocessing_version": PREPROCESSING_VERSION,
+            **clips,
         }
+
+
+def clips_fingerprint(policy) -> dict:
+    """What determines every clip's frames in a video cache, from its `ClipPolicy`: the frame rate, the frame buckets
+    and how frames are extracted at them. Which clips of a video are taken (the extraction mode, the number of
+    clips, a source's own frame buckets) is not here but in each clip's key, so a source may change it: its videos
+    are cut again."""
+    return {k: v for k, v in policy.fingerprint().items() if k not in ("extraction", "clips")}
 
 
 @dataclass
@@ -95,6 +110,7 @@ class Record:
     mask: bytes | None = None  # the loss mask image's bytes (masked training); None: none was found or read
     mask_missing: str = "missing_mask"  # why `mask` is None: missing_mask or unreadable_mask
     mask_detail: str = ""  # what went wrong, or where the mask was looked for
+    video: bool = False  # named as a video (its file's or tar member's suffix): `image` holds the video's bytes
 
 
 # A control image may differ in size from its image, not in shape: their aspect ratios agree within this fraction.
@@ -104,6 +120,23 @@ CONTROL_ASPECT_TOLERANCE = 0.01
 # Marks the loss mask's part of a key; a change of how masks are processed changes it, so every masked sample is
 # processed again while the keys of samples without masks stay as they were.
 MASK_MARKER = b"\x00\x00mask1\x00"
+
+
+# How the containers a video comes in begin (an MP4 / MOV box `ftyp` after its size, Matroska / WebM's EBML, AVI,
+# Ogg, FLV, MPEG-PS): bytes no image decoder reads, which an image model's run names a video rather than a bad image.
+def looks_like_video(data: bytes) -> bool:
+    """Whether bytes are a video container by their first bytes (an animated GIF or WebP is an image here)."""
+    head = bytes(data[:12])
+    return (head[4:8] == b"ftyp" or head.startswith((b"\x1a\x45\xdf\xa3", b"OggS", b"FLV", b"\x00\x00\x01\xba"))
+            or head[:4] == b"RIFF" and head[8:12] == b"AVI ")
+
+
+def video_refused() -> str:
+    """Why a video input is skipped by a run whose model takes images: the presets that take video."""
+    from precompute.clips import video_presets  # the presets know the families, which import this module
+
+    return (f"a video, and this model takes images; cache it with a video model's preset ({', '.join(video_presets())}), "
+            f"into a cache of its own")
 
 
 def content_key(image, captions: list[str], flip: bool = False, control: bytes | None = None,
@@ -286,6 +319,8 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         return failed(record.missing, record.detail)
     if not record.image:
         return failed("empty_file")
+    if record.video or looks_like_video(record.image):
+        return failed("video_input", video_refused())
     captions, reason, fallback = read_captions(record.captions)
     if reason in ("missing_caption", "empty_caption") and policy.default_caption:
         captions, reason = [policy.default_caption], None
@@ -331,21 +366,16 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
             return failed("corrupt_control", f"control image: {reason}: {detail}")
 
     h, w = img.height, img.width
-    bucket = nearest_bucket(h, w, policy.buckets)
-    extremes = (policy.buckets[0], policy.buckets[-1]) if len(policy.buckets) > 1 else (bucket,)
-    if bucket in extremes and aspect_error(h, w, bucket) > policy.aspect_tolerance and policy.extreme_aspect == "skip":
-        return failed("extreme_aspect", f"{w}x{h} (width x height)")
-    scale = max(bucket.height / h, bucket.width / w)
-    if scale > policy.max_upscale and not policy.allow_upscale:
-        return failed("too_small", f"{w}x{h} needs {scale:.2f}x upscaling for bucket {bucket}")
+    bucket, reason, detail = choose_bucket(h, w, policy)
+    if bucket is None:
+        return failed(reason, detail)
     if control is not None and control.size != img.size:
         # another size of the same picture (a depth map at half resolution): the same shape within 1 %
         ratio = (control.width / control.height) / (w / h)
         if max(ratio, 1 / ratio) - 1 > CONTROL_ASPECT_TOLERANCE:
             return failed("control_aspect", f"control image {control.width}x{control.height}, image {w}x{h} (width x height)")
     # cover the bucket, then center-crop; a control image is resized to the same size and cropped with the same box
-    rw, rh = max(bucket.width, round(w * scale)), max(bucket.height, round(h * scale))
-    top, left = (rh - bucket.height) // 2, (rw - bucket.width) // 2
+    rw, rh, top, left = crop_box(h, w, bucket)
     box = (left, top, left + bucket.width, top + bucket.height)
     pixels = as_pixels(img.resize((rw, rh), Image.BICUBIC).crop(box))
     if control is not None:
@@ -366,6 +396,28 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         "latent_key": latent_key(record.image, policy.flip, record.control if policy.control else None, policy.resolution),
         **({"caption_fallback": fallback} if fallback else {}),
     }
+
+
+def choose_bucket(h: int, w: int, policy: ImagePolicy) -> tuple[Bucket | None, str | None, str]:
+    """The bucket of a picture of h x w pixels (an image, or a video's frames), or (None, reason, detail) when it is
+    beyond the table's aspect ratios (`extreme_aspect`, unless clamped) or would need more upscaling than allowed
+    (`too_small`)."""
+    bucket = nearest_bucket(h, w, policy.buckets)
+    extremes = (policy.buckets[0], policy.buckets[-1]) if len(policy.buckets) > 1 else (bucket,)
+    if bucket in extremes and aspect_error(h, w, bucket) > policy.aspect_tolerance and policy.extreme_aspect == "skip":
+        return None, "extreme_aspect", f"{w}x{h} (width x height)"
+    scale = max(bucket.height / h, bucket.width / w)
+    if scale > policy.max_upscale and not policy.allow_upscale:
+        return None, "too_small", f"{w}x{h} needs {scale:.2f}x upscaling for bucket {bucket}"
+    return bucket, None, ""
+
+
+def crop_box(h: int, w: int, bucket: Bucket) -> tuple[int, int, int, int]:
+    """(resized width, resized height, top, left): a picture of h x w resized to cover `bucket`, then center-cropped
+    to it from (top, left)."""
+    scale = max(bucket.height / h, bucket.width / w)
+    rw, rh = max(bucket.width, round(w * scale)), max(bucket.height, round(h * scale))
+    return rw, rh, (rh - bucket.height) // 2, (rw - bucket.width) // 2
 
 
 def as_pixels(img: Image.Image) -> torch.Tensor:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from precompute.clip_options import clip_policy
 from precompute.config import PrecomputeConfig
 from precompute.distributed import die_with_parent
 from precompute.folders import CONTROL_COLUMN, MASK_COLUMN, FolderDataset, list_folder, with_control_folder, with_mask_folder
@@ -23,6 +24,7 @@ from precompute.hfdata import HFDataset, is_hf_dataset, list_hf
 from precompute.images import ImagePolicy
 from precompute.sources import Source
 from precompute.tars import TarDataset, expand_tar_urls, is_tar_source
+from precompute.video import VIDEO_REASONS
 
 # Reasons a sample is skipped; each is counted and written to failures.jsonl.
 REASONS = {
@@ -55,7 +57,9 @@ REASONS = {
     "unreadable_mask": "masks: the loss mask could not be read (permission, I/O error, special file)",
     "corrupt_mask": "masks: the loss mask is not a decodable image",
     "mask_size": "masks: the loss mask's size differs from the image's",
+    "video_input": "a video given to a model that takes images (the detail names the presets that take video)",
 }
+REASONS.update({reason: text for reason, text in VIDEO_REASONS.items() if reason not in REASONS})
 
 
 @dataclass
@@ -76,12 +80,13 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     those sources alone.
 
     Args:
-        known: source -> (key, stamp) of the cached samples: a folder input whose stamp is unchanged is not read.
+        known: source -> (key, stamp) of the cached samples: a folder input whose stamp is unchanged is not read (a
+            video model's: source -> its cached clips, `precompute.clips.cached_clips`).
         keys: keys already cached: an input of one of them is reported unchanged after reading.
     """
     data = source.path
     policy = replace(policy, caption_prefix=source.caption_prefix, default_caption=source.default_caption, flip=source.flip,
-                     tags=source.tags(), mask=source.mask_mode)
+                     tags=source.tags(), mask=source.mask_mode, clip=clip_policy(config, source))
     tar = is_tar_source(data)
     hf = not tar and is_hf_dataset(data)
     in_tar = "a tar sample holds its control image as its KEY.control.png member"
@@ -109,7 +114,7 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     if hf:
         listing = list_hf(data, source.split, source.image_column, source.caption_column or config.caption_column,
                           (source.control_column or HF_CONTROL_COLUMN) if config.control else None,
-                          (source.mask_column or HF_MASK_COLUMN) if files else None)
+                          (source.mask_column or HF_MASK_COLUMN) if files else None, source.video_column, config.video)
         parts = listing.parts[rank::world]
         if only is not None:
             parts = [p for p in parts if not only.isdisjoint(listing.names(p))]
@@ -145,7 +150,7 @@ class SourcesDataset(torch.utils.data.IterableDataset):
     before any encoder exists). Every item is tagged with its source's name (`"dataset"`), the resolution its part
     is read at (`"resolution"`, `ShardEntry.resolution`) and its stamp salted with the source's caption options
     (`Source.salt`); `known` stamps given to the parts are unsalted to match. A map-style part is split over the
-    loader's workers by index, an iterable one splits itself."""
+    loader's workers by index (each index's items: an input's clips are several), an iterable one splits itself."""
 
     def __init__(self, parts: list[tuple[Source, torch.utils.data.Dataset, int]]):
         self.parts = parts
@@ -158,7 +163,7 @@ class SourcesDataset(torch.utils.data.IterableDataset):
             if isinstance(part, torch.utils.data.IterableDataset):
                 items = iter(part)
             else:
-                items = (part[i] for i in range(worker, len(part), workers))
+                items = (item for i in range(worker, len(part), workers) for item in part.items(i))
             for item in items:
                 if salt and item.get("stamp"):
                     item["stamp"] = (item["stamp"] ^ salt) or 1

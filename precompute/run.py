@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from precompute.clips import CLIP, cached_clips, unsalted_clips
 from precompute.config import DEFAULT_BATCH, PrecomputeConfig
 from precompute.distributed import gather, lock_cache, setup_distributed
 from precompute.encode import Encoders, best_device
@@ -233,7 +234,12 @@ def open_source(config: PrecomputeConfig, manifest, source, tag: int, skip: froz
     only = {at_tag[k] for k in needed if k in at_tag} if repair else None
     if repair and not only and not must:
         return None
-    known = {} if repair else unsalted(manifest.by_source(source.name, tag), source) if manifest else {}
+    if repair or not manifest:
+        known = {}
+    elif config.video:  # every input's cached clips: kept, skipped or encoded again together
+        known = unsalted_clips(cached_clips(manifest, source.name, tag), source.salt())
+    else:
+        known = unsalted(manifest.by_source(source.name, tag), source)
     inputs = open_inputs(config, source, policy, known, skip, rank=rank, world=world, only=only)
     if must:
         mine = {key: src for key, src, *_ in manifest.samples(source.name)} if manifest else {}
@@ -282,10 +288,19 @@ def check_cache(config: PrecomputeConfig, enc: Encoders, manifest, inputs: Input
         # a source's caption variants are that many captions per sample (fewer where some were identical); latents at
         # the largest resolution
         largest = config.policy(max(config.resolutions()))
-        need = sum(n * estimate_bytes_per_sample(enc, largest, storage, captions=s.caption_variants, control=config.control)
+        need = sum(n * clips_per_input(enc, s) * estimate_bytes_per_sample(enc, largest, storage, captions=s.caption_variants,
+                                                                            control=config.control)
                    for s in inputs.sources if (n := growth[s.name]))
         check_disk_space(config.cache, need)
     return fingerprint, schema, text_schema
+
+
+def clips_per_input(enc: Encoders, source) -> int:
+    """For the disk estimate, latent frames an input of `source` holds at most: its longest clip's, times the clips
+    of "uniform" (1 for an image model's)."""
+    if not source.frame_buckets:
+        return 1
+    return enc.latent_spec().latent_frames(source.frame_buckets[-1]) * (source.clips if source.clip_extraction == "uniform" else 1)
 
 
 def texts_stored_once(schema: dict, text_schema: dict) -> dict:
@@ -342,6 +357,8 @@ def cache_schema(enc: Encoders, storage: torch.dtype, manifest, sources: list, c
     or, for a cache written before flipped latents, loss masks or latent keys could be stored, its own (without
     them), in which no source may ask for `flip` or masks."""
     schema = enc.schema(storage, control)
+    if getattr(enc.family, "video", False):  # which clip of its input a sample is: (index, first frame, frames) at the family's frame rate
+        schema[CLIP] = Field(torch.int32)
     if manifest is None:
         return schema
     flipped = set(enc.latent_spec().flipped_fields)

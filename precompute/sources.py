@@ -14,6 +14,11 @@ keep_tokens = 1            # ... except the first tag (after caption_prefix, whi
 tag_dropout = 0.1          # ... and each other tag dropped with this probability
 # eval = true              # held out of training: a run reports its loss (the held-out loss), never trains on it
 resolution = [512, 1024]   # cache its images at these resolutions (default: the run's --resolution)
+# a video model's cache (every sample a clip; an image is a one-frame clip):
+clip_extraction = "uniform"  # which clips of each video: head, uniform, chunk or full (default: --clip-extraction)
+clips = 3                  # uniform: this many clips, evenly spaced (default: --clips)
+frames = 49                # the longest clip, in frames at the model's frame rate (default: --frames)
+frame_buckets = [1, 17, 33, 49]  # the clip lengths (default: --frame-buckets, cut at frames)
 # with --control (ControlNet caches), where a folder's control images are, when not beside the images:
 control = "/data/photos-canny"   # /data/photos-canny/a/x.png is the control image of /data/photos/a/x.jpg
 masks = true               # cache a loss mask per image (x.mask.png beside x.jpg; masked training's --masked-loss)
@@ -48,6 +53,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from urllib.parse import urlsplit
 
 from precompute.captions import TagOptions
+from precompute.video import EXTRACTIONS
 
 try:
     import tomllib
@@ -92,6 +98,11 @@ class Source:
             metadata.jsonl/.csv (default `mask_file_name`); implies `masks`.
         alpha_mask: every image's loss mask is its own alpha channel; implies `masks`.
         resolution: the resolutions its images are cached at, each on its own bucket table (None: the run's).
+        video_column: a video model's input column of a Hugging Face dataset (default: `video` where the dataset has
+            one, else `image_column`).
+        clip_extraction, clips, frames, frame_buckets: a video model's cache: which clips of its videos become samples
+            (`precompute.video.ClipPolicy`); None: the run's (`PrecomputeConfig.sources` fills them in, and they join
+            the keys of the source's clips and its salt).
     """
 
     name: str
@@ -120,6 +131,11 @@ class Source:
     mask_column: str | None = None
     alpha_mask: bool = False
     resolution: tuple[int, ...] | None = None
+    video_column: str | None = None
+    clip_extraction: str | None = None
+    clips: int | None = None
+    frames: int | None = None
+    frame_buckets: tuple[int, ...] | None = None
     from_file: bool = False  # listed by a dataset file (messages name it), rather than DATA itself
 
     def tags(self) -> TagOptions | None:
@@ -148,7 +164,7 @@ class Source:
         (variants included), `flip`, where its control images are or its masks makes an incremental run read its
         inputs again instead of calling them unchanged."""
         if not (self.caption_prefix or self.default_caption is not None or self.flip or self.control or self.control_column
-                or self.tags() is not None or self.mask_mode):
+                or self.tags() is not None or self.mask_mode or self.clip_extraction is not None):
             return 0
         text = f"{self.caption_prefix}\0{self.default_caption}\0{self.flip}"
         if self.control or self.control_column:  # absent from the text otherwise: the salts of older caches stay
@@ -157,6 +173,8 @@ class Source:
             text += "\0tags" + "".join(f"\0{key}={getattr(self, key)!r}" for key in TAG_KEYS)
         if self.mask_mode:  # the same
             text += f"\0mask\0{self.mask_mode}\0{self.mask}\0{self.mask_column}"
+        if self.clip_extraction is not None:  # a video model's source: which clips its videos are cut into
+            text += f"\0clips\0{self.clip_extraction}\0{self.clips}\0{self.frame_buckets}\0{self.video_column}"
         return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big") >> 1 or 1
 
     def record(self) -> dict:
@@ -171,6 +189,13 @@ class Source:
         role = {"is_reg": True, "prior_loss_weight": float(self.prior_loss_weight or 1.0)} if self.is_reg else {}
         if self.resolution:
             optional["resolution"] = list(self.resolution)
+        if self.clip_extraction is not None:  # a video model's source
+            optional["clip_extraction"] = self.clip_extraction
+            if self.clip_extraction == "uniform":
+                optional["clips"] = self.clips
+            optional["frame_buckets"] = list(self.frame_buckets or ())
+        if self.video_column is not None:
+            optional["video_column"] = self.video_column
         return {"path": self.path, **share, **optional, **self.tag_record(), **role}
 
 
@@ -225,6 +250,16 @@ KEY_HELP = {  # `python -m precompute --help` lists these
     "alpha_mask": "true: every image's loss mask is its own alpha channel (an image without one is skipped); implies masks",
     "resolution": "the resolution its images are cached at, or a list of several (each a multiple of 64 from 256 to the "
                   "model's largest; default: --resolution)",
+    "video_column": "a video model's column of videos in a Hugging Face dataset (default: video where the dataset has "
+                    "one, else image_column; its cells may also hold images, cached as one-frame clips)",
+    "clip_extraction": "a video model's: which clips of each video become samples: head (one, from the start), uniform "
+                       "(clips of them, evenly spaced), chunk (every whole clip, one after the other) or full (the whole "
+                       "video as one clip); default --clip-extraction. Changing it cuts the source's videos again",
+    "clips": "a video model's, with clip_extraction = \"uniform\": how many clips of each video (default --clips)",
+    "frames": "a video model's: the source's longest clip, in frames at the model's frame rate (4k+1 for a temporal "
+              "factor of 4; default --frames); its frame buckets are the run's up to it",
+    "frame_buckets": "a video model's: the source's clip lengths, ascending, each one of the run's --frame-buckets "
+                     "(default: the run's, up to frames)",
 }
 assert set(KEY_HELP) == KEYS
 NAME = re.compile(r"[^\t\n\r/\\]+")  # printable in `shards ls`' tab-separated lines; not a path
@@ -326,6 +361,8 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         path = values["path"]
         if "://" not in path and not Path(path).is_absolute() and not path.startswith("pipe:"):
             values["path"] = str(file.parent / path)  # relative to the dataset file, wherever it is run from
+        if "frame_buckets" in values:
+            values["frame_buckets"] = tuple(values["frame_buckets"])
         if "resolution" in values:
             values["resolution"] = tuple(dict.fromkeys(values["resolution"] if isinstance(values["resolution"], list)
                                                        else [values["resolution"]]))
@@ -379,7 +416,7 @@ def _check(key: str, value) -> str | None:
             return "must not be empty"
         return "must not hold a NUL character" if "\x00" in value else None
     if key in ("name", "path", "caption_prefix", "image_column", "caption_column", "split", "default_caption", "control",
-               "control_column", "mask", "mask_column"):
+               "control_column", "mask", "mask_column", "video_column"):
         if not isinstance(value, str):
             return "must be a string"
         if key != "caption_prefix" and not value.strip():
@@ -389,6 +426,14 @@ def _check(key: str, value) -> str | None:
         return None
     if key == "repeats":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a whole number ≥ 1"
+    if key == "clip_extraction":
+        return None if value in EXTRACTIONS else f"must be one of {', '.join(EXTRACTIONS)}"
+    if key in ("clips", "frames"):
+        return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a whole number ≥ 1"
+    if key == "frame_buckets":
+        ok = (isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+              and value == sorted(set(value)))
+        return None if ok else "must be a list of frame counts ≥ 1, ascending, e.g. [1, 17, 33]"
     if key == "resolution":
         many = value if isinstance(value, list) else [value]
         if not many or any(isinstance(v, bool) or not isinstance(v, int) or v % 64 or v < 256 for v in many):

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from precompute.folders import IMAGE_EXTENSIONS, METADATA_FILES, metadata_captions
+from precompute.clips import prepare_clips
+from precompute.folders import INPUT_EXTENSIONS, METADATA_FILES, VIDEO_EXTENSIONS, metadata_captions
 from precompute.images import ImagePolicy, Record, prepare
 from precompute.paths import names_under
 
@@ -27,6 +28,7 @@ STREAMED = ("http://", "https://", "pipe:")  # opened by webdataset's gopen, rea
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif")  # a sample's image, the first present
 CONTROL_MEMBERS = tuple(f"control.{ext}" for ext in IMAGE_MEMBERS)  # its control image, the first present
 MASK_MEMBERS = tuple(f"mask.{ext}" for ext in IMAGE_MEMBERS)  # its loss mask, the first present
+VIDEO_MEMBERS = tuple(ext.lstrip(".") for ext in VIDEO_EXTENSIONS)  # a sample's video (mp4, webm, mov, mkv...)
 
 
 def is_stored(url: str) -> bool:
@@ -40,7 +42,7 @@ def is_tar_source(data: str) -> bool:
     path = Path(data)
     if _is_dir(path):
         return any(path.glob("*.tar")) and not any(
-            p.suffix.lower() in IMAGE_EXTENSIONS for p in path.iterdir()
+            p.suffix.lower() in INPUT_EXTENSIONS for p in path.iterdir()
         ) and not any((path / name).exists() for name in METADATA_FILES)
     return data.startswith(STREAMED) or is_stored(data) or "{" in data or data.endswith(".tar")
 
@@ -222,13 +224,18 @@ def tar_name(url: str) -> str:
     return Path(url).name
 
 
-def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = False, mask: bool = False) -> Record:
+def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = False, mask: bool = False,
+                video: bool = False) -> Record:
     """A webdataset sample dict (raw bytes per extension) as a Record; with `control`, its `control.EXT` member
-    is the control image; with `mask`, its `mask.EXT` member the loss mask."""
+    is the control image; with `mask`, its `mask.EXT` member the loss mask. Its input is its image member, or its
+    video member (`KEY.mp4`, ...) when it has no image; with `video` (a video model's cache), the video when it has
+    both (a video beside its thumbnail)."""
     source = f"{tar_name(sample.get('__url__', ''))}/{sample['__key__']}"
-    image = next((sample[ext] for ext in IMAGE_MEMBERS if ext in sample), None)
-    if image is None:
+    found = [(sample[ext], False) for ext in IMAGE_MEMBERS if ext in sample][:1]
+    found += [(sample[ext], True) for ext in VIDEO_MEMBERS if ext in sample][:1]
+    if not found:
         return Record(source, None, missing="not_an_image")
+    image, is_video = found[-1] if video else found[0]
     captions: list[bytes | str] = []
     if "txt" in sample:
         captions.append(sample["txt"])
@@ -242,7 +249,7 @@ def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = Fal
             if found is None:
                 return Record(source, None, missing="caption_not_string", detail=f"json {k!r} is {meta[k]!r}")
             captions += found
-    record = Record(source, image, captions)
+    record = Record(source, image, captions, video=is_video)
     if control:
         record.control = next((sample[ext] for ext in CONTROL_MEMBERS if ext in sample), None)
         record.control_detail = f"no member {sample['__key__']}.control.png (or another image extension) in the tar"
@@ -354,7 +361,8 @@ def missing_estimate(error: Exception, read: int, cached: int) -> int:
 
 class TarDataset(torch.utils.data.IterableDataset):
     """This rank's tar shards, split further over DataLoader workers; yields `prepare`'s output with
-    `stamp` 0 (unknown: a tar's samples are always read).
+    `stamp` 0 (unknown: a tar's samples are always read), or in a video model's cache `prepare_clips`' (`known`:
+    input name -> its cached clips).
 
     A tar that cannot be read, or does not end as a whole tar does (`check_end`), is reported once as a
     `corrupt_tar` failure whose source is the tar's URL, after the samples read before the error, and the run goes
@@ -392,5 +400,9 @@ class TarDataset(torch.utils.data.IterableDataset):
                            "detail": f"{type(e).__name__}: {e}; {cut}about {missing} sample(s) missing"}
                     break
                 read += 1
-                record = tar_records(sample, self.caption_keys, self.policy.control, self.policy.mask == "file")
-                yield {**prepare(record, self.policy, self.skip_keys), "stamp": 0}
+                video = self.policy.clip is not None
+                record = tar_records(sample, self.caption_keys, self.policy.control, self.policy.mask == "file", video)
+                if video:  # a video model's: its clips, not decoded again when its cached clips' keys are its own
+                    yield from prepare_clips(record, self.policy, self.skip_keys, 0, self.known.get(record.source))
+                else:
+                    yield {**prepare(record, self.policy, self.skip_keys), "stamp": 0}

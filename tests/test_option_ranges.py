@@ -88,10 +88,14 @@ PRECOMPUTE = {
     "keep_tokens": ([-1], [0, 3]),
     "tag_dropout": ([-0.1, 1.0, NAN], [0.5, 0.99]),  # 1 would drop every tag that is not kept
     "log_seconds": ([-1.0, NAN, INF], [0.0, 60.0]),  # 0: a line per input
+    "frames": ([0, -1], [17, 81]),  # a video model's longest clip (4k+1 frames, checked against the family)
+    "clips": ([0, -1], [1, 3]),
+    "decode_timeout": ([0.0, -1.0, NAN, INF], [0.5, 60.0]),
 }
 # what an accepted value needs beside it
 PRECOMPUTE_CONTEXT = {"caption_variants": dict(shuffle_tags=True), "keep_tokens": dict(shuffle_tags=True, caption_variants=2),
-                      "tag_dropout": dict(caption_variants=2)}
+                      "tag_dropout": dict(caption_variants=2), "frames": dict(model="tiny-wan"),
+                      "clips": dict(model="tiny-wan", clip_extraction="uniform")}
 
 
 def numeric_fields(cls) -> set[str]:
