@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from precompute.clips import video_presets
 from precompute.families import family
+from precompute.images import video_presets
 from precompute.sources import Source
 from precompute.video import ClipPolicy
 from shards.options import default_of, flag
@@ -51,16 +51,16 @@ def check_clip_options(config, preset) -> list[Source]:
                              f"without flipped latents, control images or loss masks; remove {key} from the dataset file")
     step = fam.temporal_downsample
     buckets = frame_list(config.frame_buckets, "--frame-buckets")
-    frames = config.frames or (buckets[-1] if buckets else fam.frame_buckets[-1])
-    if problem := frames_problem(frames, step):
-        raise ValueError(f"--frames {frames}: {problem}")
-    if not buckets:
-        buckets = sorted({b for b in fam.frame_buckets if b <= frames} | {frames})
     for b in buckets:
         if problem := frames_problem(b, step):
             raise ValueError(f"--frame-buckets {config.frame_buckets}: {b}: {problem}")
     if buckets != sorted(set(buckets)):
         raise ValueError(f"--frame-buckets {config.frame_buckets}: the lengths must ascend, each once (e.g. 1,17,33,49,81)")
+    frames = config.frames or (buckets[-1] if buckets else fam.frame_buckets[-1])
+    if problem := frames_problem(frames, step):
+        raise ValueError(f"--frames {frames}: {problem}")
+    if not buckets:
+        buckets = sorted({b for b in fam.frame_buckets if b <= frames} | {frames})
     if buckets[-1] > frames:
         raise ValueError(f"--frame-buckets {config.frame_buckets}: {buckets[-1]} is longer than --frames {frames}, the "
                          f"longest clip")

@@ -30,14 +30,6 @@ CLIP = "clip"  # a clip sample's field: (index, first frame, frames), frames cou
 Cached = tuple[tuple[str, int], ...]
 
 
-def video_presets() -> list[str]:
-    """The presets whose family caches clips, as messages list them."""
-    from precompute import families
-    from precompute.presets import get_preset, preset_names
-
-    return [name for name in preset_names() if getattr(families.family(get_preset(name).family), "video", False)]
-
-
 def clip_choice(policy) -> bytes:
     """What of a `ClipPolicy` chooses a video's clips (and is no part of the fingerprint): the extraction, the number
     of clips of "uniform" and the frame buckets, with the frame rate they count frames at."""

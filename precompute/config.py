@@ -60,8 +60,9 @@ class PrecomputeConfig:
                                "their pipeline does with text_encoder_3=None; its tokens are zeros in training and inference.")
     max_length: int | None = opt(None, "Token limit of a caption (default: the preset's; where CLIP runs beside T5, of the "
                                        f"T5 part): {MAX_LENGTHS}.", at_least=1)
-    batch_size: int | None = opt(None, f"Images per VAE batch, one bucket per batch (default: {DEFAULT_BATCH['cuda']} on CUDA, "
-                                       f"{DEFAULT_BATCH['cpu']} on CPU).", at_least=1)
+    batch_size: int | None = opt(None, f"Images (a video model's: clips) per VAE batch, one bucket per batch (default: "
+                                       f"{DEFAULT_BATCH['cuda']} images on CUDA, {DEFAULT_BATCH['cpu']} on CPU; 1 clip).",
+                                 at_least=1)
     text_batch_size: int = opt(64, "Captions per text-encoder batch.", at_least=1)
     dedup_texts: bool = opt(True, "Store each distinct caption's text embeddings once, in text shards every sample with "
                                   "that caption refers to (a DreamBooth set of one prompt stores it once), and encode it "

@@ -100,6 +100,12 @@ def list_hf(data: str, split: str = "train", image_column: str = "image", captio
             continue
         if video and not parts and not unreadable:  # the first file's columns say which holds the inputs
             image_column = video_column or (VIDEO_COLUMN if VIDEO_COLUMN in schema.names else image_column)
+        elif not video and image_column not in schema.names and VIDEO_COLUMN in schema.names:
+            from precompute.images import video_presets
+
+            raise ValueError(f"{path}: no image column {image_column!r} but a {VIDEO_COLUMN!r} column: a dataset of videos, "
+                             f"which video models cache ({', '.join(video_presets())}); or set image_column = \"...\" in "
+                             f"the dataset file to a column of images")
         check_column(schema, image_column, "video" if video and image_column in (video_column, VIDEO_COLUMN) else "image", path)
         check_column(schema, caption_column, "caption", path)
         if control_column is not None:

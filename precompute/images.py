@@ -131,10 +131,16 @@ def looks_like_video(data: bytes) -> bool:
             or head[:4] == b"RIFF" and head[8:12] == b"AVI ")
 
 
+def video_presets() -> list[str]:
+    """The presets whose family caches clips, as messages list them."""
+    from precompute import families
+    from precompute.presets import get_preset, preset_names
+
+    return [name for name in preset_names() if families.family(get_preset(name).family).video]
+
+
 def video_refused() -> str:
     """Why a video input is skipped by a run whose model takes images: the presets that take video."""
-    from precompute.clips import video_presets  # the presets know the families, which import this module
-
     return (f"a video, and this model takes images; cache it with a video model's preset ({', '.join(video_presets())}), "
             f"into a cache of its own")
 

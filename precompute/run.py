@@ -141,11 +141,13 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
             tally.fail({**failure, "dataset": name})
     stamps = {(s.name, tag): manifest.by_source(s.name, tag) if manifest and inputs.needed is None else {}
               for s in inputs.sources for tag in map(config.resolution_tag, config.resolutions(s))}
-    encoding = EncodingPass(enc, writer, schema, storage, config.batch_size or DEFAULT_BATCH[device.type], config.text_batch_size,
+    # a clip is a batch of its own by default: an 81-frame 480p clip holds twice the pixels of 16 images at 1024²
+    batch = config.batch_size or (1 if config.video else DEFAULT_BATCH[device.type])
+    encoding = EncodingPass(enc, writer, schema, storage, batch, config.text_batch_size,
                             config.control, inputs.previous, stamps, inputs.needed, tally, cached_latents(config, enc, manifest, schema))
     desc = f"precompute[{rank}]" if world > 1 else "precompute"
     if config.progress and sys.stderr.isatty() or rank != 0:  # rank 0 speaks for all
-        bar = tqdm(total=inputs.total, unit="img", desc=desc, disable=rank != 0, dynamic_ncols=True)
+        bar = tqdm(total=inputs.total, unit="input" if config.video else "img", desc=desc, disable=rank != 0, dynamic_ncols=True)
     else:  # a log file or a pipe: a plain line now and then
         bar = PlainProgress(inputs.total, config.log_seconds, desc)
     try:

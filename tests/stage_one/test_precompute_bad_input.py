@@ -11,7 +11,7 @@ from PIL import Image
 from precompute.config import PrecomputeConfig
 from precompute.images import Record, prepare
 from precompute.run import main as precompute
-from shards import Cache
+from shards import Bucket, Cache
 
 pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models (left out of make test-fast)
 
@@ -133,10 +133,10 @@ def test_upscale_and_aspect_options():
     tiny = png(Image.new("RGB", (20, 20)))
     assert prepare(Record("t", tiny, [CAPTION]), policy())["reason"] == "too_small"
     ok = prepare(Record("t", tiny, [CAPTION]), policy(allow_upscale=True))
-    assert ok["status"] == "ok" and ok["bucket"] == (256, 256)
+    assert ok["status"] == "ok" and ok["bucket"] == Bucket(256, 256)
     wide = png(Image.new("RGB", (1000, 40)))
     clamped = prepare(Record("w", wide, [CAPTION]), policy(extreme_aspect="clamp", allow_upscale=True))
-    assert clamped["status"] == "ok" and clamped["bucket"] == (128, 512)  # the widest bucket
+    assert clamped["status"] == "ok" and clamped["bucket"] == Bucket(128, 512)  # the widest bucket
 
 
 def test_a_sample_encoded_to_non_finite_values_is_a_named_failure(tmp_path, monkeypatch):
