@@ -196,6 +196,7 @@ def _prepare_clips(record: Record, policy: ImagePolicy, skip_keys: frozenset[str
             "crop": (top, left, bucket.height, bucket.width),
             "clip": (clip.index, clip.start, len(frames)),
             "latent_key": clip_latent_key(record.image, choice, clip.index, count, policy.resolution),
+            **({"replaces": tuple(old)} if old else {}),  # the input's cached clips: one may hold this clip's latents
             "stamp": new,
             **({"caption_fallback": fallback} if fallback else {}),
         }

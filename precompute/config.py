@@ -49,7 +49,10 @@ class PrecomputeConfig:
                                         "a brace pattern data-{0000..0099}.tar, http(s) URLs, or any fsspec URL (s3://bucket/data-{0000..0099}.tar, "
                                         "gs://, hf://; the `remote` extra installs s3fs and gcsfs); or a Hugging Face dataset on disk: a save_to_disk "
                                         "folder or parquet files (a file, a glob, a Hub snapshot folder) with columns image and text "
-                                        "(the `hf` extra installs pyarrow)."})
+                                        "(the `hf` extra installs pyarrow). Videos are inputs too (x.mp4 + x.txt, a "
+                                        "metadata row's file_name, a tar's KEY.mp4, a dataset's video column): clips for a "
+                                        "video model (an image there is a one-frame clip), a video_input failure for an "
+                                        "image model."})
     model: str = opt(DEFAULT_PRESET, f"Preset: {', '.join(preset_names())}.")
     cache: Path | None = opt(None, "Cache directory to create or extend (default: cache/MODEL, where `make train` looks).")
     text_encoder: str | None = opt(None, f"Override the preset's text encoder: {', '.join(text_encoder_names())}.")

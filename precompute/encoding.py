@@ -75,15 +75,25 @@ class CachedLatents:
         self._cache: Cache | None = None
         self._index: dict[str, dict[str, int]] = {}  # dataset -> key -> global index, built when first asked
 
+    def find_any(self, dataset: str, keys: list[str], latent_key: bytes) -> dict[str, torch.Tensor] | None:
+        """`find` of the first of cached samples `keys` whose latent key is `latent_key` (a video's clips: the old clip
+        that is this one), each candidate's latent key read alone, without the digest check a read makes."""
+        try:
+            index = self._indexed(dataset)
+            for key in keys:
+                i = index.get(key)
+                if i is not None:
+                    j, row = self._cache.locate(i)
+                    if bytes(self._cache.shard(j).fields(row)[LATENT_KEY].numpy()) == latent_key:
+                        return self.find(dataset, key, latent_key)
+        except (FormatError, OSError, KeyError):
+            pass
+        return None
+
     def find(self, dataset: str, key: str, latent_key: bytes) -> dict[str, torch.Tensor] | None:
         """The latent fields of cached sample `key` of `dataset` if its latent key is `latent_key`, else None."""
         try:
-            if self._cache is None:
-                self._cache = Cache(self.root, self.generation, check_digests=True)
-            if dataset not in self._index:
-                starts = self._cache.shard_starts
-                self._index[dataset] = {k: int(starts[j]) + r for k, _, _, j, r in self._cache.manifest.samples(dataset)}
-            i = self._index[dataset].get(key)
+            i = self._indexed(dataset).get(key)
             if i is None:
                 return None
             fields = self._cache[i].fields
@@ -92,6 +102,15 @@ class CachedLatents:
             return {name: fields[name].clone() for name in self.fields}
         except (FormatError, OSError, KeyError):  # damaged or gone: the VAE computes them again
             return None
+
+    def _indexed(self, dataset: str) -> dict[str, int]:
+        """key -> global index of a dataset's samples, the cache opened on first use."""
+        if self._cache is None:
+            self._cache = Cache(self.root, self.generation, check_digests=True)
+        if dataset not in self._index:
+            starts = self._cache.shard_starts
+            self._index[dataset] = {k: int(starts[j]) + r for k, _, _, j, r in self._cache.manifest.samples(dataset)}
+        return self._index[dataset]
 
 
 @dataclass
@@ -234,13 +253,15 @@ class EncodingPass:
         return keys
 
     def reusable(self, it: dict) -> dict[str, torch.Tensor] | None:
-        """The latent fields of a changed input's old sample, when its image did not change (`CachedLatents`)."""
+        """The latent fields of a changed input's old sample, when its image (its video, and which clip of it) did not
+        change (`CachedLatents`)."""
         if self.cached is None or self.repair or "latent_key" not in it:
             return None
         old = self.stamps[(it["dataset"], it.get("resolution", 0))].get(it["source"])
-        if old is None or old[0] == it["key"] or old[0] not in self.previous[it["dataset"]]:
-            return None
-        return self.cached.find(it["dataset"], old[0], it["latent_key"])
+        # a video's clips are several samples of one input: any of them may be this clip's old self
+        candidates = it.get("replaces") or ((old[0],) if old else ())
+        candidates = [k for k in candidates if k != it["key"] and k in self.previous[it["dataset"]]]
+        return self.cached.find_any(it["dataset"], candidates, it["latent_key"]) if candidates else None
 
     def image_fields(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
         """Per item, its latent fields in the storage dtype: its image's, its flipped image's (one row for a source

@@ -153,6 +153,10 @@ def test_a_rerun_decodes_nothing_and_edits_touch_only_their_clips(tmp_path, deco
     (data / "00002.mp4").unlink()
     removed = run(data, tmp_path / "cache", **CUT)
     assert removed["removed"] == len(after["00002.mp4"]) and "00002.mp4" not in clips_of(tmp_path / "cache")
+    # a new caption: the video's clips are new samples whose latents are copied from its old clips, not encoded
+    (data / "00000.txt").write_text("a new caption", encoding="utf-8")
+    recaptioned = run(data, tmp_path / "cache", **CUT)
+    assert recaptioned["changed"] == recaptioned["latents_reused"] == len(after["00000.mp4"]) == 2
 
 
 def test_a_run_killed_between_an_inputs_clips_encodes_the_missing_ones(tmp_path, decodes):
