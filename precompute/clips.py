@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 from PIL import Image
 
+from precompute import video
 from precompute.captions import caption_variants
 from precompute.images import ImagePolicy, Record, choose_bucket, content_key, crop_box, prepare, read_captions
 
@@ -110,18 +111,18 @@ def is_still_image(data: bytes) -> bool:
     try:
         with Image.open(io.BytesIO(data)) as img:
             return getattr(img, "n_frames", 1) == 1 or img.format not in ("GIF", "WEBP", "PNG")
-    except Exception:  # not an image (a video container), or one Pillow refuses: the video reader says which
-        return False
+    except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError):
+        return False  # not an image (a video container), or one Pillow refuses: the video reader says which
 
 
 def prepare_clips(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set[str], stamp: int = 0,
-                  cached: Cached | None = None, stats: dict | None = None) -> Iterator[dict]:
+                  cached: Cached | None = None) -> Iterator[dict]:
     """`_prepare_clips`, each item after an input's first marked (`one_input`)."""
-    return one_input(_prepare_clips(record, policy, skip_keys, stamp, cached, stats))
+    return one_input(_prepare_clips(record, policy, skip_keys, stamp, cached))
 
 
 def _prepare_clips(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set[str], stamp: int = 0,
-                   cached: Cached | None = None, stats: dict | None = None) -> Iterator[dict]:
+                   cached: Cached | None = None) -> Iterator[dict]:
     """An input of a video family's cache as its items: a failure, or one item per clip, each "ok" (`prepare`'s fields,
     `bucket` (h, w, frames), `pixels` (3, F, H, W) uint8, `clip` (index, start, frames) at the policy's frame rate) or
     "unchanged"; each with the stamp its clips are cached with (`clip_stamp`).
@@ -133,7 +134,6 @@ def _prepare_clips(record: Record, policy: ImagePolicy, skip_keys: frozenset[str
         stamp: the input's stamp (0: unknown, a tar's).
         cached: the input's cached clips: when the keys its bytes and captions give are exactly those, nothing is
             decoded (a touched file, a tar read again).
-        stats: filled by `read_clips` (frames decoded, seeks, ...), for the caller's counts.
     """
     def failed(reason: str, detail: str = "") -> dict:
         return {"status": "failed", "source": record.source, "reason": reason, "detail": detail, "stamp": stamp}
@@ -166,9 +166,7 @@ def _prepare_clips(record: Record, policy: ImagePolicy, skip_keys: frozenset[str
         new = clip_stamp(stamp, len(old))  # the same bytes, captions and choice: the same clips, not decoded again
         yield from (unchanged(record.source, key, new, touched=s != new) for key, s in old.items())
         return
-    from precompute.video import fit_frames, read_clips
-
-    clips, reason, detail = read_clips(record.image, policy.clip, policy.max_pixels, stats)
+    clips, reason, detail = video.read_clips(record.image, policy.clip, policy.max_pixels)
     if reason:
         yield failed(reason, detail)
         return
@@ -190,7 +188,7 @@ def _prepare_clips(record: Record, policy: ImagePolicy, skip_keys: frozenset[str
             "source": record.source,
             "key": key,
             "bucket": bucket.with_frames(len(frames)),
-            "pixels": fit_frames(frames, bucket.height, bucket.width),  # (3, F, H, W) uint8
+            "pixels": video.fit_frames(frames, bucket.height, bucket.width),  # (3, F, H, W) uint8
             "captions": captions,
             "original_size": (h, w),
             "crop": (top, left, bucket.height, bucket.width),
