@@ -30,7 +30,7 @@ def check_clip_options(config, preset) -> list[Source]:
     """
     fam, sources = family(preset.family), config.sources()
     cls = type(config)
-    if not getattr(fam, "video", False):
+    if not fam.video:
         given = [k for k in RUN_KEYS if getattr(config, k) != default_of(cls, k)]
         if given:
             raise ValueError(f"{flag(given[0])}: {preset.name} takes images; clip options apply to video models "
@@ -102,7 +102,7 @@ def clip_policy(config, source: Source | None = None) -> ClipPolicy | None:
     part); None for an image model."""
     preset = config.preset()
     fam = family(preset.family)
-    if not getattr(fam, "video", False):
+    if not fam.video:
         return None
     if source is None:
         buckets, extraction, clips = tuple(int(b) for b in config.frame_buckets.split(",")), config.clip_extraction, config.clips

@@ -340,4 +340,4 @@ class PrecomputeConfig:
     @property
     def video(self) -> bool:
         """The model caches clips (a video family): every sample a clip, an image a one-frame one."""
-        return getattr(family(self.preset().family), "video", False)
+        return family(self.preset().family).video

@@ -359,7 +359,7 @@ def cache_schema(enc: Encoders, storage: torch.dtype, manifest, sources: list, c
     or, for a cache written before flipped latents, loss masks or latent keys could be stored, its own (without
     them), in which no source may ask for `flip` or masks."""
     schema = enc.schema(storage, control)
-    if getattr(enc.family, "video", False):  # which clip of its input a sample is: (index, first frame, frames) at the family's frame rate
+    if enc.family.video:  # which clip of its input a sample is: (index, first frame, frames) at the family's frame rate
         schema[CLIP] = Field(torch.int32)
     if manifest is None:
         return schema
