@@ -91,3 +91,28 @@ def test_clip_keys_and_stamps_name_the_clip_and_the_input_s_count():
     assert len(keys) == 5  # a clip of an input of two clips is not the same clip of an input of three
     assert clip_key(base, choice, 0, 2) != clip_key(base, b"head\x001,17\x0016.0", 0, 2)
     assert clip_stamp(12345, 1) == 12345 and clip_stamp(12345, 2) not in (0, 12345) and clip_stamp(0, 3) == 0
+
+
+def test_an_image_models_tar_and_dataset_name_a_video_input(tmp_path):
+    """A tar sample's KEY.mp4, or a video's bytes in a dataset's image column, is a video_input failure naming the
+    presets that take video, never a crash or a bad image."""
+    import io
+    import tarfile
+
+    from precompute.images import Record, prepare
+    from precompute.sample_video import make_video
+    from precompute.tars import TarDataset
+
+    make_video(tmp_path / "v.mp4", "shapes", 10, 24.0, (64, 64))
+    make_video(tmp_path / "v.webm", "shapes", 10, 24.0, (64, 64))
+    with tarfile.open(tmp_path / "a.tar", "w") as tar:
+        for name, blob in (("k.mp4", (tmp_path / "v.mp4").read_bytes()), ("k.txt", b"a caption")):
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    policy = PrecomputeConfig("unused").policy()
+    (item,) = TarDataset([str(tmp_path / "a.tar")], policy, frozenset(), ("caption",))
+    assert (item["source"], item["reason"]) == ("a.tar/k", "video_input") and "tiny-wan" in item["detail"]
+    for suffix in ("mp4", "webm"):  # bytes alone, as a dataset's image column holds them
+        failed = prepare(Record("row", (tmp_path / f"v.{suffix}").read_bytes(), ["a caption"]), policy)
+        assert failed["reason"] == "video_input"
