@@ -87,10 +87,10 @@ def clip_buckets(cache: Cache, requested: list[str], frames: int | None) -> list
 
 
 def frame_rate(cache: Cache, preset: ModelPreset) -> float:
-    """Frames per second of a cache's clips: the rate stage one resampled them to, as it recorded it, else the rate the
-    family's models were trained at."""
-    recorded = cache.spec.extra.get("frame_rate")
-    rate = recorded or get_family(preset.family).frame_rate
+    """Frames per second of a cache's clips: the rate stage one resampled them to, as its fingerprint (the clips' part of
+    its buckets) or its record says, else the rate the family's models were trained at."""
+    clips = (cache.fingerprint.get("buckets") or {}).get("clips") or {}
+    rate = clips.get("frame_rate") or cache.spec.extra.get("frame_rate") or get_family(preset.family).frame_rate
     if not rate:
         raise ValueError(f"{cache.location} records no frame rate for its clips and {preset.family} models have none")
     return float(rate)

@@ -120,3 +120,14 @@ def test_validation_frames_choose_the_clip_length(monkeypatch, tmp_path):
     assert buckets(buckets=["81x48x80"]) == [Bucket(48, 80, 81)]
     with pytest.raises(ValueError, match="k x 4 \\+ 1 frames"):
         buckets(frames=16)
+
+
+def test_videos_play_at_the_rate_the_cache_records(monkeypatch, tmp_path):
+    from train.validate import frame_rate
+
+    family = register(monkeypatch)
+    preset = ModelPreset("stand-in", family.name, None, {}, "flow", "flow", base_resolution=64)
+    buckets = ((Bucket(64, 64, 5), 1),)
+    assert frame_rate(Cache(clip_cache(tmp_path / "24", buckets=buckets, frame_rate=24.0)), preset) == 24.0
+    # a cache that records none: the family's models' rate
+    assert frame_rate(Cache(clip_cache(tmp_path / "none", buckets=buckets, frame_rate=None)), preset) == family.frame_rate == 16.0

@@ -88,11 +88,13 @@ def tiny_video_vae():
 
 
 def clip_cache(root: Path, *, family: str = "stand-in-video", preset: str = "stand-in", condition: bool = False,
-               image_embeds: bool = False, decoder: bool = False, buckets=BUCKETS, prompts=PROMPTS, seed: int = 0) -> Path:
+               image_embeds: bool = False, decoder: bool = False, buckets=BUCKETS, prompts=PROMPTS, seed: int = 0,
+               frame_rate: float | None = 16.0) -> Path:
     """A cache of random clips at `buckets` ((bucket, samples) pairs), each with one or two captions, the empty caption
     and `prompts` as prompts; with `condition`, a first-frame condition (4 + C, T, h, w) per sample (recorded as an
     image-to-video cache), with `image_embeds` a first-frame image embedding (257, 32); with `decoder`, the tiny video
-    VAE's weights stored in the cache as its decoder."""
+    VAE's weights stored in the cache as its decoder. The clips' `frame_rate` is in the fingerprint's buckets part, as
+    stage one records it (None: not recorded)."""
     g = torch.Generator().manual_seed(seed)
     schema = {"latent_mean": Field(torch.bfloat16), "latent_std": Field(torch.bfloat16),
               "text": Field(torch.bfloat16, ragged=True), "text_lengths": Field(torch.int32, ragged=True),
@@ -101,7 +103,9 @@ def clip_cache(root: Path, *, family: str = "stand-in-video", preset: str = "sta
         schema["condition"] = Field(torch.bfloat16)
     if image_embeds:
         schema["image_embeds"] = Field(torch.bfloat16)
-    fingerprint = {"vae": {"id": "tiny-video-vae", **LATENT.fingerprint()}, "text_encoder": {"id": "tiny-umt5", **TEXT.fingerprint()}}
+    fingerprint = {"vae": {"id": "tiny-video-vae", **LATENT.fingerprint()}, "text_encoder": {"id": "tiny-umt5", **TEXT.fingerprint()},
+                   "buckets": {"clips": {"frame_buckets": sorted({b.frames for b, _ in buckets}),
+                                         **({"frame_rate": frame_rate} if frame_rate else {})}}}
     root = Path(root)
     with ShardWriter(root, fingerprint, schema) as w:
         k = 0
@@ -133,6 +137,6 @@ def clip_cache(root: Path, *, family: str = "stand-in-video", preset: str = "sta
                        save({n: t.contiguous() for n, t in vae.state_dict().items()}))
             recipe = DecoderRecipe("AutoencoderKLWan", "vae", 1.0, 0.0, in_cache=True, latents_mean=MEAN, latents_std=STD,
                                    frame_axis=True)
-        extra = {"frame_rate": 16.0, **({"image_to_video": True} if condition else {})}
+        extra = {"image_to_video": True} if condition else {}
         w.set_extra("precompute", CacheSpec(LATENT, TEXT, family, preset, 64, recipe, extra=extra).record())
     return root
