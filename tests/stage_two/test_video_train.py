@@ -135,3 +135,18 @@ def test_the_trackers_show_the_contact_sheet_and_wandb_the_videos(caches, tmp_pa
     assert videos and all(row["validation_videos._type"] == "videos" for row in videos)
     logged = [name for name in files if name.endswith(".mp4")]
     assert len(logged) == 2 * 3 and all((directory / "files" / name).is_file() for name in logged)  # 3 videos a step
+
+
+def test_the_plan_of_a_clip_cache_traces_its_largest_clip_bucket_and_counts_its_tokens(caches, capsys):
+    from train.plan_command import plan_command
+
+    plan_command("tiny-wan", cache=str(caches["tiny-wan"]), as_json=True)
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["bucket"] == "17x64x64"  # of 17x64x64, 17x48x80 and 1x64x64, the most pixels x frames
+    assert result["tokens_per_sample"] == 5 * 4 * 4  # 17 frames -> 5 latent frames; 64 px -> 8 latent px -> 4 patches
+    assert set(result["largest_batch_per_bucket"]) == {"17x64x64", "17x48x80", "1x64x64"}
+    assert result["largest_batch_per_bucket"]["1x64x64"] > result["largest_batch_per_bucket"]["17x64x64"] > 0
+    plan_command("tiny-wan", bucket="33x48x80", as_json=True)
+    result = json.loads(capsys.readouterr().out)
+    assert (result["config"]["bucket"], result["tokens_per_sample"]) == ("33x48x80", 9 * 3 * 5)
+    assert result["bytes"]["activations"] > 0
