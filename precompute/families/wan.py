@@ -169,7 +169,8 @@ class Wan(Family):
             real("wan2.2-t2v-a14b", WAN22_T2V_A14B, 480),
             real("wan2.2-i2v-a14b", WAN22_I2V_A14B, 480, i2v=True),
             # TI2V-5B: the Wan 2.2 VAE (16x) under 2x2 patches makes 32-px tokens; it generates 1280 x 704 at 24 fps.
-            # Its image conditioning (the first frame's latent in place of the noise) is not cached: text to video.
+            # Its image conditioning (the first frame's latent in place of the noise) needs no field of its own: the VAE
+            # is causal, so it is the cached clip's first latent frame.
             real("wan2.2-ti2v-5b", WAN22_TI2V_5B, 720, vae=wan22_vae, granularity=32, frame_rate=24.0),
         )}
         tiny = dict(vae=wan21_vae, transformer=None, max_resolution=256)
@@ -206,8 +207,8 @@ class Wan(Family):
                           temporal_downsample=int(cfg.scale_factor_temporal))
 
     def encode_videos(self, vae, x: torch.Tensor, latent: LatentSpec) -> dict[str, torch.Tensor]:
-        """(B, 3, F, H, W) -> (B, C, (F - 1) // 4 + 1, H / 8, W / 8) each: the posterior's mean and std, normalised as
-        WanPipeline normalises its latents (and denormalises them before decoding)."""
+        """(B, 3, F, H, W) -> (B, C, (F - 1) // 4 + 1, H / s, W / s) each (s: 8 for the Wan 2.1 VAE, 16 for 2.2's): the
+        posterior's mean and std, normalised as WanPipeline normalises its latents (and denormalises them to decode)."""
         set_tiling(vae, x.shape[-2], x.shape[-1])
         dist = vae.encode(x).latent_dist
         z, std = dist.mean.float(), dist.std.float()
