@@ -261,3 +261,17 @@ def test_an_image_to_video_preset_caches_the_first_frame_fields(tmp_path):
     assert run(data, tmp_path / "cache", "tiny-wan-i2v")["new"] == 1
     s = Cache(tmp_path / "cache")[0]
     assert s.bucket == Bucket(64, 64, 17) and s["condition"].shape == (4 + 16, 5, 8, 8) and "image_embeds" in s.fields
+
+
+def test_repair_re_encodes_the_clips_of_a_damaged_shard(tmp_path):
+    data = tmp_path / "data"
+    make_video_folder(data, count=2, seconds=(1.2, 1.5))
+    cut = dict(clip_extraction="uniform", clips=2, frames=17, max_shard_mb=0)  # a shard per clip
+    run(data, tmp_path / "cache", **cut)
+    before = clips_of(tmp_path / "cache")
+    shard = Cache(tmp_path / "cache").path(0)  # the first clip's shard
+    shard.write_bytes(shard.read_bytes()[:-10])
+    assert not verify(tmp_path / "cache").ok
+    repaired = run(data, tmp_path / "cache", repair=True, **cut)
+    assert repaired["repaired_shards"] == 1 and repaired["unrepairable"] == [] and verify(tmp_path / "cache").ok
+    assert clips_of(tmp_path / "cache") == before
