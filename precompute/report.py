@@ -80,6 +80,7 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         "images_per_s": encoded / loop_s if loop_s else 0.0,
     }
     out = sys.stderr
+    clips = any(b.frames for b in manifest.buckets())
     print(f"\n{cache}: {summary['cache_samples']} samples, {summary['cache_bytes'] / 2**20:.1f} MiB, generation {manifest.generation}", file=out)
     print(f"  new {summary['new']} / changed {summary['changed']} / unchanged {summary['unchanged']} / "
           f"removed {summary['removed']}; duplicates {summary['duplicates']}", file=out)
@@ -92,7 +93,7 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         print(f"    source {name or '(unnamed)'!r}: {n} samples, not in this run (kept)", file=out)
     if summary["kept_unreadable"]:
         print(f"  kept {summary['kept_unreadable']} cached samples whose input could not be read or listed this time", file=out)
-    print(f"  encoded {encoded} in {loop_s:.1f}s ({summary['images_per_s']:.1f} images/s; {elapsed:.1f}s with setup); "
+    print(f"  encoded {encoded} in {loop_s:.1f}s ({summary['images_per_s']:.1f} {'clips' if clips else 'images'}/s; {elapsed:.1f}s with setup); "
           f"{summary['captions_truncated']} captions truncated to the token limit", file=out)
     if summary["latents_reused"]:
         print(f"  {summary['latents_reused']} of them changed only their mask or captions: their cached latents were "
@@ -106,12 +107,15 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         for f in failures:
             if "samples" in f:  # a damaged tar: how many samples it stands for
                 print(f"    {f['source']}: {f['detail']}", file=out)
-    print("  buckets (height x width: samples):", file=out)
+    print(f"  buckets ({'frames x ' if clips else ''}height x width: samples):", file=out)
     for name, k in summary["buckets"].items():
         print(f"    {name:>10}: {k}", file=out)
     print("  bytes per sample: " + ", ".join(f"{k} {v:,.0f}" for k, v in summary["bytes_per_sample"].items()), file=out)
     if (texts := manifest.text_stats()) is not None:  # each distinct caption's text stored once
         summary["texts"] = texts
+        saved = (f"{texts['saved']:,} bytes fewer than stored with each sample" if texts["saved"] >= 0 else
+                 f"{-texts['saved']:,} bytes more than stored with each sample: its captions are all or nearly all "
+                 f"distinct, --no-dedup-texts stores them with their samples")
         print(f"  texts stored once: {texts['texts']:,} for {texts['references']:,} captions, {texts['bytes']:,} bytes "
-              f"({texts['saved']:,} bytes fewer than stored with each sample)", file=out)
+              f"({saved})", file=out)
     return summary
