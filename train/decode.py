@@ -8,6 +8,7 @@ for runs that release training memory first. Sample grids are labelled PNGs writ
 
 from __future__ import annotations
 
+import hashlib
 import io
 import multiprocessing as mp
 import textwrap
@@ -115,16 +116,27 @@ def render(vae, recipe: DecoderRecipe, job: dict) -> Path:
     return Path(job["path"])
 
 
+_kept: dict[tuple[str, str], np.ndarray] = {}  # dataset clips decoded, by name and latent digest
+
+
 def render_clips(vae, recipe: DecoderRecipe, job: dict) -> Path:
     """Decode a job of clips: each row's one latent (C, T, h, w) becomes `<name>.mp4` (`job["names"]`, in `path`'s
-    folder) at `fps`, and a row of the contact sheet written at `path`; returns the sheet's path."""
+    folder) at `fps`, and a row of the contact sheet written at `path`; returns the sheet's path. The frames of the rows
+    named in `job["kept"]` are kept for the next jobs."""
     from train.video import sheet_row, write_mp4
 
     path = Path(job["path"])
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for (label, (z,)), name in zip(job["rows"], job["names"]):
-        frames = decode_clip(vae, recipe, z[None])
+        # a dataset clip (`kept`) is the same latent at every validation: decoded once by this process (a clip's
+        # decoding costs many images'); the sampled ones are new each time
+        key = (name, hashlib.sha256(z.numpy().tobytes()).hexdigest())
+        frames = _kept.get(key)
+        if frames is None:
+            frames = decode_clip(vae, recipe, z[None])
+            if name in job.get("kept", ()):
+                _kept[key] = frames
         write_mp4(path.parent / f"{name}.mp4", frames, job["fps"])
         rows.append((label, sheet_row(frames)))
     buf = io.BytesIO()
@@ -161,12 +173,13 @@ class Decoder:
             self._pending = 0
 
     def submit(self, title: str, rows: list[tuple[str, list[torch.Tensor]]], path: Path, *, names: list[str] | None = None,
-               fps: float | None = None) -> None:
+               fps: float | None = None, kept: tuple[str, ...] = ()) -> None:
         """Queue a grid of `rows` (label, latents) at `path`; with `fps`, rows of one clip each, written as
-        `names[k]`.mp4 beside `path` (their contact sheet)."""
+        `names[k]`.mp4 beside `path` (their contact sheet), those named in `kept` (the same at every validation)
+        decoded once."""
         job = {"title": title, "rows": [(label, [z.detach().float().cpu() for z in zs]) for label, zs in rows], "path": str(path)}
         if fps:
-            job.update(fps=fps, names=list(names))
+            job.update(fps=fps, names=list(names), kept=tuple(kept))
         if self.device is None:
             self._jobs.put(job)
             self._pending += 1

@@ -277,7 +277,7 @@ class Validator:
         if self.fps:  # a video per prompt and bucket, and the dataset clip, beside their contact sheet
             rows, names = self.clip_rows(latents)
             self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance} · {self.fps:g} fps", rows, path,
-                                names=names, fps=self.fps)
+                                names=names, fps=self.fps, kept=tuple(names[len(names) - len(self.references):]))
             return path
         if self.items:
             rows = [(f"{item.name} ({item.bucket.name}): control, generated, ground truth",

@@ -78,8 +78,10 @@ def test_a_clip_is_decoded_as_the_pipeline_decodes_it(tmp_path):
 
 
 def test_validation_writes_a_video_per_prompt_and_a_contact_sheet(monkeypatch, tmp_path):
+    import train.decode
     import train.families
 
+    monkeypatch.setattr(train.decode, "_kept", {})  # nothing decoded before
     family = Sampled()
     monkeypatch.setattr(train.families, "FAMILIES", [*train.families.FAMILIES, family])
     cache = Cache(clip_cache(tmp_path / "cache", decoder=True, family=family.name))
@@ -104,6 +106,12 @@ def test_validation_writes_a_video_per_prompt_and_a_contact_sheet(monkeypatch, t
     sheet = Image.open(path)
     # a row per video (2 prompts and the dataset clip), 5 frames each, beside the labels
     assert sheet.width >= 5 * 64 and sheet.height >= 3 * 64
+    # the next validation decodes the sampled clips again, the dataset clip's frames are kept
+    decoded = []
+    monkeypatch.setattr(train.decode, "decode_clip", lambda *args: decoded.append(args) or decode_clip(*args))
+    again = validator.run(Denoiser(), 8, torch.float32)
+    assert len(decoded) == 2 and validator.finished() == [("ok", str(again))]
+    assert read_video(again.parent / "dataset-clip0000.mp4")[0].shape == (17, 64, 64, 3)
 
 
 def test_validation_frames_choose_the_clip_length(monkeypatch, tmp_path):
