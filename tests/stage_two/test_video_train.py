@@ -150,3 +150,26 @@ def test_the_plan_of_a_clip_cache_traces_its_largest_clip_bucket_and_counts_its_
     result = json.loads(capsys.readouterr().out)
     assert (result["config"]["bucket"], result["tokens_per_sample"]) == ("33x48x80", 9 * 3 * 5)
     assert result["bytes"]["activations"] > 0
+
+
+@pytest.mark.slow  # stage one's encoders and a spawned decoder
+def test_tiny_wan_trains_from_stage_ones_cache_of_videos(tmp_path):
+    from precompute.run import main as precompute
+    from precompute.sample_video import make_video_folder
+    from shards import Cache
+
+    data = make_video_folder(tmp_path / "data", count=4, seconds=(1.2, 1.5))
+    precompute(str(data), "tiny-wan", tmp_path / "cache", workers=0, progress=False, check_disk=False,
+               validation_prompt=["a red square moving right"])
+    buckets = Cache(tmp_path / "cache").manifest.buckets()
+    assert buckets and all(b.frames == 17 for b in buckets)  # 1.2 s or more at 16 fps: 17-frame clips
+    summary = train(cfg(tmp_path / "cache", tmp_path / "run", steps=2, batch_size=1, validate=True, validation_steps=1))
+    assert summary["step"] == 2 and summary["last_loss"] > 0
+    (sheet,) = summary["grids"]
+    (video,) = Path(sheet).parent.glob("00-*.mp4")
+    with av.open(str(video)) as container:
+        stream = container.streams.video[0]
+        frames = list(container.decode(stream))
+        bucket = Bucket.parse(video.stem.rsplit("-", 1)[1])
+        assert (len(frames), frames[0].height, frames[0].width, float(stream.average_rate)) == (17, bucket.height,
+                                                                                                bucket.width, 16.0)
