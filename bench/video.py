@@ -118,7 +118,8 @@ def stopwatch(*methods: tuple[type, str]):
             finally:
                 spent[name] += time.perf_counter() - t0
                 if name == "run":
-                    spent.update({f"pass:{k}": v for k, v in list(spent.items()) if not k.startswith("pass:")})
+                    for k in [k for k in spent if not k.startswith("pass:")]:
+                        spent[f"pass:{k}"] = spent[k]
         return wrapper
 
     for owner, name, original in originals:
