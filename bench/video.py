@@ -24,6 +24,12 @@ batches, and writing takes a small share of the pass. The rows:
     umT5-XXL's 4096 wide text (the published transformer's `text_dim`) for 60, 80 and 100 valid tokens, both in the
     storage dtype; the other fields as the tiny cache of (d) stores them. Cross-checked: the tiny cache's stored
     bytes per latent and text element, which must be the storage dtype's width (2.00 for bf16) plus its overhead.
+(f) decode at the real size: stage one's loader for the real preset (no weights needed) over generated 480x832
+    videos of 5.5 s at 24 fps, one 81-frame clip each, clips/s with the same workers; beside it the Wan 2.1 VAE
+    encoder's cost per such clip, its FLOPs counted on the meta device, and the clips/s that cost allows at
+    989 TFLOP/s (an H100 SXM's dense bf16 peak): an upper bound on the rate the loader must keep up with on one GPU.
+    On the CPU the loader's workers send frames through a pipe as arrays (the clip's 97 MB of pixels copied); a CUDA
+    run passes them as shared-memory tensors.
 
 Threads are pinned (`bench.common.pin_threads`, 1 by default: on 2 cores one encodes while the loader's worker
 decodes on the other). The videos are generated before the first round and read warm (in the page cache). Default
@@ -57,7 +63,7 @@ from precompute.families import family  # noqa: E402
 from precompute.presets import get_preset  # noqa: E402
 from precompute.run import main as precompute  # noqa: E402
 from precompute.run import open_all_inputs  # noqa: E402
-from precompute.sample_video import make_video_folder  # noqa: E402
+from precompute.sample_video import make_video, make_video_folder  # noqa: E402
 from shards import Field, ShardWriter, load  # noqa: E402
 from shards.options import torch_dtype  # noqa: E402
 
@@ -221,6 +227,28 @@ def median(values):
     return statistics.median(values)
 
 
+def real_videos(root: Path, count: int) -> Path:
+    """`count` generated videos of 480x832 pixels, 5.5 s at 24 fps (an 81-frame clip at 16 fps each), with captions."""
+    root.mkdir(parents=True)
+    for i in range(count):
+        caption = make_video(root / f"{i:05d}.mp4", "shapes", 132, 24.0, REAL_CLIP[1:], seed=i)
+        (root / f"{i:05d}.txt").write_text(caption + "\n", encoding="utf-8")
+    return root
+
+
+def real_encoder_flops() -> float:
+    """FLOPs of the Wan 2.1 VAE's encode of one 480p x 81-frame clip, counted on the meta device (no weights)."""
+    from diffusers import AutoencoderKLWan
+    from torch.utils.flop_counter import FlopCounterMode
+
+    frames, h, w = REAL_CLIP
+    with torch.device("meta"):
+        vae = AutoencoderKLWan()
+        with FlopCounterMode(display=False) as counter:
+            vae.encode(torch.zeros(1, 3, frames, h, w))
+    return float(counter.get_total_flops())
+
+
 def main(
     model: str = typer.Option("tiny-wan", help="Video preset to encode with."),
     count: int = typer.Option(64, help="Generated videos (one clip each: --clip-extraction head)."),
@@ -230,6 +258,7 @@ def main(
     workers: int = typer.Option(1, help="Stage one's loader worker processes, in (a) and (d)."),
     repeats: int = typer.Option(3, help="Rounds; each runs (a) to (d) back to back."),
     real_clips: int = typer.Option(16, help="480p x 81-frame clips written in each round of (c) (9.0 MB each)."),
+    real_videos_count: int = typer.Option(6, "--real-videos", help="480x832 videos decoded in each round of (f) (0: no (f))."),
     threads: int = typer.Option(1, help="torch threads of the encoders (the loader's workers use 1 each)."),
     dtype: str = typer.Option("bf16", help="Storage dtype: bf16, fp16 or fp32."),
 ) -> None:
@@ -247,6 +276,11 @@ def main(
         bare_encoders(enc, items[:batch_size], batch_size)
         tiny = tiny_samples(enc, items, storage)
         real = real_samples(real_clips, storage)
+        real_config = None
+        if real_videos_count:
+            real_config = PrecomputeConfig(str(real_videos(work / "real-videos", real_videos_count)), REAL_PRESET,
+                                           work / "real-cache", workers=workers, frames=REAL_CLIP[0], resolution=str(REAL_CLIP[1]))
+            decode(real_config)  # warm-up
         rounds = []
         for r in range(repeats):
             items, decode_s = decode(config)
@@ -271,6 +305,10 @@ def main(
                 "vae": spent["pass:encode_videos"] / loop, "text": spent["pass:encode_text"] / loop,
                 "wait": summary["data_wait_fraction"], "writing": (spent["pass:write"] + spent["pass:write_text"]) / loop,
             })
+            if real_config is not None:
+                real_items, real_s = decode(real_config)
+                rounds[-1]["real_decode"] = len(real_items) / real_s
+                del real_items
             rounds[-1]["run_over_bare"] = rounds[-1]["run"] / rounds[-1]["encode"]
             # the encode calls' own time in the run over the same calls bare: above 1 when the run's loader worker (or
             # another process) takes CPU time from the encoder
@@ -330,6 +368,15 @@ def main(
               f"{stored['text_row_overhead']:,.0f} B a row beyond its elements")
         print("    other fields and overhead per clip: " + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(stored["other_per_sample"].items()))
               + f"; shard file beyond the fields {stored['container_per_sample']:,.0f}; text row {stored['text_row_overhead']:,.0f}")
+        if real_config is not None:
+            flops = real_encoder_flops()
+            peak = 989e12 / flops
+            print(f"\n(f) decode at {h}p x {f} frames: stage one's loader for {REAL_PRESET} ({workers} worker(s)), "
+                  f"{real_videos_count} generated {h}x{w} videos: {med['real_decode']:.2f} clips/s (best {best['real_decode']:.2f}), "
+                  f"{med['real_decode'] * f:.0f} frames/s")
+            print(f"    the Wan 2.1 VAE encoder: {flops / 1e12:.1f} TFLOP a clip (counted on the meta device): at most "
+                  f"{peak:.1f} clips/s at 989 TFLOP/s, an H100's dense bf16 peak; decode / that bound "
+                  f"{med['real_decode'] / peak:.2f} per worker")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

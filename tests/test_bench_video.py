@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_video_bench_runs_at_a_tiny_size():
     run = subprocess.run([sys.executable, str(REPO / "bench" / "video.py"), "--count", "4", "--frames", "17", "--repeats", "1",
-                          "--real-clips", "1", "--batch-size", "2"], capture_output=True, text=True, timeout=300, cwd=REPO)
+                          "--real-clips", "1", "--real-videos", "0", "--batch-size", "2"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
     for row in ("(a) decode", "(b) encode", "(c) write", "(d) run: encoder busy", "run / bare encoders"):
