@@ -173,3 +173,17 @@ def test_tiny_wan_trains_from_stage_ones_cache_of_videos(tmp_path):
         bucket = Bucket.parse(video.stem.rsplit("-", 1)[1])
         assert (len(frames), frames[0].height, frames[0].width, float(stream.average_rate)) == (17, bucket.height,
                                                                                                 bucket.width, 16.0)
+
+
+@pytest.mark.slow  # torchrun
+def test_two_processes_train_clips_as_one_does_with_the_same_global_batch(caches, tmp_path):
+    from conftest import train_processes
+
+    common = ["--model", "tiny-wan-i2v", "--cache", str(caches["tiny-wan-i2v"]), "--steps", "3", "--precision", "fp32",
+              "--log-every", "1", "--no-validate", "--no-progress", "--lr", "1e-3", "--caption-dropout", "0.2",
+              "--lora-rank", "4"]
+    train_processes(1, tmp_path / "one", *common, "--batch-size", "4")
+    train_processes(2, tmp_path / "ddp", *common, "--batch-size", "2", "--parallel", "ddp")
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "ddp")
+    assert len(one) == len(two) == 3
+    assert two == pytest.approx(one, rel=1e-4)  # the same clips, first frames, noise, timesteps and updates
