@@ -187,3 +187,13 @@ def test_two_processes_train_clips_as_one_does_with_the_same_global_batch(caches
     one, two = losses(tmp_path / "one"), losses(tmp_path / "ddp")
     assert len(one) == len(two) == 3
     assert two == pytest.approx(one, rel=1e-4)  # the same clips, first frames, noise, timesteps and updates
+
+
+@pytest.mark.parametrize("options", [{"grad_checkpointing": "off"}, {"lora_rank": 4, "grad_checkpointing": "all"},
+                                     {"lora_rank": 4, "grad_checkpointing": "all", "precision": "bf16"}],
+                         ids=["full", "lora-checkpointed", "lora-bf16"])
+def test_the_plan_of_clips_is_within_15_percent_of_the_dry_runs_measured_peak(tmp_path, options):
+    cache = clip_cache(tmp_path / "cache", family="wan", preset="tiny-wan", decoder=True, buckets=((Bucket(128, 128, 33), 4),))
+    result = train(cfg(cache, tmp_path / "run", **{"batch_size": 4, "dry_run": True, **options}))
+    assert result["bucket"] == "33x128x128"  # 9 latent frames of 8 x 8 patches: 576 tokens a clip
+    assert abs(result["predicted_peak"] / result["measured_peak"] - 1) < 0.15, result
