@@ -1,6 +1,7 @@
-"""tiny-wan and tiny-wan-i2v train from a cache of clips end to end (full fine-tune and LoRA), resume exactly, validate
-with videos (mp4 beside a contact sheet) and `train sample` a clip run; the image-to-video model gets its cached first
-frame in every batch, the held-out loss's too."""
+"""tiny-wan and tiny-wan-i2v train from a cache of clips end to end (full fine-tune and LoRA; from a cache written as
+stage one writes one, and from stage one's own), resume exactly, train under DDP as one process does, validate with
+videos (mp4 beside a contact sheet) the trackers show, and `train sample` a clip run; the image-to-video model gets its
+cached first frame in every batch, the held-out loss's too; the plan of clips holds against the dry run's peak."""
 
 import json
 from pathlib import Path
