@@ -110,6 +110,8 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
         objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank, expert=expert), preset, config)
     per_element = objective_bytes(objective, family.latent_channels(config), family.output_channels(config))
     passes = "forward/backward" if pc.checkpoint_every_k() or pc.blocks_to_swap else "forward"
+    if pc.traced.frames:  # a clip the family's VAE encodes, refused before the trace otherwise
+        family.latent_frames(pc.traced.frames)
     tokens = family.image_tokens(config, preset, pc.traced)
     say(f"tracing {pc.model} {passes} at {pc.traced.name}, batch {pc.batch_size} and {pc.batch_size + 1}, {pc.precision} ...")
     act = activations(pc, preset, pc.batch_size, per_element)

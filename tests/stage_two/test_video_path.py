@@ -117,6 +117,8 @@ def test_the_planner_counts_a_clips_tokens_frame_by_frame(monkeypatch):
     batch = family.example_batch(config, preset, Bucket(480, 832, 81), 2, 512, torch.float32)
     assert batch["latents"].shape == (2, 16, 21, 60, 104) and batch["latents"].device.type == "meta"
     assert batch["text"].shape == (2, 512, 32)
+    with pytest.raises(ValueError, match="encodes clips of k x 4 \\+ 1 frames; choose 77 or 81"):
+        family.image_tokens(config, preset, Bucket(480, 832, 80))
 
 
 def test_the_plan_command_reads_clip_buckets(monkeypatch, clips):

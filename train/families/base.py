@@ -339,7 +339,12 @@ class Family(ABC):
         """Latent frames of a clip of `frames` pixel frames (`temporal_downsample`)."""
         if not self.temporal_downsample:
             raise ValueError(f"{self.title} models take images, not clips of {frames} frames: plan an image bucket (HxW)")
-        return (frames - 1) // self.temporal_downsample + 1
+        k = self.temporal_downsample
+        if frames < 1 or (frames - 1) % k:
+            below = max(1, (frames - 1) // k * k + 1)
+            raise ValueError(f"a clip of {frames} frames: {self.title}'s VAE encodes clips of k x {k} + 1 frames; choose "
+                             f"{below} or {below + k}")
+        return (frames - 1) // k + 1
 
     # --- validation ---
 
