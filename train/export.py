@@ -24,7 +24,7 @@ from train.families import get_preset
 from train.model import flow_shift_kind
 from train.objectives import build_objective
 from train.presets import Weights, build_transformer, resolve_weights
-from train.validate import Validator, add_prompts_command
+from train.validate import Validator, add_prompts_command, slug
 
 LoraFormat = Literal["diffusers", "kohya", "lycoris"]
 # Every export's own record of itself: an existing OUT is replaced only when it carries one. Not pushed to the Hub (a
@@ -370,7 +370,7 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
     vae = load_decoder(validator.recipe, decoding)
     if validator.fps:  # a clip cache: an mp4 per prompt and bucket, and their contact sheet
         rows = [(f"{text} ({bucket.name})", [z]) for (text, bucket), z in latents.items()]
-        names = [f"{_slug(text)}-{bucket.name}-seed{seed}" for text, bucket in latents]
+        names = [f"{slug(text)}-{bucket.name}-seed{seed}" for text, bucket in latents]
         sheet = render_clips(vae, validator.recipe, {"title": f"{ckpt.name} · {steps} steps, guidance {guidance} · "
                                                               f"{validator.fps:g} fps", "rows": rows, "names": names,
                                                      "fps": validator.fps, "path": str(out / SHEET)})
@@ -378,7 +378,7 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
     written = []
     for (text, bucket), z in latents.items():
         image = decode(vae, validator.recipe, z[None])[0]
-        path = out / f"{_slug(text)}-{bucket.name}-seed{seed}.png"
+        path = out / f"{slug(text)}-{bucket.name}-seed{seed}.png"
         image.save(path)
         written.append(path)
     return written
@@ -394,9 +394,3 @@ def open_prompt_cache(location: Path | str | None, cfg: dict) -> Cache:
         raise FileNotFoundError(f"the run's cache {own} (its --cache) is not there from {Path.cwd()}: pass --prompt-cache "
                                 f"CACHE (the cache, or any cache of the same encoders with the prompts)")
     return open_cache(own, local_dir=cfg.get("local_cache"))
-
-
-def _slug(text: str) -> str:
-    import re
-
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:60] or "prompt"
