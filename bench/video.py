@@ -224,10 +224,6 @@ def cache_bytes(cache: Path, latent_fields: tuple[str, ...], tokens: int, width:
             "container_per_sample": (m.num_bytes - sum(field_bytes.values())) / n, "samples": n, "shards": len(m.shards)}
 
 
-def median(values):
-    return statistics.median(values)
-
-
 def real_videos(root: Path, count: int) -> Path:
     """`count` generated videos of 480x832 pixels, 5.5 s at 24 fps (an 81-frame clip at 16 fps each), with captions."""
     root.mkdir(parents=True)
@@ -315,7 +311,7 @@ def main(
             # another process) takes CPU time from the encoder
             rounds[-1]["slowdown"] = (spent["pass:encode_videos"] + spent["pass:encode_text"]) / encode_s
         best = {k: max(r[k] for r in rounds) for k in rounds[0]}
-        med = {k: median([r[k] for r in rounds]) for k in rounds[0]}
+        med = {k: statistics.median([r[k] for r in rounds]) for k in rounds[0]}
 
         n_frames = {it["bucket"].frames for it in items}
         buckets = Counter(it["bucket"].name for it in items)
@@ -328,7 +324,7 @@ def main(
         print(f"{'    clip frames decoded, resampled, resized, cropped':58s} {med['frames']:7.0f} frames/s ({best['frames']:4.0f})")
         print(f"{'(b) encode, bare VAE + umT5 on decoded clips':58s} {med['encode']:7.1f} clips/s ({best['encode']:5.1f})   the "
               f"limit of (d)")
-        print(f"{'    (a) / (b): decode headroom with ' + str(workers) + ' worker(s)':58s} {median([r['decode'] / r['encode'] for r in rounds]):7.1f} x"
+        print(f"{'    (a) / (b): decode headroom with ' + str(workers) + ' worker(s)':58s} {statistics.median([r['decode'] / r['encode'] for r in rounds]):7.1f} x"
               f"{'':16s}   > 1")
         print(f"{'(c) write, ShardWriter, tiny clips (fsynced)':58s} {med['tiny_write']:7.1f} MB/s ({best['tiny_write']:5.1f})   "
               f"measured")
