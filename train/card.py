@@ -252,7 +252,12 @@ def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str |
     revision = f', revision="{base.revision}"' if base.kind == "hub" and base.revision else ""
     kind_of = get_family(family)
     pipe = kind_of.pipeline_of(preset) if preset is not None else kind_of.pipeline
-    component = preset.subfolder if preset is not None else "transformer"
+    # (the pipeline's component, the export's folder holding it): one transformer in transformer/ (one expert of two:
+    # in the component it is), or both experts of a two-expert model, each in its own
+    if preset is not None and preset.paired:
+        parts = list(zip(preset.experts, preset.experts))
+    else:
+        parts = [(preset.subfolder if preset is not None else "transformer", "transformer")]
     extra = f", {kind_of.usage_call_args()}" if kind_of.usage_call_args() else ""
     sample_imports, generate = kind_of.usage_generate(preset, extra)
     if kind == "controlnet":
@@ -264,21 +269,33 @@ def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str |
             f'image = pipe("a prompt", control_image=control_image{extra}).images[0]  # control_image: a PIL image like the training ones'])
     if kind == "full":
         model = kind_of.transformer
+        given = "".join(f", {component}={component}" for component, _ in parts)
         return "\n".join([
             "import torch", f"from diffusers import {pipe}, {model}", *sample_imports, "",
-            f'{component} = {model}.from_pretrained("{location}", subfolder="transformer", torch_dtype=torch.bfloat16)',
-            f'pipe = {pipe}.from_pretrained("{source}"{revision}, {component}={component}, torch_dtype=torch.bfloat16).to("cuda"){note}',
+            *[f'{component} = {model}.from_pretrained("{location}", subfolder="{folder}", torch_dtype=torch.bfloat16)'
+              for component, folder in parts],
+            f'pipe = {pipe}.from_pretrained("{source}"{revision}{given}, torch_dtype=torch.bfloat16).to("cuda"){note}',
             *generate])
+    # adapters: in the export's directory, or both experts' each in its folder
+    adapters = [(component, folder if len(parts) > 1 else None) for component, folder in parts]
+    imports, loading = [], []
     if weight_name == LYCORIS_FILE:  # LyCORIS' own loader, which names a diffusers transformer's layers as the file does
         local = Path(location).is_absolute()  # an export directory, or the Hub repository it is pushed to
         imports = [*([] if local else ["from huggingface_hub import hf_hub_download"]), "from lycoris import create_lycoris_from_weights"]
-        fetch = f'"{Path(location) / weight_name}"' if local else f'hf_hub_download("{location}", "{weight_name}")'
-        loading = [f"wrapper, _ = create_lycoris_from_weights(1.0, {fetch}, pipe.transformer)  # pip install lycoris-lora",
-                   "wrapper.merge_to()"]
+        for component, folder in adapters:
+            file = f"{folder}/{weight_name}" if folder else weight_name
+            fetch = f'"{Path(location) / file}"' if local else f'hf_hub_download("{location}", "{file}")'
+            loading += [f"wrapper, _ = create_lycoris_from_weights(1.0, {fetch}, pipe.{component})  # pip install lycoris-lora",
+                        "wrapper.merge_to()"]
     elif adapter in ("lokr", "loha"):  # peft's layout: diffusers' LoRA loader takes LoRA alone
-        imports, loading = ["from peft import PeftModel"], [f'pipe.transformer = PeftModel.from_pretrained(pipe.transformer, "{location}")']
+        imports = ["from peft import PeftModel"]
+        for component, folder in adapters:
+            sub = f', subfolder="{folder}"' if folder else ""
+            loading.append(f'pipe.{component} = PeftModel.from_pretrained(pipe.{component}, "{location}"{sub})')
     else:
-        imports, loading = kind_of.lora_usage(location, weight_name, component)
+        for component, folder in adapters:
+            imports, lines = kind_of.lora_usage(location, weight_name, component, folder)
+            loading += lines
     lines = ["import torch", f"from diffusers import {pipe}", *sample_imports, *imports]
     lines += ["", f'pipe = {pipe}.from_pretrained("{source}"{revision}, torch_dtype=torch.bfloat16).to("cuda"){note}']
     return "\n".join(lines + loading + generate)

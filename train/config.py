@@ -93,13 +93,15 @@ class ModelOptions:
     controlnet_conditioning_scale: float = opt(1.0, "Scale of the ControlNet's residuals in training (the pipelines' "
                                                     "controlnet_conditioning_scale; applied on resume when changed).",
                                                     at_least=0)
-    expert: Literal["high", "low"] | None = opt(
+    expert: Literal["high", "low", "both"] | None = opt(
         None, "Presets of two experts (a high-noise transformer and a low-noise transformer_2, split at the preset's "
-              "boundary timestep; python -m train plan --help lists them): the one this run trains, from its released "
-              "weights, with timesteps drawn only from its range: high (transformer, timesteps at or above the boundary "
-              "x 1000) or low (transformer_2, below it), each from the run's timestep density cut to that range (its "
-              "shape kept). Required for those presets; the two are trained as two runs and exported separately. Other "
-              "presets: leave it out.")
+              "boundary timestep; python -m train plan --help lists them): what this run trains, from the released "
+              "weights. high: transformer, with timesteps drawn only at or above the boundary x 1000; low: transformer_2, "
+              "only below it (each from the run's timestep density cut to that range, its shape kept). both: the two in "
+              "one run, timesteps drawn over the whole range and each sample's picking its expert, as the pipeline "
+              "switches them (both on the device: twice the weights; not with --parallel fsdp); checkpoints and exports "
+              "hold transformer/ and transformer_2/ (a LoRA export: the second's adapters in transformer_2/). Required "
+              "for those presets; other presets: leave it out.")
     base_quant: Literal["none", "int8", "fp8", "nf4"] = opt(
         "none", "Keep the frozen transformer of a LoRA or ControlNet run quantized: its Linear weights in int8 or fp8 (torchao "
                 "weight-only, on any device) or nf4 (bitsandbytes 4-bit, CUDA), both from the quant extra; norms, biases "
@@ -219,7 +221,7 @@ class MemoryOptions:
 
 @dataclass
 class ParallelOptions:
-    """How several processes share the work (under torchrun). Reads `ModelOptions`."""
+    """How several processes share the work (under torchrun). Reads `ModelOptions` (`expert` too)."""
 
     parallel: Literal["auto", "ddp", "fsdp"] = opt("auto", "Under torchrun: ddp (replicated weights; auto picks it) or fsdp "
                                                            "(FSDP2: weights, gradients and optimizer states sharded per block).")
@@ -228,6 +230,9 @@ class ParallelOptions:
                                    "--no-fsdp-reshard keeps them until backward (ZeRO-2-like, less communication).")
 
     def check(self) -> None:
+        if self.parallel == "fsdp" and self.expert == "both":
+            raise ValueError("--expert both keeps two transformers in one module, which FSDP does not shard; train the "
+                             "experts as two runs (--expert high, --expert low) or use --parallel ddp")
         if self.parallel == "fsdp" and self.lora_rank:
             raise ValueError("LoRA trains with the frozen base replicated on every GPU: use --parallel ddp (the default)")
         if self.parallel == "fsdp" and self.controlnet:
@@ -404,8 +409,8 @@ class ObjectiveOptions:
         preset = get_preset(self.model)
         if preset.experts and self.expert is None:
             raise ValueError(f"{self.model} is two experts, a high-noise and a low-noise transformer split at timestep "
-                             f"{preset.expert_boundary * 1000:g}: choose the one this run trains with --expert high or "
-                             f"--expert low")
+                             f"{preset.expert_boundary * 1000:g}: choose what this run trains with --expert high, --expert "
+                             f"low or --expert both")
 
 
 @dataclass

@@ -8,6 +8,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -23,7 +24,7 @@ from train.ema import load_shadow
 from train.families import get_preset
 from train.model import flow_shift_kind
 from train.objectives import build_objective
-from train.presets import Weights, build_transformer, resolve_weights
+from train.presets import Weights, build_transformer, load_saved, resolve_weights
 from train.validate import Validator, add_prompts_command, slug
 
 LoraFormat = Literal["diffusers", "kohya", "lycoris"]
@@ -61,7 +62,7 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
         if dtype is not None:
             model.to(dtype)
     else:
-        model = cls.from_pretrained(ckpt / "transformer", torch_dtype=dtype, use_safetensors=True)
+        model = load_saved(preset, ckpt / "transformer", dtype)
         ema_state = saved_ema(ckpt) if ema else None
     if ema:
         load_shadow(model, ema_state, ckpt)
@@ -133,20 +134,26 @@ def write_adapter(ckpt: Path, directory: Path, ema: bool, lora_format: LoraForma
     """A LoRA run's adapters (trained or EMA) into DIRECTORY, in the format the family's pipeline loads (or another
     of its `lora_formats`: kohya's, the LyCORIS layout); the base weights are the ones the run started from, not written again. Returns the adapter file."""
     state = checkpoint.load_state(ckpt)
-    preset, config = get_preset(state["model"]), adapter_config(state)
+    preset, config = get_preset(state["model"], state["config"].get("expert")), adapter_config(state)
     weights = lora.read_adapter(ckpt / checkpoint.ADAPTER_DIR)
     if ema:
         ema_state = saved_ema(ckpt)
         # the EMA follows the trainable parameters in model order: their names, from the architecture on the meta device
         with torch.device("meta"):
-            model = preset.transformer_class.from_config(preset.transformer_class.load_config(ckpt / "transformer"))
+            model = build_transformer(replace(preset, config=preset.transformer_class.load_config(ckpt / "transformer")),
+                                      None, 0)
             lora.add_lora(model, config)
         names = [lora.state_key(n) for n, p in model.named_parameters() if p.requires_grad]
         shadow = ema_state["shadow_params"]
         if sorted(names) != sorted(weights) or len(shadow) != len(names):
             raise ValueError(f"{ckpt}: the EMA weights do not match the adapters")
         weights = {n: s.to(weights[n].dtype) for n, s in zip(names, shadow)}
-    written = lora.save_adapter(directory, preset.family, weights, config, lora_format=lora_format)
+    if preset.paired:  # two experts: each one's adapters in its own folder (the loaders' subfolder=), the first's returned
+        parts = [{k.removeprefix(f"{name}."): v for k, v in weights.items() if k.startswith(f"{name}.")} for name in preset.experts]
+        written = [lora.save_adapter(Path(directory) / name, preset.family, part, config, lora_format=lora_format)
+                   for name, part in zip(preset.experts, parts)][0]
+    else:
+        written = lora.save_adapter(directory, preset.family, weights, config, lora_format=lora_format)
     write_provenance(Path(directory), ckpt, state, ema, base=recorded_base(preset, state),
                      **({"lora_format": lora_format} if lora_format != "diffusers" else {}))
     return Path(written)
@@ -179,7 +186,8 @@ def check_replaceable(out: Path) -> None:
         return
     # only what an export writes: a diffusers pipeline folder holding an exported transformer/ is not replaced (its
     # vae/, text encoders and scheduler would go with it)
-    written = {RECORD, "README.md", "training.json", "images", "transformer", controlnet.CONTROLNET_DIR, lora.DIFFUSERS_FILE,
+    # (an export of two experts: the second's in its folder, transformer_2)
+    written = {RECORD, "README.md", "training.json", "images", "transformer", "transformer_2", controlnet.CONTROLNET_DIR, lora.DIFFUSERS_FILE,
                lora.KOHYA_FILE, lycoris.LYCORIS_FILE, lora.PEFT_FILE, "adapter_config.json", ".gitattributes"}
     others = [name for name in names if name not in written]
     added = f"files an export does not write ({', '.join(others[:5])})"

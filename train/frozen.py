@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -88,7 +88,12 @@ def _with_controlnet(cfg, preset: ModelPreset, load: Load, dtype: torch.dtype, q
 
 def load_meta(preset: ModelPreset, dtype: torch.dtype, quant: str | None) -> torch.nn.Module:
     """The preset's transformer from its config on the meta device, quantized as the trainer loads it
-    (`train.quant.quantize_meta`), the rest in bf16."""
+    (`train.quant.quantize_meta`), the rest in bf16 (a `paired` preset: both experts)."""
+    if preset.paired:
+        from train.experts import Experts
+
+        high, low = (load_meta(replace(preset, paired=False), dtype, quant) for _ in preset.experts)
+        return Experts(high, low, preset.expert_boundary * 1000, preset.experts)
     with quiet_diffusers():
         with torch.device("meta"):
             model = preset.transformer_class.from_config(preset.transformer_config())

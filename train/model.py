@@ -20,7 +20,7 @@ from train.families import get_family
 from train.families.base import ModelPreset
 from train.frozen import build_frozen, recomputed_blocks, swapped_blocks
 from train.objectives import build_objective
-from train.presets import build_transformer, model_forward, resolve_weights, transformer_blocks
+from train.presets import build_transformer, load_saved, model_forward, resolve_weights, transformer_blocks
 from train.swap import BlockSwap, checkpointed_forward
 
 log = logging.getLogger("train")
@@ -86,7 +86,7 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
             f"{trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters; base frozen "
             f"{frozen_base(cfg, model)}")
     elif resume_from and not checkpoint.is_sharded(resume_from):
-        model = preset.transformer_class.from_pretrained(resume_from / "transformer", torch_dtype=weights_dtype)
+        model = load_saved(preset, resume_from / "transformer", weights_dtype)
     elif resume_from:  # FSDP: the architecture now, the weights after sharding
         model = build_transformer(preset, None, cfg.seed, weights_dtype)
     else:
@@ -96,7 +96,8 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
     swap = build_swap(cfg, model, device, say)
     checkpoint_run(cfg, model, swap, "transformer", say)
     model.train()
-    net = distribute(cfg, model, parallel, world, device, say, swap=swap)
+    # two experts: a batch whose timesteps all fall to one leaves the other without gradients (DDP must be told)
+    net = distribute(cfg, model, parallel, world, device, say, swap=swap, find_unused=preset.paired)
     # a resumed run keeps the record of the weights it started from (a LoRA base re-resolved now may name a newer commit)
     record = state.get("weights") if resume_from else weights.to_json()
     return Model(model, net, model_forward(net, preset.family, guidance=train_guidance(cfg, preset)),

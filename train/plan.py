@@ -68,7 +68,7 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
     hears what the planner is doing (tracing a real-size model takes a while). `buckets`: the buckets to give the
     largest batch of (a cache's); default: the preset's base table."""
     t0 = time.perf_counter()
-    preset = get_preset(pc.model)
+    preset = get_preset(pc.model, pc.expert)  # --expert both: the two experts
     say(f"planning {pc.model}: building it on the meta device (no memory) ...")
     family = get_family(preset.family)
     wb = DTYPE_BYTES[pc.weights_dtype]

@@ -7,7 +7,7 @@ Presets themselves belong to their families (`train.families`): real presets sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -71,7 +71,8 @@ def resolve_weights(preset: ModelPreset, pretrained: str | None = None, revision
     local_copy = (f"Download it where the Hub is reachable (huggingface-cli download {source} --include '{preset.subfolder}/*' "
                   f"--local-dir DIR) and pass --pretrained DIR, or train from random initialisation with --from-scratch.")
     try:
-        path = snapshot_download(source, revision=revision, allow_patterns=[f"{preset.subfolder}/*"])
+        folders = preset.experts if preset.paired else (preset.subfolder,)  # both experts of a two-expert model, or one
+        path = snapshot_download(source, revision=revision, allow_patterns=[f"{folder}/*" for folder in folders])
     except GatedRepoError:
         raise ValueError(f"{source} is gated on the Hub: accept its licence on huggingface.co and log in "
                          f"(huggingface-cli login), or {local_copy[0].lower()}{local_copy[1:]}") from None
@@ -88,9 +89,16 @@ def build_transformer(preset: ModelPreset, weights: Weights | str | None, seed: 
                       dtype: torch.dtype = torch.float32, quant: str | None = None) -> torch.nn.Module:
     """The transformer in `dtype`: from `weights` (a `resolve_weights` result, or a directory or Hub id),
     or fresh seeded weights from the preset's config when `weights` is None or fresh. `quant` ("int8", "fp8",
-    "nf4"; None: none): its Linear weights quantized as they load (`train.quant`), the rest in bf16."""
+    "nf4"; None: none): its Linear weights quantized as they load (`train.quant`), the rest in bf16. A `paired` preset:
+    both experts of a two-expert model as one `train.experts.Experts` (fresh ones seeded `seed` and `seed + 1`)."""
     from train import quant as quantization
 
+    if preset.paired:
+        from train.experts import Experts
+
+        high, low = (build_transformer(replace(preset, subfolder=folder, paired=False), weights, seed + i, dtype, quant)
+                     for i, folder in enumerate(preset.experts))
+        return Experts(high, low, preset.expert_boundary * 1000, preset.experts)
     cls = preset.transformer_class
     if isinstance(weights, str):
         weights = resolve_weights(preset, weights)
@@ -120,6 +128,22 @@ def model_forward(model, family: str, guidance: float | None = None):
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks in order of a family's transformer or ControlNet (`Family.blocks`)."""
+    """The repeated blocks in order of a family's transformer or ControlNet (`Family.blocks`); of two experts, the
+    first's then the second's."""
+    from train.experts import Experts
+
+    if isinstance(model, Experts):
+        return [block for expert in model.experts for block in transformer_blocks(expert)]
     return families.family_of_module(model).blocks(model)
+
+
+def load_saved(preset: ModelPreset, directory: Path, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The transformer a checkpoint or export saved at `directory` (its `transformer/` folder; both experts' for a
+    `paired` preset)."""
+    if preset.paired:
+        from train.experts import Experts
+
+        return Experts.from_pretrained(preset.transformer_class, directory, preset.expert_boundary * 1000, preset.experts,
+                                       torch_dtype=dtype)
+    return preset.transformer_class.from_pretrained(directory, torch_dtype=dtype)
 

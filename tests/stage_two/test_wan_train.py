@@ -231,7 +231,7 @@ def test_the_expert_option_loads_its_transformer_and_is_required_for_two_experts
     assert get_preset("wan2.2-t2v-a14b", "high").subfolder == "transformer"
     assert get_preset("wan2.2-i2v-a14b", "low").subfolder == "transformer_2"
     assert (get_preset("wan2.2-t2v-a14b").expert_boundary, get_preset("wan2.2-i2v-a14b").expert_boundary) == (0.875, 0.9)
-    with pytest.raises(ValueError, match="wan2.2-t2v-a14b is two experts.*--expert high or --expert low"):
+    with pytest.raises(ValueError, match="wan2.2-t2v-a14b is two experts.*--expert high, --expert low or --expert both"):
         TrainConfig(model="wan2.2-t2v-a14b")
     with pytest.raises(ValueError, match="--expert low: tiny-wan is one transformer"):
         TrainConfig(model="tiny-wan", expert="low")
@@ -568,3 +568,101 @@ def test_each_expert_trains_on_its_own_timesteps(caches, tmp_path, monkeypatch, 
     out = export(tmp_path / "run", tmp_path / "export")
     assert json.loads((out / "training.json").read_text())["expert"] == expert
     assert ("transformer_2=transformer_2" in (out.parent / "README.md").read_text()) == (expert == "low")
+
+
+# --- both experts in one run (--expert both) ---
+
+
+def test_two_experts_called_as_one_give_each_sample_its_experts_prediction(monkeypatch):
+    """`Experts`: a batch of mixed timesteps is split, each sample predicted by the expert of its timestep, with its
+    own rows of every batch-sized input."""
+    from train.experts import Experts
+
+    preset = two_experts(monkeypatch)
+    high, low = (build_transformer(get_preset("tiny-wan"), None, seed).eval() for seed in (0, 1))
+    pair = Experts(high, low, preset.expert_boundary * 1000)
+    g = torch.Generator().manual_seed(0)
+    x, text = torch.randn(3, 16, 1, 4, 4, generator=g), padded(*captions(), captions(2)[0])
+    t = torch.tensor([900.0, 100.0, 875.0])
+    with torch.no_grad():
+        mixed = model_forward(pair, "wan")(x, t, {"text": text})
+        for j, expert in enumerate((high, low, high)):
+            alone = model_forward(expert, "wan")(x[j : j + 1], t[j : j + 1], {"text": text[j : j + 1]})
+            assert torch.allclose(mixed[j : j + 1], alone, atol=1e-6), j
+
+
+@pytest.mark.parametrize("adapters", [{}, {"lora_rank": 4, "lora_alpha": 8}], ids=["full", "lora"])
+def test_both_experts_train_in_one_run_each_on_its_own_timesteps(caches, tmp_path, monkeypatch, adapters):
+    """--expert both: each transformer sees only the timesteps of its side of the boundary, the run resumes exactly,
+    and the export holds both where the pipeline takes them (transformer/ and transformer_2/; a LoRA export's second
+    expert's adapters in transformer_2/, loaded with load_into_transformer_2), predicting what the checkpoint does."""
+    from conftest import losses
+
+    from train import experts
+    from train.checkpoint import complete_checkpoints
+    from train.export import export, load_model
+    from train.loop import train
+
+    preset = two_experts(monkeypatch)
+    seen = {"transformer": [], "transformer_2": []}
+    made = experts.Experts.__init__
+
+    def recording(self, transformer, transformer_2, boundary, names=("transformer", "transformer_2")):
+        made(self, transformer, transformer_2, boundary, names)
+        for name, expert in zip(names, (transformer, transformer_2)):
+            expert.register_forward_pre_hook(
+                lambda module, args, kwargs, name=name: None if kwargs["timestep"].is_meta else seen[name].append(kwargs["timestep"]),
+                with_kwargs=True)
+    monkeypatch.setattr(experts.Experts, "__init__", recording)
+    train(run_cfg(caches, tmp_path / "straight", "tiny-wan-a14b", expert="both", **adapters))
+    high, low = torch.cat(seen["transformer"]), torch.cat(seen["transformer_2"])
+    assert len(high) + len(low) == 8 and len(high) and len(low)  # 4 steps of 2 clips, each by its expert
+    assert bool((high >= 875).all()) and bool((low < 875).all())
+    train(run_cfg(caches, tmp_path / "resumed", "tiny-wan-a14b", expert="both", steps=2, **adapters))
+    train(run_cfg(caches, tmp_path / "resumed", "tiny-wan-a14b", expert="both", **adapters))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+    trained, _, _ = load_model(complete_checkpoints(tmp_path / "straight")[-1], ema=False)
+    out = export(tmp_path / "straight", tmp_path / "export")
+    pipe = stock(build_transformer(preset.expert("high"), None, 0), transformer_2=build_transformer(preset.expert("high"), None, 1),
+                 boundary=preset.expert_boundary)
+    if adapters:
+        assert out.parent.name == "transformer"  # each expert's adapters in its folder
+        pipe.load_lora_weights(out.parent.parent, subfolder="transformer")
+        pipe.load_lora_weights(out.parent.parent, subfolder="transformer_2", load_into_transformer_2=True)
+    else:
+        from diffusers import WanTransformer3DModel
+
+        pipe.transformer, pipe.transformer_2 = (WanTransformer3DModel.from_pretrained(out.parent, subfolder=f)
+                                                for f in ("transformer", "transformer_2"))
+    x, batch, t = torch.randn(1, 16, 2, 4, 4), {"text": padded(captions()[0])}, torch.tensor([500.0])
+    with torch.no_grad():
+        for loaded, expert in ((pipe.transformer, trained.transformer), (pipe.transformer_2, trained.transformer_2)):
+            assert torch.allclose(model_forward(loaded, "wan")(x, t, batch), model_forward(expert.eval(), "wan")(x, t, batch),
+                                  atol=1e-5)
+        assert not torch.allclose(model_forward(pipe.transformer, "wan")(x, t, batch),
+                                  model_forward(pipe.transformer_2, "wan")(x, t, batch), atol=1e-4)
+    # validation samples with the pair as the pipeline does: the high-noise expert, then the low-noise one
+    from train.validate import generate
+
+    seen["transformer"].clear(), seen["transformer_2"].clear()
+    objective = build_run_objective(TrainConfig(model="tiny-wan-a14b", expert="both"), preset, preset.transformer_config())
+    cond, null = captions()
+    generate(trained, preset, objective, cond, null, (16, 2, 8, 8), 64 * 64, steps=4, guidance=4.0, seed=0,
+             precision=torch.float32, layout=TextLayout(TextSpec("padded", WIDTH, 64)))
+    assert len(seen["transformer"]) and len(seen["transformer_2"]) and len(seen["transformer"]) + len(seen["transformer_2"]) == 8
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert ('subfolder="transformer_2", load_into_transformer_2=True' in card) if adapters else ("transformer_2=transformer_2" in card)
+
+
+def test_the_plan_of_both_experts_counts_both(monkeypatch):
+    from train.plan import plan
+    from train.plan_config import PlanConfig
+
+    two_experts(monkeypatch)
+    one = plan(PlanConfig(model="tiny-wan-a14b", expert="high", bucket=(64, 64, 17)))
+    both = plan(PlanConfig(model="tiny-wan-a14b", expert="both", bucket=(64, 64, 17)))
+    assert both["parameters"] == 2 * one["parameters"] == 2 * 22_952
+    assert both["bytes"]["weights"] > one["bytes"]["weights"]
+    with pytest.raises(ValueError, match="--expert both keeps two transformers in one module, which FSDP does not shard"):
+        TrainConfig(model="tiny-wan-a14b", expert="both", parallel="fsdp")

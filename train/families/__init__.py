@@ -48,6 +48,9 @@ def get_family(name: str) -> Family:
 def family_of_module(module) -> Family:
     """The family whose transformer or ControlNet class `module` is (adapted, quantized or sharded: FSDP's class
     derives from it)."""
+    experts = getattr(module, "experts", None)  # two experts of one architecture (`train.experts.Experts`)
+    if isinstance(experts, tuple):
+        module = experts[0]
     names = {cls.__name__ for cls in type(module).__mro__}
     for family in FAMILIES:
         if family.transformer in names or (family.controlnet is not None and family.controlnet.model in names):

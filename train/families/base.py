@@ -25,8 +25,10 @@ from shards import Bucket, CacheSpec, LatentSpec, TextSpec
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # Attention projections (query, key, value, output), the LoRA targets most families share; names match by suffix
 ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
-# the experts of a two-expert model, as --expert names them: the high-noise one first (`ModelPreset.experts`)
+# the experts of a two-expert model, as --expert names them: the high-noise one first (`ModelPreset.experts`); "both"
+# trains the two in one run
 EXPERT_NAMES = ("high", "low")
+BOTH = "both"
 # the text stream's projections of a joint (MMDiT) attention
 TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
@@ -68,6 +70,7 @@ class ModelPreset:
             the high-noise one first (`--expert` chooses which trains); () for one transformer.
         expert_boundary: where they split, a fraction of the timestep range: the high-noise expert denoises timesteps
             at or above boundary x 1000, the low-noise one those below (the pipeline's `boundary_ratio`).
+        paired: both experts of a two-expert model, as one `train.experts.Experts` (`--expert both`).
     """
 
     name: str
@@ -90,28 +93,33 @@ class ModelPreset:
     subfolder: str = "transformer"
     experts: tuple[str, ...] = ()
     expert_boundary: float | None = None
+    paired: bool = False
 
     @property
     def transformer_class(self) -> type:
         return registry().get_family(self.family).transformer_class()
 
     def expert(self, which: str | None) -> ModelPreset:
-        """The preset of expert `which` ("high" or "low") of a two-expert model: its transformer's subfolder; None: this
-        preset as it is."""
+        """The preset of expert `which` ("high" or "low") of a two-expert model: its transformer's subfolder; "both":
+        the two (`paired`); None: this preset as it is."""
         if which is None:
             return self
         if not self.experts:
             raise ValueError(f"--expert {which}: {self.name} is one transformer, not two experts; leave --expert out")
+        if which == BOTH:
+            return replace(self, subfolder=self.experts[0], paired=True)
         if which not in EXPERT_NAMES:
-            raise ValueError(f"--expert {which!r}: choose {' or '.join(EXPERT_NAMES)}")
+            raise ValueError(f"--expert {which!r}: choose {', '.join(EXPERT_NAMES)} or {BOTH}")
         return replace(self, subfolder=self.experts[EXPERT_NAMES.index(which)])
 
     def expert_range(self, which: str | None) -> tuple[float, float]:
         """The noise levels (sigma = timestep / 1000) expert `which` trains on: [boundary, 1] for "high", [0, boundary)
-        for "low"; all of them, (0, 1), for None."""
+        for "low"; all of them, (0, 1), for None and "both" (each sample's timestep picks its expert)."""
         if which is None:
             return (0.0, 1.0)
         self.expert(which)  # refuses what it cannot be
+        if which == BOTH:
+            return (0.0, 1.0)
         return (self.expert_boundary, 1.0) if which == "high" else (0.0, self.expert_boundary)
 
     def transformer_config(self) -> dict:
@@ -394,11 +402,13 @@ class Family(ABC):
         `save_lora_weights` writes, which `train.lora.save_adapter` then writes (the default)."""
         return None
 
-    def lora_usage(self, location: str, weight_name: str | None, component: str = "transformer") -> tuple[list[str], list[str]]:
+    def lora_usage(self, location: str, weight_name: str | None, component: str = "transformer",
+                   subfolder: str | None = None) -> tuple[list[str], list[str]]:
         """(imports, statements) that load exported adapters into `pipe`, the family's pipeline (into its `component`,
-        an expert's transformer of a two-expert model)."""
+        an expert's transformer of a two-expert model; from `subfolder` of the export, the second expert's of two)."""
         name = f', weight_name="{weight_name}"' if weight_name else ""
-        return [], [f'pipe.load_lora_weights("{location}"{name})']
+        folder = f', subfolder="{subfolder}"' if subfolder else ""
+        return [], [f'pipe.load_lora_weights("{location}"{name}{folder})']
 
     def pipeline_of(self, preset: ModelPreset) -> str:
         """The stock pipeline that samples `preset` (its export card's)."""

@@ -51,7 +51,8 @@ class PixArt(Family):
 
         return lora.save_peft(directory, state, config)
 
-    def lora_usage(self, location: str, weight_name: str | None, component: str = "transformer") -> tuple[list[str], list[str]]:
+    def lora_usage(self, location: str, weight_name: str | None, component: str = "transformer",
+                   subfolder: str | None = None) -> tuple[list[str], list[str]]:
         return ["from peft import PeftModel"], [f'pipe.transformer = PeftModel.from_pretrained(pipe.transformer, "{location}")']
 
 

@@ -283,11 +283,12 @@ class Wan(Family):
             return wan_kohya.save(directory, state, config)
         return super().save_adapter(directory, state, config, lora_format, fold)
 
-    def lora_usage(self, location, weight_name, component="transformer"):
+    def lora_usage(self, location, weight_name, component="transformer", subfolder=None):
         # diffusers loads Wan adapters into `transformer` (the high-noise expert of Wan 2.2 A14B) unless told otherwise
         into = ", load_into_transformer_2=True" if component == "transformer_2" else ""
         name = f', weight_name="{weight_name}"' if weight_name else ""
-        return [], [f'pipe.load_lora_weights("{location}"{name}{into})']
+        folder = f', subfolder="{subfolder}"' if subfolder else ""
+        return [], [f'pipe.load_lora_weights("{location}"{name}{folder}{into})']
 
     def usage_generate(self, preset, extra):
         first = ', image=load_image("first_frame.png")' if getattr(preset, "image_to_video", False) else ""
