@@ -62,7 +62,7 @@ def load_model(ckpt: Path, ema: bool, dtype: torch.dtype | None = None):
         if dtype is not None:
             model.to(dtype)
     else:
-        model = load_saved(preset, ckpt / "transformer", dtype)
+        model = load_saved(preset, ckpt / "transformer", dtype, use_safetensors=True)
         ema_state = saved_ema(ckpt) if ema else None
     if ema:
         load_shadow(model, ema_state, ckpt)

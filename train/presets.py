@@ -137,13 +137,13 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return families.family_of_module(model).blocks(model)
 
 
-def load_saved(preset: ModelPreset, directory: Path, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def load_saved(preset: ModelPreset, directory: Path, dtype: torch.dtype | None = None, **kwargs) -> torch.nn.Module:
     """The transformer a checkpoint or export saved at `directory` (its `transformer/` folder; both experts' for a
-    `paired` preset)."""
+    `paired` preset); `kwargs` go to `from_pretrained`."""
     if preset.paired:
         from train.experts import Experts
 
         return Experts.from_pretrained(preset.transformer_class, directory, preset.expert_boundary * 1000, preset.experts,
-                                       torch_dtype=dtype)
-    return preset.transformer_class.from_pretrained(directory, torch_dtype=dtype)
+                                       torch_dtype=dtype, **kwargs)
+    return preset.transformer_class.from_pretrained(directory, torch_dtype=dtype, **kwargs)
 
