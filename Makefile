@@ -37,13 +37,18 @@ DEMO_PROMPTS = --validation-prompt "a large red circle on a blue background" \
 	--validation-prompt "a small yellow square on a black background" \
 	--validation-prompt "a large white triangle on a green background"
 
+DEMO_VIDEO ?= demo-video
+DEMO_VIDEO_PROMPTS = --validation-prompt "a red circle moving left to right on a blue background" \
+	--validation-prompt "a yellow square moving top to bottom on a black background" \
+	--validation-prompt "a white triangle moving right to left on a green background"
+
 PLAN_ARGS ?=
 # `--flag value` when value is set, nothing otherwise
 option = $(if $(2),$(1) $(2))
 # Cache sizes of the scale benchmark (make bench); SCALE_SIZES=10000,100000,1000000 adds the 1M-sample cache (~9 min more).
 SCALE_SIZES ?= 10000,100000
 
-.PHONY: install lint test test-fast test-slow fuzz bench precompute train plan demo clean
+.PHONY: install lint test test-fast test-slow fuzz bench precompute train plan demo demo-video clean
 
 install: $(VENV)/.installed
 
@@ -82,6 +87,7 @@ bench: install
 	$(PY) bench/precompute.py
 	$(PY) bench/train_step.py
 	$(PY) bench/scale.py --sizes $(SCALE_SIZES)
+	$(PY) bench/video.py
 
 precompute: install
 	@test -n "$(DATA)" || { echo "usage: make precompute DATA=<folder, metadata file or tars> [MODEL=tiny-sana] [CACHE=cache/MODEL] [NPROC=1]"; exit 2; }
@@ -110,6 +116,26 @@ demo: install
 	@echo "  metrics        $(DEMO)/run/metrics.jsonl"
 	@echo "  checkpoints    $$(ls -d $(DEMO)/run/checkpoints/step-* | tr '\n' ' ')"
 	@echo "  cache          $(DEMO)/cache (inspect: $(PY) -m shards inspect $(DEMO)/cache)"
+
+# The video path offline: generated clips of moving shapes -> a tiny-wan cache (17- and 33-frame clips at 16 fps, four
+# encoded at a time) -> training with validation videos (an mp4 per prompt beside a PNG contact sheet). The tiny
+# encoders have random weights: the videos show the mechanics, not motion.
+demo-video: install
+	$(PY) -m precompute.sample_video $(DEMO_VIDEO)/data --count 48
+	$(PY) -m precompute $(DEMO_VIDEO)/data --model tiny-wan --cache $(DEMO_VIDEO)/cache --frames 33 --batch-size 4 \
+		$(DEMO_VIDEO_PROMPTS)
+	rm -rf $(DEMO_VIDEO)/run
+	$(PY) -m train --model tiny-wan --cache $(DEMO_VIDEO)/cache --run-dir $(DEMO_VIDEO)/run --steps 400 --batch-size 4 \
+		--lr 1e-3 --warmup-steps 20 --ema-decay 0.99 --checkpoint-every 200 --validate-every 200 --validation-steps 20 \
+		--log-every 20
+	@echo
+	@echo "video demo done:"
+	@echo "  videos (mp4)    $$(ls $(DEMO_VIDEO)/run/samples/*/*.mp4 | tr '\n' ' ')"
+	@echo "  contact sheets  $$(ls $(DEMO_VIDEO)/run/samples/*/contact-sheet.png | tr '\n' ' ')"
+	@echo "  loss curve      $(DEMO_VIDEO)/run/loss.png"
+	@echo "  metrics         $(DEMO_VIDEO)/run/metrics.jsonl"
+	@echo "  checkpoints     $$(ls -d $(DEMO_VIDEO)/run/checkpoints/step-* | tr '\n' ' ')"
+	@echo "  cache           $(DEMO_VIDEO)/cache (inspect: $(PY) -m shards inspect $(DEMO_VIDEO)/cache)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
