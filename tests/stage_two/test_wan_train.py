@@ -656,6 +656,7 @@ def test_both_experts_train_in_one_run_each_on_its_own_timesteps(caches, tmp_pat
 
 
 def test_the_plan_of_both_experts_counts_both(monkeypatch):
+    """`train plan MODEL --expert both` plans the two experts on the device; --parallel fsdp is refused for them."""
     from train.plan import plan
     from train.plan_config import PlanConfig
 
@@ -666,3 +667,36 @@ def test_the_plan_of_both_experts_counts_both(monkeypatch):
     assert both["bytes"]["weights"] > one["bytes"]["weights"]
     with pytest.raises(ValueError, match="--expert both keeps two transformers in one module, which FSDP does not shard"):
         TrainConfig(model="tiny-wan-a14b", expert="both", parallel="fsdp")
+
+
+def test_both_experts_swap_and_quantize_as_one_transformer_does(monkeypatch, tmp_path):
+    """--expert both with a quantized base and swapped blocks: the swap takes the pair's blocks (the first expert's,
+    then the second's), and a batch of both sides' timesteps trains both experts' adapters."""
+    from train.model import build_model
+
+    two_experts(monkeypatch)
+    cfg = TrainConfig(model="tiny-wan-a14b", expert="both", run=tmp_path, lora_rank=4, precision="bf16", base_quant="int8",
+                      blocks_to_swap=3, grad_checkpointing="all")
+    model = build_model(cfg, get_preset("tiny-wan-a14b", "both"), "none", 1, torch.device("cpu"), resume_from=None, state={},
+                        say=lambda *a: None)
+    assert len(FAMILY.blocks(model.module.transformer)) + len(FAMILY.blocks(model.module.transformer_2)) == 4
+    g = torch.Generator().manual_seed(0)
+    batch = {"latents": torch.randn(2, 16, 2, 4, 4, generator=g), "text": padded(*captions())}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model.forward(batch["latents"], torch.tensor([950.0, 300.0]), batch).float().square().mean()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.module.named_parameters() if p.requires_grad}
+    for expert in ("transformer.", "transformer_2."):
+        assert any(n.startswith(expert) and g is not None and bool(g.abs().sum() > 0) for n, g in grads.items()), expert
+
+
+def test_plan_prints_the_parameter_count():
+    """`python -m train plan` builds the released 1.3B on the meta device and prints its count (every real preset's count
+    is checked above)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "train", "plan", "wan2.1-t2v-1.3b", "--bucket", "17x480x832", "--batch-size",
+                          "1", "--json"], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["parameters"] == COUNTS["wan2.1-t2v-1.3b"]
