@@ -2,8 +2,8 @@
 the caption zero-filled to 512 (no mask); image-to-video models take the cached first-frame condition (mask and latent)
 on the channels and, for Wan 2.1, the CLIP embedding of the first frame. Flow matching with a fixed shift; sampled as
 WanPipeline / WanImageToVideoPipeline sample: UniPC in flow sigmas, classifier-free guidance against the empty caption,
-one transformer pass per caption. Wan 2.2 A14B is two experts of one shape: `transformer` (high noise) below the
-boundary's timestep and `transformer_2` (low noise) after it. Adapters in diffusers' layout or musubi-tuner's."""
+one transformer pass per caption. Wan 2.2 A14B is two experts of one shape: `transformer` (high noise) at and above the
+boundary timestep and `transformer_2` (low noise) below it (`--expert`). Adapters in diffusers' layout or musubi-tuner's."""
 
 from __future__ import annotations
 
