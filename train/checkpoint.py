@@ -305,6 +305,7 @@ REFUSED_ON_RESUME = {
     "controlnet": "a ControlNet run's checkpoints hold the ControlNet alone, a full fine-tune's the transformer",
     "controlnet_layers": "the ControlNet resumes from the checkpoint, with its depth",
     "pretrained_controlnet": "the ControlNet resumes from the checkpoint, not from other weights",
+    "expert": "the checkpoint holds the expert (or the two experts) of a two-expert model it trained",
 }
 
 

@@ -563,6 +563,9 @@ def test_each_expert_trains_on_its_own_timesteps(caches, tmp_path, monkeypatch, 
     assert len(t) == 12
     boundary = preset.expert_boundary * 1000
     assert bool(((t >= boundary) & (t <= 1000)).all()) if expert == "high" else bool(((t >= 0) & (t < boundary)).all())
+    other = "low" if expert == "high" else "both"
+    with pytest.raises(ValueError, match=f"was trained with --expert {expert}, this run has {other}: the checkpoint holds the expert"):
+        train(run_cfg(caches, tmp_path / "run", "tiny-wan-a14b", expert=other, steps=8))
     from train.export import export
 
     out = export(tmp_path / "run", tmp_path / "export")
