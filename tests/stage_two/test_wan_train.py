@@ -703,3 +703,27 @@ def test_plan_prints_the_parameter_count():
                           "1", "--json"], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["parameters"] == COUNTS["wan2.1-t2v-1.3b"]
+
+
+def test_both_experts_with_the_second_swapped_train_as_without(monkeypatch, tmp_path):
+    """--expert both --blocks-to-swap N (N = one expert's blocks) keeps the low-noise expert's frozen weights in CPU
+    memory: batches of either side, or both, give the losses and adapter gradients of a run without it."""
+    from train.model import build_model
+
+    two_experts(monkeypatch)
+
+    def run(swap: int):
+        cfg = TrainConfig(model="tiny-wan-a14b", expert="both", run=tmp_path / str(swap), lora_rank=4, precision="fp32",
+                          blocks_to_swap=swap, grad_checkpointing="all" if swap else "off")
+        model = build_model(cfg, get_preset("tiny-wan-a14b", "both"), "none", 1, torch.device("cpu"), resume_from=None,
+                            state={}, say=lambda *a: None)
+        losses = []
+        for t in ([950.0, 900.0], [100.0, 200.0], [950.0, 100.0], [880.0, 990.0]):
+            batch = {"latents": torch.randn(2, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0)), "text": padded(*captions())}
+            loss = model.forward(batch["latents"], torch.tensor(t), batch).square().mean()
+            loss.backward()
+            losses.append(float(loss.detach()))
+        return losses, {n: p.grad for n, p in model.module.named_parameters() if p.requires_grad}
+
+    plain, swapped = run(0), run(2)
+    assert plain[0] == swapped[0] and all(torch.equal(plain[1][n], swapped[1][n]) for n in plain[1])
