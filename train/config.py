@@ -99,9 +99,10 @@ class ModelOptions:
               "weights. high: transformer, with timesteps drawn only at or above the boundary x 1000; low: transformer_2, "
               "only below it (each from the run's timestep density cut to that range, its shape kept). both: the two in "
               "one run, timesteps drawn over the whole range and each sample's picking its expert, as the pipeline "
-              "switches them (both on the device: twice the weights; not with --parallel fsdp); checkpoints and exports "
-              "hold transformer/ and transformer_2/ (a LoRA export: the second's adapters in transformer_2/). Required "
-              "for those presets; other presets: leave it out.")
+              "switches them (twice the weights: a LoRA run keeps the second expert's frozen weights in CPU memory with "
+              "--blocks-to-swap of its block count; not with --parallel fsdp); checkpoints and exports hold transformer/ "
+              "and transformer_2/ (a LoRA export: each expert's adapters in its folder). Required for those presets; "
+              "other presets: leave it out.")
     base_quant: Literal["none", "int8", "fp8", "nf4"] = opt(
         "none", "Keep the frozen transformer of a LoRA or ControlNet run quantized: its Linear weights in int8 or fp8 (torchao "
                 "weight-only, on any device) or nf4 (bitsandbytes 4-bit, CUDA), both from the quant extra; norms, biases "
