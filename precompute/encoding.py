@@ -1,7 +1,8 @@
 """Stage one's pass over a rank's inputs: each decoded input is sorted (failed, duplicate, unchanged, to encode),
 batched per bucket, encoded, checked and written; what the pass found is tallied for the run's summary. A changed
 input whose image did not change (only its loss mask or captions did) takes its old sample's latent fields instead
-of the VAE's (`CachedLatents`)."""
+of the VAE's (`CachedLatents`). The samples are written on a background thread (`precompute.background`) while
+the encoders go on with the next batches."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import sys
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from precompute.background import BackgroundWrites, tensor_bytes
 from precompute.clips import CLIP
 from precompute.encode import Encoders
 from shards import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, Cache, FormatError, ShardWriter
@@ -33,6 +36,9 @@ class Tally:
         restamps: key -> stamp of unchanged inputs whose stamp moved (touched, same content).
         repaired: key -> fields re-encoded for a damaged shard (`--repair`).
         loop_s, wait_s: time in the pass, and of it blocked on the loader.
+        encoder_s: of the pass, the time inside the encoders' calls (VAE, image encoder, text encoder).
+        write_wait_s: of the pass, the time blocked on the background writer (its queue full, its last batches).
+        write_s: the background writer's time writing (serialising, digests, fsync, commits), beside the pass.
     """
 
     counts: Counter = field(default_factory=Counter)
@@ -43,6 +49,9 @@ class Tally:
     repaired: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     loop_s: float = 0.0
     wait_s: float = 0.0
+    encoder_s: float = 0.0
+    write_wait_s: float = 0.0
+    write_s: float = 0.0
 
     def fail(self, record: dict, samples: int = 1) -> None:
         self.failures.append(record)
@@ -116,11 +125,13 @@ class CachedLatents:
 @dataclass
 class EncodingPass:
     """One rank's pass: `run(batches)` reads every decoded input, encodes the ones to write in batches of one
-    bucket, and writes them (or keeps them in `tally.repaired`, repairing).
+    bucket, and writes them (or keeps them in `tally.repaired`, repairing). While it runs, the writer is written to
+    only from the background thread of `BackgroundWrites`; when it returns, every write is done.
 
     Args:
         enc: the encoders.
-        writer: the rank's shard writer.
+        writer: the rank's shard writer (written to on the pass's background thread; this thread only asks it
+            `has_text`, a lookup).
         schema: the cache's fields (a cache without flipped latents has none to fill).
         storage: the stored dtype.
         batch_size: images per encoder batch; text_batch_size: captions per text-encoder batch.
@@ -152,26 +163,49 @@ class EncodingPass:
         self.pending: dict = defaultdict(list)
         self.truncated_texts: set[str] = set()  # text keys of the captions this run found truncated
         self.bad_texts: set[str] = set()  # text keys whose text held NaN/Inf: not stored
+        self.queued_texts: set[str] = set()  # text keys handed to the background writer by this pass
+        self.late_duplicates: list[tuple[str, str]] = []  # (dataset, outcome counted) of samples another rank committed first
+        self.writes: BackgroundWrites | None = None
 
     @property
     def repair(self) -> bool:
         return self.needed is not None
 
     def run(self, batches, bar: tqdm | PlainProgress) -> None:
+        """Encode and write every input of `batches`; returns once every write is done.
+
+        Raises:
+            what a write raised (disk full, a sample the writer refused), at the batch after it: the batches queued
+            after it are not written, and what was committed before stays.
+        """
+        tally = self.tally
         t_loop = time.perf_counter()
-        while True:
-            t_wait = time.perf_counter()
-            item = next(batches, None)
-            self.tally.wait_s += time.perf_counter() - t_wait  # near zero when decoding is hidden behind encoding
-            if item is None:
-                break
-            bar.update(item.get("inputs", 1))  # an input's clips after its first count no input
-            self.take(item)
-            counts = self.tally.counts
-            bar.set_postfix(new=counts["new"] + counts["changed"], unchanged=counts["unchanged"], failed=counts["failed"], refresh=False)
-        for bucket in sorted(self.pending):
-            self.encode_and_write(self.pending.pop(bucket))
-        self.tally.loop_s = time.perf_counter() - t_loop
+        self.writes = BackgroundWrites()
+        try:
+            while True:
+                self.writes.check()  # a write failed: stop now, not after the inputs
+                t_wait = time.perf_counter()
+                item = next(batches, None)
+                tally.wait_s += time.perf_counter() - t_wait  # near zero when decoding is hidden behind encoding
+                if item is None:
+                    break
+                bar.update(item.get("inputs", 1))  # an input's clips after its first count no input
+                self.take(item)
+                counts = tally.counts
+                bar.set_postfix(new=counts["new"] + counts["changed"], unchanged=counts["unchanged"], failed=counts["failed"], refresh=False)
+            for bucket in sorted(self.pending):
+                self.encode_and_write(self.pending.pop(bucket))
+            self.writes.drain()
+        except BaseException:
+            self.writes.stop()  # the shard in flight is committed; queued batches are redone next run
+            raise
+        finally:
+            tally.write_wait_s, tally.write_s = self.writes.wait_s, self.writes.busy_s
+        for dataset, outcome in self.late_duplicates:
+            tally.counts[outcome] -= 1
+            tally.by_source[dataset][outcome] -= 1
+            tally.counts["duplicate"] += 1
+        tally.loop_s = time.perf_counter() - t_loop
 
     def take(self, item: dict) -> None:
         """Sort one decoded input; an input to encode waits for a full batch of its bucket."""
@@ -200,12 +234,14 @@ class EncodingPass:
                 self.encode_and_write(self.pending.pop(item["bucket"]))
 
     def encode_and_write(self, items: list[dict]) -> None:
-        """Encode one bucket's batch (images, flipped images, control images, captions) and write each sample."""
+        """Encode one bucket's batch (images, flipped images, control images, captions) and hand its writes (its new
+        texts, then each sample) to the background writer as one batch."""
         tally = self.tally
         images = self.image_fields(items)
         captions = [c for it in items for c in it["captions"]]
         stored_once = TEXT_KEYS in self.schema  # each text in a text row the samples refer to (`shards.texts`)
-        texts = self.store_texts(captions) if stored_once else self.encode_captions(captions)
+        writes: list[tuple[partial, int]] = []  # (write, its bytes), in the order they run
+        texts = self.store_texts(captions, writes) if stored_once else self.encode_captions(captions)
         at = 0
         for j, it in enumerate(items):
             mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field (or their keys)
@@ -217,19 +253,38 @@ class EncodingPass:
                 tally.fail({"source": it["source"], "reason": "non_finite", "detail": f"fields {bad_fields}", "dataset": it["dataset"]})
             elif self.repair:
                 tally.repaired[it["key"]] = fields
-            elif self.writer.listed(it["key"]):  # the same image and captions, committed by another rank meanwhile
-                tally.counts["duplicate"] += 1
             else:
-                self.writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0), dataset=it["dataset"],
-                                  resolution=it.get("resolution", 0))
                 scope = (it["dataset"], it.get("resolution", 0))
-                tally.count("changed" if it["source"] in self.cached_inputs.get(scope, ()) else "new", it["dataset"])
+                outcome = "changed" if it["source"] in self.cached_inputs.get(scope, ()) else "new"
+                fields = {name: t.cpu() for name, t in fields.items()}  # queued in host memory, the device's freed
+                writes.append((partial(self.write_sample, it, fields, outcome), tensor_bytes(fields)))
+                tally.count(outcome, it["dataset"])  # undone if another rank commits it first (`write_sample`)
+        if writes:
+            self.writes.submit([write for write, _ in writes], sum(n for _, n in writes))
+
+    def write_sample(self, it: dict, fields: dict[str, torch.Tensor], outcome: str) -> None:
+        """On the background thread: write one sample, unless another rank committed it meanwhile (the same image and
+        captions), which counts it a duplicate instead of `outcome`."""
+        if self.writer.listed(it["key"]):
+            self.late_duplicates.append((it["dataset"], outcome))
+            return
+        self.writer.write(it["key"], it["bucket"], fields, source=it["source"], stamp=it.get("stamp", 0), dataset=it["dataset"],
+                          resolution=it.get("resolution", 0))
+
+    def encoded(self, encode, *args):
+        """`encode(*args)`, its time counted as the encoders' (`Tally.encoder_s`): on CUDA, until its kernels are done."""
+        t0 = time.perf_counter()
+        out = encode(*args)
+        if self.enc.device.type == "cuda":
+            torch.cuda.synchronize(self.enc.device)
+        self.tally.encoder_s += time.perf_counter() - t0
+        return out
 
     def encode_captions(self, captions: list[str], count: bool = True) -> list[dict[str, torch.Tensor]]:
         """The text fields of each caption; truncated captions are counted (with `count`) and remembered by key."""
         texts, truncated = [], 0
         for i in range(0, len(captions), self.text_batch_size):
-            batch = self.enc.encode_text(captions[i : i + self.text_batch_size])
+            batch = self.encoded(self.enc.encode_text, captions[i : i + self.text_batch_size])
             texts += batch.fields
             truncated += sum(batch.truncated)
             self.truncated_texts.update(text_key(c) for c, cut in zip(captions[i : i + self.text_batch_size], batch.truncated) if cut)
@@ -237,16 +292,18 @@ class EncodingPass:
             self.tally.counts["captions_truncated"] += truncated
         return texts
 
-    def store_texts(self, captions: list[str]) -> list[str]:
-        """The text key of each caption, its text encoded and written once: a caption the cache holds (or this run
-        wrote) is not encoded again, however many samples refer to it. A text holding NaN/Inf is not written (its
-        samples fail as non_finite)."""
+    def store_texts(self, captions: list[str], writes: list[tuple[partial, int]]) -> list[str]:
+        """The text key of each caption, its text encoded and written once (appended to `writes`, before the samples
+        that refer to it): a caption the cache holds (or this run wrote) is not encoded again, however many samples
+        refer to it. A text holding NaN/Inf is not written (its samples fail as non_finite)."""
         keys = [text_key(c) for c in captions]
-        new = list({k: c for k, c in zip(keys, captions) if not self.writer.has_text(k) and k not in self.bad_texts}.values())
+        new = list({k: c for k, c in zip(keys, captions)
+                    if k not in self.queued_texts and k not in self.bad_texts and not self.writer.has_text(k)}.values())
         for caption, fields in zip(new, self.encode_captions(new, count=False)):
-            fields = {name: t.to(self.storage) for name, t in fields.items()}
+            fields = {name: t.to(self.storage).cpu() for name, t in fields.items()}
             if all(bool(torch.isfinite(t).all()) for t in fields.values() if t.is_floating_point()):
-                self.writer.write_text(caption, fields)
+                writes.append((partial(self.writer.write_text, caption, fields), tensor_bytes(fields)))
+                self.queued_texts.add(text_key(caption))
             else:
                 self.bad_texts.add(text_key(caption))
         self.tally.counts["captions_truncated"] += sum(k in self.truncated_texts for k in keys)  # per caption, as before
@@ -274,11 +331,11 @@ class EncodingPass:
         if not fresh:
             return out
         pixels = torch.stack([it["pixels"] for it in fresh])  # (B, 3, H, W) images, (B, 3, F, H, W) clips of one bucket
-        latents = enc.encode_videos(pixels) if fresh[0]["bucket"].frames else enc.encode_images(pixels)
+        latents = self.encoded(enc.encode_videos if fresh[0]["bucket"].frames else enc.encode_images, pixels)
         flips = [j for j, it in enumerate(fresh) if it.get("flip")]
-        mirrored = enc.encode_images(torch.stack([fresh[j]["pixels"].flip(-1) for j in flips])) if flips else {}
+        mirrored = self.encoded(enc.encode_images, torch.stack([fresh[j]["pixels"].flip(-1) for j in flips])) if flips else {}
         # the control images, cropped as their images, through the same VAE: the pipelines' control latents
-        controls = enc.encode_images(torch.stack([it["control_pixels"] for it in fresh])) if self.control else {}
+        controls = self.encoded(enc.encode_images, torch.stack([it["control_pixels"] for it in fresh])) if self.control else {}
         encoded = []
         for j in range(len(fresh)):
             fields = {name: t[j].to(storage) for name, t in latents.items()}

@@ -40,7 +40,14 @@ def _size(n: float) -> str:
 
 
 def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, loop_s: float,
-           by_source: dict[str, Counter] | None = None) -> dict:
+           by_source: dict[str, Counter] | None = None, shares: dict[str, float] | None = None) -> dict:
+    """The run's summary, printed to stderr and returned.
+
+    Args:
+        loop_s: the pass's wall time (the longest rank's).
+        shares: where the passes' time went (`encoder_s`, `encoder_busy_fraction`, `data_wait_fraction`,
+            `writer_wait_fraction`, `writer_busy_fraction`), added to the summary and printed as one line.
+    """
     manifest = Cache(cache).manifest
     in_cache = manifest.datasets()
     encoded = counts["new"] + counts["changed"]
@@ -78,6 +85,7 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         "elapsed_s": elapsed,
         "encode_s": loop_s,  # reading, encoding and writing, without loading the encoders
         "images_per_s": encoded / loop_s if loop_s else 0.0,
+        **(shares or {}),
     }
     out = sys.stderr
     clips = any(b.frames for b in manifest.buckets())
@@ -95,6 +103,13 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         print(f"  kept {summary['kept_unreadable']} cached samples whose input could not be read or listed this time", file=out)
     print(f"  encoded {encoded} in {loop_s:.1f}s ({summary['images_per_s']:.1f} {'clips' if clips else 'images'}/s; {elapsed:.1f}s with setup); "
           f"{summary['captions_truncated']} captions truncated to the token limit", file=out)
+    if shares and encoded:
+        # what bounds the run: the encoder busy near 100 % is as fast as this device goes; waiting on inputs asks for
+        # more loader workers, waiting on the writer for a faster disk
+        pct = {k: f"{v * 100:.0f} %" for k, v in shares.items() if k.endswith("_fraction")}
+        print(f"  encoder busy {pct['encoder_busy_fraction']} of the pass; waiting on inputs {pct['data_wait_fraction']}, "
+              f"on the writer {pct['writer_wait_fraction']} (the writer was busy {pct['writer_busy_fraction']} of it, in the "
+              f"background)", file=out)
     if summary["latents_reused"]:
         print(f"  {summary['latents_reused']} of them changed only their mask or captions: their cached latents were "
               f"reused, not encoded again", file=out)

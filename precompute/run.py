@@ -166,7 +166,8 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         return summary
     # 4. rank 0: remove what is gone on evidence, store prompt embeddings and the decoder recipe
     parts = gather({"counts": tally.counts, "by_source": tally.by_source, "failures": tally.failures, "seen": tally.seen,
-                    "loop_s": tally.loop_s, "wait_s": tally.wait_s,
+                    "loop_s": tally.loop_s, "wait_s": tally.wait_s, "encoder_s": tally.encoder_s, "write_wait_s": tally.write_wait_s,
+                    "write_s": tally.write_s,
                     "complete": {name: i.complete for name, i in inputs.listings.items()}}, world)
     summary, refused = {}, None
     if rank == 0:
@@ -349,8 +350,15 @@ def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: d
     counts["removed"] = sum(c["removed"] for c in by_source.values())
     counts["kept_unreadable"] = sum(c["kept_unreadable"] for c in by_source.values())
     atomic_write_bytes(cache / "failures.jsonl", "".join(json.dumps(f) + "\n" for f in failures).encode())
-    summary = report(cache, counts, failures, time.perf_counter() - t_start, max(p["loop_s"] for p in parts), by_source)
-    summary["data_wait_fraction"] = sum(p["wait_s"] for p in parts) / max(sum(p["loop_s"] for p in parts), 1e-9)
+    # where the passes' time went, over every rank's pass: the encoders are what the run is for; time waiting on the
+    # loader or the writer is time they idle
+    passes = max(sum(p["loop_s"] for p in parts), 1e-9)
+    shares = {"encoder_s": sum(p["encoder_s"] for p in parts),
+              "encoder_busy_fraction": sum(p["encoder_s"] for p in parts) / passes,
+              "data_wait_fraction": sum(p["wait_s"] for p in parts) / passes,
+              "writer_wait_fraction": sum(p["write_wait_s"] for p in parts) / passes,
+              "writer_busy_fraction": sum(p["write_s"] for p in parts) / passes}
+    summary = report(cache, counts, failures, time.perf_counter() - t_start, max(p["loop_s"] for p in parts), by_source, shares)
     return summary, refused
 
 
