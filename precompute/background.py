@@ -22,8 +22,11 @@ QUEUE_BATCHES = 4  # batches queued or being written; the encoder runs ahead of 
 QUEUE_BYTES = 512 << 20  # their tensors' bytes; a larger batch waits for an empty queue
 
 
-def tensor_bytes(fields: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in fields.values())
+def held_bytes(tensors: list[torch.Tensor]) -> int:
+    """The host memory `tensors` keep alive: the bytes of their distinct storages (a sample's latent may be a row of
+    its batch's tensor, a trimmed caption a slice of its padded batch)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 class BackgroundWrites:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from precompute.background import BackgroundWrites, tensor_bytes
+from precompute.background import BackgroundWrites, held_bytes
 from precompute.clips import CLIP
 from precompute.encode import Encoders
 from shards import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, Cache, FormatError, ShardWriter
@@ -240,7 +240,7 @@ class EncodingPass:
         images = self.image_fields(items)
         captions = [c for it in items for c in it["captions"]]
         stored_once = TEXT_KEYS in self.schema  # each text in a text row the samples refer to (`shards.texts`)
-        writes: list[tuple[partial, int]] = []  # (write, its bytes), in the order they run
+        writes: list[tuple[partial, dict]] = []  # (write, the tensors it writes), in the order they run
         texts = self.store_texts(captions, writes) if stored_once else self.encode_captions(captions)
         at = 0
         for j, it in enumerate(items):
@@ -257,10 +257,10 @@ class EncodingPass:
                 scope = (it["dataset"], it.get("resolution", 0))
                 outcome = "changed" if it["source"] in self.cached_inputs.get(scope, ()) else "new"
                 fields = {name: t.cpu() for name, t in fields.items()}  # queued in host memory, the device's freed
-                writes.append((partial(self.write_sample, it, fields, outcome), tensor_bytes(fields)))
+                writes.append((partial(self.write_sample, it, fields, outcome), fields))
                 tally.count(outcome, it["dataset"])  # undone if another rank commits it first (`write_sample`)
         if writes:
-            self.writes.submit([write for write, _ in writes], sum(n for _, n in writes))
+            self.writes.submit([write for write, _ in writes], held_bytes([t for _, fields in writes for t in fields.values()]))
 
     def write_sample(self, it: dict, fields: dict[str, torch.Tensor], outcome: str) -> None:
         """On the background thread: write one sample, unless another rank committed it meanwhile (the same image and
@@ -292,7 +292,7 @@ class EncodingPass:
             self.tally.counts["captions_truncated"] += truncated
         return texts
 
-    def store_texts(self, captions: list[str], writes: list[tuple[partial, int]]) -> list[str]:
+    def store_texts(self, captions: list[str], writes: list[tuple[partial, dict]]) -> list[str]:
         """The text key of each caption, its text encoded and written once (appended to `writes`, before the samples
         that refer to it): a caption the cache holds (or this run wrote) is not encoded again, however many samples
         refer to it. A text holding NaN/Inf is not written (its samples fail as non_finite)."""
@@ -302,7 +302,7 @@ class EncodingPass:
         for caption, fields in zip(new, self.encode_captions(new, count=False)):
             fields = {name: t.to(self.storage).cpu() for name, t in fields.items()}
             if all(bool(torch.isfinite(t).all()) for t in fields.values() if t.is_floating_point()):
-                writes.append((partial(self.writer.write_text, caption, fields), tensor_bytes(fields)))
+                writes.append((partial(self.writer.write_text, caption, fields), fields))
                 self.queued_texts.add(text_key(caption))
             else:
                 self.bad_texts.add(text_key(caption))

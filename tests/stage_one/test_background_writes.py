@@ -70,7 +70,7 @@ class Recorder:
             return self.changed.wait_for(lambda: self.encodes >= n, timeout=60)
 
 
-def test_the_encoder_goes_on_while_a_shard_is_published(folder, tmp_path, monkeypatch):
+def test_the_encoder_goes_on_while_a_shard_is_published(folder, tmp_path, monkeypatch, capsys):
     """The first shard's publication is held until the encoder has encoded three more batches: written inline, it
     would hold the encoder and never be released. The cache ends whole, and the summary has the encoder's share."""
     recorder = Recorder(monkeypatch)
@@ -90,6 +90,8 @@ def test_the_encoder_goes_on_while_a_shard_is_published(folder, tmp_path, monkey
         assert 0.0 <= summary[name] <= 1.0, (name, summary[name])
     assert 0.0 < summary["encoder_s"] <= summary["encode_s"]
     assert summary["encoder_busy_fraction"] == pytest.approx(summary["encoder_s"] / summary["encode_s"])
+    busy = f"encoder busy {summary['encoder_busy_fraction'] * 100:.0f} % of the pass; waiting on inputs "
+    assert busy in capsys.readouterr().err
 
 
 def test_a_failed_write_stops_the_run_with_its_error(folder, tmp_path, monkeypatch):
