@@ -188,3 +188,19 @@ def test_a_failed_write_is_raised_and_drops_the_batches_after_it():
     assert raised.value is refused and order == []
     with pytest.raises(ValueError):
         writes.check()
+
+
+def test_a_sample_another_rank_committed_first_counts_as_a_duplicate(folder, tmp_path, monkeypatch):
+    """A sample another writer committed between its encoding and its write (the same image and captions, found by
+    the background writer) is not written, and counts as a duplicate, not as new."""
+    first = {}
+    listed = shards.writer.ShardWriter.listed
+
+    def committed_meanwhile(writer, key):
+        return first.setdefault("key", key) == key or listed(writer, key)
+
+    monkeypatch.setattr(shards.writer.ShardWriter, "listed", committed_meanwhile)
+    summary = run(folder, tmp_path / "cache")
+    assert summary["new"] == COUNT - 1 and summary["duplicates"] == 1 and summary["sources"]["shapes"]["new"] == COUNT - 1
+    assert first["key"] not in {key for key, *_ in Cache(tmp_path / "cache").manifest.samples()}
+    assert len(Cache(tmp_path / "cache")) == COUNT - 1 and verify(tmp_path / "cache").ok
