@@ -1,12 +1,13 @@
 """Stage one's writes on one background thread, so the encoders never wait on a shard's serialisation and fsync.
 
-The pass hands each encoded batch's writes (`ShardWriter.write_text`, `write`) to `BackgroundWrites`, which runs them
-in order on one thread: while the pass runs, the shard writer is written to only from that thread (the pass only
-looks texts up, `has_text`), and its commits come in the order they would inline. The queue is bounded by batches and by bytes, so host memory stays bounded
-however large the samples (a 480p x 81-frame clip is ~9 MB); the pass waits only when it is full. A write that
-raises (disk full, a sample refused) stops the thread; the pass raises the same exception at its next batch, and
-the batches queued after it are never written (the run fails: nothing is dropped silently). Whatever follows the
-pass (restamps, removals, prompts, the final commit) runs after `drain`, on the calling thread.
+The pass hands each encoded batch's writes (`ShardWriter.write_text`, `write`) to `BackgroundWrites`, which runs
+them in order on one thread: while the pass runs, the shard writer is written to only from that thread (the pass
+only looks texts up, `has_text`), and its commits come in the order they would inline. The queue is bounded by
+batches and by bytes, so host memory stays bounded however large the samples (a 480p x 81-frame clip is ~9 MB); the
+pass waits only when it is full. A write that raises (disk full, a sample refused) stops the thread; the pass raises
+the same exception at its next batch, and the batches queued after it are never written (the run fails: nothing is
+dropped silently). Whatever follows the pass (restamps, removals, prompts, the final commit) runs after `drain`, on
+the calling thread.
 """
 
 from __future__ import annotations
