@@ -170,8 +170,9 @@ def fitting_cache(root: Path, name: str) -> Cache:
     config = preset.transformer_config()
     family, kind = preset.family, get_family(preset.family)
     channels = kind.latent_channels(config)
-    down = 32 if family == "sana" else 8
-    latent = LatentSpec(channels, down, 0.5, 0.0, "deterministic" if family == "sana" else "mean_std")
+    frames = 17 if kind.temporal_downsample else 0  # a video family's cache holds clips
+    latent = LatentSpec(channels, preset.latent_downsample, 0.5, 0.0, "deterministic" if family == "sana" else "mean_std",
+                        temporal_downsample=kind.temporal_downsample)
     joint = config.get("joint_attention_dim")
     pooled = config.get("pooled_projection_dim")
     if family == "sd3":
@@ -179,14 +180,16 @@ def fitting_cache(root: Path, name: str) -> Cache:
     elif family == "flux":
         text = TextSpec("flux", joint, 512, t5_tokens=512, pooled_width=pooled, t5_width=joint)
     else:
-        text = TextSpec(kind.text.layout, kind.text_width(config), 300)
+        text = TextSpec(kind.text.layout, kind.text_width(config), preset.text_tokens if frames else 300)
     fingerprint = {"vae": {"id": f"{name}-vae", **latent.fingerprint()}, "text_encoder": {"id": f"{name}-text", **text.fingerprint()},
                    "storage_dtype": "bf16"}
     schema = {f: shards.Field(torch.bfloat16) for f in latent.fields}
-    size = preset.base_resolution
+    granularity = preset.latent_downsample * kind.latent_patch(config)  # a side stage one's table can hold
+    size = preset.base_resolution // granularity * granularity
     with ShardWriter(root, fingerprint, schema) as w:
         w.set_extra("precompute", CacheSpec(latent, text, family, name, size, DecoderRecipe("AutoencoderKL", "x", 0.5, 0.0)).record())
-        w.write("k", (size, size), {f: torch.zeros(latent.shape(size, size), dtype=torch.bfloat16) for f in latent.fields})
+        w.write("k", (size, size, frames), {f: torch.zeros(latent.shape(size, size, frames), dtype=torch.bfloat16)
+                                            for f in latent.fields})
     return Cache(root)
 
 
