@@ -13,6 +13,7 @@ pytestmark = pytest.mark.model
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_video_bench_runs_at_a_tiny_size():
     run = subprocess.run([sys.executable, str(REPO / "bench" / "video.py"), "--count", "4", "--frames", "17", "--repeats", "1",
                           "--real-clips", "1", "--real-videos", "0", "--batch-size", "2"], capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -63,6 +63,7 @@ def test_tiny_wan_trains_on_clips_and_resumes_exactly(caches, tmp_path, adapter)
         assert all("lora" in k for k in a)  # only the adapters trained and were saved
 
 
+@pytest.mark.slow
 def test_tiny_wan_validates_with_videos_and_samples_them_again(caches, tmp_path):
     from train.export import sample
 
@@ -87,6 +88,7 @@ def test_tiny_wan_validates_with_videos_and_samples_them_again(caches, tmp_path)
         assert (len(frames), frames[0].width, frames[0].height) == (5, 80, 48)
 
 
+@pytest.mark.slow
 def test_tiny_wan_i2v_trains_with_its_cached_first_frame(caches, tmp_path, monkeypatch):
     import train.families.wan as wan
 

@@ -492,7 +492,9 @@ def run_cfg(caches, run, model="tiny-wan", **kw):
 
 
 @pytest.mark.parametrize("model", ["tiny-wan", "tiny-wan-i2v"])
-@pytest.mark.parametrize("adapters", [{}, {"lora_rank": 4, "lora_alpha": 8}], ids=["full", "lora"])
+# the full fine-tunes' runs take over ten seconds: in the slow suite (CI runs it)
+@pytest.mark.parametrize("adapters", [pytest.param({}, marks=pytest.mark.slow), {"lora_rank": 4, "lora_alpha": 8}],
+                         ids=["full", "lora"])
 def test_tiny_wan_trains_from_clips_resumes_exactly_and_exports_what_the_stock_pipeline_loads(caches, tmp_path, model, adapters):
     """Full and LoRA training of T2V and I2V from a cache of clips: a resumed run's losses are the uninterrupted one's,
     and the export (the transformer, or the adapters in diffusers' and musubi-tuner's layouts) loads into the stock
@@ -693,6 +695,7 @@ def test_both_experts_swap_and_quantize_as_one_transformer_does(monkeypatch, tmp
         assert any(n.startswith(expert) and g is not None and bool(g.abs().sum() > 0) for n, g in grads.items()), expert
 
 
+@pytest.mark.slow  # a process of its own: the planner's start-up
 def test_plan_prints_the_parameter_count():
     """`python -m train plan` builds the released 1.3B on the meta device and prints its count (every real preset's count
     is checked above)."""
