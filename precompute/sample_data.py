@@ -32,14 +32,19 @@ def draw_sample(rng: random.Random) -> tuple[Image.Image, str]:
     draw = ImageDraw.Draw(img)
     r = min(h, w) * (0.18 if size == "small" else 0.36)
     cx, cy = w / 2 + rng.uniform(-0.15, 0.15) * w, h / 2 + rng.uniform(-0.15, 0.15) * h
+    draw_shape(draw, shape, cx, cy, r, COLORS[fg])
+    return img, f"a {size} {fg} {shape} on a {bg} background"
+
+
+def draw_shape(draw, shape: str, cx: float, cy: float, r: float, color) -> None:
+    """A circle, square or triangle of half-size `r` centred at (cx, cy)."""
     box = (cx - r, cy - r, cx + r, cy + r)
     if shape == "circle":
-        draw.ellipse(box, fill=COLORS[fg])
+        draw.ellipse(box, fill=color)
     elif shape == "square":
-        draw.rectangle(box, fill=COLORS[fg])
+        draw.rectangle(box, fill=color)
     else:
-        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[fg])
-    return img, f"a {size} {fg} {shape} on a {bg} background"
+        draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=color)
 
 
 def make_folder(root: Path, count: int = 64, seed: int = 0) -> Path:

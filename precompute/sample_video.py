@@ -18,7 +18,7 @@ import numpy as np
 import typer
 from PIL import Image, ImageDraw
 
-from precompute.sample_data import COLORS, SHAPES
+from precompute.sample_data import COLORS, SHAPES, draw_shape
 
 MOTIONS = ("left to right", "right to left", "top to bottom", "bottom to top")
 # (height, width) of the generated videos: landscape, square and portrait
@@ -82,14 +82,7 @@ def draw_frames(kind: str, frames: int, size: tuple[int, int], seed: int = 0) ->
         else:
             cx, cy = across * w, r + p * (h - 2 * r)
         img = Image.new("RGB", (w, h), COLORS[bg])
-        draw = ImageDraw.Draw(img)
-        box = (cx - r, cy - r, cx + r, cy + r)
-        if shape == "circle":
-            draw.ellipse(box, fill=COLORS[fg])
-        elif shape == "square":
-            draw.rectangle(box, fill=COLORS[fg])
-        else:
-            draw.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=COLORS[fg])
+        draw_shape(ImageDraw.Draw(img), shape, cx, cy, r, COLORS[fg])
         out.append(np.asarray(img))
     return out, f"{_a(fg)} {fg} {shape} moving {motion} on {_a(bg)} {bg} background"
 

@@ -443,10 +443,9 @@ def test_the_export_card_loads_each_expert_where_the_pipeline_takes_it(kind):
 def i2v_cache(root: Path) -> Path:
     """A tiny-wan-i2v cache of 17-frame clips with the first-frame fields stage one caches: `condition` (4 + 16, T, h, w)
     and the tiny CLIP's `image_embeds` (17, 32); its decoder the tiny video VAE."""
-    from safetensors.torch import save
-    from video_testing import LATENT, MEAN, STD, TEXT, TEXT_WIDTH, tiny_video_vae
+    from video_testing import LATENT, TEXT, TEXT_WIDTH, store_decoder
 
-    from shards import Bucket, CacheSpec, DecoderRecipe, Field, Prompt, ShardWriter, prompt_key
+    from shards import Bucket, CacheSpec, Field, Prompt, ShardWriter, prompt_key
 
     g = torch.Generator().manual_seed(5)
     schema = {"latent_mean": Field(torch.bfloat16), "latent_std": Field(torch.bfloat16), "condition": Field(torch.bfloat16),
@@ -464,12 +463,7 @@ def i2v_cache(root: Path) -> Path:
                 "source": torch.tensor(list(f"videos/clip{k}.mp4".encode()), dtype=torch.uint8)})
         w.add_prompts({prompt_key(t): Prompt(t, {"text": torch.randn(len(t) // 4, TEXT_WIDTH, generator=g).bfloat16()})
                        for t in ("", "a red square moving right")}, {"text": schema["text"]})
-        vae = tiny_video_vae()
-        w.add_file("decoder:config.json", "vae/config.json", vae.to_json_string().encode())
-        w.add_file("decoder:diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
-                   save({n: t.contiguous() for n, t in vae.state_dict().items()}))
-        recipe = DecoderRecipe("AutoencoderKLWan", "vae", 1.0, 0.0, in_cache=True, latents_mean=MEAN, latents_std=STD,
-                               frame_axis=True)
+        recipe = store_decoder(w)
         w.set_extra("precompute", CacheSpec(LATENT, TEXT, "wan", "tiny-wan-i2v", 64, recipe,
                                             extra={"frame_rate": 16.0, "image_to_video": True}).record())
     return root

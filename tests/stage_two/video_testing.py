@@ -127,16 +127,19 @@ def clip_cache(root: Path, *, family: str = "stand-in-video", preset: str = "sta
         text_schema = {"text": schema["text"]}
         w.add_prompts({prompt_key(t): Prompt(t, {"text": torch.randn(0 if not t else 4 + i, TEXT_WIDTH, generator=g).bfloat16()})
                        for i, t in enumerate(("", *prompts))}, text_schema)
-        recipe = None
-        if decoder:
-            from safetensors.torch import save
-
-            vae = tiny_video_vae()
-            w.add_file("decoder:config.json", "vae/config.json", vae.to_json_string().encode())
-            w.add_file("decoder:diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
-                       save({n: t.contiguous() for n, t in vae.state_dict().items()}))
-            recipe = DecoderRecipe("AutoencoderKLWan", "vae", 1.0, 0.0, in_cache=True, latents_mean=MEAN, latents_std=STD,
-                                   frame_axis=True)
+        recipe = store_decoder(w) if decoder else None
         extra = {"image_to_video": True} if condition else {}
         w.set_extra("precompute", CacheSpec(LATENT, TEXT, family, preset, 64, recipe, extra=extra).record())
     return root
+
+
+def store_decoder(w: ShardWriter) -> DecoderRecipe:
+    """Store the tiny video VAE in the cache (as stage one stores a tiny preset's) and return its decoder recipe."""
+    from safetensors.torch import save
+
+    vae = tiny_video_vae()
+    w.add_file("decoder:config.json", "vae/config.json", vae.to_json_string().encode())
+    w.add_file("decoder:diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.safetensors",
+               save({n: t.contiguous() for n, t in vae.state_dict().items()}))
+    return DecoderRecipe("AutoencoderKLWan", "vae", 1.0, 0.0, in_cache=True, latents_mean=MEAN, latents_std=STD,
+                         frame_axis=True)
