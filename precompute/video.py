@@ -110,8 +110,10 @@ class ClipPolicy:
 
     def plan(self, length: int) -> list[tuple[int, int]]:
         """(start, frames) of the clips of a video `length` frames long at `frame_rate`, by start; [] when it is
-        shorter than the shortest bucket."""
-        fits = [b for b in self.frame_buckets if b <= length]
+        shorter than the shortest bucket. The one-frame bucket holds still images: a video's clips are of the longer
+        buckets, unless one frame is the only bucket (a run that trains on first frames)."""
+        moving = [b for b in self.frame_buckets if b > 1] if length > 1 else []
+        fits = [b for b in moving or self.frame_buckets if b <= length]
         if not fits:
             return []
         n = fits[-1]
@@ -224,6 +226,10 @@ def _extract(r: _AVReader | _ImageReader, policy: ClipPolicy, stats: dict) -> tu
 
 
 def _short(length: int, policy: ClipPolicy) -> tuple[str, str]:
+    moving = [b for b in policy.frame_buckets if b > 1]
+    if moving and length > 1:  # the one-frame bucket is for still images
+        return "too_short", (f"{length} frames at {policy.frame_rate:g} fps, the shortest clip a video gives is {moving[0]} "
+                             f"frames (one frame is for still images; --frame-buckets 1 alone takes videos' first frames)")
     return "too_short", (f"{length} frames at {policy.frame_rate:g} fps, the shortest frame bucket is "
                          f"{policy.frame_buckets[0]}")
 

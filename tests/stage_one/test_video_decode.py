@@ -73,8 +73,11 @@ def test_short_video_takes_the_longest_bucket_that_fits(tmp_path, extraction):
 def test_plan_of_uniform_never_repeats_a_clip():
     policy = ClipPolicy(16.0, (1, 17), "uniform", clips=5)
     assert policy.plan(19) == [(0, 17), (1, 17), (2, 17)]
-    assert policy.plan(16) == [(0, 1), (3, 1), (7, 1), (11, 1), (15, 1)]
     assert policy.plan(0) == []
+    # the one-frame bucket holds still images: a video shorter than the shortest longer bucket is too short...
+    assert policy.plan(16) == []
+    # ...unless one frame is the only bucket (a run on first frames): then evenly spaced frames, none twice
+    assert ClipPolicy(16.0, (1,), "uniform", clips=5).plan(16) == [(0, 1), (3, 1), (7, 1), (11, 1), (15, 1)]
 
 
 def test_low_frame_rate_repeats_frames(tmp_path):
