@@ -110,13 +110,14 @@ def write_card(directory: Path, ckpt: Path, state: dict, kind: Kind, *, ema: boo
         text = ("validation items: control image, generated image, dataset image" if cfg.get("controlnet")
                 else "; ".join(prompts) or "validation samples")
         widget = [{"text": text, "output": {"url": url}}]
-    data = ModelCardData(base_model=base.source if base.kind == "hub" else None, pipeline_tag="text-to-image", widget=widget)
+    task = "text-to-video" if get_family(preset.family).temporal_downsample else "text-to-image"
+    data = ModelCardData(base_model=base.source if base.kind == "hub" else None, pipeline_tag=task, widget=widget)
     # The card is written, then loaded back with diffusers' helper: given a Hub id instead, `load_or_create_model_card`
     # would fetch that repository's card first; an export is the same whether it is pushed or not, and offline.
     path = directory / CARD
     path.write_text(f"---\n{data.to_yaml()}\n---\n\n{body}", encoding="utf-8")
     card = load_or_create_model_card(str(path))
-    tags = ["text-to-image", "diffusers", "diffusers-training", "cachedit", *get_family(preset.family).tags()]
+    tags = [task, "diffusers", "diffusers-training", "cachedit", *get_family(preset.family).tags()]
     tags += {"lora": ["lora", "template:sd-lora"], "controlnet": ["controlnet"], "full": []}[kind]
     card = populate_model_card(card, tags=tags)
     card.save(path)
@@ -205,8 +206,10 @@ def describe_caches(state: dict) -> tuple[list[str], list[str]]:
             lines.append(f"- {head}: not readable when this was exported ({type(e).__name__}), so it is not summarised.")
             continue
         lines.append(f"- {head}: {len(cache)} samples.")
-        lines.append("  - buckets (height×width: samples): " + ", ".join(
-            f"{b.height}×{b.width}: {s.samples}" for b, s in cache.manifest.buckets().items()))
+        buckets = cache.manifest.buckets()
+        clips = any(b.frames for b in buckets)
+        lines.append(f"  - buckets ({'frames×' if clips else ''}height×width: samples): " + ", ".join(
+            f"{b.name.replace('x', '×')}: {s.samples}" for b, s in buckets.items()))
         lines.append("  - sources: " + ", ".join(f"{name or '(unnamed)'}: {t['samples']} samples"
                                                  for name, t in cache.manifest.datasets().items()))
         prompts += [p.text for p in sorted(cache.prompts().values(), key=lambda p: p.text) if p.text]
@@ -226,21 +229,27 @@ def comfyui_note(kind: Kind, weight_name: str | None) -> list[str]:
 
 
 def copy_grid(ckpt: Path, step: int, directory: Path) -> Path | None:
-    """Copy the run's newest validation grid at or before `step` (RUN/samples-stepN.png) into `directory`/images."""
+    """Copy the run's newest validation grid at or before `step` (RUN/samples-stepN.png, or a run of clips' contact
+    sheet, RUN/samples/N/contact-sheet.png) into `directory`/images."""
     run = Path(ckpt).parent.parent  # RUN/checkpoints/step-N
-    grids = [(grid_step(p), p) for p in run.glob("samples-step*.png") if grid_step(p) <= step]
+    found = [*run.glob("samples-step*.png"), *run.glob("samples/*/contact-sheet.png")]
+    grids = [(grid_step(p), p) for p in found if grid_step(p) <= step]
     if not grids:
         return None
-    _, source = max(grids)
-    target = directory / IMAGES / source.name
+    at, source = max(grids)
+    name = source.name if source.name.startswith("samples-step") else f"samples-step{at:08d}-contact-sheet.png"
+    target = directory / IMAGES / name
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, target)
     return target
 
 
 def grid_step(path: Path) -> int:
-    match = re.fullmatch(r"samples-step(\d+)\.png", path.name)
-    return int(match.group(1)) if match else -1
+    """The step of a validation grid or contact sheet, from its path or an export's copy of it (-1: not one)."""
+    match = re.fullmatch(r"samples-step(\d+)(-contact-sheet)?\.png", path.name)
+    if match:
+        return int(match.group(1))
+    return int(path.parent.name) if path.name == "contact-sheet.png" and path.parent.name.isdigit() else -1
 
 
 def usage(family: str, kind: Kind, base: Base, location: str, weight_name: str | None = None, adapter: str = "lora",

@@ -139,3 +139,19 @@ def test_videos_play_at_the_rate_the_cache_records(monkeypatch, tmp_path):
     assert frame_rate(Cache(clip_cache(tmp_path / "24", buckets=buckets, frame_rate=24.0)), preset) == 24.0
     # a cache that records none: the family's models' rate
     assert frame_rate(Cache(clip_cache(tmp_path / "none", buckets=buckets, frame_rate=None)), preset) == family.frame_rate == 16.0
+
+
+def test_an_export_card_shows_a_run_of_clips_contact_sheet(tmp_path):
+    """The card of a run of clips copies its newest contact sheet at or before the exported step (a run of images:
+    its grid), named by its step."""
+    from train.card import copy_grid, grid_step
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-00000004").mkdir(parents=True)
+    for step in (2, 4, 6):
+        (run / "samples" / f"{step:08d}").mkdir(parents=True)
+        Image.new("RGB", (4, 4), (step, 0, 0)).save(run / "samples" / f"{step:08d}" / "contact-sheet.png")
+    copied = copy_grid(run / "checkpoints" / "step-00000004", 4, tmp_path / "export")
+    assert copied is not None and copied.name == "samples-step00000004-contact-sheet.png" and grid_step(copied) == 4
+    assert Image.open(copied).getpixel((0, 0)) == (4, 0, 0)
+    assert copy_grid(run / "checkpoints" / "step-00000004", 1, tmp_path / "export2") is None
