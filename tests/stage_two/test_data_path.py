@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 import tracemalloc
 from collections import Counter
 from pathlib import Path
@@ -97,8 +98,11 @@ def shard_per_sample(tmp_path_factory):
     return root / "cache"
 
 
-def take(cache_root, n: int, *, workers: int, start=(0, 0), readahead: int = 4, samples_cls=TrainingSamples) -> tuple[list, BatchStream]:
-    """The first `n` batches of a stream from (epoch, cursor) `start`, epochs handed over as the loop does."""
+def take(cache_root, n: int, *, workers: int, start=(0, 0), readahead: int = 4, samples_cls=TrainingSamples,
+         until=None) -> tuple[list, BatchStream]:
+    """The first `n` batches of a stream from (epoch, cursor) `start`, epochs handed over as the loop does; with
+    `until`, the stream stays open until `until(stream, batches)` holds (30 s at most): its background threads run on
+    their own schedule, so a test of what they did waits for it rather than for a time."""
     cache = Cache(cache_root)
 
     def epoch(number, first=0):
@@ -111,6 +115,9 @@ def take(cache_root, n: int, *, workers: int, start=(0, 0), readahead: int = 4, 
             if stream.needs_epoch():
                 stream.add_epoch(epoch(stream._epochs[-1].number + 1))
             out.append(next(stream))
+        deadline = time.monotonic() + 30
+        while until is not None and not until(stream, out) and time.monotonic() < deadline:
+            time.sleep(0.01)
     return out, stream
 
 
@@ -142,10 +149,18 @@ def test_a_resumed_stream_continues_the_same_batches(shard_per_sample):
 
 def test_the_read_ahead_reads_whole_shards_of_coming_batches(shard_per_sample):
     cache = Cache(shard_per_sample)
-    batches, stream = take(shard_per_sample, 12, workers=1, readahead=64)
-    touched = {cache.locate(i)[0] for b in batches for i in range(len(cache)) if cache[i].key in b["keys"]}
-    assert stream.read_ahead["shards"] >= len(touched)
     sizes = {j: cache.path(j).stat().st_size for j in range(len(cache.shards))}
+    shard_of = {cache[i].key: cache.locate(i)[0] for i in range(len(cache))}
+
+    def touched(batches) -> set[int]:
+        return {shard_of[k] for b in batches for k in b["keys"]}
+
+    # the read-ahead thread runs ahead of the batches on its own schedule: the stream stays open until it has read as
+    # many bytes as the taken batches' shards hold (a count it keeps), then it must have read them whole
+    batches, stream = take(shard_per_sample, 12, workers=1, readahead=64,
+                           until=lambda s, out: s.read_ahead["bytes"] >= sum(sizes[j] for j in touched(out)))
+    touched = touched(batches)
+    assert stream.read_ahead["shards"] >= len(touched) and stream.read_ahead["failed"] == 0
     assert stream.read_ahead["bytes"] >= sum(sizes[j] for j in touched)
 
 
