@@ -182,7 +182,10 @@ def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, 
     its loss mask likewise (`x.mask.png`)."""
     name = row.get("file_name")
     if not isinstance(name, str) or not name.strip() or "\x00" in name:
-        raise _BadRow("bad_metadata_row", f"file_name {name!r} is not a non-empty string")
+        theirs = [k for k in ("video_path", "image_path") if k in row and "file_name" not in row]
+        hint = (f" (this row has {theirs[0]}, as musubi-tuner's metadata files do: here each row names its file in "
+                f"file_name, relative to the metadata file's folder)" if theirs else "")
+        raise _BadRow("bad_metadata_row", f"file_name {name!r} is not a non-empty string{hint}")
     if is_mask_file(name):
         raise _BadRow("bad_metadata_row", f"file_name {name!r} names a loss mask (x.mask.png), which is never a training "
                       f"image; name the image it belongs to (its mask goes in {MASK_COLUMN} or beside it)", name)

@@ -203,6 +203,10 @@ class Source:
 TAG_KEYS = ("caption_variants", "shuffle_tags", "keep_tokens", "tag_separator", "keep_tokens_separator", "tag_dropout")
 MAX_VARIANTS = 64  # each variant stores the caption's text embeddings again
 KEYS = {f.name for f in fields(Source)} - {"from_file"}  # what a [[source]] table may set
+# keys of other trainers' dataset files (musubi-tuner's, kohya's) that a user may bring, and the key that does their job
+# here: the hint names it where a spelling match would mislead (target_frames is not frames)
+THEIR_NAMES = {"target_frames": "frame_buckets", "frame_extraction": "clip_extraction", "frame_sample": "clips",
+               "video_directory": "path", "image_directory": "path", "num_repeats": "repeats"}
 KEY_HELP = {  # `python -m precompute --help` lists these
     "name": "the source's name in the cache (default: the path's last component)",
     "path": "a folder, metadata folder, tar pattern, URL or Hugging Face dataset on disk, as DATA (relative: to the "
@@ -328,7 +332,7 @@ def read_dataset_file(file: str | Path) -> list[Source]:
                              "table of keys (path = '...')")
         for key in table:
             if key not in KEYS:
-                close = difflib.get_close_matches(key, sorted(KEYS), n=1)
+                close = [THEIR_NAMES[key]] if key in THEIR_NAMES else difflib.get_close_matches(key, sorted(KEYS), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(sorted(KEYS))}"
                 raise ValueError(f"{where(i, key)}: unknown key {key!r} in [[source]]{hint}")
         if "path" not in table:

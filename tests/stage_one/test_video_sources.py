@@ -116,3 +116,19 @@ def test_an_image_models_tar_and_dataset_name_a_video_input(tmp_path):
     for suffix in ("mp4", "webm"):  # bytes alone, as a dataset's image column holds them
         failed = prepare(Record("row", (tmp_path / f"v.{suffix}").read_bytes(), ["a caption"]), policy)
         assert failed["reason"] == "video_input"
+
+
+@pytest.mark.parametrize("key, ours", [("target_frames", "frame_buckets"), ("frame_extraction", "clip_extraction"),
+                                       ("frame_sample", "clips")])
+def test_musubi_tuners_dataset_keys_are_refused_naming_ours(tmp_path, key, ours):
+    (tmp_path / "data.toml").write_text(f'[[source]]\npath = "clips"\n{key} = 1\n')
+    with pytest.raises(ValueError, match=f"unknown key '{key}' .*did you mean '{ours}'"):
+        read_dataset_file(tmp_path / "data.toml")
+
+
+def test_a_metadata_row_in_musubi_tuners_layout_says_which_column_names_the_file(tmp_path):
+    from precompute.folders import _BadRow, _metadata_entry
+
+    with pytest.raises(_BadRow, match="video_path, as musubi-tuner's metadata files do: here each row names its file in "
+                                      "file_name"):
+        _metadata_entry(tmp_path, {"video_path": "a.mp4", "caption": "a cat"}, "text", False, {}, None)
