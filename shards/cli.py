@@ -112,7 +112,8 @@ def inspect(
         return
     typer.echo(f"{info['root']}: {info['samples']} samples in {info['shards']} shards, {_human(info['bytes'])} "
                f"({_human(info['bytes_per_sample'])} per sample), generation {info['generation']}")
-    typer.echo("\nbuckets (height x width):")
+    clips = any(name.count("x") == 2 for name in info["buckets"])  # a clip's bucket is FxHxW
+    typer.echo(f"\nbuckets ({'frames x ' if clips else ''}height x width):")
     most = max((b["samples"] for b in info["buckets"].values()), default=1)
     for name, b in info["buckets"].items():
         bar = "#" * max(1, round(40 * b["samples"] / most)) if b["samples"] else ""

@@ -81,7 +81,8 @@ def clip_buckets(cache: Cache, requested: list[str], frames: int | None) -> list
         b = b.with_frames(frames or b.frames or common.frames)
         if (b.frames - 1) % step:
             raise ValueError(f"validation clips of {b.frames} frames: the cache's VAE encodes clips of k x {step} + 1 frames "
-                             f"(e.g. {4 * step + 1}); choose --validation-frames or a --validation-bucket FxHxW of such a length")
+                             f"(the nearest: {', '.join(map(str, sorted({max(1, (b.frames - 1) // step * step + 1), (b.frames - 1) // step * step + step + 1})))}); "
+                             f"choose --validation-frames or a --validation-bucket FxHxW of such a length")
         out.append(b)
     return out
 
