@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 import signal
 import sys
@@ -19,6 +18,7 @@ from precompute.config import PrecomputeConfig
 from precompute.prompts import PromptsConfig, add_prompts
 from precompute.sources import KEY_HELP
 from shards.options import config_file_parameter, extras_help, help_of, shown, typer_parameters
+from shards.quiet import log_warnings
 
 # Exit codes (README): 0 done; 1 more inputs skipped than --max-failure-fraction (the rest is cached); 2 bad
 # arguments, input or cache (a damaged cache file included; nothing written that could be lost), any other error,
@@ -84,7 +84,7 @@ def exit_codes(cache: Path | None = None):
 def command(data: str, **options) -> None:
     from precompute.run import run
 
-    logging.basicConfig(level=logging.WARNING)
+    log_warnings()
     options.pop("config", None)
     with exit_codes(options.get("cache")):
         config = PrecomputeConfig(data, **options)
@@ -109,7 +109,7 @@ app.command(help=HELP)(command)
 
 
 def prompts_command(cache: Path, **options) -> None:
-    logging.basicConfig(level=logging.WARNING)
+    log_warnings()
     with exit_codes(cache):
         result = add_prompts(PromptsConfig(cache, **options))
     typer.echo(f"{cache}: {len(result['added'])} prompt(s) added, {len(result['cached'])} already cached")

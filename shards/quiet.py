@@ -71,3 +71,27 @@ def no_truncation_warnings(*loggers: str) -> None:
     tokenizers: the caller counts truncated captions itself and reports the number once."""
     for name in (*loggers, "transformers.tokenization_utils_base"):
         collapse(name, TRUNCATION)
+
+
+class PrintedByItsOwnHandler(logging.Filter):
+    """On the root logger's handlers: drop the records a library's own handler has already printed. transformers
+    prints its records itself and, when the environment variable CI is set, also lets them propagate to the root
+    logger, which would print each a second time."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None and logger is not logging.root:
+            if logger.handlers:
+                return False
+            if not logger.propagate:
+                return True
+            logger = logger.parent
+        return True
+
+
+def log_warnings(fmt: str = logging.BASIC_FORMAT) -> None:
+    """`logging.basicConfig` at WARNING for a command line, printing each record once."""
+    logging.basicConfig(level=logging.WARNING, format=fmt)
+    for handler in logging.root.handlers:
+        if not any(isinstance(f, PrintedByItsOwnHandler) for f in handler.filters):
+            handler.addFilter(PrintedByItsOwnHandler())

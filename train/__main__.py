@@ -7,7 +7,6 @@ Also `python -m train export RUN --out DIR` (diffusers-format weights), `python 
 from __future__ import annotations
 
 import inspect
-import logging
 import re
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import typer
 
 from shards import DamagedCache
 from shards.options import Dtype, config_file_parameter, extras_help, help_of, range_check, shown, typer_parameters
+from shards.quiet import log_warnings
 from train.config import TrainConfig
 from train.families import FAMILIES
 from train.plan_command import plan_command
@@ -152,7 +152,7 @@ def _run(fn) -> None:
     from train.state import RunBusy
     from train.step import Diverged
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log_warnings("%(levelname)s %(name)s: %(message)s")
     if hasattr(sys.stdout, "reconfigure"):  # a log file or a pipe gets each line as it is printed, not in blocks
         sys.stdout.reconfigure(line_buffering=True)
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from precompute.sample_data import make_folder
-from shards.quiet import BACKEND_FALLBACK, TRUNCATION, collapse
+from shards.quiet import BACKEND_FALLBACK, TRUNCATION, PrintedByItsOwnHandler, collapse
 
 pytestmark = pytest.mark.model  # encodes with tiny transformers / diffusers models
 
@@ -20,13 +20,15 @@ LINE = re.compile(r"^precompute: (\d+)/(\d+) inputs \(\d+%\)  \d+\.\d inputs/s  
                   r"ETA \d+:\d\d:\d\d$")
 
 
-def test_piped_stage_one_prints_plain_lines_and_one_line_per_repeated_warning(tmp_path):
+@pytest.mark.parametrize("ci", ["", "1"], ids=["terminal-env", "CI-env"])
+def test_piped_stage_one_prints_plain_lines_and_one_line_per_repeated_warning(tmp_path, ci):
+    """With CI set, transformers lets its records propagate to the root logger as well as printing them itself."""
     data = make_folder(tmp_path / "data", count=4)
     for caption in data.glob("*.txt"):  # every caption far over the tiny CLIP's 77 tokens and T5's 32
         caption.write_text(" ".join(["a large red circle on a blue background with stripes"] * 30))
     out = subprocess.run([sys.executable, "-m", "precompute", str(data), "--model", "tiny-sd3", "--cache", str(tmp_path / "cache"),
                           "--workers", "0", "--log-seconds", "0"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "CI": ci})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [m for m in map(LINE.match, out.stderr.splitlines()) if m]
     assert [(int(m[1]), int(m[2])) for m in lines] == [(1, 4), (2, 4), (3, 4), (4, 4)], out.stderr
@@ -86,3 +88,19 @@ def test_a_backend_is_said_once_when_two_threads_warn_at_once(caplog):
             t.join()
     assert [r.getMessage() for r in caplog.records] == ["torchvision missing"]
     assert f.seen == {"torchvision": 2}
+
+
+def test_the_root_handler_leaves_a_librarys_own_records_to_its_own_handler():
+    """A library that prints its records with a handler of its own and still lets them propagate (transformers does
+    with CI set) is printed once: the root handler's filter drops them; other loggers' records pass."""
+    library = logging.getLogger("cachedit-test.library")
+    library.addHandler(logging.NullHandler())
+    try:
+        root_handler = logging.StreamHandler()
+        root_handler.addFilter(PrintedByItsOwnHandler())
+        record = logging.LogRecord("cachedit-test.library.module", logging.WARNING, __file__, 1, "said", (), None)
+        other = logging.LogRecord("cachedit-test.plain.module", logging.WARNING, __file__, 1, "said", (), None)
+        assert not root_handler.filter(record)
+        assert root_handler.filter(other)
+    finally:
+        library.handlers.clear()
