@@ -26,9 +26,12 @@ TEXT_BUCKET = Bucket(0, 0)  # what the manifest lists as a text shard's bucket (
 TEXTS_KIND = "texts"  # a text shard's `kind` metadata: never read as a shard of samples
 
 
-def text_key(caption: str) -> str:
-    """A caption's text key: the sha256 of its UTF-8 (the same as `prompt_key`)."""
-    return hashlib.sha256(caption.encode("utf-8", "surrogateescape")).hexdigest()
+def text_key(caption: str, context: bytes = b"") -> str:
+    """A caption's text key: the sha256 of its UTF-8 (the same as `prompt_key`). A text that depends on more than its
+    caption (an edit model's text encoder sees the sample's reference images: `shards.references.references_digest`)
+    adds that `context`, so equal captions with other references are other texts."""
+    data = caption.encode("utf-8", "surrogateescape")
+    return hashlib.sha256(data + b"\0context\0" + context if context else data).hexdigest()
 
 
 def key_rows(keys: list[str]) -> torch.Tensor:

@@ -140,7 +140,7 @@ class ShardWriter:
         writing it again (as far as this writer has caught up with others)."""
         return key in self._texts
 
-    def write_text(self, caption: str, fields: Mapping[str, torch.Tensor]) -> str:
+    def write_text(self, caption: str, fields: Mapping[str, torch.Tensor], context: bytes = b"") -> str:
         """Store one caption's text fields once; samples refer to it by the returned text key (`shards.texts.text_key`).
         A text already stored is not stored again. It is committed with the next commit (at the latest with the
         samples that refer to it; its bytes count towards the shard of the first sample buffered that refers to it),
@@ -148,11 +148,13 @@ class ShardWriter:
 
         Raises:
             ValueError: the cache stores texts with each sample, or the fields do not fit the text schema.
+
+        `context`: what else the text depends on, part of its key (`shards.texts.text_key`).
         """
         if self.text_schema is None:
             raise ValueError(f"the cache at {self.root} stores texts with each sample; write_text needs a cache started "
                              f"with a text_schema")
-        key = text_key(caption)
+        key = text_key(caption, context)
         if key in self._texts:
             return key
         known = self.manifest.shapes.get(TEXT_BUCKET, {})
