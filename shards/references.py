@@ -27,15 +27,15 @@ def reference_schema(storage_dtype: torch.dtype) -> Schema:
     return {REFERENCE_LATENT: Field(storage_dtype, ragged=True), REFERENCE_SHAPE: Field(torch.int32, ragged=True)}
 
 
-def pack(latents: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A sample's reference latents, each (C, h, w) in the storage dtype, as its two fields."""
-    if not latents:
-        raise ValueError("an edit sample has at least one reference")
-    channels = {t.shape[0] for t in latents}
-    if len(channels) != 1 or any(t.dim() != 3 for t in latents):
-        raise ValueError(f"reference latents must be (C, h, w) with one C, got {[tuple(t.shape) for t in latents]}")
-    rows = torch.cat([t.flatten(1).t() for t in latents]).contiguous()  # (sum h*w, C)
-    shapes = torch.tensor([tuple(t.shape[1:]) for t in latents], dtype=torch.int32)
+def pack(latents: list[torch.Tensor], channels: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A sample's reference latents, each (C, h, w) with C = `channels`, as its two fields in `dtype` (the storage
+    dtype). None is a sample without references (a text-to-image sample of a cache that has edit samples too):
+    (0, C) rows and (0, 2) shapes."""
+    if any(t.dim() != 3 or t.shape[0] != channels for t in latents):
+        raise ValueError(f"reference latents must be (C, h, w) with C = {channels}, got {[tuple(t.shape) for t in latents]}")
+    rows = torch.cat([t.flatten(1).t() for t in latents]) if latents else torch.zeros(0, channels)
+    rows = rows.to(dtype).contiguous()  # (sum h*w, C)
+    shapes = torch.tensor([tuple(t.shape[1:]) for t in latents], dtype=torch.int32).reshape(-1, 2)
     return {REFERENCE_LATENT: rows, REFERENCE_SHAPE: shapes}
 
 

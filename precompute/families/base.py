@@ -111,6 +111,11 @@ class Preset:
             first-frame fields (`Family.first_frame_fields`) beside the latents.
         image_encoder: the first frame's image encoder, where the transformer also takes its embedding.
         frame_rate: frames per second of this preset's clips, where it differs from its family's.
+        references: an edit preset's most reference images per sample (its pipeline's limit); 0 for a preset that
+            takes none. Its caches hold the references' latents (`shards.references`), prepared and encoded by the
+            family (`prepare_reference`, `encode_references`).
+        requires_references: an edit-only model (Kontext, Qwen-Image-Edit): a run with no source of reference images
+            is refused; without it (FLUX.2) a cache holds text-to-image samples (no references) beside edit samples.
     """
 
     name: str
@@ -124,6 +129,8 @@ class Preset:
     image_to_video: bool = False
     image_encoder: ImageEncoderSpec | None = None
     frame_rate: float | None = None
+    references: int = 0
+    requires_references: bool = False
 
 
 @dataclass
@@ -171,6 +178,8 @@ class Family(ABC):
         frame_rate: frames per second clips are resampled to (a preset may set its own, `frame_rate_of`).
         temporal_downsample: pixel frames per latent frame after the first: F = 4k + 1 frames encode to k + 1.
         frame_buckets: the clip lengths (pixel frames) a video source is cut to by default.
+        text_takes_references: the text encoder sees an edit sample's reference images (Qwen-Image-Edit's VL model):
+            `encode_text` gets them, and the text's key covers their bytes.
     """
 
     name: str
@@ -181,6 +190,7 @@ class Family(ABC):
     frame_rate: float | None = None
     temporal_downsample: int = 0
     frame_buckets: tuple[int, ...] = ()
+    text_takes_references: bool = False
 
     # -- names ---------------------------------------------------------------------------------------------------
 
@@ -257,10 +267,11 @@ class Family(ABC):
 
     @abstractmethod
     def encode_text(self, side: TextSide, captions: list[str], device: torch.device,
-                    instruction: bool = True) -> list[dict[str, torch.Tensor]]:
+                    instruction: bool = True, references: list[list[torch.Tensor]] | None = None) -> list[dict[str, torch.Tensor]]:
         """Captions -> per caption its `prompt_fields`, float32 on the CPU, computed by the pipeline's own
         `encode_prompt` (under inference mode; the caller provides it). `instruction=False` leaves out the
-        family's instruction prompt, as its pipeline encodes the negative prompt."""
+        family's instruction prompt, as its pipeline encodes the negative prompt. `references`: for a family whose
+        text encoder sees them (`text_takes_references`), per caption its sample's references' `text_pixels`."""
 
     @abstractmethod
     def truncated(self, side: TextSide, captions: list[str]) -> list[bool]:
@@ -295,6 +306,28 @@ class Family(ABC):
         """Write the tiny image encoder and its processor in the diffusers layout, to load back with
         `load_first_frame` (nothing where the preset has none)."""
         return None
+
+    # -- reference images: edit presets --------------------------------------------------------------------------------
+
+    def prepare_reference(self, preset: Preset, image, index: int, count: int) -> dict[str, torch.Tensor]:
+        """One reference image of a sample (a PIL RGB image, orientation applied; reference `index` of `count`) as the
+        preset's edit pipeline prepares an image it is given: `pixels`, float32 (3, h, w) in [-1, 1], what its VAE
+        encodes (the pipeline's own size and resampling for that image, not the target's bucket), and, where the
+        text encoder sees the references (`text_takes_references`), `text_pixels`, uint8 (3, h', w'), the image the
+        pipeline hands its text encoder. Runs in the loader's workers; pure image work."""
+        raise ValueError(f"{preset.name} is not an edit preset: it takes no reference images")
+
+    def encode_references(self, vae: torch.nn.Module, x: torch.Tensor, latent: LatentSpec) -> torch.Tensor:
+        """(B, 3, h, w) prepared references of one size in [-1, 1] (VAE dtype and device) -> (B, C, h', w') float32, the
+        reference latents the pipeline concatenates to the target's, normalised as it normalises them. By default the
+        posterior's mean (the pipelines take the mode, `sample_mode="argmax"`) of `encode_images`."""
+        fields = self.encode_images(vae, x, latent)
+        return fields["latent_mean"] if "latent_mean" in fields else fields["latent"]
+
+    def reference_fingerprint(self, preset: Preset) -> dict:
+        """How `prepare_reference` sizes and resamples a reference (the fingerprint's `references` part, with the
+        generic entries): whatever changes the prepared pixels."""
+        return {}
 
     # -- buckets -------------------------------------------------------------------------------------------------------
 

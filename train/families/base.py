@@ -33,6 +33,40 @@ BOTH = "both"
 TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
+def reference_groups(batch: dict) -> list[list[int]]:
+    """The samples of an edit batch whose references have equal shapes, in batch order: the groups a family's forward
+    runs the transformer on one at a time (a reference is prepared at its own size, as its pipeline prepares it, so
+    the samples of a bucket need not share their references' shapes; usually one group). `batch["references"]` holds
+    per sample the list of its reference latents, (C, h, w) each."""
+    groups: dict[tuple, list[int]] = {}
+    for i, refs in enumerate(batch["references"]):
+        groups.setdefault(tuple(tuple(r.shape) for r in refs), []).append(i)
+    return list(groups.values())
+
+
+def group_of(batch: dict, rows: list[int]) -> dict:
+    """The batch restricted to samples `rows`: tensors with a batch dimension indexed, the references picked, other
+    entries as they are."""
+    b = len(batch["references"])
+    index = torch.tensor(rows)
+    out = {}
+    for name, value in batch.items():
+        if name == "references":
+            out[name] = [value[i] for i in rows]
+        elif isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == b:
+            out[name] = value[index.to(value.device)]
+        else:
+            out[name] = value
+    return out
+
+
+def stacked_references(batch: dict) -> list[torch.Tensor]:
+    """An edit batch whose references have one shape per position (`reference_groups` gave one group): reference j of
+    every sample stacked, (B, C, h_j, w_j) each."""
+    refs = batch["references"]
+    return [torch.stack([sample[j] for sample in refs]) for j in range(len(refs[0]))]
+
+
 def masked_call(model, xt: torch.Tensor, t: torch.Tensor, batch: dict, **kwargs) -> torch.Tensor:
     """A cross-attention transformer's call: the caption's tokens with their mask (`TextInput`'s batch)."""
     return model(hidden_states=xt, encoder_hidden_states=batch["text"].to(xt.dtype),
@@ -71,6 +105,11 @@ class ModelPreset:
         expert_boundary: where they split, a fraction of the timestep range: the high-noise expert denoises timesteps
             at or above boundary x 1000, the low-noise one those below (the pipeline's `boundary_ratio`).
         paired: both experts of a two-expert model, as one `train.experts.Experts` (`--expert both`).
+        references: an edit model's most reference images (its pipeline's limit); 0 for a model that takes none. An
+            edit preset trains from a cache whose samples have references (`shards.references`) and its forward
+            concatenates their tokens to the target's.
+        reference_pixels: the pixel area (height x width) its pipeline prepares a reference at by default: what the
+            planner assumes for each reference of a planned sample.
     """
 
     name: str
@@ -94,6 +133,8 @@ class ModelPreset:
     experts: tuple[str, ...] = ()
     expert_boundary: float | None = None
     paired: bool = False
+    references: int = 0
+    reference_pixels: int = 1024 * 1024
 
     @property
     def transformer_class(self) -> type:
