@@ -21,10 +21,15 @@ import numpy as np
 import torch
 
 from shards import CONTROL_PREFIX, FLIP_PREFIX, MASK, Cache, DamagedCache, TextSpec, prompt_key
+from shards.references import REFERENCE_FIELDS
+from shards.references import unpack as unpack_references
 from train.families import text_input
+from train.families.base import ModelPreset
 from train.order import BatchPlan, PlannedBatch, seeded_generator
 
 log = logging.getLogger("train")
+# an edit batch's reference latents: per sample, the list of its references' latents (C, h, w) (`Family.forward`)
+REFERENCES = "references"
 
 
 @dataclass(frozen=True)
@@ -71,11 +76,20 @@ class TrainingSamples(torch.utils.data.Dataset):
     like an image's. `conditioning`: further per-sample fields the family's transformer takes
     (`Family.conditioning_fields`), stacked into the batch under their names in `conditioning_dtype` (the run's compute
     dtype); they take no draw.
+
+    A cache whose samples have reference images (an edit model's, `shards.references`) gives each sample's references'
+    latents, as stored (the posteriors' means: the pipelines encode a reference with argmax), under `references`: per
+    sample the list of its (C, h, w) latents in `conditioning_dtype`, possibly empty (a text-to-image sample of a cache
+    that has edit samples too); at most `max_references` each (the preset's `ModelPreset.references`; 0: any). They
+    take no draw. A sample with references is never the flipped view: its references are the unflipped images, and an
+    instruction may name a side ("the cup on the left"), which a mirrored target would contradict; the samples
+    without references of such a cache flip as usual.
     """
 
     def __init__(self, cache: Cache | str | os.PathLike, seed: int, caption_dropout: float, null: str = "empty", *,
                  check_digests: bool = True, offset: int = 0, control: bool = False, masked: bool = False,
-                 conditioning: tuple[str, ...] = (), conditioning_dtype: torch.dtype = torch.float32):
+                 conditioning: tuple[str, ...] = (), conditioning_dtype: torch.dtype = torch.float32,
+                 max_references: int = 0):
         if not isinstance(cache, Cache):
             cache = Cache(cache)
         cache.check_digests = check_digests
@@ -91,6 +105,7 @@ class TrainingSamples(torch.utils.data.Dataset):
         self.masked = masked
         check_conditioning(cache, conditioning)
         self.conditioning, self.conditioning_dtype = tuple(conditioning), conditioning_dtype
+        self.references, self.max_references = has_references(cache), max_references
         if null not in ("empty", "zeros"):
             raise ValueError(f"caption dropout embedding {null!r}: choose empty or zeros")
         self.null = None
@@ -109,7 +124,8 @@ class TrainingSamples(torch.utils.data.Dataset):
         g = seeded_generator(self.seed, epoch, self.offset + i, *(rest if rest and rest[0] else ()))
         # a source cached with flipped latents (`flip = true`): the flipped view, one draw in two
         flipped = s.fields.get(FLIP_PREFIX + ("latent_mean" if self.posterior else "latent"))
-        flippable = flipped is not None and len(flipped) and not self.control
+        references = self._references(s) if self.references else None
+        flippable = flipped is not None and len(flipped) and not self.control and not references
         view = FLIP_PREFIX if flippable and float(torch.rand((), generator=g)) < 0.5 else ""
         latent = self._draw(s, view, g)
         control = self._draw(s, CONTROL_PREFIX, g) if self.control else None
@@ -123,7 +139,18 @@ class TrainingSamples(torch.utils.data.Dataset):
             item["mask"] = sample_mask(s.fields, latent.shape[-2:], flipped=view == FLIP_PREFIX)
         if self.conditioning:
             item["conditioning"] = {name: s[name] for name in self.conditioning}
+        if references is not None:
+            item[REFERENCES] = references
         return {**item, "control": control} if self.control else item
+
+    def _references(self, s) -> list[torch.Tensor]:
+        """A sample's reference latents (C, h, w) each, as stored."""
+        refs = unpack_references(s.fields)
+        if self.max_references and len(refs) > self.max_references:
+            raise ValueError(f"sample {s.key} of {self.cache.location} has {len(refs)} reference images; the model takes at "
+                             f"most {self.max_references}. Build the cache for this model's preset (stage one counts such "
+                             f"samples as too_many_references)")
+        return refs
 
     def _draw(self, s, prefix: str, g: torch.Generator) -> torch.Tensor:
         """The latent in fields `prefix` + the latent fields' names: a draw from the cached posterior
@@ -137,13 +164,17 @@ class TrainingSamples(torch.utils.data.Dataset):
 
     def collate(self, samples: list[dict]) -> dict:
         """Stack latents (B, C, h, w) (a clip's (B, C, T, h, w)) and control latents as `control` (B, C, h, w); the
-        conditioning fields under their names (B, ...) in the compute dtype; the text as `TextLayout.collate` builds it."""
+        conditioning fields under their names (B, ...) in the compute dtype; the text as `TextLayout.collate` builds it;
+        an edit cache's references as `references`, B lists of (C, h, w) latents in the compute dtype (not stacked: a
+        reference has the size its pipeline prepares it at, not the bucket's)."""
         return {
             "latents": torch.stack([s["latent"] for s in samples]),
             **({"control": torch.stack([s["control"] for s in samples])} if "control" in samples[0] else {}),
             **({"mask": torch.stack([s["mask"] for s in samples])} if "mask" in samples[0] else {}),
             **{name: torch.stack([s["conditioning"][name] for s in samples]).to(self.conditioning_dtype)
                for name in self.conditioning},
+            **({REFERENCES: [[r.to(self.conditioning_dtype) for r in s[REFERENCES]] for s in samples]}
+               if REFERENCES in samples[0] else {}),
             **self.layout.collate([s["cond"] for s in samples]),
             "bucket": tuple(samples[0]["bucket"]),
             "keys": [s["key"] for s in samples],
@@ -175,6 +206,37 @@ def check_conditioning(cache: Cache, names: tuple[str, ...]) -> None:
         raise ValueError(f"{cache.location} holds no {', '.join(missing)} field(s), which this model takes beside the "
                          f"latents; build the cache for this model's preset with stage one (python -m precompute DATA "
                          f"--model PRESET --cache DIR)")
+
+
+def has_references(cache: Cache) -> bool:
+    """Whether the cache's samples have reference images' latents (`shards.references`: an edit model's cache)."""
+    return all(name in cache.schema for name in REFERENCE_FIELDS)
+
+
+def check_references(cache: Cache, preset: ModelPreset) -> None:
+    """Refuse, before any weights load, an edit preset (`ModelPreset.references` > 0) on a cache without reference
+    images and a preset that takes none on an edit cache, naming the cache, the preset and what to do."""
+    edit = has_references(cache)
+    if preset.references and not edit:
+        raise ValueError(
+            f"{cache.location} holds no reference images (no {' / '.join(REFERENCE_FIELDS)} fields), and {preset.name} is "
+            f"an edit model: each sample is a target image, its caption (the instruction) and up to {preset.references} "
+            f"reference image(s). Build an edit cache for it with stage one: python -m precompute DATA --model "
+            f"{preset.name} --cache {cache.root}-{preset.name} --references (each image x.png with its reference x.ref.png "
+            f"beside it, or a source's reference_folder / reference_column in the dataset file); or train a text-to-image "
+            f"preset on this cache" + (f" (it was built for {cache.spec.preset})" if cache.spec.preset else ""))
+    if edit and not preset.references:
+        built = cache.spec.preset
+        raise ValueError(
+            f"{cache.location} is an edit cache (its samples have reference images' latents{', built for ' + built if built else ''}) "
+            f"and {preset.name} takes no reference images: train an edit preset on it"
+            + (f" (--model {built})" if built else "")
+            + f", or build a cache without references for {preset.name}: python -m precompute DATA --model {preset.name} "
+              f"--cache {cache.root}-{preset.name} (without --references)")
+    if edit and any(
+            isinstance(r, dict) and r.get("flip") for r in (cache.manifest.extra.get("sources") or {}).values()):
+        log.info("%s: samples with reference images train unflipped (their references are the unflipped images); those "
+                 "without references take their flipped view as cached", cache.location)
 
 
 def check_masks(cache: Cache) -> None:
@@ -368,7 +430,7 @@ class BatchStream:
         except Exception as e:  # noqa: BLE001 (raised in the training thread, where the batch is taken)
             return _Failed(e, epoch.number, planned.cursor)
         if self.pin:
-            batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            batch = map_tensors(batch, torch.Tensor.pin_memory)
         batch.update(epoch=epoch.number, cursor=planned.cursor + 1, source=planned.source)
         if planned.source in epoch.plan.classes:  # a class source's batch: its loss is weighted (`TrainStep`)
             batch["prior_loss_weight"] = epoch.plan.classes[planned.source]
@@ -428,6 +490,33 @@ class BatchStream:
         except Exception as e:  # noqa: BLE001 (the builder reads the shard itself and reports what fails)
             self.read_ahead["failed"] += 1
             log.debug("read-ahead of shard %d of %s failed: %s", j, key[0], e)
+
+
+def map_tensors(batch: dict, fn) -> dict:
+    """The batch with `fn` applied to each of its tensors: the tensor entries and each sample's `references`."""
+    out = {}
+    for name, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = fn(value)
+        elif name == REFERENCES:
+            out[name] = [[fn(r) for r in refs] for refs in value]
+        else:
+            out[name] = value
+    return out
+
+
+def batch_tensors(batch: dict) -> Iterator[torch.Tensor]:
+    """Every tensor of a batch: its tensor entries and each sample's `references`."""
+    for name, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif name == REFERENCES:
+            yield from (r for refs in value for r in refs)
+
+
+def to_device(batch: dict, device: torch.device | str) -> dict:
+    """A batch's tensors on `device` (asynchronous copies from pinned memory), references included."""
+    return map_tensors(batch, lambda v: v.to(device, non_blocking=True))
 
 
 def read_whole(path: os.PathLike, buffer: bytearray) -> int:

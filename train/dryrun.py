@@ -10,9 +10,10 @@ import torch
 
 from shards import Cache
 from shards.options import DTYPES
+from shards.references import unpack as unpack_references
 from train.cache import largest_bucket
 from train.config import TrainConfig
-from train.data import TrainingSamples
+from train.data import REFERENCES, TrainingSamples, has_references, to_device
 from train.families import get_family
 from train.metrics import device_memory
 from train.plan import measure_peak, plan
@@ -27,12 +28,26 @@ def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: in
     the ControlNet the run built (a pretrained or resumed one has its own)."""
     largest = largest_bucket(cache)
     # the ControlNet planned is one of the depth built, whatever its weights
-    setup = PlanConfig.of_run(cfg, bucket=largest, world_size=world,
+    setup = PlanConfig.of_run(cfg, bucket=largest, world_size=world, **cached_references(cache, largest),
                               parallel="fsdp" if parallel == "fsdp" else "ddp", text_tokens=cache.spec.text.tokens,
                               gpu_memory=device_memory(device) - (CARD_RESERVED if device.type == "cuda" else 0),
                               pretrained_controlnet=None,
                               controlnet_layers=controlnet_layers or cfg.controlnet_layers)
     return plan(setup, objective, buckets=list(cache.manifest.buckets()))
+
+
+def cached_references(cache: Cache, bucket) -> dict:
+    """An edit cache's references as the plan takes them (`PlanConfig.references`, `reference_size`): those of the first
+    sample of `bucket` (the dry run's), each planned at the largest one's size; {} for a cache without references."""
+    if not has_references(cache):
+        return {}
+    first = cache[cache.ranges_by_bucket()[bucket][0].start]
+    refs = unpack_references(first.fields)
+    if not refs:
+        return {"references": 0}
+    down = cache.spec.latent.downsample
+    h, w = max((tuple(r.shape[-2:]) for r in refs), key=lambda hw: (hw[0] * hw[1], hw))
+    return {"references": len(refs), "reference_size": f"{h * down}x{w * down}"}
 
 
 def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: TrainStep, validator: Validator | None, preset,
@@ -43,7 +58,7 @@ def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: Trai
     first = list(itertools.islice(itertools.chain.from_iterable(cache.ranges_by_bucket()[largest]), cfg.batch_size))
     indices = (first * cfg.batch_size)[: cfg.batch_size]
     batch = dataset.collate([dataset[(0, i)] for i in indices])
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch = to_device(batch, device)
     if cfg.preservation == "output":  # a class batch's step: output preservation's forward is measured with it
         batch["prior_loss_weight"] = 1.0
 
@@ -51,7 +66,8 @@ def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: Trai
         while not step.ready:
             step.accumulate(batch, 0)
         step.update(0)
-        if validator is not None:  # a ControlNet run samples from the batch's first control latent
+        # a ControlNet run samples from the batch's first control latent, an edit run with its first references
+        if validator is not None:
             cond = validator.items[0].cond if validator.items else validator.prompts[0].cond
             control = batch["control"][0] if "control" in batch else None
             conditioning = {name: batch[name][0] for name in get_family(preset.family).conditioning_fields(cache.spec)}
@@ -59,7 +75,7 @@ def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: Trai
                      cache.spec.latent.shape(*largest), largest.pixels, steps=2,
                      guidance=cfg.guidance_scale, seed=0, precision=DTYPES[cfg.precision], layout=validator.layout,
                      forward=step.model.forward if control is not None else None, control=control,
-                     conditioning=conditioning)
+                     conditioning=conditioning, references=batch[REFERENCES][0] if REFERENCES in batch else None)
 
     measured = measure_peak(one_step, device)
     predicted = planned["predicted_peak"]

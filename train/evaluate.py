@@ -3,8 +3,8 @@
 The held-out samples are the plan's (`train.streams.held_out`: sources stage one marked `eval = true`, and
 `--eval-fraction` of the others by key hash); training never draws them. Every `--eval-every` steps each of them is
 taken at `--eval-timesteps` fixed noise levels (the training density's quantiles, `fixed_times`) with noise fixed by
-its key and the level, its latent the cached posterior's mean (or the deterministic latent) and its first caption,
-never dropped or flipped. So the number moves only with the weights: comparable across steps, runs, resumes and world
+its key and the level, its latent the cached posterior's mean (or the deterministic latent), its first caption and an edit sample's
+references, never dropped or flipped. So the number moves only with the weights: comparable across steps, runs, resumes and world
 sizes, drawn beside the training loss (it is the same loss, averaged over the same density).
 
 It runs without gradients, in eval mode (no dropout), on the trained weights (the ones the training loss measures;
@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from shards.options import DTYPES
+from shards.references import unpack as unpack_references
 from train import distributed
 from train.config import TrainConfig
-from train.data import TextLayout, sample_mask
+from train.data import REFERENCES, TextLayout, has_references, sample_mask, to_device
 from train.families import get_family, get_preset
 from train.families.base import ModelPreset
 from train.order import derived_seed
@@ -118,7 +119,7 @@ class Evaluator:
         k = int(np.searchsorted(self.starts, indices[0], side="right")) - 1
         cache, layout = self.caches[k], self.layouts[k]
         latent = cache.spec.latent
-        latents, controls, conds, masks = [], [], [], []
+        latents, controls, conds, masks, references = [], [], [], [], []
         fields: dict[str, list[torch.Tensor]] = {name: [] for name in self.conditioning}
         for i in indices:
             s = cache[i - int(self.starts[k])]
@@ -131,11 +132,14 @@ class Evaluator:
                 masks.append(sample_mask(s.fields, shape[-2:]))
             for name in self.conditioning:
                 fields[name].append(s.fields[name])
+            if has_references(cache):  # an edit sample's references, as training takes them
+                references.append([r.to(self.precision) for r in unpack_references(s.fields)])
         batch = {"latents": torch.stack(latents), **({"control": torch.stack(controls)} if self.control else {}),
                  **({"mask": torch.stack(masks)} if masks else {}),
                  **{name: torch.stack(rows).to(self.precision) for name, rows in fields.items()},
+                 **({REFERENCES: references} if references else {}),
                  **layout.collate(conds), "bucket": tuple(s.bucket)}
-        batch = {n: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for n, v in batch.items()}
+        batch = to_device(batch, self.device)
         position = self.rank * self.batch_size + torch.arange(len(indices))
         batch["weight"] = (position < eb.real).float().to(self.device)  # (B,) 0 for the samples completing the batch
         batch["where"] = where

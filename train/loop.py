@@ -21,7 +21,7 @@ from shards.options import DTYPES
 from train import checkpoint, controlnet, distributed, trackers
 from train.cache import check_cache, check_cache_files, check_same_caches, check_same_encoders, open_generation, saved_generations, until_damaged
 from train.config import TrainConfig
-from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples, check_masks
+from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples, check_masks, check_references
 from train.dryrun import dry_run, startup_plan
 from train.evaluate import build_evaluator, eval_due, evaluate
 from train.families import get_family, get_preset
@@ -81,6 +81,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             controlnet.check_cache(preset, c.spec, c.location)
         if cfg.masked_loss:  # a cache with loss masks
             check_masks(c)
+        check_references(c, preset)  # an edit model's cache has reference images, another model's none
     check_same_encoders(group)
     check_class_sources(cfg, group)
     for c in group:  # every listed shard exists with its size; the empty caption and validation prompts are sound
@@ -316,11 +317,13 @@ class Epochs:
                              + (" or --remainder repeat" if cfg.remainder != "repeat" else ""))
         parts, offset = [], 0
         family = get_family(self.preset.family)
-        for c in cs:  # a family's conditioning fields (an image-to-video model's first frame) in the compute dtype
+        # a family's conditioning fields (an image-to-video model's first frame) and an edit cache's references in the
+        # compute dtype
+        for c in cs:
             parts.append(TrainingSamples(c, cfg.seed, cfg.caption_dropout, null_caption(cfg, self.preset),
                                          check_digests=cfg.check_digests, offset=offset, control=cfg.controlnet,
                                          masked=cfg.masked_loss, conditioning=family.conditioning_fields(c.spec),
-                                         conditioning_dtype=DTYPES[cfg.precision]))
+                                         conditioning_dtype=DTYPES[cfg.precision], max_references=self.preset.references))
             offset += len(c)
         return Epoch(number, plan, parts[0] if len(parts) == 1 else CacheSamples(parts), start)
 

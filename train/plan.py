@@ -113,10 +113,15 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
     if pc.traced.frames:  # a clip the family's VAE encodes, refused before the trace otherwise
         family.latent_frames(pc.traced.frames)
     tokens = family.image_tokens(config, preset, pc.traced)
-    say(f"tracing {pc.model} {passes} at {pc.traced.name}, batch {pc.batch_size} and {pc.batch_size + 1}, {pc.precision} ...")
-    act = activations(pc, preset, pc.batch_size, per_element)
+    # an edit preset's references: their tokens join each sample's sequence
+    refs = pc.planned_references(family, config, preset)
+    ref_tokens = refs[0] * family.image_tokens(config, preset, refs[1]) if refs else 0
+    with_refs = f" with {refs[0]} reference(s) of {refs[1][0]}x{refs[1][1]}" if refs else ""
+    say(f"tracing {pc.model} {passes} at {pc.traced.name}{with_refs}, batch {pc.batch_size} and {pc.batch_size + 1}, "
+        f"{pc.precision} ...")
+    act = activations(pc, preset, pc.batch_size, per_element, refs)
     # activations grow linearly with the batch: the slope from two traces gives the largest batch
-    per_sample = activations(pc, preset, pc.batch_size + 1, per_element) - act
+    per_sample = activations(pc, preset, pc.batch_size + 1, per_element, refs) - act
     say(f"traced in {time.perf_counter() - t0:.1f} s")
     # autocast keeps a compute-dtype copy of each trained fp32 weight for the step (frozen ones are cast per use)
     if pc.precision != "fp32" and tb == 4 and pc.parallel != "fsdp":
@@ -124,7 +129,7 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
     components["activations"] = act
     grads = components["gradients"]
     static = sum(v for k, v in components.items() if k not in ("activations", "gradients"))
-    preservation = preservation_costs(pc, preset) if pc.preservation == "output" else None
+    preservation = preservation_costs(pc, preset, refs) if pc.preservation == "output" else None
     # Backward frees saved activations as it creates gradients: the step peaks at the larger of the two (and output
     # preservation's forward, which runs before the trained one, of a class batch: the largest of the three).
     peak = static + max(act, grads, preservation["peak"] if preservation else 0)
@@ -133,9 +138,10 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
     budget = _Budget(static, grads, act, per_sample, pc.batch_size)
     # Per bucket (of the cache, or the preset's table, at the traced clip length): activations per sample scale with
     # the bucket's pixels, times its latent frames for a clip (every layer is linear in the tokens with fused
-    # attention), so the traced slope is rescaled, not retraced.
+    # attention), so the traced slope is rescaled, not retraced; an edit sample's references, prepared at their own
+    # size whatever the bucket, add their pixels to every bucket's.
     def size(b: Bucket) -> int:
-        return b.pixels * (family.latent_frames(b.frames) if b.frames else 1)
+        return b.pixels * (family.latent_frames(b.frames) if b.frames else 1) + (refs[0] * refs[1][0] * refs[1][1] if refs else 0)
 
     table = buckets or [b.with_frames(pc.traced.frames) for b in default_table(preset, family, config)]
     by_bucket = {b.name: budget.largest_batch_at(pc.gpu_memory, size(b) / size(pc.traced)) for b in table}
@@ -144,6 +150,7 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
     return {
         "config": {**asdict(pc), "bucket": pc.traced.name, "ema": pc.ema_placement()},
         "tokens_per_sample": tokens,
+        **({"references": {"count": refs[0], "size": f"{refs[1][0]}x{refs[1][1]}", "tokens": ref_tokens}} if refs else {}),
         "encoders_resident": encoders,
         "peak_with_encoders_resident": peak + sum(encoders.values()),
         "parameters": n_params,
@@ -173,20 +180,22 @@ def default_table(preset, family, config) -> tuple[Bucket, ...]:
     return resolution_table(preset.base_resolution, preset.latent_downsample * family.latent_patch(config))
 
 
-def activations(pc: PlanConfig, preset, batch: int, per_element: tuple[float, float]) -> float:
+def activations(pc: PlanConfig, preset, batch: int, per_element: tuple[float, float],
+                references: tuple[int, tuple[int, int]] | None = None) -> float:
     """Activation bytes of a batch of `batch`, traced through the setup built in the compute dtype (as autocast runs
-    it): with checkpointing or swapped blocks, the peak of the backward pass that recomputes them."""
+    it): with checkpointing or swapped blocks, the peak of the backward pass that recomputes them. `references`: an
+    edit preset's (count, (height, width) pixels) of each sample's references."""
     compute = DTYPES[pc.precision]
     with quiet_diffusers():
         built = build_frozen(pc, preset, meta_loader(preset), dtype=compute, device="meta", adapter_dtype=compute)
         net = built.controlnet.to(compute) if built.controlnet is not None else None
     every = pc.checkpoint_every_k()
     traced = trace_activations(built.transformer, preset, batch, pc.traced, pc.text_tokens or preset.text_tokens, compute,
-                               every, per_element, controlnet=net, swapped=pc.blocks_to_swap)
+                               every, per_element, controlnet=net, swapped=pc.blocks_to_swap, references=references)
     return traced["checkpointed"] if every or pc.blocks_to_swap else traced["full"]
 
 
-def preservation_costs(pc: PlanConfig, preset) -> dict:
+def preservation_costs(pc: PlanConfig, preset, references: tuple[int, tuple[int, int]] | None = None) -> dict:
     """What output preservation adds to a class batch's step: one forward of the base model (LoRA adapters off) without
     gradients, before the trained forward. Its peak of live tensors (traced at the batch and one more sample: it grows
     with the batch too) and its floating-point operations next to the step's (forward, backward, recomputations)."""
@@ -197,9 +206,10 @@ def preservation_costs(pc: PlanConfig, preset) -> dict:
         with quiet_diffusers():
             return build_frozen(pc, preset, meta_loader(preset), dtype=compute, device="meta", adapter_dtype=compute).transformer
 
-    peak = trace_base_forward(built(), preset, pc.batch_size, pc.traced, tokens, compute)
-    more = trace_base_forward(built(), preset, pc.batch_size + 1, pc.traced, tokens, compute)
-    flops = trace_flops(built(), preset, pc.batch_size, pc.traced, tokens, compute, pc.checkpoint_every_k(), pc.blocks_to_swap)
+    peak = trace_base_forward(built(), preset, pc.batch_size, pc.traced, tokens, compute, references)
+    more = trace_base_forward(built(), preset, pc.batch_size + 1, pc.traced, tokens, compute, references)
+    flops = trace_flops(built(), preset, pc.batch_size, pc.traced, tokens, compute, pc.checkpoint_every_k(), pc.blocks_to_swap,
+                        references)
     return {"peak": peak, "peak_per_sample": more - peak, "flops": flops["base_forward"], "step_flops": flops["step"],
             "added_compute": flops["base_forward"] / flops["step"] if flops["step"] else 0.0}
 
@@ -213,7 +223,8 @@ def format_plan(result: dict) -> str:
         + (f", ControlNet of {result['controlnet_layers']} blocks: {result['trainable_parameters']:,} trainable, the "
            f"transformer frozen" if cfg["controlnet"] else "")
         + f"; batch {cfg['batch_size']} at "
-        f"{cfg['bucket']}{' (' + format(result['tokens_per_sample'], ',') + ' tokens a sample)' if 'tokens_per_sample' in result else ''}, "
+        f"{cfg['bucket']}{' (' + format(result['tokens_per_sample'], ',') + ' tokens a sample)' if 'tokens_per_sample' in result else ''}"
+        f"{describe_references(result.get('references'))}, "
         f"{cfg['precision']} compute, "
         f"{cfg['weights_dtype'] + ' weights' if cfg['base_quant'] == 'none' else 'frozen base in ' + cfg['base_quant'] + ' (the rest bf16)'}"
         f"{', blocks swapped: the last ' + str(cfg['blocks_to_swap']) if cfg['blocks_to_swap'] else ''}, {cfg['optimizer']}, checkpointing "
@@ -254,6 +265,16 @@ def format_plan(result: dict) -> str:
     return "\n".join(lines)
 
 
+
+
+def describe_references(refs: dict | None) -> str:
+    """The plan's words on an edit sample's references (nothing for a preset without)."""
+    if not refs:
+        return ""
+    if not refs["count"]:
+        return " without reference images (a text-to-image sample)"
+    return (f" with {refs['count']} reference image(s) of {refs['size']} ({refs['tokens']:,} more tokens a sample, the "
+            f"target's and theirs in one sequence)")
 
 
 def measure_peak(step, device: torch.device) -> int:

@@ -52,6 +52,12 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
     gpu_memory: float = opt(80 * GiB - CARD_RESERVED, "Bytes tensors may take on one device: a card's memory less what the "
                                                       "CUDA context and workspaces take (`card_memory`).", above=0)
     preservation: Preservation = shared(ObjectiveOptions, "preservation")
+    references: int | None = opt(None, "Edit presets: reference images per sample, their tokens concatenated to the "
+                                       "target's (default: 1; at most the preset's limit; 0: a text-to-image sample of a "
+                                       "model that takes both).", at_least=0)
+    reference_size: str | None = opt(None, "Edit presets: each reference image's size HxW in pixels, e.g. 1024x1024 "
+                                           "(default: the traced bucket's aspect ratio at the preset's reference area, as "
+                                           "its pipeline prepares an input image, sides multiples of one image token).")
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -61,12 +67,44 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
         for concern in (ModelOptions, MemoryOptions, ParallelOptions):
             concern.check(self)
         check_preservation(self)
+        self.check_references()
 
     @classmethod
     def of_run(cls, cfg: TrainConfig, **plan_only) -> PlanConfig:
         """The plan of training run `cfg`: its options this config shares, and `plan_only`'s (which win)."""
         names = {f.name for f in dataclasses.fields(cls)} & {f.name for f in dataclasses.fields(cfg)}
         return cls(**{**{name: getattr(cfg, name) for name in names}, **plan_only})
+
+    def check_references(self) -> None:
+        """--references and --reference-size plan an edit preset's references: refused for another preset, beyond the
+        preset's limit, or for a size that is not HxW."""
+        from train.families import get_preset
+
+        given = [flag for flag, value in (("--references", self.references), ("--reference-size", self.reference_size))
+                 if value is not None]
+        limit = get_preset(self.model, self.expert).references
+        if given and not limit:
+            raise ValueError(f"{' and '.join(given)}: {self.model} takes no reference images (an edit preset does); leave "
+                             f"{'them' if len(given) > 1 else 'it'} out")
+        if self.references is not None and self.references > limit:
+            raise ValueError(f"--references {self.references}: {self.model} takes at most {limit} reference image(s)")
+        if self.reference_size is not None:
+            try:
+                size = Bucket.parse(self.reference_size)
+            except ValueError:
+                size = None
+            if size is None or size.frames or min(size.height, size.width) < 1:
+                raise ValueError(f"--reference-size {self.reference_size!r}: give a reference image's size in pixels as "
+                                 f"HxW, e.g. 1024x1024")
+
+    def planned_references(self, family, config, preset) -> tuple[int, tuple[int, int]] | None:
+        """(count, (height, width) pixels) of the references each sample of an edit preset is planned with; None for
+        a preset that takes none."""
+        if not preset.references:
+            return None
+        size = Bucket.parse(self.reference_size) if self.reference_size else None
+        return (1 if self.references is None else self.references,
+                (size.height, size.width) if size else family.reference_size(config, preset, self.traced))
 
     @property
     def traced(self) -> Bucket:

@@ -11,6 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from train.data import batch_tensors
 from train.families import get_family
 from train.frozen import recomputed_blocks
 from train.presets import transformer_blocks
@@ -19,7 +20,7 @@ from train.swap import checkpointed_forward, inner_tensors
 
 def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype,
                       every: int = 0, objective_per_element: tuple[float, float] | None = None, controlnet=None,
-                      swapped: int = 0) -> dict:
+                      swapped: int = 0, references: tuple[int, tuple[int, int]] | None = None) -> dict:
     """Bytes autograd saves for backward in one forward pass (meta tensors, no memory used), and with checkpointing
     the peak of the backward pass that recomputes the checkpointed blocks, run on the meta device too.
 
@@ -28,9 +29,10 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     (`objective_bytes`; default: the output in fp32 and the clean latents). `controlnet`: traced with a ControlNet
     beside the (frozen) transformer, as `train.controlnet.controlled_forward` runs them; its blocks count as blocks too.
     `swapped`: the transformer's last blocks are swapped, which recomputes them in backward whatever `every` says.
+    `references`: an edit preset's (count, (height, width) pixels) of each sample's references (`example_inputs`).
     Below fp32, matrix products run in `dtype` and LoRA layers copy their inputs as under the trainer's autocast."""
     family = get_family(preset.family)
-    inputs = family.example_batch(model.config, preset, bucket, batch, text_tokens, dtype)  # zeros on the meta device
+    inputs = example_inputs(family, model, preset, bucket, batch, text_tokens, dtype, references)  # zeros, meta device
     x = inputs["latents"]  # (B, C, h, w)
     if controlnet is not None:
         inputs["control"] = torch.zeros_like(x)  # the control latent, the latent's shape
@@ -74,7 +76,7 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
         # model those per architecture, the backward runs here, recomputations and all, and every tensor created
         # since the forward began counts while it is alive: the peak of that, with the clean latents beside it.
         # Trained parameters' gradients count as gradients, apart, from the moment they are accumulated.
-        live = _Lifetimes(saved.weights | {st._cdata for v in (t, *inputs.values()) for st in _storages(v)})
+        live = _Lifetimes(saved.weights | {st._cdata for v in (t, *batch_tensors(inputs)) for st in _storages(v)})
         with _fused_attention():
             with autocast, live, torch.autograd.graph.saved_tensors_hooks(saved.pack, _unpack):
                 out = forward(x, t, inputs)
@@ -88,17 +90,18 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     return result
 
 
-def trace_base_forward(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype) -> int:
+def trace_base_forward(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype,
+                       references: tuple[int, tuple[int, int]] | None = None) -> int:
     """Peak bytes of the tensors output preservation's forward creates (meta tensors, no memory used): the base model,
     its LoRA adapters off, without gradients, so nothing is saved for backward; what counts is what is alive at once
     (a block's temporaries, the residual stream, the prediction it returns and the step keeps as its target)."""
     from train.lora import adapters_off
 
     family = get_family(preset.family)
-    inputs = family.example_batch(model.config, preset, bucket, batch, text_tokens, dtype)  # zeros on the meta device
+    inputs = example_inputs(family, model, preset, bucket, batch, text_tokens, dtype, references)  # zeros, meta device
     t = torch.full((batch,), 500.0, device="meta")
     weights = {st._cdata for p in model.parameters() for st in _storages(p)}
-    live = _Lifetimes(weights | {st._cdata for v in (t, *inputs.values()) for st in _storages(v)})
+    live = _Lifetimes(weights | {st._cdata for v in (t, *batch_tensors(inputs)) for st in _storages(v)})
     autocast = _LowPrecisionMatmuls(dtype) if dtype != torch.float32 else contextlib.nullcontext()
     with _fused_attention(), autocast, adapters_off(model), torch.no_grad(), live:
         out = family.forward(model, model.config, inputs["latents"], t, inputs, preset.train_guidance)
@@ -107,7 +110,7 @@ def trace_base_forward(model, preset, batch: int, bucket: tuple[int, int], text_
 
 
 def trace_flops(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype, every: int = 0,
-                swapped: int = 0) -> dict:
+                swapped: int = 0, references: tuple[int, tuple[int, int]] | None = None) -> dict:
     """Floating-point operations (torch's FlopCounterMode, on the meta device) of output preservation's forward (the
     base model, adapters off, no gradients) and of the training step's passes: its forward, its backward and the
     recomputation of the blocks checkpointing or the block swap recompute (`every`, `swapped`). Installs the
@@ -117,7 +120,7 @@ def trace_flops(model, preset, batch: int, bucket: tuple[int, int], text_tokens:
     from train.lora import adapters_off
 
     family = get_family(preset.family)
-    inputs = family.example_batch(model.config, preset, bucket, batch, text_tokens, dtype)
+    inputs = example_inputs(family, model, preset, bucket, batch, text_tokens, dtype, references)
     t = torch.full((batch,), 500.0, device="meta")
     guidance = preset.train_guidance
     counter = FlopCounterMode(display=False)
@@ -131,6 +134,16 @@ def trace_flops(model, preset, batch: int, bucket: tuple[int, int], text_tokens:
         out = family.forward(model, model.config, inputs["latents"], t, inputs, guidance)
         torch.autograd.backward(out.sum())
     return {"base_forward": base, "step": counter.get_total_flops()}
+
+
+def example_inputs(family, model, preset, bucket, batch: int, text_tokens: int, dtype: torch.dtype,
+                   references: tuple[int, tuple[int, int]] | None) -> dict:
+    """The family's example batch (`Family.example_batch`), an edit preset's with `references` = (count, (height,
+    width) pixels) of each sample's references (None: the family's defaults)."""
+    extra = {}
+    if preset.references and references is not None:
+        extra = {"references": references[0], "reference_size": references[1]}
+    return family.example_batch(model.config, preset, bucket, batch, text_tokens, dtype, **extra)
 
 
 def _family_forward(family, model, guidance: float, xt: torch.Tensor, t: torch.Tensor, batch: dict) -> torch.Tensor:

@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from train.data import batch_tensors, to_device
+
 
 class Prefetcher:
     """Copies batch k+1 to the device on a side CUDA stream while step k runs; a plain iterator on CPU.
@@ -19,7 +21,7 @@ class Prefetcher:
         self._next = None  # batch k+1 on its way to the device, or the error taking it raised
 
     def _to_device(self, batch: dict) -> dict:
-        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return to_device(batch, self.device)
 
     def _load(self):
         t0 = time.perf_counter()
@@ -47,9 +49,8 @@ class Prefetcher:
             raise batch
         t0 = time.perf_counter()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
-        for v in batch.values():
-            if isinstance(v, torch.Tensor):
-                v.record_stream(torch.cuda.current_stream(self.device))
+        for v in batch_tensors(batch):  # an edit batch's references too
+            v.record_stream(torch.cuda.current_stream(self.device))
         self.wait_s += time.perf_counter() - t0
         self._next = self._load()
         return batch

@@ -19,7 +19,7 @@ import torch
 from shards import Bucket, Cache
 from shards.prompts import prompt_key
 from shards.remote import is_url
-from train.data import TextLayout
+from train.data import REFERENCES, TextLayout
 from train.decode import Decoder, decoder_recipe
 from train.families import get_family
 from train.families.base import ModelPreset
@@ -113,13 +113,17 @@ def sampling_scheduler(preset: ModelPreset, objective, pixels: int):
 def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, latent_shape: tuple[int, ...],
              pixels: int, *, steps: int, guidance: float, seed: int, precision: torch.dtype,
              layout: TextLayout | None = None, forward: Callable | None = None,
-             control: torch.Tensor | None = None, conditioning: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+             control: torch.Tensor | None = None, conditioning: dict[str, torch.Tensor] | None = None,
+             references: list[torch.Tensor] | None = None) -> torch.Tensor:
     """One sample (C, h, w), a clip's (C, T, h, w), at the cache's latent scale, guided as the family's pipeline guides
     (`Family.denoise`); `pixels` of its bucket (of one frame).
     `cond` and `null` are one caption's cached text fields each. `forward` (default: the model's own) is called as
     (latents, timesteps, batch); `control`, a control latent (C, h, w) as the cache stores it, goes into that batch
     for both halves of the guidance, as the stock ControlNet pipelines condition them, and so do the `conditioning`
-    fields of one cached sample (`Family.conditioning_fields`: an image-to-video model's first frame)."""
+    fields of one cached sample (`Family.conditioning_fields`: an image-to-video model's first frame). `references`: an
+    edit sample's reference latents (C, h, w) each, as the cache stores them: the batch's `references` for both halves
+    (an edit pipeline conditions its negative prompt on the same images), in `precision` on the device, as training
+    passes them (`train.data.TrainingSamples`)."""
     device = next(model.parameters()).device
     c = latent_shape[0]
     family = get_family(preset.family)
@@ -133,6 +137,9 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
     if control is not None:
         text["control"] = control.float()[None].expand(2, *control.shape[-3:])
     text = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in text.items()}
+    if references is not None:
+        refs = [r.to(device, precision) for r in references]
+        text[REFERENCES] = [refs, list(refs)]
     forward = forward or model_forward(model, preset.family, guidance=guidance)
     autocast = torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
     return family.denoise(forward, scheduler, latents, text, guidance=guidance, channels=c, autocast=autocast)[0]

@@ -11,6 +11,7 @@ family names. Methods take the transformer's config as a mapping (`preset.transf
 from __future__ import annotations
 
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -365,16 +366,38 @@ class Family(ABC):
         return masked_call(model, xt, t, batch)
 
     def example_batch(self, config: Mapping, preset: ModelPreset, bucket: tuple[int, ...], batch: int, tokens: int,
-                      dtype: torch.dtype, device: torch.device | str = "meta") -> dict[str, torch.Tensor]:
+                      dtype: torch.dtype, device: torch.device | str = "meta", *, references: int | None = None,
+                      reference_size: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
         """A batch of `batch` samples of the bucket (a `shards.Bucket`: height, width and, for a clip, frames; or a
         (height, width) pair) with `tokens` caption tokens, zeros on `device` (the planner traces `forward` with it):
-        `latents` (B, C, h, w), or (B, C, T, h, w) for a clip, and the text fields."""
+        `latents` (B, C, h, w), or (B, C, T, h, w) for a clip, and the text fields. For an edit preset
+        (`ModelPreset.references` > 0) also `references`, as the batch contract has them: per sample `references`
+        latents (default 1) of a reference image of `reference_size` (height, width) pixels (default:
+        `reference_size`'s for the bucket). The keyword arguments are given for edit presets only."""
         bucket = Bucket(*bucket)
         down = preset.latent_downsample
         frames = (self.latent_frames(bucket.frames),) if bucket.frames else ()
         latents = torch.zeros(batch, self.latent_channels(config), *frames, bucket.height // down, bucket.width // down,
                               device=device, dtype=dtype)
-        return {"latents": latents, **self.text.example(config, self, batch, tokens, dtype, device)}
+        out = {"latents": latents, **self.text.example(config, self, batch, tokens, dtype, device)}
+        if preset.references:
+            count = 1 if references is None else references
+            height, width = reference_size or self.reference_size(config, preset, bucket)
+            shape = (self.latent_channels(config), height // down, width // down)
+            out["references"] = [[torch.zeros(shape, device=device, dtype=dtype) for _ in range(count)] for _ in range(batch)]
+        return out
+
+    def reference_size(self, config: Mapping, preset: ModelPreset, bucket: tuple[int, ...]) -> tuple[int, int]:
+        """The (height, width) in pixels the planner assumes for a reference of a sample of `bucket`: the bucket's aspect
+        ratio at the preset's `reference_pixels` area, each side a multiple of one image token's pixels (the VAE's
+        factor times the patch). A family whose pipeline prepares references otherwise (preferred resolutions)
+        overrides it."""
+        bucket = Bucket(*bucket)
+        step = preset.latent_downsample * self.latent_patch(config)
+        aspect = bucket.width / bucket.height
+        height = max(step, round(math.sqrt(preset.reference_pixels / aspect) / step) * step)
+        width = max(step, round(math.sqrt(preset.reference_pixels * aspect) / step) * step)
+        return height, width
 
     def image_tokens(self, config: Mapping, preset: ModelPreset, bucket: tuple[int, ...]) -> int:
         """Tokens of one sample of the bucket in the transformer's sequence: an image's patches, or a clip's, latent
