@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -36,6 +37,8 @@ _LIMITS: dict[tuple[int, int], list[str]] = {}
 for _name in preset_names():
     if not _name.startswith("tiny-"):
         _LIMITS.setdefault((get_preset(_name).max_resolution, get_preset(_name).granularity), []).append(_name)
+# The presets of edit models, which take reference images (--references), for --help.
+EDIT_PRESETS = ", ".join(name for name in preset_names() if get_preset(name).references) or "none installed"
 RESOLUTION_LIMITS = "; ".join(f"{largest} ({step} px): {', '.join(names)}" for (largest, step), names in sorted(_LIMITS.items()))
 
 
@@ -140,6 +143,22 @@ class PrecomputeConfig:
     alpha_mask: bool = opt(False, "Like --masks, with every image's loss mask taken from its own alpha channel (opaque: "
                                   "trained, transparent: ignored; the image itself is still composited on white). An image "
                                   "without an alpha channel is skipped (missing_mask).")
+    references: bool = opt(False, f"Edit models ({EDIT_PRESETS}): every image is an edit's target and pairs with 1..N "
+                                  "reference images (the images the edit starts from), each prepared as the model's "
+                                  "pipeline prepares an input image and cached as a latent of its own size beside the "
+                                  "target's. Found as x.ref.png, or x.ref0.png, x.ref1.png, ... in that order (any image "
+                                  "extension; from 0 or 1, without gaps; x.ref is number 0) beside x.jpg in a folder (files "
+                                  "named so are never training images, with or without --references); in a "
+                                  "metadata.jsonl/.csv's reference_file_name column (a path or a list of paths, relative "
+                                  "to the folder; else the sidecars); as the KEY.ref.png / KEY.ref0.png ... members of a "
+                                  "tar sample; in the reference_image column of a Hugging Face dataset (an image or a list "
+                                  "of images); or, for a dataset file's source, in its reference_folder = \"DIR\" "
+                                  "(DIR/a/x.png, or DIR/a/x_0.png, x_1.png, ..., for a/x.jpg; or a list of folders, one per "
+                                  "reference). A dataset file's source may set references = true alone instead. An image "
+                                  "without them is skipped (missing_reference), as is one whose reference cannot be read "
+                                  "(unreadable_reference) or decoded (corrupt_reference), with two files for one reference "
+                                  "(ambiguous_reference) or with more than the model takes (too_many_references). Editing "
+                                  "one reference re-encodes that sample alone.")
     frames: int | None = opt(None, "Video models: the longest clip, in frames at the model's frame rate; a multiple of "
                                    "its temporal factor plus one (4k+1: 17, 33, 49, 81). Default: the family's longest "
                                    "frame bucket (81).", at_least=1)
@@ -236,9 +255,35 @@ class PrecomputeConfig:
             if source.alpha_mask and files:
                 raise ValueError(f"{where} takes its loss masks from the images' alpha channel (alpha_mask, --alpha-mask) "
                                  f"and sets {files[0]}: masks come from one place; drop one of the two")
+        self._check_references(preset)
         self._sources = check_clip_options(self, preset)
         if self.repair and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise ValueError("--repair runs in one process (it re-encodes only the damaged shards' samples); run it without torchrun")
+
+    def _check_references(self, preset: Preset) -> None:
+        """Reference images go with edit presets: a source asking for them needs one, and an edit-only preset needs a
+        source of them; a source of them flips none of its images (the references would need flipping too)."""
+        edit = [name for name in preset_names() if get_preset(name).references]
+        asking = [s for s in self.sources() if s.takes_references]
+        for source in asking:
+            where = f"source {source.name!r}" if source.from_file else f"DATA={self.data}"
+            keys = [k for k in ("reference_folder", "reference_column") if getattr(source, k) is not None]
+            option = "--references" if self.references else (keys[0] if keys else "references = true")
+            if not preset.references:
+                raise ValueError(f"{where}: {option} pairs images with reference images, which only an edit model takes: "
+                                 f"--model {preset.name} takes none. Choose an edit preset ("
+                                 f"{', '.join(edit) or 'none is installed'}), or drop {option}")
+            if source.flip:
+                raise ValueError(f"{where} sets flip = true with reference images: a flipped target would need its "
+                                 f"references flipped, which are cached as they are. Drop flip for this source")
+            if len(keys) == 2:
+                raise ValueError(f"{where} sets reference_folder and reference_column: references come from one place; "
+                                 f"drop one of the two")
+        if preset.requires_references and not asking:
+            raise ValueError(f"--model {preset.name} is an edit model: every sample pairs a target image with reference "
+                             f"images, and DATA={self.data} has no source of them. Pass --references (x.ref.png or "
+                             f"x.ref0.png, x.ref1.png, ... beside each x.jpg; see --help) or set references = true (or "
+                             f"reference_folder = \"DIR\") in the dataset file's sources")
 
     def check_tags(self) -> None:
         """The caption-variant options: for DATA as one source, valid together; a dataset file sets them per source."""
@@ -314,8 +359,10 @@ class PrecomputeConfig:
             self._sources = sources_of(self.data)
             if not is_dataset_file(self.data):
                 self._sources = [replace(self._sources[0], **{key: getattr(self, key) for key in TAG_KEYS})]
-            # --masks / --alpha-mask ask every source for masks, as a dataset file's masks = true asks one
-            asked = {k: True for k, on in (("masks", self.masks), ("alpha_mask", self.alpha_mask)) if on}
+            # --masks / --alpha-mask / --references ask every source for masks or references, as a dataset file's
+            # masks = true / references = true asks one
+            asked = {k: True for k, on in (("masks", self.masks), ("alpha_mask", self.alpha_mask),
+                                           ("references", self.references)) if on}
             self._sources = [replace(s, **asked) if asked else s for s in self._sources]
         return self._sources
 
@@ -332,10 +379,14 @@ class PrecomputeConfig:
     def policy(self, resolution: int | None = None) -> ImagePolicy:
         """How this run turns images into bucket-sized pixels, on the bucket table of `resolution` (default: the
         preset's base resolution, whose table the fingerprint records)."""
-        resolution = resolution or self.preset().base_resolution
+        preset = self.preset()
+        resolution = resolution or preset.base_resolution
+        # an edit preset's references are prepared in the loader's workers, as its family's pipeline prepares them
+        prepare_reference = partial(family(preset.family).prepare_reference, preset) if preset.references else None
         return ImagePolicy(self.table(resolution), max_upscale=self.max_upscale,
                            allow_upscale=self.allow_upscale, extreme_aspect=self.extreme_aspect, max_pixels=self.max_pixels,
-                           control=self.control, resolution=self.resolution_tag(resolution), clip=clip_policy(self))
+                           control=self.control, resolution=self.resolution_tag(resolution), clip=clip_policy(self),
+                           max_references=preset.references, prepare_reference=prepare_reference)
 
     @property
     def video(self) -> bool:

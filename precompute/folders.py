@@ -5,8 +5,10 @@ imagefolder convention. A control image (ControlNet caches) is the sidecar `x.co
 extension; such files are never images of their own), a metadata row's `control_file_name`, or the file of the
 same relative name in a separate folder (`with_control_folder`). A loss mask (masked training) is found the same ways:
 the sidecar `x.mask.png` (never an image of its own, with or without masks), a metadata row's `mask_file_name`, or a
-mask folder (`with_mask_folder`). Only regular files are opened, and metadata
-cannot name a path outside DATA (`confined`). An entry's stamp (size and mtime of its files) lets an incremental
+mask folder (`with_mask_folder`). An edit sample's reference images (`references`) are the sidecars `x.ref.png`, or
+`x.ref0.png`, `x.ref1.png`, ... in their numbers' order (never images of their own, with or without references), a
+metadata row's `reference_file_name` (a path or a list of paths), or a reference folder (`with_reference_folder`).
+Only regular files are opened, and metadata cannot name a path outside DATA (`confined`). An entry's stamp (size and mtime of its files) lets an incremental
 run skip an unchanged input without reading it.
 """
 
@@ -17,6 +19,7 @@ import hashlib
 import io
 import json
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
@@ -40,6 +43,11 @@ CONTROL_COLUMN = "control_file_name"  # a metadata file's column of control imag
 CONTROL_SUFFIX = ".control"  # x.control.png is the control image of x.jpg, never an image of its own
 MASK_COLUMN = "mask_file_name"  # a metadata file's column of loss masks, relative to the folder
 MASK_SUFFIX = ".mask"  # x.mask.png is the loss mask of x.jpg, never an image of its own
+REFERENCE_COLUMN = "reference_file_name"  # a metadata file's column of reference images (a path or a list of them)
+# x.ref.png, x.ref0.png, x.ref1.png ... are the reference images of x.jpg (x.ref is number 0), never images of their own
+REFERENCE_SUFFIX = re.compile(r"\.ref(\d*)", re.IGNORECASE)
+# a reference folder's numbered names: DIR/a/x_0.png, x_1.png ... (or x_0000.png) for the image a/x.jpg
+FOLDER_NUMBER = re.compile(r"(.+)_(\d+)")
 
 
 def is_control_file(name: str) -> bool:
@@ -52,6 +60,40 @@ def is_mask_file(name: str) -> bool:
     """Whether a file name is a loss mask's sidecar (`x.mask.png`), which is never listed as an image."""
     stem, ext = os.path.splitext(name)
     return ext.lower() in IMAGE_EXTENSIONS and os.path.splitext(stem)[1].lower() == MASK_SUFFIX
+
+
+def reference_number(name: str) -> int | None:
+    """The number of a reference image's sidecar (`x.ref.png` is 0, `x.ref3.png` 3); None for any other file."""
+    stem, ext = os.path.splitext(name)
+    if ext.lower() not in IMAGE_EXTENSIONS:
+        return None
+    match = REFERENCE_SUFFIX.fullmatch(os.path.splitext(stem)[1])
+    return int(match[1] or 0) if match else None
+
+
+def is_reference_file(name: str) -> bool:
+    """Whether a file name is a reference image's sidecar (`x.ref.png`, `x.ref0.png`...), never listed as an image."""
+    return reference_number(name) is not None
+
+
+def in_order(numbered: list[tuple[int, str]], what: str) -> tuple[list[str] | None, str, str]:
+    """Numbered reference files as the list of them in their numbers' order, or (None, reason, detail) when they do
+    not make one: two files of one number (`x.ref.png` and `x.ref0.png`, or `x.ref1.png` and `x.ref1.jpg`) are
+    `ambiguous_reference`, a number missing between them `missing_reference`. Numbers run from 0 or from 1.
+    `what`: how the detail names a reference of number N (a format string with {n})."""
+    by_number: dict[int, list[str]] = {}
+    for n, name in numbered:
+        by_number.setdefault(n, []).append(name)
+    for n, names in sorted(by_number.items()):
+        if len(names) > 1:
+            return None, "ambiguous_reference", (f"{' and '.join(sorted(names))} are both reference {n} "
+                                                 f"({what.format(n=n)}): keep one")
+    first = min(by_number, default=0)
+    for n in range(min(first, 1), max(by_number, default=-1) + 1):
+        if n not in by_number:
+            return None, "missing_reference", (f"no {what.format(n=n)}: numbered references run from 0 (or 1) without "
+                                               f"gaps, and {', '.join(by_number[k][0] for k in sorted(by_number))} were found")
+    return [by_number[n][0] for n in sorted(by_number)], "", ""
 
 
 def pick_control(candidates: list[str], image: str) -> str:
@@ -74,6 +116,9 @@ class FolderEntry:
     control_looked: str = ""  # where it was looked for (the failure's detail when none was found)
     mask: str | None = None  # the loss mask's path, when masks are looked for and one was found
     mask_looked: str = ""  # where it was looked for (the failure's detail when none was found)
+    references: tuple[str, ...] | None = None  # the reference images' paths in order, when looked for and found
+    references_missing: str = "missing_reference"  # why `references` is None (missing_reference, ambiguous_reference)
+    references_looked: str = ""  # where they were looked for, or what is amiss with those found (the failure's detail)
 
 
 @dataclass
@@ -176,10 +221,12 @@ def _metadata_path(root: Path, name: str, inside: dict[str, bool], column: str =
 
 
 def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, inside: dict[str, bool],
-                    control_column: str | None, listed: dict | None = None, mask_column: str | None = None) -> FolderEntry:
+                    control_column: str | None, listed: dict | None = None, mask_column: str | None = None,
+                    reference_column: str | None = None) -> FolderEntry:
     """A metadata row as an entry; a row that is not a sample raises _BadRow. With `control_column`, its control
     image is the file that column names, or else the sidecar beside the image (`x.control.png`); with `mask_column`,
-    its loss mask likewise (`x.mask.png`)."""
+    its loss mask likewise (`x.mask.png`); with `reference_column`, its reference images are the file or files that
+    column names, or else the sidecars beside the image (`x.ref.png`, `x.ref0.png`, ...)."""
     name = row.get("file_name")
     if not isinstance(name, str) or not name.strip() or "\x00" in name:
         theirs = [k for k in ("video_path", "image_path") if k in row and "file_name" not in row]
@@ -189,6 +236,10 @@ def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, 
     if is_mask_file(name):
         raise _BadRow("bad_metadata_row", f"file_name {name!r} names a loss mask (x.mask.png), which is never a training "
                       f"image; name the image it belongs to (its mask goes in {MASK_COLUMN} or beside it)", name)
+    if is_reference_file(name):
+        raise _BadRow("bad_metadata_row", f"file_name {name!r} names a reference image (x.ref.png, x.ref0.png...), which "
+                      f"is never a training image; name the target image it belongs to (its references go in "
+                      f"{REFERENCE_COLUMN} or beside it)", name)
     path = _metadata_path(root, name, inside)
     captions = metadata_captions(row.get(caption_column), from_csv)
     if captions is None:
@@ -202,7 +253,59 @@ def _metadata_entry(root: Path, row: dict, caption_column: str, from_csv: bool, 
     if mask_column is not None:
         mask, looked = _metadata_pair(root, row, name, path, mask_column, MASK_SUFFIX, inside, listed)
         entry = replace(entry, mask=mask, mask_looked=looked)
+    if reference_column is not None:
+        entry = _metadata_references(root, row, entry, reference_column, from_csv, inside, listed)
     return entry
+
+
+def _metadata_references(root: Path, row: dict, entry: FolderEntry, column: str, from_csv: bool, inside: dict[str, bool],
+                         listed: dict) -> FolderEntry:
+    """The entry with the reference images of its metadata row: the path or list of paths `column` holds (in a CSV, a
+    cell holding a JSON list is that list), or else the sidecars beside the image."""
+    value, name = row.get(column), entry.source
+    if from_csv and isinstance(value, str) and value.startswith("["):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            raise _BadRow("bad_metadata_row", f"{column} {value!r} is not a path or a JSON list of paths", name) from None
+    paths = [value] if isinstance(value, str) else value
+    if value is not None and not (isinstance(paths, list) and all(isinstance(v, str) and "\x00" not in v for v in paths)):
+        raise _BadRow("bad_metadata_row", f"{column} {value!r} is not a path or a list of paths", name)
+    paths = [v for v in paths or () if v.strip()]
+    if paths:
+        try:
+            found = tuple(_metadata_path(root, v, inside, column) for v in paths)
+        except _BadRow as e:  # the row's input is its image
+            raise _BadRow(e.reason, str(e), name) from None
+        return replace(entry, references=found, references_looked=f"{column} {value!r}")
+    return _sidecar_references(entry, listed, f"no {column} and ")
+
+
+def _sidecar_references(entry: FolderEntry, listed: dict, also: str = "") -> FolderEntry:
+    """The entry with its reference sidecars (`x.ref.png`, or `x.ref0.png`, `x.ref1.png`, ...) from the listing of its
+    folder, in their numbers' order; none or a set that is no sequence leaves `references` None with the reason."""
+    folder, base = os.path.split(os.path.splitext(entry.image)[0])
+    if folder not in listed:
+        try:
+            listed[folder] = {n.lower(): n for n in os.listdir(folder or ".")}
+        except OSError:  # a missing or unreadable folder holds no sidecar; the image's own read reports it
+            listed[folder] = {}
+    prefix = base.lower() + "."
+    numbered = [(n, os.path.join(folder, name)) for key, name in listed[folder].items()
+                if key.startswith(prefix) and os.path.splitext(os.path.splitext(key)[0])[0] == base.lower()
+                and (n := reference_number(name)) is not None]
+    return _with_numbered(entry, numbered, f"{also}no {base}.ref.<image extension> (or {base}.ref0.<image extension>, "
+                                          f"{base}.ref1..., numbered) beside the image", base + ".ref{n}.<image extension>")
+
+
+def _with_numbered(entry: FolderEntry, numbered: list[tuple[int, str]], none: str, what: str) -> FolderEntry:
+    """The entry with the numbered reference files found for it in order (`in_order`), or with why not."""
+    if not numbered:
+        return replace(entry, references=None, references_looked=none)
+    found, reason, detail = in_order(numbered, what)
+    if found is None:
+        return replace(entry, references=None, references_missing=reason, references_looked=detail)
+    return replace(entry, references=tuple(found), references_looked="")
 
 
 def _metadata_pair(root: Path, row: dict, name: str, path: str, column: str, suffix: str, inside: dict[str, bool],
@@ -237,14 +340,15 @@ def _sidecars(stem: str, listed: dict[str, dict[str, str]]) -> list[str]:
 
 
 def _list_metadata(root: Path, path: Path, caption_column: str, control_column: str | None,
-                   mask_column: str | None = None) -> Listing:
+                   mask_column: str | None = None, reference_column: str | None = None) -> Listing:
     text, from_csv = _read_utf8(path), path.suffix == ".csv"
     entries, failures, complete, inside, listed = [], [], True, {}, {}
     for n, row in _csv_rows(text, path) if from_csv else _jsonl_rows(text):
         try:
             if isinstance(row, _BadRow):
                 raise row
-            entries.append(_metadata_entry(root, row, caption_column, from_csv, inside, control_column, listed, mask_column))
+            entries.append(_metadata_entry(root, row, caption_column, from_csv, inside, control_column, listed, mask_column,
+                                           reference_column))
         except _BadRow as e:
             # a row naming no file may be a cached sample's: the listing cannot say it is gone
             complete = complete and e.source is not None
@@ -252,7 +356,7 @@ def _list_metadata(root: Path, path: Path, caption_column: str, control_column: 
     return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
 
 
-def _walk_folder(root: Path, control: bool, mask: bool = False) -> Listing:
+def _walk_folder(root: Path, control: bool, mask: bool = False, references: bool = False) -> Listing:
     entries, failures = [], []
 
     def unlisted(e: OSError) -> None:
@@ -264,14 +368,17 @@ def _walk_folder(root: Path, control: bool, mask: bool = False) -> Listing:
         names = set(filenames)
         controls: dict[str, list[str]] = {}  # image stem -> its control sidecars
         masks: dict[str, list[str]] = {}  # image stem -> its mask sidecars
+        refs: dict[str, list[tuple[int, str]]] = {}  # image stem -> its reference sidecars with their numbers
         for name in filenames:
             if is_control_file(name):
                 controls.setdefault(os.path.splitext(os.path.splitext(name)[0])[0], []).append(name)
             elif is_mask_file(name):
                 masks.setdefault(os.path.splitext(os.path.splitext(name)[0])[0], []).append(name)
+            elif (n := reference_number(name)) is not None:
+                refs.setdefault(os.path.splitext(os.path.splitext(name)[0])[0], []).append((n, str(Path(dirpath) / name)))
         for name in sorted(filenames):
             stem, ext = os.path.splitext(name)
-            if ext.lower() not in INPUT_EXTENSIONS or is_control_file(name) or is_mask_file(name):
+            if ext.lower() not in INPUT_EXTENSIONS or is_control_file(name) or is_mask_file(name) or is_reference_file(name):
                 continue
             path = Path(dirpath) / name
             source = path.relative_to(root).as_posix()
@@ -290,13 +397,17 @@ def _walk_folder(root: Path, control: bool, mask: bool = False) -> Listing:
                 found = pick_control(masks[stem], name) if stem in masks else None
                 entry = replace(entry, mask=str(Path(dirpath) / found) if found else None,
                                 mask_looked=f"no {stem}{MASK_SUFFIX}.<image extension> beside the image")
+            if references:
+                entry = _with_numbered(entry, refs.get(stem, []), f"no {stem}.ref.<image extension> (or {stem}.ref0.<image "
+                                       f"extension>, {stem}.ref1..., numbered) beside the image", stem + ".ref{n}.<image extension>")
             entries.append(entry)
     complete = not any(f["reason"] == "unlisted_directory" for f in failures)
     return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
 
 
 def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN, control: bool = False,
-                control_column: str = CONTROL_COLUMN, mask: bool = False, mask_column: str = MASK_COLUMN) -> Listing:
+                control_column: str = CONTROL_COLUMN, mask: bool = False, mask_column: str = MASK_COLUMN,
+                references: bool = False, reference_column: str = REFERENCE_COLUMN) -> Listing:
     """Every image under `root` with its captions (and control image), and what could not be listed.
 
     With `metadata.jsonl` or `metadata.csv` at the root (columns `file_name` and `caption_column`),
@@ -305,8 +416,11 @@ def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN, c
     With `control`, each entry's control image is the row's `control_column` (a path relative to root, checked
     as `file_name` is) or else the sidecar `x.control.EXT` beside the image (with several, the one of the image's
     extension); an entry without one has `control` None. With `mask`, each entry's loss mask likewise: the row's
-    `mask_column` or else the sidecar `x.mask.EXT` (files named so are never images either). Symlinks to files are followed, symlinks
-    to directories are not; nothing is opened but the metadata file.
+    `mask_column` or else the sidecar `x.mask.EXT` (files named so are never images either). With `references`, each
+    entry's reference images: the row's `reference_column` (a path or a list of paths) or else the sidecars `x.ref.EXT`,
+    or `x.ref0.EXT`, `x.ref1.EXT`, ... in their numbers' order, from 0 or 1 without gaps (`x.ref.EXT` is number 0; two
+    files of one number are `ambiguous_reference`); files named so are never images, with or without `references`.
+    Symlinks to files are followed, symlinks to directories are not; nothing is opened but the metadata file.
 
     Returns:
         A Listing. Bad rows and unreadable or special files are failures; the listing goes on.
@@ -319,8 +433,8 @@ def list_folder(root: str | os.PathLike, caption_column: str = CAPTION_COLUMN, c
     for name in METADATA_FILES:
         if os.path.lexists(root / name):
             return _list_metadata(root, root / name, caption_column, control_column if control else None,
-                                  mask_column if mask else None)
-    return _walk_folder(root, control, mask)
+                                  mask_column if mask else None, reference_column if references else None)
+    return _walk_folder(root, control, mask, references)
 
 
 def with_control_folder(entries: list[FolderEntry], folder: str | os.PathLike) -> list[FolderEntry]:
@@ -343,6 +457,61 @@ def with_mask_folder(entries: list[FolderEntry], folder: str | os.PathLike) -> l
         FileNotFoundError: `folder` is not a directory.
     """
     return [replace(e, mask=found, mask_looked=looked) for e, found, looked in _paired_in_folder(entries, folder)]
+
+
+def with_reference_folder(entries: list[FolderEntry], folders: tuple[str | os.PathLike, ...]) -> list[FolderEntry]:
+    """The entries with their reference images in a reference folder, under the same relative names as the images
+    with any image extension, as `with_control_folder` pairs control images (musubi-tuner's control_directory): with
+    one folder, `DIR/a/x.png` is the one reference of the image `a/x.jpg`, or when there is no such file
+    `DIR/a/x_0.png`, `DIR/a/x_1.png`, ... (from 0 or 1, any zero-padding) are its references in order; with several
+    folders (ai-toolkit's control_path_1, _2, ...), reference i is `a/x.EXT` in the i-th. Sidecars are not looked at;
+    a folder inside the images' folder is not a folder of images (its files are dropped from the entries). Two files
+    for one reference (`x.png` and `x.jpg`) are `ambiguous_reference`.
+
+    Raises:
+        FileNotFoundError: a folder is not a directory.
+    """
+    listed = [_images_by_stem(folder) for folder in folders]
+    within = [os.path.abspath(folder) + os.sep for folder in folders]
+    out = []
+    for e in entries:
+        if any(os.path.abspath(e.image).startswith(w) for w in within):  # a reference folder inside the source's
+            continue
+        stem = os.path.splitext(PurePosixPath(e.source).as_posix())[0]
+        if len(folders) > 1:  # reference i in folder i, by the image's name
+            numbered = [(i, path) for i, found in enumerate(listed) for path in found.get(stem, [])]
+            missing = [i for i, found in enumerate(listed) if stem not in found]
+            if missing:
+                out.append(replace(e, references=None, references_looked=f"no {stem}.<image extension> in {folders[missing[0]]} "
+                                                                          f"(reference {missing[0] + 1} of {len(folders)})"))
+                continue
+            out.append(_with_numbered(e, numbered, "", f"{stem}.<image extension> in reference folder {{n}}"))
+            continue
+        found, folder = listed[0], folders[0]
+        exact = found.get(stem, [])
+        if exact:
+            out.append(_with_numbered(e, [(0, path) for path in exact], "", f"{stem}.<image extension> in {folder}"))
+            continue
+        numbered = [(int(m[2]), path) for key, paths in found.items()
+                    if (m := FOLDER_NUMBER.fullmatch(key)) and m[1] == stem for path in paths]
+        out.append(_with_numbered(e, numbered, f"no {stem}.<image extension> (or {stem}_0.<image extension>, {stem}_1..., "
+                                               f"numbered) in {folder}", f"{stem}_{{n}}.<image extension> in {folder}"))
+    return out
+
+
+def _images_by_stem(folder: str | os.PathLike) -> dict[str, list[str]]:
+    """relative stem -> paths of the image files under `folder` (walked once, names only)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder")
+    found: dict[str, list[str]] = {}
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames.sort()
+        for name in sorted(filenames):
+            stem, ext = os.path.splitext(name)
+            if ext.lower() in IMAGE_EXTENSIONS:
+                found.setdefault((Path(dirpath) / stem).relative_to(folder).as_posix(), []).append(str(Path(dirpath) / name))
+    return found
 
 
 def _paired_in_folder(entries: list[FolderEntry], folder: str | os.PathLike) -> list[tuple[FolderEntry, str | None, str]]:
@@ -372,9 +541,10 @@ def entry_stamp(entry: FolderEntry) -> int:
     """What an incremental run compares instead of reading an entry's files.
 
     A 63-bit blake2b digest of (size, mtime_ns) of the image and of each sidecar caption file, and of the
-    metadata captions, and of the control image and the loss mask (each: its path relative to the image's folder, size
-    and mtime; one that cannot be stat'ed stamps as absent, and reading the entry says why); `os.stat` only,
-    nothing is opened. Never 0, which stands for "unknown".
+    metadata captions, and of the control image, the loss mask and each reference image (each: its path relative to
+    the image's folder, size and mtime; one that cannot be stat'ed stamps as absent, and reading the entry says why),
+    so editing any of them makes the entry changed; `os.stat` only, nothing is opened. Never 0, which stands for
+    "unknown".
 
     Raises:
         OSError: the image or a caption file cannot be stat'ed, or is not a regular file (SpecialFileError).
@@ -386,7 +556,9 @@ def entry_stamp(entry: FolderEntry) -> int:
     for c in entry.captions or ():
         text = c.encode("utf-8", "surrogatepass")
         h.update(len(text).to_bytes(8, "big") + text)
-    for kind, path in (("control", entry.control), ("mask", entry.mask)):
+    companions = [("control", entry.control), ("mask", entry.mask)]
+    companions += [(f"reference{i}", path) for i, path in enumerate(entry.references or ())]
+    for kind, path in companions:
         if path is None:
             continue
         try:
@@ -405,9 +577,9 @@ def is_video_name(path: str) -> bool:
 
 
 def read_folder_entry(entry: FolderEntry) -> Record:
-    """An entry's image bytes, raw captions, control image and loss mask; a file that cannot be read makes a Record with
-    its reason (a control image: `missing_control` or `unreadable_control`, a mask `missing_mask` or `unreadable_mask`,
-    left for `prepare` to report)."""
+    """An entry's image bytes, raw captions, control image, loss mask and reference images; a file that cannot be read
+    makes a Record with its reason (a control image: `missing_control` or `unreadable_control`, a mask `missing_mask` or
+    `unreadable_mask`, a reference `missing_reference` or `unreadable_reference`, left for `prepare` to report)."""
     try:
         image = read_regular(entry.image)
         captions = list(entry.captions) if entry.captions is not None else [read_regular(p) for p in entry.caption_files]
@@ -422,6 +594,14 @@ def read_folder_entry(entry: FolderEntry) -> Record:
             except OSError as e:  # kept as the reason the sample is skipped (missing_mask, unreadable_control, ...)
                 setattr(record, f"{kind}_missing", f"{'missing' if isinstance(e, FileNotFoundError) else 'unreadable'}_{kind}")
                 setattr(record, f"{kind}_detail", f"{type(e).__name__}: {e}")
+    record.references_missing, record.references_detail = entry.references_missing, entry.references_looked
+    if entry.references is not None:
+        record.reference_names = [os.path.relpath(p, os.path.dirname(entry.image)) for p in entry.references]
+        try:
+            record.references = [read_regular(p) for p in entry.references]
+        except OSError as e:
+            record.references_missing = f"{'missing' if isinstance(e, FileNotFoundError) else 'unreadable'}_reference"
+            record.references_detail = f"{type(e).__name__}: {e}"
     return record
 
 

@@ -1,7 +1,8 @@
 """A Hugging Face dataset on disk as inputs: a `save_to_disk` directory (one dataset, or a DatasetDict and a
 split of it) or parquet files (one file, a glob, or a folder of them as the Hub stores a dataset), with an image
 column and a caption column, for ControlNet caches a control image column (`control_image`, in the image
-column's forms), and for masked training a loss mask column (`mask`, in the image column's forms).
+column's forms), for masked training a loss mask column (`mask`, in the image column's forms), and for an edit model
+a reference image column (`reference_image`: an image in those forms, or a list of them, in order).
 
 Read with pyarrow, one parquet row group or Arrow record batch at a time, rather than through `datasets`:
 `load_dataset("parquet", ...)` first copies every image into its Arrow cache (a second copy of the dataset on
@@ -31,6 +32,7 @@ from precompute.paths import OutsideRoot, confined, names_under, os_reason, read
 
 CONTROL_COLUMN = "control_image"  # the control image column of a ControlNet dataset (diffusers' training scripts' name)
 MASK_COLUMN = "mask"  # the loss mask column of a dataset for masked training
+REFERENCE_COLUMN = "reference_image"  # an edit dataset's reference images: an image or a list of them per row
 VIDEO_COLUMN = "video"  # a video dataset's column of videos (the `Video` feature's {bytes, path}, bytes or a path)
 
 
@@ -60,6 +62,7 @@ class HFListing:
     caption_column: str
     control_column: str | None = None  # read only for ControlNet caches
     mask_column: str | None = None  # read only for sources with loss masks
+    reference_column: str | None = None  # read only for sources with reference images
     unreadable: dict[int, str] = field(default_factory=dict)  # file -> why its header or footer could not be read
 
     @property
@@ -74,9 +77,9 @@ class HFListing:
 
 def list_hf(data: str, split: str = "train", image_column: str = "image", caption_column: str = "text",
             control_column: str | None = None, mask_column: str | None = None, video_column: str | None = None,
-            video: bool = False) -> HFListing:
-    """The rows of DATA's split, in parts, after checking that every file has the columns (the control and mask
-    columns too, when given) and that the image columns hold images. Only file headers and parquet footers are read. A
+            video: bool = False, reference_column: str | None = None) -> HFListing:
+    """The rows of DATA's split, in parts, after checking that every file has the columns (the control, mask and
+    reference columns too, when given) and that the image columns hold images. Only file headers and parquet footers are read. A
     file whose header or footer cannot be read (corrupt, empty) is listed as unreadable, with one part of no rows:
     its reader reports it, and the other files are read.
 
@@ -112,8 +115,11 @@ def list_hf(data: str, split: str = "train", image_column: str = "image", captio
             check_column(schema, control_column, "control", path)
         if mask_column is not None:
             check_column(schema, mask_column, "mask", path)
+        if reference_column is not None:
+            check_column(schema, reference_column, "reference", path)
         parts += found
-    return HFListing(root, files, parts, image_column, caption_column, control_column, mask_column, unreadable)
+    return HFListing(root, files, parts, image_column, caption_column, control_column, mask_column, reference_column,
+                     unreadable)
 
 
 def _file_stamp(path: str) -> bytes:
@@ -122,9 +128,9 @@ def _file_stamp(path: str) -> bytes:
 
 
 def row_stamp(file_stamp: bytes, row: int, referenced: str | None = None, control: str | None = None,
-              mask: str | None = None) -> int:
+              mask: str | None = None, references: list[str] = ()) -> int:
     """A row's stamp: its file's size and mtime and the row's number, and those of the image file (and control
-    image file, and loss mask file) a row names by path instead of holding its bytes. Never 0."""
+    image file, loss mask file and reference image files) a row names by path instead of holding its bytes. Never 0."""
     h = hashlib.blake2b(file_stamp + row.to_bytes(8, "big"), digest_size=8)
     if referenced is not None:
         h.update(_file_stamp(referenced))
@@ -132,6 +138,8 @@ def row_stamp(file_stamp: bytes, row: int, referenced: str | None = None, contro
         h.update(b"control\0" + _file_stamp(control))
     if mask is not None:
         h.update(b"mask\0" + _file_stamp(mask))
+    for i, path in enumerate(references):
+        h.update(b"reference%d\0" % i + _file_stamp(path))
     return int.from_bytes(h.digest(), "big") >> 1 or 1
 
 
@@ -194,7 +202,8 @@ class HFDataset(torch.utils.data.IterableDataset):
         self.known, self.only = known or {}, only
         self._sorted: list[str] | None = None
         self._inside: dict[str, bool] = {}  # directory -> inside the dataset's folder (resolved once each)
-        columns = [listing.image_column, listing.caption_column] + [c for c in (listing.control_column, listing.mask_column) if c]
+        columns = [listing.image_column, listing.caption_column]
+        columns += [c for c in (listing.control_column, listing.mask_column, listing.reference_column) if c]
         self._reader = PartReader(columns)
 
     def __len__(self) -> int:
@@ -247,11 +256,14 @@ class HFDataset(torch.utils.data.IterableDataset):
         captions = table.column(self.listing.caption_column)
         controls = table.column(self.listing.control_column) if self.listing.control_column else None
         masks = table.column(self.listing.mask_column) if self.listing.mask_column else None
+        references = table.column(self.listing.reference_column) if self.listing.reference_column else None
         for j, (n, want) in enumerate(zip(names, wanted)):
             if want:
                 control = controls[j].as_py() if controls is not None else None
                 mask = masks[j].as_py() if masks is not None else None
-                yield from self._row(n, images[j].as_py(), captions[j].as_py(), stamp, part.start + j, self.known.get(n), control, mask)
+                refs = references[j].as_py() if references is not None else None
+                yield from self._row(n, images[j].as_py(), captions[j].as_py(), stamp, part.start + j, self.known.get(n),
+                                     control, mask, refs)
 
     def _companion(self, cell, column: str | None) -> tuple[bytes | None, str | None, OSError | None]:
         """A control image's or loss mask's bytes and path from its column's cell (nothing when no such column is read).
@@ -264,13 +276,39 @@ class HFDataset(torch.utils.data.IterableDataset):
             return None, None, e
         return data, path, None
 
-    def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None, mask_cell=None):
+    def _references(self, cell) -> tuple[list[bytes] | None, list[str], list[str], OSError | None]:
+        """A reference cell's images (one image, or a list of them) as (their bytes, the paths read, their names for
+        messages, the error reading a path); (None, ...) for an empty cell or list, or when no such column is read.
+        A bad cell raises `BadCell`."""
+        column = self.listing.reference_column
+        if not column or cell is None:
+            return None, [], [], None
+        cells = cell if isinstance(cell, list) else [cell]
+        found, paths, names = [], [], []
+        for i, one in enumerate(cells):
+            try:
+                data, path = _image_of(one, self.listing.root, column, self._inside)
+            except OSError as e:
+                return None, [], [], e
+            if data is None:
+                if len(cells) > 1:  # one empty image among several: the row's references are not what it says
+                    raise BadCell("missing_reference", f"column {column!r}: reference {i + 1} of {len(cells)} is empty")
+                return None, [], [], None
+            found.append(data)
+            names.append(os.path.relpath(path, self.listing.root) if path else f"{column}[{i}]")
+            if path:
+                paths.append(path)
+        return found or None, paths, names, None
+
+    def _row(self, name: str, image, caption, file_stamp: bytes, row: int, known, control_cell=None, mask_cell=None,
+             reference_cell=None):
         """A row's items: its sample (each of its clips, in a video model's cache), unchanged or prepared, or its failure."""
         clips = self.policy.clip is not None
         try:
             data, referenced = _image_of(image, self.listing.root, self.listing.image_column, self._inside)
             control, control_path, control_error = self._companion(control_cell, self.listing.control_column)
             mask, mask_path, mask_error = self._companion(mask_cell, self.listing.mask_column)
+            references, reference_paths, reference_names, reference_error = self._references(reference_cell)
         except BadCell as e:
             yield {"status": "failed", "source": name, "reason": e.reason, "detail": str(e), "stamp": 0}
             return
@@ -278,7 +316,7 @@ class HFDataset(torch.utils.data.IterableDataset):
             yield {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
             return
         try:
-            stamp = row_stamp(file_stamp, row, referenced, control_path, mask_path)
+            stamp = row_stamp(file_stamp, row, referenced, control_path, mask_path, reference_paths)
         except OSError as e:
             yield {"status": "failed", "source": name, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
             return
@@ -304,6 +342,12 @@ class HFDataset(torch.utils.data.IterableDataset):
         if mask_error is not None:  # a loss mask named by a path that cannot be read
             record.mask_missing = "missing_mask" if isinstance(mask_error, FileNotFoundError) else "unreadable_mask"
             record.mask_detail = f"{type(mask_error).__name__}: {mask_error}"
+        record.references, record.reference_names = references, reference_names
+        record.references_detail = f"column {self.listing.reference_column!r} is empty in this row"
+        if reference_error is not None:  # a reference named by a path that cannot be read
+            missing = isinstance(reference_error, FileNotFoundError)
+            record.references_missing = "missing_reference" if missing else "unreadable_reference"
+            record.references_detail = f"{type(reference_error).__name__}: {reference_error}"
         if clips:
             yield from prepare_clips(record, self.policy, self.skip_keys, stamp, known)
         else:

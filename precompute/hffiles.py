@@ -136,8 +136,8 @@ def schema_and_parts(path: str, kind: str, file: int) -> tuple[object, list[Part
 
 
 def check_column(schema, column: str, role: str, file: str) -> None:
-    """Refuse a file without `column`, or whose image column (`role` "image" or "control") holds no images, naming
-    the file and the fix."""
+    """Refuse a file without `column`, or whose image column (`role` "image", "control", "mask" or "video"; a
+    "reference" column may also hold a list of images per row) holds no images, naming the file and the fix."""
     if column not in schema.names:
         close = difflib.get_close_matches(column, schema.names, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -147,15 +147,19 @@ def check_column(schema, column: str, role: str, file: str) -> None:
         return
     pa = load_pyarrow()
     kind = schema.field(column).type
+    listed = role == "reference" and (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind))
+    if listed:  # a row's several reference images
+        kind = kind.value_type
     if pa.types.is_struct(kind):
         fits = any(kind.field(i).name in ("bytes", "path") for i in range(kind.num_fields))
     else:
         fits = any(is_kind(kind) for is_kind in (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_fixed_size_binary,
                                                  pa.types.is_string, pa.types.is_large_string, pa.types.is_null))
     if not fits:
-        raise ValueError(f"{file}: the {role} column {column!r} is of type {kind}; an image column holds an image's bytes "
-                         f"(binary), its path (string) or an Image feature's struct {{bytes, path}}: set {role}_column = "
-                         f"\"...\" in the dataset file to the column of the images")
+        several = " (or, a reference column, a list of them)" if role == "reference" else ""
+        raise ValueError(f"{file}: the {role} column {column!r} is of type {schema.field(column).type}; an image column "
+                         f"holds an image's bytes (binary), its path (string) or an Image feature's struct {{bytes, path}}"
+                         f"{several}: set {role}_column = \"...\" in the dataset file to the column of the images")
 
 
 class PartReader:

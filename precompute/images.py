@@ -1,6 +1,7 @@
 """How an input becomes a sample: captions decoded, the image decoded, bucketed, resized and cropped
 deterministically (its control image, for ControlNet caches, and its loss mask, for masked training, given the same
-resize and crop), and the sample's content key.
+resize and crop; an edit sample's reference images prepared as the model family's pipeline prepares them), and the
+sample's content key.
 
 `prepare` turns a `Record` (an input's bytes, from a folder or a tar) into a prepared sample or a failure
 with a named reason (`precompute.inputs.REASONS`); nothing raises for bad data.
@@ -12,6 +13,7 @@ import hashlib
 import io
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +22,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from precompute.captions import TagOptions, caption_variants
 from shards import Bucket, aspect_error, nearest_bucket
+from shards.references import references_digest
 
 PREPROCESSING_VERSION = 1  # bump when anything below changes the pixels or captions produced
 
@@ -53,6 +56,14 @@ class ImagePolicy:
         mask: the source's samples carry a loss mask, resized and cropped as the image is: "file", a grayscale image
             of the image's size (`Record.mask`; an image without one is skipped), or "alpha", the image's own alpha
             channel (an image without one is skipped); "" for none. Its bytes (or the alpha marker) join the key.
+        references: the source's samples pair with reference images (`Record.references`, an edit model's inputs); a
+            sample without them is skipped. Their bytes join the key.
+        max_references: the preset's most reference images per sample (`Preset.references`); 0: not an edit preset.
+            In an edit preset's cache every prepared sample has `reference_pixels` (empty for a source without
+            references).
+        prepare_reference: the family's `prepare_reference` bound to the preset: (PIL RGB image, index, count) ->
+            the dict of a prepared reference (`pixels`, and `text_pixels` where the text encoder sees references).
+            Runs in the loader's workers (they fork: nothing is pickled).
     """
 
     buckets: tuple[Bucket, ...]
@@ -69,6 +80,9 @@ class ImagePolicy:
     mask: str = ""
     resolution: int = 0
     clip: object | None = None
+    references: bool = False
+    max_references: int = 0
+    prepare_reference: Callable[..., dict] | None = None
 
     def fingerprint(self) -> dict:
         """The fingerprint's `buckets` part; a video family's cache adds its clips' (`clips_fingerprint`)."""
@@ -111,6 +125,16 @@ class Record:
     mask_missing: str = "missing_mask"  # why `mask` is None: missing_mask or unreadable_mask
     mask_detail: str = ""  # what went wrong, or where the mask was looked for
     video: bool = False  # named as a video (its file's or tar member's suffix): `image` holds the video's bytes
+    references: list[bytes] | None = None  # an edit sample's reference images' bytes, in order; None: none found or read
+    references_missing: str = "missing_reference"  # why `references` is None: a REFERENCE_REASONS reason
+    references_detail: str = ""  # what went wrong, or where the references were looked for
+    reference_names: list[str] = field(default_factory=list)  # where each reference came from, for messages
+
+
+# Why an edit sample is skipped for its references (precompute.inputs.REASONS says what each means).
+REFERENCE_REASONS = ("missing_reference", "unreadable_reference", "corrupt_reference", "too_many_references")
+# Marks the references' part of a key (content and latent keys); a sample without references has none.
+REFERENCES_MARKER = b"\x00\x00references\x00"
 
 
 # A control image may differ in size from its image, not in shape: their aspect ratios agree within this fraction.
@@ -146,12 +170,13 @@ def video_refused() -> str:
 
 
 def content_key(image, captions: list[str], flip: bool = False, control: bytes | None = None,
-                mask: bytes | None = None, alpha_mask: bool = False, resolution: int = 0) -> str:
+                mask: bytes | None = None, alpha_mask: bool = False, resolution: int = 0,
+                references: list[bytes] | None = None) -> str:
     """A sample's key: sha256 of the image bytes and every caption, whether its flipped view is cached too, the
     control image's bytes when it has one, its loss mask: the mask image's bytes, or that it is the image's alpha
     channel, and the resolution it is cached at unless that is the base one (0) (a caption never holds NUL, so the
-    markers cannot be a caption). A sample without control image or mask at the base resolution has the key it had
-    before any of them existed. `image`: the bytes, or a sha256 object that has hashed them (not changed here)."""
+    markers cannot be a caption) and, for an edit sample, its reference images' bytes in order. A sample without
+    control image, mask or references at the base resolution has the key it had before any of them existed. `image`: the bytes, or a sha256 object that has hashed them (not changed here)."""
     h = hashlib.sha256(image) if isinstance(image, (bytes, bytearray, memoryview)) else image.copy()
     for c in captions:
         h.update(b"\x00" + c.encode("utf-8"))
@@ -165,19 +190,24 @@ def content_key(image, captions: list[str], flip: bool = False, control: bytes |
         h.update(MASK_MARKER + b"alpha")
     if resolution:
         h.update(b"\x00\x00resolution\x00%d" % resolution)
+    if references:
+        h.update(REFERENCES_MARKER + references_digest(references))
     return h.hexdigest()
 
 
-def latent_key(image: bytes, flip: bool = False, control: bytes | None = None, resolution: int = 0) -> bytes:
+def latent_key(image: bytes, flip: bool = False, control: bytes | None = None, resolution: int = 0,
+               references: list[bytes] | None = None) -> bytes:
     """What a sample's latent fields are computed from besides the cache's fingerprint: blake2b-128 of the image's
-    bytes, whether its flipped view is cached, its control image's bytes and the resolution whose table buckets it
-    unless that is the base one (`shards.LATENT_KEY`)."""
+    bytes, whether its flipped view is cached, its control image's bytes, the resolution whose table buckets it
+    unless that is the base one, and an edit sample's reference images' bytes (`shards.LATENT_KEY`)."""
     h = hashlib.blake2b(image, digest_size=16)
     h.update(b"\x00flip" if flip else b"\x00")
     if control is not None:
         h.update(b"\x00control\x00" + hashlib.sha256(control).digest())
     if resolution:
         h.update(b"\x00resolution\x00%d" % resolution)
+    if references:
+        h.update(REFERENCES_MARKER + references_digest(references))
     return h.digest()
 
 
@@ -316,7 +346,10 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         `policy.control` `control_pixels` (3, H, W) uint8 (the control image resized and cropped as the image),
         with `policy.mask` `mask_pixels` (1, H, W) uint8 (the loss mask, resized and cropped as the image), `latent_key`
         (`latent_key`'s bytes) and, when a caption was not UTF-8, `caption_fallback` (the encoding it was read in, "cp1252" or
-        "latin-1"); "unchanged" adds `key`; "failed" adds `reason` and `detail`.
+        "latin-1"); with `policy.max_references` (an edit preset's cache) `reference_pixels`, the list (in reference
+        order) of what `policy.prepare_reference` made of each reference (empty for a source without references),
+        and for a sample with references `reference_digest` (`shards.references.references_digest` of their bytes);
+        "unchanged" adds `key`; "failed" adds `reason` and `detail`.
     """
     def failed(reason: str, detail: str = "") -> dict:
         return {"status": "failed", "source": record.source, "reason": reason, "detail": detail}
@@ -340,12 +373,22 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         return failed(record.mask_missing, record.mask_detail)
     if policy.mask == "file" and not record.mask:
         return failed("corrupt_mask", "zero-byte mask")
+    references = record.references if policy.references else None
+    if policy.references:
+        if not references:  # none found (an empty list of them too)
+            return failed(record.references_missing, record.references_detail)
+        if len(references) > policy.max_references:
+            return failed("too_many_references", f"{len(references)} reference images ({', '.join(record.reference_names)}), "
+                                                 f"more than the {policy.max_references} the model takes")
+        if not all(references):
+            i = next(i for i, r in enumerate(references) if not r)
+            return failed("corrupt_reference", f"{reference_name(record, i)}: zero-byte file")
     # the image's bytes seed the variants: the same input gives the same captions, hence the same key, on every run
     image_hash = hashlib.sha256(record.image)
     captions = caption_variants(captions, policy.tags, policy.caption_prefix, image_hash.digest())
     key = content_key(image_hash, captions, policy.flip, record.control if policy.control else None,
                       record.mask if policy.mask == "file" else None, alpha_mask=policy.mask == "alpha",
-                      resolution=policy.resolution)
+                      resolution=policy.resolution, references=references)
     if key in skip_keys:
         return {"status": "unchanged", "source": record.source, "key": key}
     mask = None
@@ -370,6 +413,12 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         control, reason, detail = decode_image(record.control, policy.max_pixels)
         if control is None:
             return failed("corrupt_control", f"control image: {reason}: {detail}")
+    prepared = []  # each reference as the family's pipeline prepares an image it is given
+    for i, data in enumerate(references or ()):
+        ref, reason, detail = decode_image(data, policy.max_pixels)
+        if ref is None:
+            return failed("corrupt_reference", f"{reference_name(record, i)}: {reason}: {detail}")
+        prepared.append(policy.prepare_reference(ref, i, len(references)))
 
     h, w = img.height, img.width
     bucket, reason, detail = choose_bucket(h, w, policy)
@@ -399,9 +448,19 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         "crop": (top, left, bucket.height, bucket.width),
         **({"control_pixels": control} if control is not None else {}),
         **({"mask_pixels": mask} if mask is not None else {}),
-        "latent_key": latent_key(record.image, policy.flip, record.control if policy.control else None, policy.resolution),
+        "latent_key": latent_key(record.image, policy.flip, record.control if policy.control else None, policy.resolution,
+                                 references),
+        **({"reference_pixels": prepared} if policy.max_references else {}),
+        **({"reference_digest": references_digest(references)} if references else {}),
         **({"caption_fallback": fallback} if fallback else {}),
     }
+
+
+def reference_name(record: Record, index: int) -> str:
+    """How a message names reference `index` of a record: its file or member when known."""
+    count = len(record.references or ())
+    where = f" ({record.reference_names[index]})" if index < len(record.reference_names) else ""
+    return f"reference {index + 1} of {count}{where}"
 
 
 def choose_bucket(h: int, w: int, policy: ImagePolicy) -> tuple[Bucket | None, str | None, str]:

@@ -17,9 +17,19 @@ import torch
 from precompute.clip_options import clip_policy
 from precompute.config import PrecomputeConfig
 from precompute.distributed import die_with_parent
-from precompute.folders import CONTROL_COLUMN, MASK_COLUMN, FolderDataset, list_folder, with_control_folder, with_mask_folder
+from precompute.folders import (
+    CONTROL_COLUMN,
+    MASK_COLUMN,
+    REFERENCE_COLUMN,
+    FolderDataset,
+    list_folder,
+    with_control_folder,
+    with_mask_folder,
+    with_reference_folder,
+)
 from precompute.hfdata import CONTROL_COLUMN as HF_CONTROL_COLUMN
 from precompute.hfdata import MASK_COLUMN as HF_MASK_COLUMN
+from precompute.hfdata import REFERENCE_COLUMN as HF_REFERENCE_COLUMN
 from precompute.hfdata import HFDataset, is_hf_dataset, list_hf
 from precompute.images import ImagePolicy
 from precompute.sources import Source
@@ -57,6 +67,12 @@ REASONS = {
     "unreadable_mask": "masks: the loss mask could not be read (permission, I/O error, special file)",
     "corrupt_mask": "masks: the loss mask is not a decodable image",
     "mask_size": "masks: the loss mask's size differs from the image's",
+    "missing_reference": "references: no reference image found for the image (or a numbered one missing between others)",
+    "unreadable_reference": "references: a reference image could not be read (permission, I/O error, special file)",
+    "corrupt_reference": "references: a reference image is not a decodable image (or is over --max-pixels)",
+    "too_many_references": "references: more reference images than the model takes (the detail says how many it takes)",
+    "ambiguous_reference": "references: two files for one reference (x.ref.png and x.ref0.png, or one name in two "
+                           "image extensions); keep one",
     "video_input": "a video given to a model that takes images (the detail names the presets that take video)",
 }
 REASONS.update({reason: text for reason, text in VIDEO_REASONS.items() if reason not in REASONS})
@@ -86,7 +102,8 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     """
     data = source.path
     policy = replace(policy, caption_prefix=source.caption_prefix, default_caption=source.default_caption, flip=source.flip,
-                     tags=source.tags(), mask=source.mask_mode, clip=clip_policy(config, source))
+                     tags=source.tags(), mask=source.mask_mode, clip=clip_policy(config, source),
+                     references=source.takes_references)
     tar = is_tar_source(data)
     hf = not tar and is_hf_dataset(data)
     in_tar = "a tar sample holds its control image as its KEY.control.png member"
@@ -105,6 +122,15 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     if source.mask_column is not None and tar:
         raise ValueError(f"source {source.name!r}: mask_column names a column of a Hugging Face dataset or of a folder's "
                          f"metadata file; {mask_in_tar}: remove mask_column from the dataset file and set masks = true")
+    ref_in_tar = "a tar sample holds its reference images as its KEY.ref.png (or KEY.ref0.png, KEY.ref1.png, ...) members"
+    if source.reference_folder is not None and (tar or hf):
+        instead = ref_in_tar if tar else "a Hugging Face dataset holds its reference images in a column (reference_column)"
+        raise ValueError(f"source {source.name!r}: reference_folder pairs a folder's images with folders of reference "
+                         f"images by name; {instead}: remove reference_folder from the dataset file and set references = true")
+    if source.reference_column is not None and tar:
+        raise ValueError(f"source {source.name!r}: reference_column names a column of a Hugging Face dataset or of a "
+                         f"folder's metadata file; {ref_in_tar}: remove reference_column from the dataset file and set "
+                         f"references = true")
     files = source.mask_mode == "file"  # masks in files of their own (not the alpha channel)
     if tar:
         urls = expand_tar_urls(data, config.allow_pipe)
@@ -114,7 +140,8 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     if hf:
         listing = list_hf(data, source.split, source.image_column, source.caption_column or config.caption_column,
                           (source.control_column or HF_CONTROL_COLUMN) if config.control else None,
-                          (source.mask_column or HF_MASK_COLUMN) if files else None, source.video_column, config.video)
+                          (source.mask_column or HF_MASK_COLUMN) if files else None, source.video_column, config.video,
+                          (source.reference_column or HF_REFERENCE_COLUMN) if source.takes_references else None)
         parts = listing.parts[rank::world]
         if only is not None:
             parts = [p for p in parts if not only.isdisjoint(listing.names(p))]
@@ -123,7 +150,8 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     if not Path(data).is_dir():
         raise FileNotFoundError(f"{where(source)}={data} is neither a folder of images, webdataset tars nor a Hugging Face dataset on disk")
     listing = list_folder(data, source.caption_column or config.caption_column, config.control and source.control is None,
-                          source.control_column or CONTROL_COLUMN, files and source.mask is None, source.mask_column or MASK_COLUMN)
+                          source.control_column or CONTROL_COLUMN, files and source.mask is None, source.mask_column or MASK_COLUMN,
+                          source.takes_references and source.reference_folder is None, source.reference_column or REFERENCE_COLUMN)
     entries = listing.entries if only is None else [e for e in listing.entries if e.source in only]
     if config.control and source.control is not None:
         try:
@@ -135,6 +163,11 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
             entries = with_mask_folder(entries, source.mask)
         except FileNotFoundError:
             raise FileNotFoundError(f"source {source.name!r}: mask = {source.mask} is not a folder") from None
+    if source.reference_folder is not None:
+        try:
+            entries = with_reference_folder(entries, source.reference_folder)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"source {source.name!r}: reference_folder: {e}") from None
     mine = entries[rank::world]
     return Inputs(FolderDataset(mine, policy, keys, known), len(mine), len(entries), listing.complete,
                   failures=listing.failures[rank::world], workers=config.workers)
@@ -178,10 +211,14 @@ def unsalted(known: dict[str, tuple[str, int]], source: Source) -> dict[str, tup
 
 
 def pixels_as_array(item: dict) -> dict:
-    """A worker's item with its pixels (and control pixels) as numpy arrays: sent through the pipe in one copy. A tensor goes
-    through shared memory instead (a file, a descriptor passed over a socket and a mapping per image),
-    which costs the receiving process more than the copy for the image sizes a CPU encodes."""
-    return {**item, **{name: item[name].numpy() for name in ("pixels", "control_pixels", "mask_pixels") if name in item}}
+    """A worker's item with its pixels (control, mask pixels, and each prepared reference's tensors) as numpy arrays: sent
+    through the pipe in one copy. A tensor goes through shared memory instead (a file, a descriptor passed over a socket
+    and a mapping per image), which costs the receiving process more than the copy for the image sizes a CPU encodes."""
+    out = {**item, **{name: item[name].numpy() for name in ("pixels", "control_pixels", "mask_pixels") if name in item}}
+    if item.get("reference_pixels"):
+        out["reference_pixels"] = [{k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in ref.items()}
+                                   for ref in item["reference_pixels"]]
+    return out
 
 
 def build_loader(dataset: torch.utils.data.Dataset, workers: int, device: torch.device) -> torch.utils.data.DataLoader:

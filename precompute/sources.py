@@ -23,6 +23,11 @@ frame_buckets = [1, 17, 33, 49]  # the clip lengths (default: --frame-buckets, c
 control = "/data/photos-canny"   # /data/photos-canny/a/x.png is the control image of /data/photos/a/x.jpg
 masks = true               # cache a loss mask per image (x.mask.png beside x.jpg; masked training's --masked-loss)
 mask = "/data/photos-masks"      # or where the masks are: /data/photos-masks/a/x.png is the mask of a/x.jpg
+# an edit model's (--references): each target image pairs with reference images (x.ref.png / x.ref0.png, x.ref1.png
+# beside x.jpg, a metadata row's reference_file_name, a tar sample's KEY.ref.png, a dataset's reference_image column)
+references = true
+reference_folder = "/data/photos-before"  # or where they are: /data/photos-before/a/x.png (or x_0.png, x_1.png, ...)
+# reference_folder = ["/data/before-1", "/data/before-2"]  # or one folder per reference: reference i in folder i
 
 [[source]]                 # DreamBooth's class (regularisation) images, as kohya's is_reg
 path = "/data/dogs"
@@ -35,7 +40,8 @@ prior_loss_weight = 1.0    # default 1.0; stage two's --prior-loss-weight overri
 before it in place instead of `keep_tokens` (`precompute.captions` says how variants are made).
 
 `control_column` names the control image column of a Hugging Face dataset (default `control_image`) or of a
-folder's metadata.jsonl/.csv (default `control_file_name`).
+folder's metadata.jsonl/.csv (default `control_file_name`); `reference_column` likewise names the reference images'
+column (default `reference_image`, and `reference_file_name` in a metadata file).
 
 Every source is a named dataset of the cache: a run touches only the sources it lists (new / changed /
 removed count within each), and training draws each by its repeats or weight, recorded in the manifest.
@@ -97,6 +103,16 @@ class Source:
         mask_column: the loss mask column of a Hugging Face dataset (default `mask`) or of a folder's
             metadata.jsonl/.csv (default `mask_file_name`); implies `masks`.
         alpha_mask: every image's loss mask is its own alpha channel; implies `masks`.
+        references: an edit model's: every image (the edit's target) pairs with 1..N reference images, found as
+            `precompute.folders` says (sidecars `x.ref.png` or `x.ref0.png`, `x.ref1.png`, ...; a metadata row's
+            `reference_file_name`; a tar sample's `KEY.ref.png` / `KEY.ref0.png`...; a Hugging Face dataset's
+            `reference_image` column); an image without them is skipped (`missing_reference`).
+        reference_folder: where a folder source's references are instead of sidecars: one folder, holding
+            `DIR/a/x.png` (any image extension) for `a/x.jpg`, or several for it as `DIR/a/x_0.png`, `x_1.png`, ...;
+            or a list of folders, reference i of `a/x.jpg` being `a/x.EXT` in the i-th. Implies `references`.
+        reference_column: the reference images' column of a Hugging Face dataset (default `reference_image`) or of a
+            folder's metadata.jsonl/.csv (default `reference_file_name`): an image or a list of them, a path or a
+            list of paths. Implies `references`.
         resolution: the resolutions its images are cached at, each on its own bucket table (None: the run's).
         video_column: a video model's input column of a Hugging Face dataset (default: `video` where the dataset has
             one, else `image_column`).
@@ -130,6 +146,9 @@ class Source:
     mask: str | None = None
     mask_column: str | None = None
     alpha_mask: bool = False
+    references: bool = False
+    reference_folder: tuple[str, ...] | None = None
+    reference_column: str | None = None
     resolution: tuple[int, ...] | None = None
     video_column: str | None = None
     clip_extraction: str | None = None
@@ -159,12 +178,18 @@ class Source:
             return "alpha"
         return "file" if self.masks or self.mask is not None or self.mask_column is not None else ""
 
+    @property
+    def takes_references(self) -> bool:
+        """The source's images pair with reference images (`references`, or a `reference_folder` / `reference_column`,
+        which imply it)."""
+        return self.references or self.reference_folder is not None or self.reference_column is not None
+
     def salt(self) -> int:
         """Mixed into every input stamp of the source (0: nothing to mix), so that editing its caption options
-        (variants included), `flip`, where its control images are or its masks makes an incremental run read its
-        inputs again instead of calling them unchanged."""
+        (variants included), `flip`, where its control images are, its masks or its reference images makes an
+        incremental run read its inputs again instead of calling them unchanged."""
         if not (self.caption_prefix or self.default_caption is not None or self.flip or self.control or self.control_column
-                or self.tags() is not None or self.mask_mode or self.clip_extraction is not None):
+                or self.tags() is not None or self.mask_mode or self.clip_extraction is not None or self.takes_references):
             return 0
         text = f"{self.caption_prefix}\0{self.default_caption}\0{self.flip}"
         if self.control or self.control_column:  # absent from the text otherwise: the salts of older caches stay
@@ -175,6 +200,8 @@ class Source:
             text += f"\0mask\0{self.mask_mode}\0{self.mask}\0{self.mask_column}"
         if self.clip_extraction is not None:  # a video model's source: which clips its videos are cut into
             text += f"\0clips\0{self.clip_extraction}\0{self.clips}\0{self.frame_buckets}\0{self.video_column}"
+        if self.takes_references:  # likewise: where its reference images are found
+            text += f"\0references\0{self.reference_folder}\0{self.reference_column}"
         return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big") >> 1 or 1
 
     def record(self) -> dict:
@@ -184,7 +211,10 @@ class Source:
                                       ("flip", self.flip), ("control", self.control),
                                       ("control_column", self.control_column), ("eval", self.eval),
                                       ("masks", bool(self.mask_mode)), ("mask", self.mask), ("mask_column", self.mask_column),
-                                      ("alpha_mask", self.alpha_mask)) if v}
+                                      ("alpha_mask", self.alpha_mask), ("references", self.takes_references),
+                                      ("reference_column", self.reference_column)) if v}
+        if self.reference_folder is not None:
+            optional["reference_folder"] = list(self.reference_folder)
         # a class source's role is written only for one (the records of other sources stay as they were)
         role = {"is_reg": True, "prior_loss_weight": float(self.prior_loss_weight or 1.0)} if self.is_reg else {}
         if self.resolution:
@@ -252,6 +282,17 @@ KEY_HELP = {  # `python -m precompute --help` lists these
     "mask_column": "the loss mask column of a Hugging Face dataset (default mask) or of the folder's metadata.jsonl/.csv "
                    "(default mask_file_name); implies masks",
     "alpha_mask": "true: every image's loss mask is its own alpha channel (an image without one is skipped); implies masks",
+    "references": "true: an edit model's source (--references for every source): each image is an edit's target and "
+                  "pairs with 1..N reference images (x.ref.png, or x.ref0.png, x.ref1.png, ... beside x.jpg; a metadata "
+                  "row's reference_file_name; a tar sample's KEY.ref.png / KEY.ref0.png ...; a Hugging Face dataset's "
+                  "reference_image column); an image without them is skipped (missing_reference)",
+    "reference_folder": "a folder of the reference images of a folder source, under the images' relative names with any "
+                        "image extension (DIR/a/x.png for a/x.jpg, or DIR/a/x_0.png, x_1.png, ... for several; relative: "
+                        "to the dataset file), instead of sidecars x.ref.png; or a list of folders, the i-th holding "
+                        "every image's reference i (DIR_i/a/x.png); implies references",
+    "reference_column": "the reference images' column of a Hugging Face dataset (default reference_image; an image or a "
+                        "list of images) or of the folder's metadata.jsonl/.csv (default reference_file_name; a path or a "
+                        "list of paths, relative to the folder); implies references",
     "resolution": "the resolution its images are cached at, or a list of several (each a multiple of 64 from 256 to the "
                   "model's largest; default: --resolution)",
     "video_column": "a video model's column of videos in a Hugging Face dataset (default: video where the dataset has "
@@ -373,6 +414,9 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         for key in ("control", "mask"):
             if key in values and "://" not in values[key] and not Path(values[key]).is_absolute():
                 values[key] = str(file.parent / values[key])
+        if "reference_folder" in values:  # one folder, or one per reference
+            many = values["reference_folder"] if isinstance(values["reference_folder"], list) else [values["reference_folder"]]
+            values["reference_folder"] = tuple(v if "://" in v or Path(v).is_absolute() else str(file.parent / v) for v in many)
         sources.append(Source(**values, from_file=True))
         overlap = _overlap(sources[:-1], sources[-1])
         if overlap is not None:
@@ -403,7 +447,7 @@ def _label(table: dict) -> str:
 
 def _check(key: str, value) -> str | None:
     """Why `value` is not a valid `key` of a source, or None."""
-    if key in ("flip", "shuffle_tags", "eval", "is_reg", "masks", "alpha_mask"):
+    if key in ("flip", "shuffle_tags", "eval", "is_reg", "masks", "alpha_mask", "references"):
         return None if isinstance(value, bool) else "must be true or false"
     if key == "keep_tokens":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else "must be a whole number ≥ 0"
@@ -420,13 +464,18 @@ def _check(key: str, value) -> str | None:
             return "must not be empty"
         return "must not hold a NUL character" if "\x00" in value else None
     if key in ("name", "path", "caption_prefix", "image_column", "caption_column", "split", "default_caption", "control",
-               "control_column", "mask", "mask_column", "video_column"):
+               "control_column", "mask", "mask_column", "video_column", "reference_column"):
         if not isinstance(value, str):
             return "must be a string"
         if key != "caption_prefix" and not value.strip():
             return "must not be empty"
         if "\x00" in value:  # no path, column or caption holds one (a caption's NUL would also blur its sample's key)
             return "must not hold a NUL character"
+        return None
+    if key == "reference_folder":
+        many = value if isinstance(value, list) else [value]
+        if not many or not all(isinstance(v, str) and v.strip() and "\x00" not in v for v in many):
+            return "must be a folder (a non-empty string) or a non-empty list of folders, one per reference"
         return None
     if key == "repeats":
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a whole number ≥ 1"

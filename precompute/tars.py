@@ -4,7 +4,9 @@ Tars in object storage (`s3://`, `gs://`, `hf://`, any fsspec URL) are listed an
 commands and http(s) URLs through webdataset's `gopen`; both are unpacked by tarfile as a stream, their members
 grouped into samples by webdataset, and must end with the end-of-archive blocks where the file ends. A sample's
 control image (ControlNet caches) is its `control.png` / `control.jpg` member (`KEY.control.png` beside `KEY.jpg`), and
-its loss mask (masked training) its `mask.png` member (`KEY.mask.png`).
+its loss mask (masked training) its `mask.png` member (`KEY.mask.png`), and an edit sample's reference images its
+`ref.png` member, or `ref0.png`, `ref1.png`, ... in their numbers' order (`KEY.ref.png`, `KEY.ref0.png`, ...; any image
+extension), which are never its image.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 import torch
 
 from precompute.clips import prepare_clips
-from precompute.folders import INPUT_EXTENSIONS, METADATA_FILES, VIDEO_EXTENSIONS, metadata_captions
+from precompute.folders import INPUT_EXTENSIONS, METADATA_FILES, VIDEO_EXTENSIONS, in_order, metadata_captions
 from precompute.images import ImagePolicy, Record, prepare
 from precompute.paths import names_under
 
@@ -29,6 +31,7 @@ IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif")  # a
 CONTROL_MEMBERS = tuple(f"control.{ext}" for ext in IMAGE_MEMBERS)  # its control image, the first present
 MASK_MEMBERS = tuple(f"mask.{ext}" for ext in IMAGE_MEMBERS)  # its loss mask, the first present
 VIDEO_MEMBERS = tuple(ext.lstrip(".") for ext in VIDEO_EXTENSIONS)  # a sample's video (mp4, webm, mov, mkv...)
+REFERENCE_MEMBER = re.compile(rf"ref(\d*)\.({'|'.join(IMAGE_MEMBERS)})", re.IGNORECASE)  # ref.png, ref0.png, ref1.jpg...
 
 
 def is_stored(url: str) -> bool:
@@ -225,9 +228,10 @@ def tar_name(url: str) -> str:
 
 
 def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = False, mask: bool = False,
-                video: bool = False) -> Record:
+                video: bool = False, references: bool = False) -> Record:
     """A webdataset sample dict (raw bytes per extension) as a Record; with `control`, its `control.EXT` member
-    is the control image; with `mask`, its `mask.EXT` member the loss mask. Its input is its image member, or its
+    is the control image; with `mask`, its `mask.EXT` member the loss mask; with `references`, its `ref.EXT` member or
+    its `ref0.EXT`, `ref1.EXT`, ... members the reference images (`precompute.folders.in_order` says how numbers go). Its input is its image member, or its
     video member (`KEY.mp4`, ...) when it has no image; with `video` (a video model's cache), the video when it has
     both (a video beside its thumbnail)."""
     source = f"{tar_name(sample.get('__url__', ''))}/{sample['__key__']}"
@@ -256,6 +260,18 @@ def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = Fal
     if mask:
         record.mask = next((sample[ext] for ext in MASK_MEMBERS if ext in sample), None)
         record.mask_detail = f"no member {sample['__key__']}.mask.png (or another image extension) in the tar"
+    if references:
+        key = sample["__key__"]
+        numbered = [(int(m[1] or 0), f"{key}.{ext}") for ext in sample if isinstance(ext, str) and (m := REFERENCE_MEMBER.fullmatch(ext))]
+        found, reason, detail = in_order(numbered, key + ".ref{n}.png")
+        if not numbered:
+            record.references_detail = (f"no member {key}.ref.png (or {key}.ref0.png, {key}.ref1.png, ...; any image "
+                                        f"extension) in the tar")
+        elif found is None:
+            record.references_missing, record.references_detail = reason, f"{detail} in the tar"
+        else:
+            record.references = [sample[name[len(key) + 1 :]] for name in found]
+            record.reference_names = found
     return record
 
 
@@ -401,7 +417,8 @@ class TarDataset(torch.utils.data.IterableDataset):
                     break
                 read += 1
                 video = self.policy.clip is not None
-                record = tar_records(sample, self.caption_keys, self.policy.control, self.policy.mask == "file", video)
+                record = tar_records(sample, self.caption_keys, self.policy.control, self.policy.mask == "file", video,
+                                     self.policy.references)
                 if video:  # a video model's: its clips, not decoded again when its cached clips' keys are its own
                     yield from prepare_clips(record, self.policy, self.skip_keys, 0, self.known.get(record.source))
                 else:
