@@ -261,8 +261,8 @@ class PrecomputeConfig:
             raise ValueError("--repair runs in one process (it re-encodes only the damaged shards' samples); run it without torchrun")
 
     def _check_references(self, preset: Preset) -> None:
-        """Reference images go with edit presets: a source asking for them needs one, and an edit-only preset needs a
-        source of them; a source of them flips none of its images (the references would need flipping too)."""
+        """Reference images go with edit presets: a source asking for them needs one, and an edit-only preset needs
+        every source to have them; a source of them flips none of its images (the references would need flipping too)."""
         edit = [name for name in preset_names() if get_preset(name).references]
         asking = [s for s in self.sources() if s.takes_references]
         for source in asking:
@@ -279,11 +279,13 @@ class PrecomputeConfig:
             if len(keys) == 2:
                 raise ValueError(f"{where} sets reference_folder and reference_column: references come from one place; "
                                  f"drop one of the two")
-        if preset.requires_references and not asking:
-            raise ValueError(f"--model {preset.name} is an edit model: every sample pairs a target image with reference "
-                             f"images, and DATA={self.data} has no source of them. Pass --references (x.ref.png or "
-                             f"x.ref0.png, x.ref1.png, ... beside each x.jpg; see --help) or set references = true (or "
-                             f"reference_folder = \"DIR\") in the dataset file's sources")
+        without = [s for s in self.sources() if not s.takes_references]
+        if preset.requires_references and without:  # an edit-only model: a sample without references is no edit
+            which = f"source {without[0].name!r}" if without[0].from_file else f"DATA={self.data}"
+            raise ValueError(f"--model {preset.name} is an edit model: every sample pairs a target image with its reference "
+                             f"images, and {which} has none. Pass --references (x.ref.png, or x.ref0.png, x.ref1.png, ... "
+                             f"beside each x.jpg; see --help) or set references = true (or reference_folder = \"DIR\", "
+                             f"reference_column = \"NAME\") for every source of the dataset file")
 
     def check_tags(self) -> None:
         """The caption-variant options: for DATA as one source, valid together; a dataset file sets them per source."""

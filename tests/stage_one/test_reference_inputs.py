@@ -337,6 +337,9 @@ def test_references_need_an_edit_preset_and_an_edit_only_preset_needs_them(tmp_p
         PrecomputeConfig(str(tmp_path))
     config = PrecomputeConfig(str(tmp_path), references=True)
     assert config.sources()[0].takes_references and config.policy().max_references == 2
+    (tmp_path / "two.toml").write_text('[[source]]\npath = "edits"\nreferences = true\n[[source]]\npath = "plain"\n')
+    with pytest.raises(ValueError, match=r"edit model: .* source 'plain' has none.*references = true"):
+        PrecomputeConfig(str(tmp_path / "two.toml"))
     with pytest.raises(ValueError, match="flip = true with reference images"):
         (tmp_path / "f.toml").write_text('[[source]]\npath = "imgs"\nreferences = true\nflip = true\n')
         PrecomputeConfig(str(tmp_path / "f.toml"))
