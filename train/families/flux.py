@@ -1,7 +1,11 @@
 """Flux.1: double- then single-stream blocks over every T5 token (no mask) and the latents packed into 2 x 2 patches,
 pooled CLIP-L; flow matching whose shift follows the image's sequence length (FLUX.1-dev, guidance-distilled: the
 guidance value goes into its guidance embedding) or none (FLUX.1-schnell, timestep-distilled). Sampled as FluxPipeline
-samples: its sigmas and mu, one pass per step, no classifier-free guidance. Adapters in diffusers' or kohya's layout."""
+samples: its sigmas and mu, one pass per step, no classifier-free guidance. Adapters in diffusers' or kohya's layout.
+
+FLUX.1 Kontext is FLUX.1-dev trained to edit: the same transformer, called with the packed tokens of one reference image
+after the target's (their position ids' first coordinate 1), as FluxKontextPipeline calls it; only the target's tokens
+are predicted."""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from train.families.base import ATTENTION, TEXT_STREAM, Family, ModelPreset, TextInput
+from train.families.base import ATTENTION, TEXT_STREAM, Family, ModelPreset, TextInput, group_of, reference_groups
 
 # Flux.1-dev's features at CPU size: double- and single-stream blocks, 3-axis RoPE (the axes sum to the head width),
 # the guidance embedding; the text and pooled widths of tiny-sd3's encoders.
@@ -88,6 +92,17 @@ class Flux(Family):
             "tiny-flux": lambda: ModelPreset("tiny-flux", self.name, None, TINY, "flow", "flow", dynamic_shift=True,
                                              base_resolution=256, text_tokens=32, guidance_scale=3.5,
                                              train_guidance=1.0),
+            # FLUX.1 Kontext [dev]: FLUX.1-dev's architecture and shift, one reference image; validation edits as its
+            # pipeline's documented example does (28 steps, guidance 2.5), training feeds the guidance embedding 1.0 as
+            # for FLUX.1-dev. A reference is prepared at about one megapixel (the pipeline's preferred resolutions);
+            # the tiny preset's at about 128 x 128 (stage one's scaled-down table)
+            "flux1-kontext-dev": lambda: preset("flux1-kontext-dev", self.name, "black-forest-labs/FLUX.1-Kontext-dev",
+                                                "flux1_kontext_dev_transformer.json", dynamic_shift=True, text_tokens=512,
+                                                validation_steps=28, guidance_scale=2.5, train_guidance=1.0, references=1),
+            "tiny-flux1-kontext": lambda: ModelPreset("tiny-flux1-kontext", self.name, None, TINY, "flow", "flow",
+                                                      dynamic_shift=True, base_resolution=256, text_tokens=32,
+                                                      guidance_scale=2.5, train_guidance=1.0, references=1,
+                                                      reference_pixels=128 * 128),
         }
 
     def blocks(self, model):
@@ -117,12 +132,44 @@ class Flux(Family):
     def forward(self, model, config, xt, t, batch, guidance):
         """As FluxPipeline calls it: the latents packed into 2 x 2 patches (B, h/2 * w/2, 4C) with their position ids,
         every T5 token with zero ids, the pooled CLIP-L vector, the timestep as sigma (t / 1000) and, for guidance-
-        distilled models, the guidance (B,); the prediction unpacked to (B, C, h, w)."""
+        distilled models, the guidance (B,); the prediction unpacked to (B, C, h, w). An edit batch (Kontext: its
+        `references`) runs one call per group of samples whose references share a shape (`reference_groups`), each
+        as FluxKontextPipeline calls it (`edit_call`)."""
+        if "references" not in batch:
+            return self.edit_call(model, config, xt, t, batch, guidance, [])
+        groups = reference_groups(batch)
+        if len(groups) == 1:
+            return self.edit_call(model, config, xt, t, batch, guidance, batch["references"])
+        preds, order = [], []
+        for rows in groups:
+            index = torch.tensor(rows, device=xt.device)
+            group = group_of(batch, rows)
+            preds.append(self.edit_call(model, config, xt[index], t[index], group, guidance, group["references"]))
+            order += rows
+        inverse = torch.empty(len(order), dtype=torch.long, device=xt.device)
+        inverse[torch.tensor(order, device=xt.device)] = torch.arange(len(order), device=xt.device)
+        return torch.cat(preds)[inverse]
+
+    def edit_call(self, model, config, xt, t, batch, guidance, references: list[list[torch.Tensor]]) -> torch.Tensor:
+        """One transformer call on samples whose references (per sample a list of (C, h', w'), the same shapes for
+        every sample; none for text-to-image) share a shape: as FluxKontextPipeline's denoising loop, the packed
+        reference tokens after the target's (B, N + M, 4C) and their ids after the target's, their first coordinate 1
+        instead of 0 (`prepare_latents`); of the prediction the first N tokens, the target's."""
         from diffusers import FluxPipeline
 
         b, c, h, w = xt.shape
         packed = FluxPipeline._pack_latents(xt, b, c, h, w)
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, xt.device, xt.dtype)  # (h/2 * w/2, 3)
+        count = len(references[0]) if references else 0
+        if count > 1:
+            raise ValueError(f"a sample with {count} reference images: FLUX.1 Kontext takes one (its pipeline's `image`)")
+        if count:
+            ref = torch.stack([sample[0] for sample in references]).to(xt.dtype)  # (B, C, h', w')
+            rh, rw = ref.shape[-2:]
+            ref_ids = FluxPipeline._prepare_latent_image_ids(b, rh // 2, rw // 2, xt.device, xt.dtype)
+            ref_ids[..., 0] = 1
+            packed = torch.cat([packed, FluxPipeline._pack_latents(ref, b, c, rh, rw)], dim=1)
+            img_ids = torch.cat([img_ids, ref_ids])
         text = batch["text"].to(xt.dtype)  # (B, L, D): every token, padding included
         txt_ids = torch.zeros(text.shape[1], 3, device=xt.device, dtype=xt.dtype)
         g = None
@@ -132,6 +179,7 @@ class Flux(Family):
             g = torch.full((b,), float(guidance), device=xt.device, dtype=torch.float32)
         out = model(hidden_states=packed, encoder_hidden_states=text, pooled_projections=batch["pooled"].to(xt.dtype),
                     timestep=t / 1000, img_ids=img_ids, txt_ids=txt_ids, guidance=g, return_dict=False)[0]
+        out = out[:, : (h // 2) * (w // 2)]  # the target's tokens
         return FluxPipeline._unpack_latents(out, h, w, 1)  # sizes given in latent pixels: a scale factor of 1
 
     def sampling_scheduler(self, objective, pixels):
@@ -149,13 +197,25 @@ class Flux(Family):
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu, device=device)
 
     def denoise(self, forward, scheduler, latents, text, *, guidance, channels, autocast):
-        # guidance-distilled or timestep-distilled: one pass on the caption, no null half
-        text = {k: v[1:] if isinstance(v, torch.Tensor) else v for k, v in text.items()}
+        # guidance-distilled or timestep-distilled: one pass on the caption, no null half (of an edit, the caption's
+        # row of the references too: the pipeline passes its image's tokens at every step)
+        text = {k: v[-1:] if isinstance(v, (torch.Tensor, list)) else v for k, v in text.items()}
         for t in scheduler.timesteps:
             with autocast:
                 pred = forward(latents, t.expand(1), text).float()
             latents = scheduler.step(pred, t, latents).prev_sample
         return latents
+
+    def pipeline_of(self, preset: ModelPreset) -> str:
+        return "FluxKontextPipeline" if preset.references else self.pipeline
+
+    def usage_generate(self, preset: ModelPreset | None, extra: str) -> tuple[list[str], list[str]]:
+        if preset is None or not preset.references:
+            return super().usage_generate(preset, extra)
+        # an edit: the image to edit and the instruction, at the guidance Kontext's examples use
+        return ["from diffusers.utils import load_image"], [
+            f'image = pipe(image=load_image("input.png"), prompt="an edit instruction", guidance_scale={preset.guidance_scale:g}'
+            f'{extra}).images[0]']
 
     def save_adapter(self, directory: Path, state, config, lora_format, fold):
         if lora_format == "kohya":

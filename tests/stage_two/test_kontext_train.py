@@ -1,0 +1,149 @@
+"""FLUX.1 Kontext in stage two (tiny-flux1-kontext): the transformer gets what FluxKontextPipeline gives it (the reference's
+packed tokens after the target's, their ids' first coordinate 1) and only the target's prediction comes back, per group
+of samples whose references share a shape; validation denoises as the pipeline does; the export card edits an image."""
+
+import pytest
+import torch
+
+from train.config import TrainConfig
+from train.families import get_family, get_preset
+from train.model import build_run_objective, train_guidance
+from train.presets import build_transformer, model_forward
+
+pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models (left out of make test-fast)
+
+C, TOKENS = 16, 32  # the tiny Flux VAE's latent channels; the tiny T5's limit
+
+
+def text_batch(b: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"text": torch.randn(b, TOKENS, 32, generator=g), "pooled": torch.randn(b, 24, generator=g)}
+
+
+def by_hand(transformer, xt, t, text, pooled, ref, guidance):
+    """The transformer called as FluxKontextPipeline's denoising loop calls it (prepare_latents, the loop body)."""
+    from diffusers import FluxKontextPipeline as K
+
+    b, c, h, w = xt.shape
+    rh, rw = ref.shape[-2:]
+    latents = K._pack_latents(xt, b, c, h, w)
+    image_latents = K._pack_latents(ref, b, c, rh, rw)
+    image_ids = K._prepare_latent_image_ids(b, rh // 2, rw // 2, xt.device, xt.dtype)
+    image_ids[..., 0] = 1
+    latent_ids = torch.cat([K._prepare_latent_image_ids(b, h // 2, w // 2, xt.device, xt.dtype), image_ids], dim=0)
+    noise_pred = transformer(hidden_states=torch.cat([latents, image_latents], dim=1), timestep=t / 1000,
+                             guidance=torch.full([1], guidance, dtype=torch.float32).expand(b), pooled_projections=pooled,
+                             encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3), img_ids=latent_ids,
+                             return_dict=False)[0]
+    return K._unpack_latents(noise_pred[:, : latents.size(1)], h * 8, w * 8, 8)
+
+
+def test_the_presets_are_flux_dev_trained_to_edit_from_one_reference():
+    dev, real, tiny = get_preset("flux-dev"), get_preset("flux1-kontext-dev"), get_preset("tiny-flux1-kontext")
+    assert real.repo == "black-forest-labs/FLUX.1-Kontext-dev" and real.transformer_config() == dev.transformer_config()
+    assert (real.references, tiny.references) == (1, 1) and dev.references == get_preset("tiny-flux").references == 0
+    assert (real.dynamic_shift, real.text_tokens, real.validation_steps, real.guidance_scale) == (True, 512, 28, 2.5)
+    assert train_guidance(TrainConfig(model="flux1-kontext-dev"), real) == 1.0 == train_guidance(TrainConfig(model="tiny-flux1-kontext"), tiny)
+    assert (TrainConfig(model="flux1-kontext-dev").guidance_scale, TrainConfig(model="flux1-kontext-dev").validation_steps) == (2.5, 28)
+    assert tiny.transformer_config() == get_preset("tiny-flux").transformer_config() and tiny.reference_pixels == 128 * 128
+    assert get_family("flux").pipeline_of(real) == "FluxKontextPipeline" and get_family("flux").pipeline_of(dev) == "FluxPipeline"
+
+
+def test_forward_concatenates_each_groups_reference_after_the_target_and_predicts_the_target_only():
+    """A batch of two samples whose references differ in shape (two groups: two transformer calls): each sample's
+    prediction is the hand-built pipeline call on it alone, shaped like xt; a batch of one shape is one call."""
+    transformer = build_transformer(get_preset("tiny-flux1-kontext"), None, 0).eval()
+    g = torch.Generator().manual_seed(1)
+    xt = torch.randn(3, C, 8, 12, generator=g)  # a 64 x 96 bucket
+    t = torch.tensor([900.0, 250.0, 500.0])
+    refs = [torch.randn(C, 16, 16, generator=g), torch.randn(C, 10, 24, generator=g), torch.randn(C, 16, 16, generator=g)]
+    batch = {**text_batch(3), "references": [[r] for r in refs]}
+    calls = []
+    transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["hidden_states"].shape), with_kwargs=True)
+    with torch.no_grad():
+        ours = model_forward(transformer, "flux", guidance=1.0)(xt, t, batch)
+        assert ours.shape == xt.shape
+        assert calls == [(2, 24 + 64, 64), (1, 24 + 60, 64)]  # samples 0 and 2 (16 x 16 references), then sample 1
+        for i in range(3):
+            alone = by_hand(transformer, xt[i : i + 1], t[i : i + 1], batch["text"][i : i + 1], batch["pooled"][i : i + 1],
+                            refs[i][None], 1.0)
+            torch.testing.assert_close(ours[i : i + 1], alone, rtol=1e-5, atol=1e-6)
+        # one shape, one call: the pipeline's batch exactly
+        two = {**text_batch(2), "references": [[refs[0]], [refs[2]]]}
+        ours = model_forward(transformer, "flux", guidance=1.0)(xt[[0, 2]], t[[0, 2]], two)
+        stock = by_hand(transformer, xt[[0, 2]], t[[0, 2]], two["text"], two["pooled"], torch.stack([refs[0], refs[2]]), 1.0)
+        assert torch.equal(ours, stock)
+
+
+def test_the_loss_sees_gradients_through_the_target_tokens_and_the_reference_conditions_them():
+    transformer = build_transformer(get_preset("tiny-flux1-kontext"), None, 0)
+    g = torch.Generator().manual_seed(2)
+    xt = torch.randn(2, C, 8, 8, generator=g)
+    ref = torch.randn(C, 8, 8, generator=g)
+    batch = {**text_batch(2), "references": [[ref], [ref * 0]]}
+    pred = model_forward(transformer, "flux", guidance=1.0)(xt, torch.tensor([500.0, 500.0]), batch)
+    pred.square().mean().backward()
+    assert all(p.grad is not None for p in transformer.parameters() if p.requires_grad)
+    with torch.no_grad():
+        other = model_forward(transformer, "flux", guidance=1.0)(xt, torch.tensor([500.0, 500.0]),
+                                                                 {**batch, "references": [[ref * 0], [ref * 0]]})
+    assert not torch.allclose(pred[0], other[0]) and torch.allclose(pred[1], other[1])
+
+
+def test_more_than_one_reference_is_refused():
+    transformer = build_transformer(get_preset("tiny-flux1-kontext"), None, 0)
+    ref = torch.zeros(C, 8, 8)
+    with pytest.raises(ValueError, match="a sample with 2 reference images: FLUX.1 Kontext takes one"):
+        model_forward(transformer, "flux", guidance=1.0)(torch.zeros(1, C, 8, 8), torch.tensor([500.0]),
+                                                         {**text_batch(1), "references": [[ref, ref]]})
+
+
+def test_validation_denoises_an_edit_as_the_stock_pipeline_does():
+    """The family's sampler (FluxPipeline's sigmas and mu of the target's tokens, the distilled guidance, one pass per
+    step) with the cached reference latent in the batch, against FluxKontextPipeline.__call__ given the same noise,
+    caption embeddings and the reference as latents."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline
+
+    preset = get_preset("tiny-flux1-kontext")
+    transformer = build_transformer(preset, None, 0).eval()
+    objective = build_run_objective(TrainConfig(model=preset.name), preset, preset.transformer_config())
+    family = get_family("flux")
+    height, width, steps = 64, 96, 3
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(1, C, 16, 16, generator=g)
+    cond, null = text_batch(1, 4), text_batch(1, 5)
+    text = {k: torch.cat([null[k], cond[k]]) for k in cond} | {"references": [[ref[0]], [ref[0]]]}
+    noise = torch.randn(1, C, height // 8, width // 8, generator=torch.Generator().manual_seed(7))
+    scheduler = family.sampling_scheduler(objective, height * width)
+    family.set_timesteps(scheduler, objective, steps, height * width, "cpu")
+    with torch.no_grad():
+        ours = family.denoise(model_forward(transformer, "flux", guidance=2.5), scheduler, noise, text, guidance=2.5,
+                              channels=C, autocast=torch.autocast("cpu", enabled=False))
+    # FLUX.1-Kontext-dev's scheduler config as released
+    stock = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                            max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = FluxKontextPipeline(scheduler=stock, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                               tokenizer_2=None, transformer=transformer)
+    with torch.no_grad():
+        out = pipe(image=ref, prompt_embeds=cond["text"], pooled_prompt_embeds=cond["pooled"], height=height, width=width,
+                   max_area=height * width, latents=FluxPipeline._pack_latents(noise, 1, C, height // 8, width // 8),
+                   num_inference_steps=steps, guidance_scale=2.5, output_type="latent").images
+    expected = FluxPipeline._unpack_latents(out, height, width, 8)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ours, noise, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_the_export_card_edits_an_image_through_fluxkontextpipeline(kind):
+    from train.card import Base, usage
+
+    preset = get_preset("flux1-kontext-dev")
+    code = usage("flux", kind, Base("hub", preset.repo), "owner/export", preset=preset)
+    assert "from diffusers import FluxKontextPipeline" in code and "from diffusers.utils import load_image" in code
+    assert 'pipe = FluxKontextPipeline.from_pretrained("black-forest-labs/FLUX.1-Kontext-dev"' in code
+    assert 'image = pipe(image=load_image("input.png"), prompt="an edit instruction", guidance_scale=2.5).images[0]' in code
+    assert ('FluxTransformer2DModel.from_pretrained("owner/export", subfolder="transformer"' in code if kind == "full"
+            else 'pipe.load_lora_weights("owner/export")' in code)
+    compile(code, "card", "exec")
+    flux = usage("flux", kind, Base("hub", "black-forest-labs/FLUX.1-dev"), "owner/export", preset=get_preset("flux-dev"))
+    assert "FluxPipeline.from_pretrained" in flux and 'pipe("a prompt").images[0]' in flux and "Kontext" not in flux
