@@ -98,39 +98,55 @@ def test_more_than_one_reference_is_refused():
                                                          {**text_batch(1), "references": [[ref, ref]]})
 
 
-def test_validation_denoises_an_edit_as_the_stock_pipeline_does():
-    """The family's sampler (FluxPipeline's sigmas and mu of the target's tokens, the distilled guidance, one pass per
-    step) with the cached reference latent in the batch, against FluxKontextPipeline.__call__ given the same noise,
-    caption embeddings and the reference as latents."""
+def test_validation_edits_as_the_stock_pipeline_does():
+    """`validate.generate` with a cached reference latent (FluxPipeline's sigmas and mu of the target's tokens, the
+    distilled guidance, one pass per step, the reference's tokens every step) against FluxKontextPipeline.__call__ given
+    the same noise, caption embeddings and the reference as latents, at a non-square bucket."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxPipeline
+
+    from shards import TextSpec
+    from train.data import TextLayout
+    from train.validate import generate
 
     preset = get_preset("tiny-flux1-kontext")
     transformer = build_transformer(preset, None, 0).eval()
     objective = build_run_objective(TrainConfig(model=preset.name), preset, preset.transformer_config())
-    family = get_family("flux")
     height, width, steps = 64, 96, 3
     g = torch.Generator().manual_seed(3)
-    ref = torch.randn(1, C, 16, 16, generator=g)
-    cond, null = text_batch(1, 4), text_batch(1, 5)
-    text = {k: torch.cat([null[k], cond[k]]) for k in cond} | {"references": [[ref[0]], [ref[0]]]}
-    noise = torch.randn(1, C, height // 8, width // 8, generator=torch.Generator().manual_seed(7))
-    scheduler = family.sampling_scheduler(objective, height * width)
-    family.set_timesteps(scheduler, objective, steps, height * width, "cpu")
+    ref = torch.randn(C, 10, 16, generator=g)  # an 80 x 128 reference, of another shape than the target's
+    cond, null = ({k: v[0] for k, v in text_batch(1, seed).items()} for seed in (4, 5))
+    layout = TextLayout(TextSpec("flux", None, TOKENS, t5_tokens=TOKENS, pooled_width=24, t5_width=32))
     with torch.no_grad():
-        ours = family.denoise(model_forward(transformer, "flux", guidance=2.5), scheduler, noise, text, guidance=2.5,
-                              channels=C, autocast=torch.autocast("cpu", enabled=False))
+        ours = generate(transformer, preset, objective, cond, null, (C, height // 8, width // 8), height * width, steps=steps,
+                        guidance=2.5, seed=7, precision=torch.float32, layout=layout, references=[ref])
     # FLUX.1-Kontext-dev's scheduler config as released
     stock = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                                             max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
     pipe = FluxKontextPipeline(scheduler=stock, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
                                tokenizer_2=None, transformer=transformer)
+    noise = torch.randn(1, C, height // 8, width // 8, generator=torch.Generator().manual_seed(7))  # generate's draw
     with torch.no_grad():
-        out = pipe(image=ref, prompt_embeds=cond["text"], pooled_prompt_embeds=cond["pooled"], height=height, width=width,
-                   max_area=height * width, latents=FluxPipeline._pack_latents(noise, 1, C, height // 8, width // 8),
-                   num_inference_steps=steps, guidance_scale=2.5, output_type="latent").images
-    expected = FluxPipeline._unpack_latents(out, height, width, 8)
+        out = pipe(image=ref[None], prompt_embeds=cond["text"][None], pooled_prompt_embeds=cond["pooled"][None],
+                   height=height, width=width, max_area=height * width, num_inference_steps=steps, guidance_scale=2.5,
+                   latents=FluxPipeline._pack_latents(noise, 1, C, height // 8, width // 8), output_type="latent").images
+    expected = FluxPipeline._unpack_latents(out, height, width, 8)[0]
+    assert ours.shape == expected.shape
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(ours, noise, atol=1e-2)
+    assert not torch.allclose(ours, noise[0], atol=1e-2)  # it sampled
+
+
+def test_the_planner_sizes_a_reference_at_the_pipelines_preferred_resolution():
+    """The preferred resolution nearest the bucket's aspect ratio (the pipeline's table; the tiny preset's a scaled copy),
+    and the planned batch holds one such reference per sample."""
+    family = get_family("flux")
+    real, tiny = get_preset("flux1-kontext-dev"), get_preset("tiny-flux1-kontext")
+    config = real.transformer_config()
+    assert family.reference_size(config, real, (1024, 1024)) == (1024, 1024)
+    assert family.reference_size(config, real, (768, 1344)) == (800, 1328)  # (height, width); the table's 1328 x 800
+    assert family.reference_size(config, real, (1536, 640)) == (1568, 672)
+    assert family.reference_size(config, tiny, (64, 64)) == (128, 128)
+    batch = family.example_batch(config, real, (768, 1344), 2, 8, torch.float32)
+    assert [[tuple(r.shape) for r in refs] for refs in batch["references"]] == [[(16, 100, 166)]] * 2
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shards import Bucket
 from train.families.base import ATTENTION, TEXT_STREAM, Family, ModelPreset, TextInput, group_of, reference_groups
 
 # Flux.1-dev's features at CPU size: double- and single-stream blocks, 3-axis RoPE (the axes sum to the head width),
@@ -181,6 +182,18 @@ class Flux(Family):
                     timestep=t / 1000, img_ids=img_ids, txt_ids=txt_ids, guidance=g, return_dict=False)[0]
         out = out[:, : (h // 2) * (w // 2)]  # the target's tokens
         return FluxPipeline._unpack_latents(out, h, w, 1)  # sizes given in latent pixels: a scale factor of 1
+
+    def reference_size(self, config, preset, bucket):
+        """FluxKontextPipeline's size for a reference of the bucket's aspect ratio: its preferred resolution nearest
+        that ratio, floored to whole tokens; scaled to the preset's `reference_pixels` where that is not the table's
+        megapixel (the tiny preset's table is the pipeline's divided by 8)."""
+        from diffusers.pipelines.flux.pipeline_flux_kontext import PREFERRED_KONTEXT_RESOLUTIONS
+
+        bucket = Bucket(*bucket)
+        step = preset.latent_downsample * self.latent_patch(config)
+        scale = (preset.reference_pixels / (1024 * 1024)) ** 0.5
+        _, width, height = min((abs(bucket.width / bucket.height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+        return (max(step, round(height * scale) // step * step), max(step, round(width * scale) // step * step))
 
     def sampling_scheduler(self, objective, pixels):
         from diffusers import FlowMatchEulerDiscreteScheduler
