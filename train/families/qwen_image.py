@@ -1,7 +1,11 @@
 """Qwen-Image: a 60-block double-stream MMDiT over the latents packed into 2 x 2 patches and Qwen2.5-VL's caption tokens
 with a mask; flow matching whose shift follows the image's sequence length (its scheduler's base and max shift), and
 sampled as QwenImagePipeline samples: its scheduler and sigmas, true classifier-free guidance against the empty caption
-with its norm-rescaled combination, one transformer pass per caption."""
+with its norm-rescaled combination, one transformer pass per caption.
+
+Qwen-Image-Edit and Qwen-Image-Edit-2509 are the same transformer taking the reference images' packed latents after the
+target's (QwenImageEditPipeline, QwenImageEditPlusPipeline): `img_shapes` lists the target's and each reference's
+patch grid, and only the target's tokens are the prediction."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from train.families.base import Family, ModelPreset
+from train.families.base import Family, ModelPreset, group_of, reference_groups, stacked_references
 
 # The published scheduler's config (scheduler/scheduler_config.json of Qwen/Qwen-Image): mu from the image's sequence
 # length between these points, the exponential time shift, and sampling stretched to end at sigma 0.02.
@@ -29,6 +33,14 @@ TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=2, attenti
 # and LM head included).
 ENCODERS = {"Qwen-Image VAE (AutoencoderKLQwenImage)": 126_892_531,
             "Qwen2.5-VL-7B (Qwen2_5_VLForConditionalGeneration)": 8_292_166_656}
+# The edit presets' pipelines; their transformer is Qwen-Image's architecture (the published config is the same).
+EDIT_PIPELINES = {"qwen-image-edit": "QwenImageEditPipeline", "qwen-image-edit-2509": "QwenImageEditPlusPipeline",
+                  "tiny-qwen-image-edit": "QwenImageEditPipeline", "tiny-qwen-image-edit-2509": "QwenImageEditPlusPipeline"}
+# What stage one caches per edit text: the caption (up to 512 tokens, as a planning figure; the edit pipelines cut nothing)
+# and Qwen2.5-VL's vision tokens of the references: about 37 x 37 for Edit's 1024 x 1024 image, 14 x 14 and the
+# "Picture n: " words for each of 2509's three 384 x 384 ones.
+EDIT_TOKENS = 512 + 37 * 37
+EDIT_2509_TOKENS = 512 + 3 * (14 * 14 + 7)
 
 
 class QwenImage(Family):
@@ -43,13 +55,38 @@ class QwenImage(Family):
 
     def presets(self):
         # validation as QwenImagePipeline's defaults: 50 steps, true_cfg_scale 4; captions cut at 512 tokens as it cuts them
+        real = dict(dynamic_shift=True, released_dtype="bf16", encoder_parameters=ENCODERS, validation_steps=50, guidance_scale=4.0)
+        tiny = dict(dynamic_shift=True, base_resolution=256, text_tokens=64, guidance_scale=4.0)
+        # the edit pipelines prepare each reference at about a megapixel (tiny: 64 x 64) and take one (Edit) or up to
+        # three (2509, as its model card documents) references
         return {
             "qwen-image": lambda: ModelPreset("qwen-image", self.name, "Qwen/Qwen-Image", "qwen_image_transformer.json", "flow",
-                                              "flow", dynamic_shift=True, released_dtype="bf16", encoder_parameters=ENCODERS,
-                                              text_tokens=512, validation_steps=50, guidance_scale=4.0),
-            "tiny-qwen-image": lambda: ModelPreset("tiny-qwen-image", self.name, None, TINY, "flow", "flow", dynamic_shift=True,
-                                                   base_resolution=256, text_tokens=64, guidance_scale=4.0),
+                                              "flow", text_tokens=512, **real),
+            "qwen-image-edit": lambda: ModelPreset("qwen-image-edit", self.name, "Qwen/Qwen-Image-Edit", "qwen_image_transformer.json",
+                                                   "flow", "flow", text_tokens=EDIT_TOKENS, references=1,
+                                                   reference_pixels=1024 * 1024, **real),
+            "qwen-image-edit-2509": lambda: ModelPreset("qwen-image-edit-2509", self.name, "Qwen/Qwen-Image-Edit-2509",
+                                                        "qwen_image_transformer.json", "flow", "flow", text_tokens=EDIT_2509_TOKENS,
+                                                        references=3, reference_pixels=1024 * 1024, **real),
+            "tiny-qwen-image": lambda: ModelPreset("tiny-qwen-image", self.name, None, TINY, "flow", "flow", **tiny),
+            "tiny-qwen-image-edit": lambda: ModelPreset("tiny-qwen-image-edit", self.name, None, TINY, "flow", "flow", references=1,
+                                                        reference_pixels=64 * 64, **tiny),
+            "tiny-qwen-image-edit-2509": lambda: ModelPreset("tiny-qwen-image-edit-2509", self.name, None, TINY, "flow", "flow",
+                                                             references=3, reference_pixels=64 * 64, **tiny),
         }
+
+    def pipeline_of(self, preset: ModelPreset) -> str:
+        return EDIT_PIPELINES.get(preset.name, self.pipeline)
+
+    def usage_generate(self, preset: ModelPreset | None, extra: str) -> tuple[list[str], list[str]]:
+        """An edit model's card edits an image (2509: a list of up to three)."""
+        pipeline = EDIT_PIPELINES.get(preset.name) if preset is not None else None
+        if pipeline is None:
+            return super().usage_generate(preset, extra)
+        images = ('[load_image("input1.png"), load_image("input2.png")]' if pipeline == "QwenImageEditPlusPipeline"
+                  else 'load_image("input.png")')
+        return (["from diffusers.utils import load_image"],
+                [f'image = pipe(image={images}, prompt="an edit instruction"{extra}).images[0]'])
 
     def usage_call_args(self) -> str:
         # QwenImagePipeline guides (true CFG) only when given a negative prompt, as validation samples
@@ -81,19 +118,37 @@ class QwenImage(Family):
         """As QwenImagePipeline calls it: the latents packed into 2 x 2 patches (B, h/2 * w/2, 4C) with their
         `img_shapes`, the caption tokens with the batch's mask (validation's single captions have none, as the
         pipeline's `encode_prompt` returns none for them), the timestep as sigma (t / 1000); the prediction unpacked
-        to (B, C, h, w)."""
-        from diffusers import QwenImagePipeline
-
+        to (B, C, h, w). An edit batch (`batch["references"]`) runs as the edit pipelines call it, once per group of
+        samples whose references share their shapes (`reference_groups`): each reference's packed latent after the
+        target's, their patch grids after the target's in `img_shapes`, the target's tokens alone kept."""
         if config.get("guidance_embeds"):
             raise ValueError("this Qwen-Image transformer has guidance_embeds set, which QwenImageTransformer2DModel cannot "
                              "run; train the published architecture (guidance_embeds false)")
+        if not batch.get("references"):
+            return self.call(model, xt, t, batch, [])
+        groups = reference_groups(batch)
+        if len(groups) == 1:
+            return self.call(model, xt, t, batch, stacked_references(batch) if batch["references"][0] else [])
+        out = torch.empty_like(xt)
+        for rows in groups:
+            group = group_of(batch, rows)
+            refs = stacked_references(group) if group["references"][0] else []
+            index = torch.tensor(rows, device=xt.device)
+            out[index] = self.call(model, xt[index], t[index], group, refs).to(out.dtype)
+        return out
+
+    def call(self, model, xt: torch.Tensor, t: torch.Tensor, batch: dict, references: list[torch.Tensor]) -> torch.Tensor:
+        """One transformer pass: target (B, C, h, w) and references (B, C, h_j, w_j) each -> the target's prediction."""
+        from diffusers import QwenImagePipeline
+
         b, c, h, w = xt.shape
-        packed = QwenImagePipeline._pack_latents(xt, b, c, h, w)
+        packed = [QwenImagePipeline._pack_latents(x, b, c, x.shape[2], x.shape[3]) for x in (xt, *references)]
+        shapes = [(1, x.shape[2] // 2, x.shape[3] // 2) for x in (xt, *references)]
         mask = batch.get("text_mask")
-        out = model(hidden_states=packed, encoder_hidden_states=batch["text"].to(xt.dtype), encoder_hidden_states_mask=mask,
-                    timestep=t / 1000, img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
-        # sizes given in latent pixels: a scale factor of 1; the VAE's frame axis dropped
-        return QwenImagePipeline._unpack_latents(out, h, w, 1)[:, :, 0]
+        out = model(hidden_states=torch.cat(packed, dim=1), encoder_hidden_states=batch["text"].to(xt.dtype),
+                    encoder_hidden_states_mask=mask, timestep=t / 1000, img_shapes=[shapes] * b, return_dict=False)[0]
+        # the target's tokens come first; sizes given in latent pixels: a scale factor of 1; the VAE's frame axis dropped
+        return QwenImagePipeline._unpack_latents(out[:, : packed[0].shape[1]], h, w, 1)[:, :, 0]
 
     # --- validation, as QwenImagePipeline samples ---
 
@@ -135,11 +190,15 @@ class QwenImage(Family):
 
 
 def single(text: dict, j: int) -> dict:
-    """Caption `j` of a collated batch alone: its valid tokens (1, L_j, D) and no mask."""
+    """Caption `j` of a collated batch alone: its valid tokens (1, L_j, D) and no mask; an edit's references with it,
+    passed every step as the edit pipelines pass them."""
     tokens = text["text"][j]
     if "text_mask" in text:
         tokens = tokens[text["text_mask"][j].to(torch.bool)]
-    return {"text": tokens[None]}
+    out = {"text": tokens[None]}
+    if text.get("references"):
+        out["references"] = [text["references"][j if len(text["references"]) > 1 else 0]]
+    return out
 
 
 FAMILY = QwenImage()
