@@ -150,8 +150,16 @@ def test_the_edit_presets_export_to_their_pipelines_and_their_cards_edit_an_imag
 
 
 def test_the_published_edit_models_are_qwen_images_architecture():
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    family = get_family("qwen-image")
     for name, repo, refs in (("qwen-image-edit", "Qwen/Qwen-Image-Edit", 1), ("qwen-image-edit-2509", "Qwen/Qwen-Image-Edit-2509", 3)):
         preset = get_preset(name)
+        config = preset.transformer_config()
         assert (preset.repo, preset.references, preset.reference_pixels) == (repo, refs, 1024 * 1024)
-        assert preset.transformer_config() == get_preset("qwen-image").transformer_config()
+        assert config == get_preset("qwen-image").transformer_config()
         assert (preset.validation_steps, preset.guidance_scale) == (50, 4.0)  # the edit pipelines' defaults
+        # the planner's reference: the pipeline's size for an image of the bucket's aspect ratio
+        for bucket in ((1024, 1024), (928, 1664), (1472, 1140)):
+            width, height, _ = calculate_dimensions(1024 * 1024, bucket[1] / bucket[0])
+            assert family.reference_size(config, preset, bucket) == (height, width)

@@ -78,6 +78,15 @@ class QwenImage(Family):
     def pipeline_of(self, preset: ModelPreset) -> str:
         return EDIT_PIPELINES.get(preset.name, self.pipeline)
 
+    def reference_size(self, config: Mapping, preset: ModelPreset, bucket: tuple[int, ...]) -> tuple[int, int]:
+        """As the edit pipelines size an input image: `calculate_dimensions` at the preset's area (the bucket's aspect
+        ratio, sides multiples of 32)."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+        height, width = bucket[0], bucket[1]
+        w, h = calculate_dimensions(preset.reference_pixels, width / height)
+        return h, w
+
     def usage_generate(self, preset: ModelPreset | None, extra: str) -> tuple[list[str], list[str]]:
         """An edit model's card edits an image (2509: a list of up to three)."""
         pipeline = EDIT_PIPELINES.get(preset.name) if preset is not None else None
