@@ -283,17 +283,17 @@ def _metadata_references(root: Path, row: dict, entry: FolderEntry, column: str,
 
 def _sidecar_references(entry: FolderEntry, listed: dict, also: str = "") -> FolderEntry:
     """The entry with its reference sidecars (`x.ref.png`, or `x.ref0.png`, `x.ref1.png`, ...) from the listing of its
-    folder, in their numbers' order; none or a set that is no sequence leaves `references` None with the reason."""
+    folder, in their numbers' order; none or a set that is no sequence leaves `references` None with the reason.
+    `listed` caches each folder's sidecars by lower-cased image stem under `(folder, "references")`, built once from
+    its listing (`_names`), so a folder of a million rows is not scanned per row."""
     folder, base = os.path.split(os.path.splitext(entry.image)[0])
-    if folder not in listed:
-        try:
-            listed[folder] = {n.lower(): n for n in os.listdir(folder or ".")}
-        except OSError:  # a missing or unreadable folder holds no sidecar; the image's own read reports it
-            listed[folder] = {}
-    prefix = base.lower() + "."
-    numbered = [(n, os.path.join(folder, name)) for key, name in listed[folder].items()
-                if key.startswith(prefix) and os.path.splitext(os.path.splitext(key)[0])[0] == base.lower()
-                and (n := reference_number(name)) is not None]
+    if (folder, "references") not in listed:
+        index: dict[str, list[tuple[int, str]]] = {}
+        for key, name in _names(folder, listed).items():
+            if (n := reference_number(name)) is not None:
+                index.setdefault(os.path.splitext(os.path.splitext(key)[0])[0], []).append((n, os.path.join(folder, name)))
+        listed[(folder, "references")] = index
+    numbered = listed[(folder, "references")].get(base.lower(), [])
     return _with_numbered(entry, numbered, f"{also}no {base}.ref.<image extension> (or {base}.ref0.<image extension>, "
                                           f"{base}.ref1..., numbered) beside the image", base + ".ref{n}.<image extension>")
 
@@ -330,13 +330,18 @@ def _sidecars(stem: str, listed: dict[str, dict[str, str]]) -> list[str]:
     """Paths of `stem` + any image extension (in any case, as the folder walk matches them), from one listing per
     directory (`listed`: directory -> lower-cased name -> name, filled on first use) instead of a stat per extension."""
     folder, base = os.path.split(stem)
+    names = _names(folder, listed)
+    return [os.path.join(folder, names[key]) for ext in IMAGE_EXTENSIONS if (key := (base + ext).lower()) in names]
+
+
+def _names(folder: str, listed: dict) -> dict[str, str]:
+    """A directory's lower-cased file names -> names, listed once (`listed` caches them)."""
     if folder not in listed:
         try:
             listed[folder] = {n.lower(): n for n in os.listdir(folder or ".")}
         except OSError:  # a missing or unreadable folder holds no sidecar; the image's own read reports it
             listed[folder] = {}
-    names = listed[folder]
-    return [os.path.join(folder, names[key]) for ext in IMAGE_EXTENSIONS if (key := (base + ext).lower()) in names]
+    return listed[folder]
 
 
 def _list_metadata(root: Path, path: Path, caption_column: str, control_column: str | None,
@@ -473,6 +478,10 @@ def with_reference_folder(entries: list[FolderEntry], folders: tuple[str | os.Pa
     """
     listed = [_images_by_stem(folder) for folder in folders]
     within = [os.path.abspath(folder) + os.sep for folder in folders]
+    numbered_in: dict[str, list[tuple[int, str]]] = {}  # relative stem x -> (N, path) of the one folder's x_N.EXT files
+    for key, paths in listed[0].items() if len(folders) == 1 else ():
+        if match := FOLDER_NUMBER.fullmatch(key):
+            numbered_in.setdefault(match[1], []).extend((int(match[2]), path) for path in paths)
     out = []
     for e in entries:
         if any(os.path.abspath(e.image).startswith(w) for w in within):  # a reference folder inside the source's
@@ -492,9 +501,7 @@ def with_reference_folder(entries: list[FolderEntry], folders: tuple[str | os.Pa
         if exact:
             out.append(_with_numbered(e, [(0, path) for path in exact], "", f"{stem}.<image extension> in {folder}"))
             continue
-        numbered = [(int(m[2]), path) for key, paths in found.items()
-                    if (m := FOLDER_NUMBER.fullmatch(key)) and m[1] == stem for path in paths]
-        out.append(_with_numbered(e, numbered, f"no {stem}.<image extension> (or {stem}_0.<image extension>, {stem}_1..., "
+        out.append(_with_numbered(e, numbered_in.get(stem, []), f"no {stem}.<image extension> (or {stem}_0.<image extension>, {stem}_1..., "
                                                f"numbered) in {folder}", f"{stem}_{{n}}.<image extension> in {folder}"))
     return out
 

@@ -126,13 +126,11 @@ class Record:
     mask_detail: str = ""  # what went wrong, or where the mask was looked for
     video: bool = False  # named as a video (its file's or tar member's suffix): `image` holds the video's bytes
     references: list[bytes] | None = None  # an edit sample's reference images' bytes, in order; None: none found or read
-    references_missing: str = "missing_reference"  # why `references` is None: a REFERENCE_REASONS reason
+    references_missing: str = "missing_reference"  # why `references` is None: missing_, unreadable_ or ambiguous_reference
     references_detail: str = ""  # what went wrong, or where the references were looked for
     reference_names: list[str] = field(default_factory=list)  # where each reference came from, for messages
 
 
-# Why an edit sample is skipped for its references (precompute.inputs.REASONS says what each means).
-REFERENCE_REASONS = ("missing_reference", "unreadable_reference", "corrupt_reference", "too_many_references")
 # Marks the references' part of a key (content and latent keys); a sample without references has none.
 REFERENCES_MARKER = b"\x00\x00references\x00"
 
