@@ -416,7 +416,10 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         ref, reason, detail = decode_image(data, policy.max_pixels)
         if ref is None:
             return failed("corrupt_reference", f"{reference_name(record, i)}: {reason}: {detail}")
-        prepared.append(policy.prepare_reference(ref, i, len(references)))
+        try:
+            prepared.append(policy.prepare_reference(ref, i, len(references)))
+        except ValueError as e:  # the family's pipeline cannot take it (a reference smaller than a token, say)
+            return failed("unusable_reference", f"{reference_name(record, i)}: {e}")
 
     h, w = img.height, img.width
     bucket, reason, detail = choose_bucket(h, w, policy)

@@ -71,6 +71,8 @@ REASONS = {
     "unreadable_reference": "references: a reference image could not be read (permission, I/O error, special file)",
     "corrupt_reference": "references: a reference image is not a decodable image (or is over --max-pixels)",
     "too_many_references": "references: more reference images than the model takes (the detail says how many it takes)",
+    "unusable_reference": "references: the model's pipeline cannot take the reference image (the detail says why: too "
+                          "small, ...)",
     "ambiguous_reference": "references: two files for one reference (x.ref.png and x.ref0.png, or one name in two "
                            "image extensions); keep one",
     "video_input": "a video given to a model that takes images (the detail names the presets that take video)",

@@ -343,3 +343,4 @@ def test_references_need_an_edit_preset_and_an_edit_only_preset_needs_them(tmp_p
     with pytest.raises(ValueError, match="flip = true with reference images"):
         (tmp_path / "f.toml").write_text('[[source]]\npath = "imgs"\nreferences = true\nflip = true\n')
         PrecomputeConfig(str(tmp_path / "f.toml"))
+
