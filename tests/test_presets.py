@@ -23,7 +23,7 @@ def test_a_preset_means_the_same_model_in_both_stages(name):
     assert one.transformer == two.repo  # the released transformer stage two loads
     clip = 77 if one.family == "sd3" else 0  # SD3's CLIP tokens come before T5's (Flux's text tokens are T5's alone)
     assert two.text_tokens == clip + one.text.max_length  # what the planner traces
-    assert two.latent_downsample == {"dc": 32, "kl": 8, "sd3": 8, "flux": 8, "qwen-image": 8, "wan2.1": 8, "wan2.2": 16}[one.vae.kind] or name.startswith("tiny")
+    assert two.latent_downsample == {"dc": 32, "kl": 8, "sd3": 8, "flux": 8, "qwen-image": 8, "wan2.1": 8, "wan2.2": 16, "flux2": 16}[one.vae.kind] or name.startswith("tiny")
 
 
 @pytest.mark.parametrize("name", ["tiny-sana", "tiny-sd3"])

@@ -21,6 +21,7 @@ FAMILIES: tuple[Family, ...] = (
     load("sana"),
     load("sd3"),
     load("flux"),
+    load("flux2"),
     load("qwen_image"),
     load("z_image"),
     load("wan"),

@@ -15,6 +15,7 @@ MODULES = (
     "sana",
     "sd3",
     "flux",
+    "flux2",
     "qwen_image",
     "z_image",
     "wan",
