@@ -150,14 +150,6 @@ class Flux2(Family):
                     txt_ids=Flux2Pipeline._prepare_text_ids(text).to(xt.device), guidance=g, return_dict=False)[0]
         return out[:, : h * w].transpose(1, 2).reshape(b, c, h, w)  # the target's tokens, back to (B, C, h, w)
 
-    def example_batch(self, config, preset, bucket, batch, tokens, dtype, device="meta"):
-        """A planned batch with the preset's references, each of `reference_pixels` (square), following the target's
-        tokens: the planner traces the longer sequence an edit sample makes."""
-        out = super().example_batch(config, preset, bucket, batch, tokens, dtype, device)
-        side = int(preset.reference_pixels ** 0.5) // (preset.latent_downsample * self.latent_patch(config))
-        refs = [torch.zeros(self.latent_channels(config), side, side, device=device, dtype=dtype)] * preset.references
-        return {**out, "references": [list(refs) for _ in range(batch)]}
-
     # --- validation, as the pipelines sample ---
 
     def sampling_scheduler(self, objective, pixels):
