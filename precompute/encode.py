@@ -22,6 +22,7 @@ from shards import LATENT_KEY, MASK, DecoderRecipe, Field, LatentSpec, Schema, T
 from shards.fingerprint import normalize
 from shards.options import torch_dtype
 from shards.quiet import no_truncation_warnings
+from shards.references import reference_schema
 
 
 def best_device() -> torch.device:
@@ -141,6 +142,8 @@ class Encoders:
             "source": Field(torch.uint8, ragged=True),
             MASK: Field(torch.uint8, ragged=True),
             LATENT_KEY: Field(torch.uint8),
+            # an edit preset's references (`shards.references`): every sample has both fields, empty without any
+            **(reference_schema(storage_dtype) if self.preset.references else {}),
         }
 
     def prompt_schema(self, storage_dtype: torch.dtype) -> Schema:
@@ -161,7 +164,15 @@ class Encoders:
             },
             "text_encoder": self.text_fingerprint(),
             **({"first_frame": self.first_frame_fingerprint()} if self.first_frame else {}),
+            **({"references": self.references_fingerprint()} if self.preset.references else {}),
         }
+
+    def references_fingerprint(self) -> dict:
+        """The fingerprint's `references` part, for an edit preset only: how many a sample may have, how the family
+        prepares each (its size and resampling: `reference_fingerprint`) and what is stored of its latent."""
+        return {"max": self.preset.references, "latent": "the posterior's mean, normalised as the pipeline's reference latents",
+                "encoder": "the cache's VAE", "text_sees_references": self.text_family.text_takes_references,
+                **self.family.reference_fingerprint(self.preset)}
 
     def first_frame_fingerprint(self) -> dict:
         """The fingerprint's `first_frame` part, for an image-to-video preset only: the fields and the image encoder
@@ -244,13 +255,26 @@ class Encoders:
         return fields
 
     @torch.inference_mode()
-    def encode_text(self, captions: list[str], instruction: bool = True) -> TextBatch:
+    def encode_references(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, h, w) prepared references of one size, float32 in [-1, 1] (`Family.prepare_reference`) -> their
+        latents (B, C, h', w') float32 on the encoding device, as the family's pipeline computes them."""
+        x = pixels.to(self.device, non_blocking=True).to(self.vae_dtype)
+        return self.family.encode_references(self.vae, x, self.latent)
+
+    @torch.inference_mode()
+    def encode_text(self, captions: list[str], instruction: bool = True,
+                    references: list[list[torch.Tensor]] | None = None) -> TextBatch:
         """Captions -> their cached text fields (see `TextBatch`), and whether each was truncated.
 
         `instruction=False` encodes without the family's instruction prompt, as its pipeline encodes the
-        negative (empty) prompt for classifier-free guidance.
+        negative (empty) prompt for classifier-free guidance. `references`: for a family whose text encoder sees an
+        edit sample's reference images (`Family.text_takes_references`), per caption its sample's references'
+        `text_pixels` (None: captions alone).
         """
-        fields = self.text_family.encode_text(self.text, captions, self.device, instruction)
+        if references is None:
+            fields = self.text_family.encode_text(self.text, captions, self.device, instruction)
+        else:
+            fields = self.text_family.encode_text(self.text, captions, self.device, instruction, references=references)
         return TextBatch(fields, self.truncated(captions))
 
     def truncated(self, captions: list[str]) -> list[bool]:

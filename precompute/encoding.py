@@ -2,7 +2,13 @@
 batched per bucket, encoded, checked and written; what the pass found is tallied for the run's summary. A changed
 input whose image did not change (only its loss mask or captions did) takes its old sample's latent fields instead
 of the VAE's (`CachedLatents`). The samples are written on a background thread (`precompute.background`) while
-the encoders go on with the next batches."""
+the encoders go on with the next batches.
+
+An edit preset's samples carry their reference images, each prepared at its own size (`Family.prepare_reference`):
+they are encoded in groups of one size and stored as the sample's reference fields (`shards.references`). Where the
+text encoder sees them too (`Family.text_takes_references`), each caption is encoded with its sample's references
+and its text is keyed by caption and references (`shards.texts.text_key`), so a caption of two samples with other
+references is two texts."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from precompute.background import BackgroundWrites, held_bytes
 from precompute.clips import CLIP
 from precompute.encode import Encoders
 from shards import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, Cache, FormatError, ShardWriter
+from shards.references import REFERENCE_LATENT, pack
 from shards.texts import TEXT_KEYS, key_rows, text_key
 
 
@@ -69,14 +76,14 @@ class CachedLatents:
 
     An input that changed but whose image did not (a new loss mask, edited captions) gets a new key; its old sample,
     found through the input's entry in the stamp table, holds the latent fields the VAE would compute again, which its
-    `shards.LATENT_KEY` proves (the same image bytes, flip and control image). They are read with the shards reader
+    `shards.LATENT_KEY` proves (the same image bytes, flip, control image and reference images). They are read with the shards reader
     from the generation the run started with (its shards are not retired before the run ends), digests checked; a
     sample that cannot be read is encoded again.
 
     Args:
         root: the cache.
         generation: the generation the run's manifest is.
-        fields: the latent fields to copy (the image's, its flipped view's, its control image's).
+        fields: the latent fields to copy (the image's, its flipped view's, its control image's, its references').
     """
 
     def __init__(self, root, generation: int, fields: list[str]):
@@ -158,6 +165,9 @@ class EncodingPass:
 
     def __post_init__(self) -> None:
         self.flipped_fields = [name for name in self.enc.latent_spec().flipped_fields if name in self.schema]
+        self.references = REFERENCE_LATENT in self.schema  # an edit preset's cache: every sample has reference fields
+        # the text encoder sees each sample's references: a caption's text is keyed by caption and references
+        self.text_references = self.references and self.enc.text_family.text_takes_references
         # "changed" if cached as one at its resolution (an image cached at another resolution is new at this one)
         self.cached_inputs = {scope: set(inputs) for scope, inputs in self.stamps.items()}
         self.pending: dict = defaultdict(list)
@@ -213,6 +223,8 @@ class EncodingPass:
         for key in ("pixels", "control_pixels", "mask_pixels"):
             if isinstance(item.get(key), np.ndarray):
                 item[key] = torch.from_numpy(item[key])
+        for ref in item.get("reference_pixels") or ():  # each reference's `pixels` (and `text_pixels`)
+            ref.update({k: torch.from_numpy(v) for k, v in ref.items() if isinstance(v, np.ndarray)})
         if status == "failed":  # a damaged tar stands for the samples it did not yield (`samples`)
             tally.fail({k: item[k] for k in ("source", "reason", "detail", "dataset", "samples") if k in item}, item.get("samples", 1))
         elif item["key"] in tally.seen or (status == "unchanged" and item["key"] not in self.previous[name] and not self.repair):
@@ -238,10 +250,13 @@ class EncodingPass:
         texts, then each sample) to the background writer as one batch."""
         tally = self.tally
         images = self.image_fields(items)
-        captions = [c for it in items for c in it["captions"]]
+        captions, contexts, references = self.caption_inputs(items)
         stored_once = TEXT_KEYS in self.schema  # each text in a text row the samples refer to (`shards.texts`)
         writes: list[tuple[partial, dict]] = []  # (write, the tensors it writes), in the order they run
-        texts = self.store_texts(captions, writes) if stored_once else self.encode_captions(captions)
+        if stored_once:
+            texts = self.store_texts(captions, contexts, references, writes)
+        else:
+            texts = self.encode_captions(captions, references=references, contexts=contexts)
         at = 0
         for j, it in enumerate(items):
             mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field (or their keys)
@@ -280,32 +295,58 @@ class EncodingPass:
         self.tally.encoder_s += time.perf_counter() - t0
         return out
 
-    def encode_captions(self, captions: list[str], count: bool = True) -> list[dict[str, torch.Tensor]]:
-        """The text fields of each caption; truncated captions are counted (with `count`) and remembered by key."""
+    def caption_inputs(self, items: list[dict]) -> tuple[list[str], list[bytes], list[list[torch.Tensor]] | None]:
+        """Every caption of a batch, in order; per caption what its text key adds to the caption (`text_key`'s
+        context: its sample's `reference_digest` where the text encoder sees the references, else nothing); and, for
+        such a text encoder, per caption its sample's references' `text_pixels` (None for any other: captions alone).
+        Each caption variant of a sample sees the sample's references."""
+        captions = [c for it in items for c in it["captions"]]
+        if not self.text_references:
+            return captions, [b""] * len(captions), None
+        contexts, references = [], []
+        for it in items:
+            refs = it.get("reference_pixels") or []  # none: a text-to-image sample, its text the caption's alone
+            contexts += [it["reference_digest"] if refs else b""] * len(it["captions"])
+            references += [[r["text_pixels"] for r in refs]] * len(it["captions"])
+        return captions, contexts, references
+
+    def encode_captions(self, captions: list[str], count: bool = True, references: list[list[torch.Tensor]] | None = None,
+                        contexts: list[bytes] | None = None) -> list[dict[str, torch.Tensor]]:
+        """The text fields of each caption (seeing its `references`, see `caption_inputs`); truncated captions are
+        counted (with `count`) and remembered by text key (`contexts`: each caption's, see `caption_inputs`)."""
         texts, truncated = [], 0
+        contexts = contexts or [b""] * len(captions)
         for i in range(0, len(captions), self.text_batch_size):
-            batch = self.encoded(self.enc.encode_text, captions[i : i + self.text_batch_size])
+            part = slice(i, i + self.text_batch_size)
+            batch = self.encoded(self.enc.encode_text, captions[part], True, None if references is None else references[part])
             texts += batch.fields
             truncated += sum(batch.truncated)
-            self.truncated_texts.update(text_key(c) for c, cut in zip(captions[i : i + self.text_batch_size], batch.truncated) if cut)
+            self.truncated_texts.update(text_key(c, x) for c, x, cut in zip(captions[part], contexts[part], batch.truncated) if cut)
         if count:
             self.tally.counts["captions_truncated"] += truncated
         return texts
 
-    def store_texts(self, captions: list[str], writes: list[tuple[partial, dict]]) -> list[str]:
-        """The text key of each caption, its text encoded and written once (appended to `writes`, before the samples
-        that refer to it): a caption the cache holds (or this run wrote) is not encoded again, however many samples
-        refer to it. A text holding NaN/Inf is not written (its samples fail as non_finite)."""
-        keys = [text_key(c) for c in captions]
-        new = list({k: c for k, c in zip(keys, captions)
-                    if k not in self.queued_texts and k not in self.bad_texts and not self.writer.has_text(k)}.values())
-        for caption, fields in zip(new, self.encode_captions(new, count=False)):
+    def store_texts(self, captions: list[str], contexts: list[bytes], references: list[list[torch.Tensor]] | None,
+                    writes: list[tuple[partial, dict]]) -> list[str]:
+        """The text key of each caption (with its context, see `caption_inputs`), its text encoded and written once
+        (appended to `writes`, before the samples that refer to it): a text the cache holds (or this run wrote) is not
+        encoded again, however many samples refer to it. A text holding NaN/Inf is not written (its samples fail as
+        non_finite)."""
+        keys = [text_key(c, x) for c, x in zip(captions, contexts)]
+        first: dict[str, int] = {}  # each new text's key -> its first caption's index
+        for i, k in enumerate(keys):
+            if k not in first and k not in self.queued_texts and k not in self.bad_texts and not self.writer.has_text(k):
+                first[k] = i
+        new = list(first.values())
+        encoded = self.encode_captions([captions[i] for i in new], count=False, contexts=[contexts[i] for i in new],
+                                       references=None if references is None else [references[i] for i in new])
+        for i, fields in zip(new, encoded):
             fields = {name: t.to(self.storage).cpu() for name, t in fields.items()}
             if all(bool(torch.isfinite(t).all()) for t in fields.values() if t.is_floating_point()):
-                writes.append((partial(self.writer.write_text, caption, fields), fields))
-                self.queued_texts.add(text_key(caption))
+                writes.append((partial(self.writer.write_text, captions[i], fields, contexts[i]), fields))
+                self.queued_texts.add(keys[i])
             else:
-                self.bad_texts.add(text_key(caption))
+                self.bad_texts.add(keys[i])
         self.tally.counts["captions_truncated"] += sum(k in self.truncated_texts for k in keys)  # per caption, as before
         return keys
 
@@ -322,8 +363,8 @@ class EncodingPass:
 
     def image_fields(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
         """Per item, its latent fields in the storage dtype: its image's, its flipped image's (one row for a source
-        with flip, none otherwise) and its control image's; from the VAE, or copied from its old sample when only
-        its mask or captions changed (`reusable`)."""
+        with flip, none otherwise), its control image's and its references' (`reference_fields`); from the VAE, or
+        copied from its old sample when only its mask or captions changed (`reusable`)."""
         enc, storage = self.enc, self.storage
         out: list[dict | None] = [self.reusable(it) for it in items]
         self.tally.counts["latents_reused"] += sum(f is not None for f in out)
@@ -336,6 +377,7 @@ class EncodingPass:
         mirrored = self.encoded(enc.encode_images, torch.stack([fresh[j]["pixels"].flip(-1) for j in flips])) if flips else {}
         # the control images, cropped as their images, through the same VAE: the pipelines' control latents
         controls = self.encoded(enc.encode_images, torch.stack([it["control_pixels"] for it in fresh])) if self.control else {}
+        references = self.reference_fields(fresh) if self.references else None
         encoded = []
         for j in range(len(fresh)):
             fields = {name: t[j].to(storage) for name, t in latents.items()}
@@ -344,9 +386,29 @@ class EncodingPass:
                 row = mirrored[name.removeprefix(FLIP_PREFIX)][flips.index(j)][None] if j in flips else plain[j][None][:0]
                 fields[name] = row.to(storage)
             fields.update({CONTROL_PREFIX + name: t[j].to(storage) for name, t in controls.items()})
+            if references is not None:
+                fields.update(references[j])
             encoded.append(fields)
         it = iter(encoded)
         return [f if f is not None else next(it) for f in out]
+
+    def reference_fields(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
+        """Per item, its references' two fields (`shards.references.pack`, storage dtype; empty for an item without
+        references). A reference is prepared at its own size, so a batch's references are encoded in groups of one
+        size, at most `batch_size` images per call, by the family's `encode_references`."""
+        by_size: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (h, w) -> (item, reference)
+        for j, it in enumerate(items):
+            for r, ref in enumerate(it.get("reference_pixels") or ()):
+                by_size[tuple(ref["pixels"].shape[-2:])].append((j, r))
+        latents: list[list[torch.Tensor | None]] = [[None] * len(it.get("reference_pixels") or ()) for it in items]
+        for where in by_size.values():
+            for i in range(0, len(where), self.batch_size):
+                part = where[i : i + self.batch_size]
+                x = torch.stack([items[j]["reference_pixels"][r]["pixels"] for j, r in part])  # (B, 3, h, w) in [-1, 1]
+                for (j, r), latent in zip(part, self.encoded(self.enc.encode_references, x)):  # (C, h', w') each
+                    latents[j][r] = latent.to(self.storage)
+        channels = self.enc.latent_spec().channels
+        return [pack(refs, channels, self.storage) for refs in latents]
 
     def loss_mask(self, it: dict) -> torch.Tensor:
         """The sample's `shards.MASK` row: its mask's area average over each latent cell's pixels, 0-255, (1, h, w)
