@@ -20,6 +20,7 @@ from shards import ShardWriter, verify
 from shards.lock import WRITERS_LOCK
 from shards.reader import stat_problems
 from shards.schema import dtype_from_name
+from shards.texts import text_key
 
 LOCK_FILE = re.compile(rf"\.lock(-r\d{{5}})?|{re.escape(WRITERS_LOCK)}")  # the lock files of a run, its ranks and its writers
 
@@ -89,10 +90,22 @@ def damaged_texts(cache: Path, manifest) -> dict[str, tuple[list[str], list[str]
 
 def repair_texts(config: PrecomputeConfig, manifest, device) -> dict:
     """Re-encode every damaged text shard from the captions the manifest keeps (no input is read) and commit each
-    copy in its place. The text encoder built must be the cache's (refused otherwise, naming the differing fields)."""
+    copy in its place. The text encoder built must be the cache's (refused otherwise, naming the differing fields).
+    A text that depends on its sample's reference images as well (an edit model whose text encoder sees them: its key
+    is not its caption's alone, `shards.texts.text_key`) cannot be rebuilt from its caption: its text shard is left as
+    it is and named, with what to do."""
     damaged = damaged_texts(config.cache, manifest)
     if not damaged:
         return {"repaired_text_shards": 0}
+    seeing = {path: sum(k != text_key(c) for k, c in zip(keys, captions)) for path, (keys, captions) in damaged.items()}
+    unrepairable = [path for path, n in seeing.items() if n]
+    for path in unrepairable:
+        del damaged[path]
+        print(f"  not repaired: text shard {path}: {seeing[path]} of its texts were encoded with their samples' reference "
+              f"images, which the cache does not keep; remove the sources whose samples refer to them (--remove-source "
+              f"NAME) and run stage one on them again", file=sys.stderr)
+    if not damaged:
+        return {"repaired_text_shards": 0, "unrepairable_text_shards": unrepairable}
     enc = Encoders(config.preset(), device, text_dtype=config.text_dtype, pretrained=config.pretrained, vae=False)
     check_text_encoder(manifest.fingerprint["text_encoder"], enc.text_fingerprint(), config.cache)
     storage = dtype_from_name(manifest.fingerprint["storage_dtype"])
@@ -105,7 +118,7 @@ def repair_texts(config: PrecomputeConfig, manifest, device) -> dict:
             writer.replace(path, list(zip(keys, rows)))
     print(f"\n{config.cache}: repaired {len(damaged)} damaged text shard(s), "
           f"{sum(len(k) for k, _ in damaged.values())} texts re-encoded from their captions", file=sys.stderr)
-    return {"repaired_text_shards": len(damaged)}
+    return {"repaired_text_shards": len(damaged), **({"unrepairable_text_shards": unrepairable} if unrepairable else {})}
 
 
 def replace_damaged(writer: ShardWriter, damaged: dict[str, list[str]], encoded: dict, inputs, cache: Path) -> dict:

@@ -13,15 +13,17 @@ from precompute.encode import Encoders
 from precompute.images import ImagePolicy
 from precompute.inputs import REASONS
 from shards import Cache
+from shards.cli import reference_line, reference_stats
 
 
 def estimate_bytes_per_sample(enc: Encoders, policy: ImagePolicy, storage: torch.dtype, captions: int = 1,
-                              control: bool = False) -> int:
+                              control: bool = False, references: int = 0) -> int:
     """Latents (and control latents) at the largest bucket area plus, per caption, what the family keeps of it (for
-    captions trimmed to their valid tokens, half the token limit): an estimate for the disk check."""
+    captions trimmed to their valid tokens, half the token limit), plus `references` reference latents (their mean
+    alone) at that area: an estimate for the disk check."""
     latent = enc.latent_spec()
     area = max(b.height * b.width for b in policy.buckets) // latent.downsample**2
-    latents = (2 if control else 1) * len(latent.fields) * latent.channels * area
+    latents = ((2 if control else 1) * len(latent.fields) + references) * latent.channels * area
     return (latents + captions * enc.caption_elements()) * storage.itemsize + 256
 
 
@@ -126,6 +128,9 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
     for name, k in summary["buckets"].items():
         print(f"    {name:>10}: {k}", file=out)
     print("  bytes per sample: " + ", ".join(f"{k} {v:,.0f}" for k, v in summary["bytes_per_sample"].items()), file=out)
+    if (refs := reference_stats(manifest)) is not None:  # an edit cache: its samples' reference images
+        summary["references"] = refs
+        print(f"  references: {reference_line(refs)}", file=out)
     if (texts := manifest.text_stats()) is not None:  # each distinct caption's text stored once
         summary["texts"] = texts
         saved = (f"{texts['saved']:,} bytes fewer than stored with each sample" if texts["saved"] >= 0 else

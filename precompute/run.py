@@ -46,6 +46,7 @@ from precompute.report import check_disk_space, estimate_bytes_per_sample, repor
 from shards import LATENT_KEY, MASK, CacheSpec, Field, Prompt, ShardWriter, exists, load, prompt_key
 from shards.atomic import atomic_write_bytes
 from shards.options import torch_dtype
+from shards.references import REFERENCE_FIELDS
 from shards.texts import TEXT_KEYS, TEXT_LENGTHS
 
 
@@ -68,6 +69,7 @@ def run(config: PrecomputeConfig) -> dict:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
 
+    check_references(config)
     # the encoders' weights can be had (or the run stops at once, before anything is listed or created)
     sources = weights_sources(config.preset(), config.pretrained)
     created = [d for d in (config.cache, *config.cache.parents) if not d.exists()]  # deepest first
@@ -291,8 +293,10 @@ def check_cache(config: PrecomputeConfig, enc: Encoders, manifest, inputs: Input
         # a source's caption variants are that many captions per sample (fewer where some were identical); latents at
         # the largest resolution
         largest = config.policy(max(config.resolutions()))
+        # an edit sample's references: one at that area (a typical edit pair; more where the source has more)
         need = sum(n * clips_per_input(enc, s) * estimate_bytes_per_sample(enc, largest, storage, captions=s.caption_variants,
-                                                                            control=config.control)
+                                                                            control=config.control,
+                                                                            references=int(s.takes_references and bool(enc.preset.references)))
                    for s in inputs.sources if (n := growth[s.name]))
         check_disk_space(config.cache, need)
     return fingerprint, schema, text_schema
@@ -394,7 +398,8 @@ def cached_latents(config: PrecomputeConfig, enc: Encoders, manifest, schema: di
     if manifest is None or config.repair or LATENT_KEY not in manifest.schema:
         return None
     latent = enc.latent_spec()
-    fields = [*latent.fields, *(n for n in latent.flipped_fields if n in schema), *(latent.control_fields if config.control else ())]
+    fields = [*latent.fields, *(n for n in latent.flipped_fields if n in schema), *(latent.control_fields if config.control else ()),
+              *(n for n in REFERENCE_FIELDS if n in schema)]  # an edit sample's references: its latent key covers them
     return CachedLatents(config.cache, manifest.generation, fields)
 
 
@@ -419,6 +424,21 @@ def check_tables(config: PrecomputeConfig, manifest) -> None:
         if resolution in recorded and recorded[resolution] != config.table(resolution):
             raise ValueError(f"--resolution {resolution}: the cache at {config.cache} holds samples on another bucket table "
                              f"for that resolution; write into a new directory (--cache DIR)")
+
+
+def check_references(config: PrecomputeConfig) -> None:
+    """Refuse, before any model loads, a run of an edit-only model (`Preset.requires_references`) with a source whose
+    images pair with no reference images: its samples would be edits without their input."""
+    preset = config.preset()
+    if not preset.requires_references:
+        return
+    without = [s for s in config.sources() if not s.takes_references]
+    if without:
+        which = "DATA" if len(config.sources()) == 1 and not without[0].from_file else f"source {without[0].name!r}"
+        raise ValueError(f"--model {preset.name} trains edits and every sample needs its reference image(s), but {which} "
+                         f"names none: pass --references (reference images beside each image as x.ref.png, or x.ref0.png, "
+                         f"x.ref1.png, ...), or give the source references = true, reference_folder = \"DIR\" or "
+                         f"reference_column = \"NAME\" in the dataset file")
 
 
 def check_control(config: PrecomputeConfig, manifest) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import typer
 
 from shards.reader import Cache
+from shards.references import REFERENCE_FIELDS, REFERENCE_SHAPE
 from shards.schema import CacheBusy, DamagedCache, FormatError
 from shards.verify import verify as verify_cache
 
@@ -40,6 +42,46 @@ def _human(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError
+
+
+def reference_stats(m) -> dict | None:
+    """An edit cache's reference images, from the shard table alone (None for a cache without reference fields):
+    the samples that have references, how many references they have, and the bytes of their reference fields.
+
+    Each reference is one (h, w) row of `reference_shape`, so a shard's references are its field bytes less the
+    offsets, over a row's bytes. A shard holds one source's samples, and a source's samples either all pair with
+    reference images (one without them is skipped) or none do: the samples with references are those of the shards
+    that hold any."""
+    if REFERENCE_SHAPE not in m.schema or REFERENCE_SHAPE not in m.shards.fields:
+        return None
+    stored = m.shards.column("field_bytes")
+    samples = m.shards.column("samples")
+    row = 2 * m.schema[REFERENCE_SHAPE].dtype.itemsize
+    refs = (stored[:, m.shards.fields.index(REFERENCE_SHAPE)] - 8 * (samples + 1)) // row
+    nbytes = sum(stored[:, m.shards.fields.index(name)] for name in REFERENCE_FIELDS if name in m.shards.fields)
+    has = refs > 0
+    names = np.array(m.shards.datasets(), dtype=object)
+    with_refs = int(samples[has].sum())
+    return {
+        "samples_with_references": with_refs,
+        "samples_without_references": int(samples[~has].sum()),
+        "references": int(refs.sum()),
+        "references_per_sample": int(refs.sum()) / max(with_refs, 1),  # of the samples that have them
+        "bytes_per_sample": int(nbytes[has].sum()) / max(with_refs, 1),  # both fields, of the samples that have them
+        "sources": {str(name): {"samples_with_references": int(samples[has & (names == name)].sum()),
+                                "references": int(refs[names == name].sum())} for name in sorted(set(names.tolist()))},
+    }
+
+
+def reference_line(refs: dict) -> str:
+    """`reference_stats` as one line of a report."""
+    line = f"{refs['samples_with_references']:,} samples with reference images"
+    if refs["samples_without_references"]:
+        line += f" (and {refs['samples_without_references']:,} without, text-to-image)"
+    if refs["samples_with_references"]:
+        line += (f", {refs['references_per_sample']:.2f} references per sample, {_human(refs['bytes_per_sample'])} of "
+                 f"reference fields per sample")
+    return line
 
 
 def summary(cache: Cache) -> dict:
@@ -71,6 +113,8 @@ def summary(cache: Cache) -> dict:
                     for name, totals in m.datasets().items()},
         # a cache that stores each text once: the texts stored, the references to them, the bytes saved
         **({"texts": m.text_stats()} if m.texts is not None else {}),
+        # an edit cache: the samples with reference images, references per sample and the bytes of their fields
+        **({"references": refs} if (refs := reference_stats(m)) is not None else {}),
         **resolutions,
         "generation": m.generation,
         "fingerprint_sha256": m.fingerprint_sha256,
@@ -133,12 +177,17 @@ def inspect(
         if src.get("masks"):  # stage one cached a loss mask per sample (for --masked-loss)
             where = "the images' alpha channel" if src.get("alpha_mask") else src.get("mask") or "mask files"
             typer.echo(f"  {'':<24} loss masks from {where}")
+        if (refs := info.get("references", {}).get("sources", {}).get(name)) and refs["samples_with_references"]:
+            typer.echo(f"  {'':<24} reference images: {refs['references']} for {refs['samples_with_references']} samples "
+                       f"({refs['references'] / refs['samples_with_references']:.2f} per sample)")
     if "texts" in info:
         t = info["texts"]
         typer.echo(f"\ntexts (each stored once): {t['texts']} in {t['shards']} text shards, {_human(t['bytes'])}; "
                    f"{t['references']} references from samples, which would take {_human(t['inline_bytes'])} stored with each; "
                    f"saved {_human(t['saved']) if t['saved'] >= 0 else '-' + _human(-t['saved'])} (after "
                    f"{_human(t['key_bytes'])} of text keys)")
+    if "references" in info:
+        typer.echo(f"\nreferences: {reference_line(info['references'])}")
     typer.echo("\nfields (bytes per sample):")
     for name, f in info["fields"].items():
         typer.echo(f"  {name:<24} {f['kind']:<7} {f['dtype']:<9} {_human(f['bytes_per_sample']):>10}")
