@@ -69,7 +69,6 @@ def run(config: PrecomputeConfig) -> dict:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
 
-    check_references(config)
     # the encoders' weights can be had (or the run stops at once, before anything is listed or created)
     sources = weights_sources(config.preset(), config.pretrained)
     created = [d for d in (config.cache, *config.cache.parents) if not d.exists()]  # deepest first
@@ -424,21 +423,6 @@ def check_tables(config: PrecomputeConfig, manifest) -> None:
         if resolution in recorded and recorded[resolution] != config.table(resolution):
             raise ValueError(f"--resolution {resolution}: the cache at {config.cache} holds samples on another bucket table "
                              f"for that resolution; write into a new directory (--cache DIR)")
-
-
-def check_references(config: PrecomputeConfig) -> None:
-    """Refuse, before any model loads, a run of an edit-only model (`Preset.requires_references`) with a source whose
-    images pair with no reference images: its samples would be edits without their input."""
-    preset = config.preset()
-    if not preset.requires_references:
-        return
-    without = [s for s in config.sources() if not s.takes_references]
-    if without:
-        which = "DATA" if len(config.sources()) == 1 and not without[0].from_file else f"source {without[0].name!r}"
-        raise ValueError(f"--model {preset.name} trains edits and every sample needs its reference image(s), but {which} "
-                         f"names none: pass --references (reference images beside each image as x.ref.png, or x.ref0.png, "
-                         f"x.ref1.png, ...), or give the source references = true, reference_folder = \"DIR\" or "
-                         f"reference_column = \"NAME\" in the dataset file")
 
 
 def check_control(config: PrecomputeConfig, manifest) -> None:
