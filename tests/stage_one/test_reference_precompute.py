@@ -18,7 +18,7 @@ from precompute.presets import get_preset
 from precompute.run import main as precompute
 from precompute.sample_data import draw_sample
 from shards import LATENT_KEY, Cache
-from shards.__main__ import app as shards_app
+from shards.cli import app as shards_app
 from shards.references import REFERENCE_LATENT, REFERENCE_SHAPE, unpack
 
 pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models
@@ -64,9 +64,9 @@ def expected_reference(enc, path) -> torch.Tensor:
     """What the cache must hold for reference image `path`: the family's `prepare_reference`, then its
     `encode_references` with the cache's VAE."""
     preset = get_preset(MODEL)
-    with Image.open(path) as img:
+    with Image.open(path) as img, torch.inference_mode():
         pixels = family(preset.family).prepare_reference(preset, img.convert("RGB"), 0, 1)["pixels"]
-    return enc.encode_references(pixels[None])[0]
+        return family(preset.family).encode_references(enc.vae, pixels[None], enc.latent)[0]
 
 
 def test_the_cache_holds_each_prepared_reference_encoded_and_edits_re_encode_one_sample(enc, tmp_path, monkeypatch):
@@ -115,7 +115,8 @@ def test_inspect_reports_references_per_sample_and_their_bytes(tmp_path):
     samples = by_source(cache).values()
     stored = sum(s[REFERENCE_LATENT].numel() * 4 + s[REFERENCE_SHAPE].numel() * 4 for s in samples)
     assert (refs["samples_with_references"], refs["references"], refs["references_per_sample"]) == (2, 2, 1.0)
-    assert refs["bytes_per_sample"] == (stored + 2 * 8 * 2) / 2  # with each field's offsets, (N + 1) int64 per shard of 1
+    offsets = sum(2 * 8 * (int(n) + 1) for n in Cache(cache).manifest.shards.column("samples"))  # two fields' (N + 1) int64
+    assert refs["bytes_per_sample"] == (stored + offsets) / 2
     text = CliRunner().invoke(shards_app, ["inspect", str(cache)]).output
     assert "references: 2 samples with reference images, 1.00 references per sample" in text
 
