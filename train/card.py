@@ -108,9 +108,12 @@ def write_card(directory: Path, ckpt: Path, state: dict, kind: Kind, *, ema: boo
     widget = None
     if grid is not None:
         text = ("validation items: control image, generated image, dataset image" if cfg.get("controlnet")
+                else "validation edits: reference image(s), edited image, target" if preset.references
                 else "; ".join(prompts) or "validation samples")
         widget = [{"text": text, "output": {"url": url}}]
-    task = "text-to-video" if get_family(preset.family).temporal_downsample else "text-to-image"
+    # an edit model's pipeline takes an image and an instruction
+    task = ("text-to-video" if get_family(preset.family).temporal_downsample else
+            "image-to-image" if preset.references else "text-to-image")
     data = ModelCardData(base_model=base.source if base.kind == "hub" else None, pipeline_tag=task, widget=widget)
     # The card is written, then loaded back with diffusers' helper: given a Hub id instead, `load_or_create_model_card`
     # would fetch that repository's card first; an export is the same whether it is pushed or not, and offline.

@@ -436,9 +436,10 @@ class ValidationOptions:
                                              "pipeline's guidance_scale; a model without one takes none.", at_least=0)
     validation_seed: int = opt(0, "Seed of the validation noise (fixed per prompt and bucket).",
                                   at_least=0, at_most=SEED_MAX)
-    validation_items: int = opt(4, "ControlNet runs: validate on this many cached dataset items, spread evenly over the cache "
-                                   "(a grid row each: control image, image generated from its control latent and caption, "
-                                   "ground truth); 0: no grids.", at_least=0)
+    validation_items: int = opt(4, "ControlNet and edit runs: validate on this many cached dataset items, spread evenly over "
+                                   "the cache (a grid row each: a ControlNet run's control image, image generated from its "
+                                   "control latent and caption, ground truth; an edit run's reference image(s), image "
+                                   "generated from its references and caption, target); 0: no grids.", at_least=0)
     decode_device: Literal["cpu", "device"] = opt("cpu", "Decode validation latents in a background CPU process (cpu) or on the "
                                                          "training device after releasing memory (device).")
 

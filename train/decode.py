@@ -85,12 +85,12 @@ def decode_clip(vae: torch.nn.Module, recipe: DecoderRecipe, latents: torch.Tens
 
 
 def grid(title: str, rows: list[tuple[str, list]]) -> Image.Image:
-    """One row per label; images of different sizes are centred in equal cells."""
+    """One row per label; images of different sizes are centred in equal cells (None: an empty cell)."""
     from PIL import Image, ImageDraw
 
     cols = max(len(images) for _, images in rows)
-    cell_w = max(im.width for _, images in rows for im in images)
-    heights = [max(im.height for im in images) for _, images in rows]
+    cell_w = max(im.width for _, images in rows for im in images if im is not None)
+    heights = [max(im.height for im in images if im is not None) for _, images in rows]
     canvas = Image.new("RGB", (LABEL_WIDTH + cols * (cell_w + 4), TITLE_HEIGHT + sum(h + 4 for h in heights)), "white")
     draw = ImageDraw.Draw(canvas)
     draw.text((6, 8), title, fill="black")
@@ -98,6 +98,8 @@ def grid(title: str, rows: list[tuple[str, list]]) -> Image.Image:
     for (label, images), h in zip(rows, heights):
         draw.multiline_text((6, y + 4), "\n".join(textwrap.wrap(label, 36)[:8]), fill="black")
         for j, im in enumerate(images):
+            if im is None:
+                continue
             x = LABEL_WIDTH + j * (cell_w + 4) + (cell_w - im.width) // 2
             canvas.paste(im, (x, y + (h - im.height) // 2))
         y += h + 4
@@ -109,7 +111,7 @@ def render(vae, recipe: DecoderRecipe, job: dict) -> Path:
     each row's clip as `<name>.mp4` beside the grid, which is their contact sheet (`train.video`)."""
     if job.get("fps"):
         return render_clips(vae, recipe, job)
-    rows = [(label, [im for z in latents for im in decode(vae, recipe, z[None])]) for label, latents in job["rows"]]
+    rows = [(label, [decode(vae, recipe, z[None])[0] if z is not None else None for z in latents]) for label, latents in job["rows"]]
     buf = io.BytesIO()
     grid(job["title"], rows).save(buf, format="PNG")
     atomic_write_bytes(job["path"], buf.getvalue())
@@ -174,10 +176,11 @@ class Decoder:
 
     def submit(self, title: str, rows: list[tuple[str, list[torch.Tensor]]], path: Path, *, names: list[str] | None = None,
                fps: float | None = None, kept: tuple[str, ...] = ()) -> None:
-        """Queue a grid of `rows` (label, latents) at `path`; with `fps`, rows of one clip each, written as
+        """Queue a grid of `rows` (label, latents; None: an empty cell) at `path`; with `fps`, rows of one clip each, written as
         `names[k]`.mp4 beside `path` (their contact sheet), those named in `kept` (the same at every validation)
         decoded once."""
-        job = {"title": title, "rows": [(label, [z.detach().float().cpu() for z in zs]) for label, zs in rows], "path": str(path)}
+        job = {"title": title, "rows": [(label, [None if z is None else z.detach().float().cpu() for z in zs]) for label, zs in rows],
+               "path": str(path)}
         if fps:
             job.update(fps=fps, names=list(names), kept=tuple(kept))
         if self.device is None:

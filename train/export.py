@@ -20,8 +20,9 @@ from shards.options import DTYPES
 from shards.remote import is_url
 from train import card, checkpoint, controlnet, lora, lycoris, safeload
 from train.cache import damaged_files
+from train.data import has_references
 from train.ema import load_shadow
-from train.families import get_preset
+from train.families import get_family, get_preset
 from train.model import flow_shift_kind
 from train.objectives import build_objective
 from train.presets import Weights, build_transformer, load_saved, resolve_weights
@@ -89,6 +90,7 @@ def write_controlnet(ckpt: Path, directory: Path, ema: bool, dtype: str | None =
     cfg = state["config"]
     started = cfg.get("pretrained_controlnet") or "the base's first blocks"
     write_provenance(target, ckpt, state, ema, base=recorded_base(preset, state),
+                     pipeline=controlnet.hooks(preset.family).pipeline,
                      controlnet={"class": type(net).__name__, "started_from": started,
                                  "conditioning_scale": cfg.get("controlnet_conditioning_scale", 1.0)})
     return target
@@ -114,9 +116,12 @@ def recorded_base(preset, state: dict) -> str:
 
 
 def write_provenance(directory: Path, ckpt: Path, state: dict, ema: bool, **extra) -> None:
-    """`training.json` beside exported weights: which checkpoint, step and weights they are."""
+    """`training.json` beside exported weights: which checkpoint, step and weights they are, and the stock pipeline that
+    samples them (`Family.pipeline_of`: an edit preset's edit pipeline)."""
+    preset = get_preset(state["model"], state["config"].get("expert"))
     (directory / "training.json").write_text(json.dumps({
         "checkpoint": str(ckpt.resolve()), "step": state["step"], "weights": "ema" if ema else "trained", "preset": state["model"],
+        "pipeline": extra.pop("pipeline", None) or get_family(preset.family).pipeline_of(preset),
         "precision_history": state["precision_history"],
         **({"expert": state["config"]["expert"]} if state["config"].get("expert") else {}), **extra,
     }, indent=1) + "\n")
@@ -335,11 +340,12 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
            ema: bool = False, decode_device: str | None = None, precision: str | None = None,
            say: Callable[[str], None] = lambda message: None) -> list[Path]:
     """Images for cached prompts from a checkpoint: one PNG per prompt and bucket (a cache of clips: one mp4 each and
-    their contact sheet), in `out` (default: RUN/samples/STEP,
+    their contact sheet; an edit cache: the edit of each of the run's `--validation-items` dataset items, and its row
+    beside its reference image(s) and target, `NAME-row.png`), in `out` (default: RUN/samples/STEP,
     beside the checkpoints, which a run rotates away). The prompts come from `prompt_cache` (default: the run's own
     first --cache). Sampler steps, guidance, seed, decode device and precision default to the run's own validation
     settings. `say` hears the progress: which image is being sampled, then decoded."""
-    from train.decode import decode, load_decoder, render_clips
+    from train.decode import decode, grid, load_decoder, render_clips
     from train.video import SHEET
 
     ckpt = checkpoint.find(run)
@@ -362,10 +368,14 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
     # a run's checkpoints are rotated (--keep-checkpoints): samples go beside them, named by the checkpoint's step
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     out = Path(out) if out else run_dir / "samples" / ckpt.name
+    # an edit model edits cached dataset items (their references and captions), as its run validated
+    items = cfg.get("validation_items", 4) if has_references(cache) else 0
     validator = Validator(cache, preset, objective, prompts=list(prompts), buckets=list(buckets), steps=steps, guidance=guidance,
-                          seed=seed, decode_device="cpu", out=out, model_name=preset.name,
+                          seed=seed, decode_device="cpu", out=out, model_name=preset.name, items=items,
                           frames=frames if frames is not None else cfg.get("validation_frames"))
     if not validator:
+        if has_references(cache):
+            raise ValueError(f"the run validated on --validation-items 0 dataset items of {cache.location}: nothing to edit")
         raise ValueError(f"{cache.location} holds no prompts; add some with {add_prompts_command(cache, [])}")
     out.mkdir(parents=True, exist_ok=True)  # after the checks: a refused command leaves no empty folder behind
     dtype = DTYPES[precision]
@@ -384,9 +394,19 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
                                                      "fps": validator.fps, "path": str(out / SHEET)})
         return [out / f"{name}.mp4" for name in names] + [sheet]
     written = []
-    for (text, bucket), z in latents.items():
+    for key, z in latents.items():
         image = decode(vae, validator.recipe, z[None])[0]
-        path = out / f"{slug(text)}-{bucket.name}-seed{seed}.png"
+        if isinstance(key, int):  # a dataset item an edit model edited: the edit, and its row beside its inputs
+            item = validator.items[key]
+            path = out / f"{slug(Path(item.name).stem)}-{item.bucket.name}-seed{seed}.png"
+            label, row = validator.item_row(key, z)
+            side = path.with_name(f"{path.stem}-row.png")
+            grid(f"{ckpt.name} · {steps} steps, guidance {guidance}",
+                 [(label, [decode(vae, validator.recipe, x[None])[0] for x in row if x is not None])]).save(side)
+            written.append(side)
+        else:
+            text, bucket = key
+            path = out / f"{slug(text)}-{bucket.name}-seed{seed}.png"
         image.save(path)
         written.append(path)
     return written

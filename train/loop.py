@@ -21,7 +21,7 @@ from shards.options import DTYPES
 from train import checkpoint, controlnet, distributed, trackers
 from train.cache import check_cache, check_cache_files, check_same_caches, check_same_encoders, open_generation, saved_generations, until_damaged
 from train.config import TrainConfig
-from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples, check_masks, check_references
+from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples, check_masks, check_references, has_references
 from train.dryrun import dry_run, startup_plan
 from train.evaluate import build_evaluator, eval_due, evaluate
 from train.families import get_family, get_preset
@@ -403,13 +403,15 @@ def build_validator(cfg: TrainConfig, cache, preset, objective, device: torch.de
     """The run's validation sampler, or None (--no-validate, or no prompts cached)."""
     if not cfg.validate:
         return None
-    if cfg.controlnet and not cfg.validation_items:
+    # a ControlNet run and an edit run validate on cached dataset items (their control images, their references)
+    on_items = cfg.controlnet or has_references(cache)
+    if on_items and not cfg.validation_items and (cfg.controlnet or preset.requires_references):
         say("no validation grids: --validation-items 0")
         return None
     validator = Validator(cache, preset, objective, prompts=cfg.validation_prompt, buckets=cfg.validation_bucket,
                           steps=cfg.validation_steps, guidance=cfg.guidance_scale, seed=cfg.validation_seed,
                           decode_device="cpu" if cfg.decode_device == "cpu" else str(device), out=cfg.run, model_name=cfg.model,
-                          items=cfg.validation_items if cfg.controlnet else 0, frames=cfg.validation_frames)
+                          items=cfg.validation_items if on_items else 0, frames=cfg.validation_frames)
     if validator:
         return validator
     say(f"no validation prompts cached in {cache.location} (add some with {add_prompts_command(cache, [])}); not validating")

@@ -11,15 +11,17 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from shards import Bucket, Cache
 from shards.prompts import prompt_key
+from shards.references import unpack as unpack_references
 from shards.remote import is_url
-from train.data import REFERENCES, TextLayout
+from shards.texts import TEXT_KEYS, keys_of
+from train.data import REFERENCES, TextLayout, has_references
 from train.decode import Decoder, decoder_recipe
 from train.families import get_family
 from train.families.base import ModelPreset
@@ -147,31 +149,52 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
 
 @dataclass
 class ValidationItem:
-    """A cached dataset item a ControlNet run validates on: its first caption's text fields, its control latent and
-    its own latent (the ground truth), as the cache stores them, at its bucket."""
+    """A cached dataset item a ControlNet or edit run validates on: its first caption's text fields, its control latent
+    (a ControlNet cache's) or its reference images' latents (an edit cache's), and its own latent (the ground truth),
+    as the cache stores them, at its bucket."""
 
     name: str  # the input it was encoded from
     bucket: Bucket
     cond: dict[str, torch.Tensor]
-    control: torch.Tensor  # (C, h, w); a KL VAE's posterior mean
-    reference: torch.Tensor  # (C, h, w)
+    control: torch.Tensor | None  # (C, h, w); a KL VAE's posterior mean; None in an edit cache
+    target: torch.Tensor  # (C, h, w)
+    references: list[torch.Tensor] = field(default_factory=list)  # (C, h_i, w_i) each, an edit sample's
+    caption: str | None = None  # its first caption, where the cache records it (texts stored once)
 
 
 def validation_items(cache: Cache, n: int) -> list[ValidationItem]:
     """`n` dataset items spread evenly over the cache (by position, so buckets and sources come in proportion),
     the same ones every time. The control latent is the posterior's mean: validation is deterministic where
-    training draws from the posterior."""
+    training draws from the posterior. An edit cache's items carry their references (the posteriors' means, as
+    stored) and no control latent."""
     layout, spec = TextLayout.of(cache), cache.spec.latent
+    edit = has_references(cache)
     k = min(n, len(cache))
     out = []
     for i in (j * len(cache) // k for j in range(k)):  # k distinct positions, the first sample first
         s = cache[i]
         shape = spec.shape(s.bucket.height, s.bucket.width)
+        control = None if edit else s.fields[spec.control_fields[0]].float().reshape(shape).clone()
         out.append(ValidationItem(Path(bytes(s.fields["source"].numpy()).decode("utf-8", "replace")).name, s.bucket,
-                                  {k: v.clone() for k, v in layout.caption(s.fields, 0).items()},
-                                  s.fields[spec.control_fields[0]].float().reshape(shape).clone(),
-                                  s.fields[spec.fields[0]].float().reshape(shape).clone()))
+                                  {k: v.clone() for k, v in layout.caption(s.fields, 0).items()}, control,
+                                  s.fields[spec.fields[0]].float().reshape(shape).clone(),
+                                  [r.float().clone() for r in unpack_references(s.fields)] if edit else [],
+                                  first_caption(cache, i)))
     return out
+
+
+def first_caption(cache: Cache, i: int) -> str | None:
+    """The first caption of sample `i` as the cache records it: a cache that stores each text once keeps its caption
+    beside its text row; one that stores texts with each sample keeps none (None)."""
+    if cache.texts is None:
+        return None
+    s = cache.read(i, resolve=False)
+    keys = keys_of(s.fields[TEXT_KEYS]) if TEXT_KEYS in s.fields else []
+    found = cache.locate_text(keys[0]) if keys else None
+    if found is None:
+        return None
+    t, row = found
+    return cache.texts.samples_of(t)[1][row] or None
 
 
 class Validator:
@@ -179,7 +202,13 @@ class Validator:
     decoded the same way, so generated samples can be judged against what the model learns from.
 
     With `items` (ControlNet runs), a row per cached dataset item instead: its control image, the image generated
-    from its control latent and caption, and its own image (all decoded by the background decoder)."""
+    from its control latent and caption, and its own image (all decoded by the background decoder).
+
+    An edit cache (its samples have reference images) validates on `items` as well: a row per item, its reference
+    image(s), the image generated from its caption (the instruction) and references, and its target, decoded as
+    targets are, labelled with the caption where the cache records it. A model that edits only (the preset's
+    `requires_references`) has no prompt-only validation (`prompts` are refused); one that also generates from text
+    alone samples the requested `prompts` too (all cached ones when `items` is 0), in rows after the items'."""
 
     def __init__(self, cache: Cache, preset: ModelPreset, objective, *, prompts: list[str], buckets: list[str], steps: int,
                  guidance: float, seed: int, decode_device: str, out: Path, model_name: str, items: int = 0,
@@ -189,7 +218,16 @@ class Validator:
         self.items = validation_items(cache, items) if items else []
         if items and not self.items:
             raise ValueError(f"{cache.location} holds no samples to validate on")
-        self.prompts = [] if items else resolve_prompts(cache, prompts, model_name)
+        self.edit = has_references(cache)
+        if self.edit and preset.requires_references and prompts:
+            raise ValueError(f"{preset.name} edits an input image: it validates on cached dataset items (--validation-items: "
+                             f"their reference images and captions), not on --validation-prompt alone; leave it out")
+        if self.edit and preset.requires_references:
+            self.prompts = []
+        elif self.edit:  # edits and generates from text alone: the items and any prompts asked for
+            self.prompts = resolve_prompts(cache, prompts, model_name) if prompts or not items else []
+        else:
+            self.prompts = [] if items else resolve_prompts(cache, prompts, model_name)
         null = cache.prompts().get(prompt_key(""))
         if null is None:
             raise ValueError(f"{cache.location} holds no empty-caption embedding for guidance; it is stored with any prompt: "
@@ -202,7 +240,7 @@ class Validator:
         if frames is not None and not self.fps:
             raise ValueError(f"--validation-frames {frames}: {cache.location} holds images, not clips")
         # items come with their own buckets and ground truth; prompts are sampled at these buckets beside dataset latents
-        self.buckets = ([] if self.items else clip_buckets(cache, buckets, frames) if self.fps else
+        self.buckets = ([] if self.items and not self.prompts else clip_buckets(cache, buckets, frames) if self.fps else
                         [Bucket.parse(b) for b in buckets] or default_buckets(cache))
         bad = [b.name for b in self.buckets if b.height % latent.downsample or b.width % latent.downsample]
         if bad:
@@ -244,16 +282,17 @@ class Validator:
                     backup.append(p.detach().clone())
                     p.copy_(s)
         try:
-            if self.items:
-                return {
-                    i: generate(model, self.preset, self.objective, item.cond, self.null, tuple(item.control.shape),
-                                item.bucket.height * item.bucket.width, steps=self.steps, guidance=self.guidance,
-                                seed=derived_seed(self.seed, i, *item.control.shape), precision=precision, layout=self.layout,
-                                forward=forward, control=item.control)
-                    for i, item in enumerate(self.items)
-                }
-            jobs = [(i, prompt, shape, b) for i, prompt in enumerate(self.prompts) for shape, b in zip(self.shapes, self.buckets)]
             latents = {}
+            for i, item in enumerate(self.items):
+                if progress is not None:
+                    progress(f"sampling item {i + 1}/{len(self.items)}: {item.name} at {item.bucket.name}, {self.steps} steps ...")
+                shape = tuple(item.target.shape)
+                latents[i] = generate(model, self.preset, self.objective, item.cond, self.null, shape,
+                                      item.bucket.height * item.bucket.width, steps=self.steps, guidance=self.guidance,
+                                      seed=derived_seed(self.seed, i, *shape), precision=precision, layout=self.layout,
+                                      forward=forward, control=item.control,
+                                      references=item.references if self.edit else None)
+            jobs = [(i, prompt, shape, b) for i, prompt in enumerate(self.prompts) for shape, b in zip(self.shapes, self.buckets)]
             for k, (i, prompt, shape, b) in enumerate(jobs):
                 if progress is not None:
                     progress(f"sampling {k + 1}/{len(jobs)}: {prompt.text!r} at {b.name}, {self.steps} steps ...")
@@ -287,18 +326,33 @@ class Validator:
             self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance} · {self.fps:g} fps", rows, path,
                                 names=names, fps=self.fps, kept=tuple(names[len(names) - len(self.references):]))
             return path
-        if self.items:
-            rows = [(f"{item.name} ({item.bucket.name}): control, generated, ground truth",
-                     [item.control, latents[i], item.reference]) for i, item in enumerate(self.items)]
-            buckets = "each item's own"
-        else:
-            rows = [(p.text, [latents[p.text, b] for b in self.buckets]) for p in self.prompts]
-            if self.references:
-                rows.append(("dataset latents, decoded: " + ", ".join(name for name, _ in self.references),
-                             [z for _, z in self.references]))
-            buckets = ", ".join(b.name for b in self.buckets)
+        rows = self.item_rows(latents)
+        rows += [(p.text, [latents[p.text, b] for b in self.buckets]) for p in self.prompts]
+        if self.references and not self.items:
+            rows.append(("dataset latents, decoded: " + ", ".join(name for name, _ in self.references),
+                         [z for _, z in self.references]))
+        buckets = ", ".join([*(["each item's own"] if self.items else []), *(b.name for b in self.buckets)])
         self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance} · buckets {buckets}", rows, path)
         return path
+
+    def item_rows(self, latents: dict) -> list[tuple[str, list[torch.Tensor]]]:
+        """The grid's rows of the items (`item_row`), from `sample`'s latents."""
+        return [self.item_row(i, latents[i]) for i in range(len(self.items))]
+
+    def item_row(self, i: int, generated: torch.Tensor) -> tuple[str, list[torch.Tensor]]:
+        """Item `i`'s row (label, latents) around the latent generated for it: a ControlNet item's control image,
+        generated image and ground truth; an edit item's reference image(s), generated image and target, labelled with
+        the caption it was edited by."""
+        item = self.items[i]
+        if not self.edit:
+            return f"{item.name} ({item.bucket.name}): control, generated, ground truth", [item.control, generated, item.target]
+        n = len(item.references)
+        shown = f"{n} reference{'s' if n > 1 else ''}, " if n else "no reference (text to image), "
+        said = f'"{item.caption}"' if item.caption else "its cached caption"
+        # empty cells before an item's references when another has more: generated and target in the last two columns
+        blank = [None] * (max(len(it.references) for it in self.items) - n)
+        return (f"{item.name} ({item.bucket.name}): {said}. {shown}generated, target",
+                [*blank, *item.references, generated, item.target])
 
     def clip_rows(self, latents: dict) -> tuple[list[tuple[str, list[torch.Tensor]]], list[str]]:
         """The rows of a contact sheet of clips (label, [latent]) and their videos' file names: every prompt at every

@@ -2,8 +2,7 @@
 
 `write_edit_cache` writes a cache as stage one writes one for an edit preset (its fingerprint, stage one's record, a
 latent and a caption per sample, and the two reference fields of `shards.references`) with shards' own writer, without
-any encoder; `with_references` copies a cache stage one built (its decoder and prompts included) adding reference
-fields. `edit_preset` registers `tiny-sana-edit`: tiny Sana taking up to two references, whose forward (`EditForward`)
+any encoder; `edit_preset` registers `tiny-sana-edit`: tiny Sana taking up to two references, whose forward (`EditForward`)
 follows the edit batch contract (one transformer call per group of samples whose references share shapes, the
 references' values entering the prediction) and records what it was given.
 """
@@ -11,18 +10,22 @@ references' values entering the prediction) and records what it was given.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from pathlib import Path
 
 import torch
 
-from shards import Bucket, CacheSpec, Field, LatentSpec, ShardWriter, TextSpec, open_cache
+from shards import Bucket, CacheSpec, DecoderRecipe, Field, LatentSpec, ShardWriter, TextSpec
+from shards.prompts import Prompt, prompt_key
 from shards.references import pack, reference_schema
+from shards.texts import TEXT_KEYS, key_rows
 from train.families import PRESETS, get_family, get_preset
 from train.families.base import group_of, masked_call, reference_groups, stacked_references
 
 EDIT_PRESET = "tiny-sana-edit"
 CHANNELS = 8  # tiny Sana's latent channels
 WIDTH = 32  # its caption width
+PROMPT = "a blue square"  # the validation prompt an edit cache with `decoder` holds
 
 
 def sample_references(i: int, count: int, shapes=((4, 4), (3, 5))) -> list[torch.Tensor]:
@@ -31,31 +34,46 @@ def sample_references(i: int, count: int, shapes=((4, 4), (3, 5))) -> list[torch
     return [torch.randn(CHANNELS, *shapes[j % len(shapes)], generator=g) for j in range(count)]
 
 
+def caption(i: int) -> str:
+    return f"make shape {i} blue"
+
+
 def write_edit_cache(root: Path, counts: list[int], *, preset: str = EDIT_PRESET, buckets=((64, 64), (48, 80)),
-                     references: bool = True, flip: bool = False, shapes=((4, 4), (3, 5))) -> Path:
+                     references: bool = True, flip: bool = False, shapes=((4, 4), (3, 5)), decoder: bool = False) -> Path:
     """A cache of len(counts) samples for `preset` (Sana's latent and masked text layout), sample i with counts[i]
     references (`sample_references`), over `buckets` in turn; without `references`, a cache of the same samples
     without reference fields. With `flip`, every sample also has a flipped latent (its latent negated) and its source
-    is recorded with flip = true."""
+    is recorded with flip = true. With `decoder`, what validation reads too: tiny Sana's VAE stored in the cache (as
+    stage one stores a tiny preset's), the embeddings of the empty caption and of `PROMPT`, and each text stored once
+    with its caption (`caption(i)`)."""
     latent = LatentSpec(CHANNELS, 8, 1.0, 0.0, "deterministic")
     text = TextSpec("masked", WIDTH, 64)
     fingerprint = {"vae": {"id": "test-vae", **latent.fingerprint()}, "text_encoder": {"id": "test-text", **text.fingerprint()}}
-    schema = {"latent": Field(torch.float32), "text": Field(torch.float32, ragged=True),
-              "source": Field(torch.uint8, ragged=True)}
+    text_schema = {"text": Field(torch.float32, ragged=True)}
+    schema = {"latent": Field(torch.float32), "source": Field(torch.uint8, ragged=True),
+              **({TEXT_KEYS: Field(torch.uint8, ragged=True)} if decoder else text_schema)}
     if flip:
         schema["flip_latent"] = Field(torch.float32, ragged=True)
     if references:
         schema.update(reference_schema(torch.float32))
-    spec = CacheSpec(latent, text, family="sana", preset=preset, base_resolution=256)
-    with ShardWriter(root, fingerprint, schema) as w:
+    recipe = DecoderRecipe("AutoencoderDC", "vae", 1.0, 0.0, in_cache=True) if decoder else None
+    spec = CacheSpec(latent, text, family="sana", preset=preset, base_resolution=256, decoder=recipe)
+    with ShardWriter(root, fingerprint, schema, text_schema=text_schema if decoder else None) as w:
         w.set_extra("precompute", spec.record())
         w.set_extra("sources", {"": {"flip": flip}})
+        if decoder:
+            store_decoder(w)
+            g = torch.Generator().manual_seed(99)
+            w.add_prompts({prompt_key(""): Prompt("", {"text": torch.zeros(0, WIDTH)}),
+                           prompt_key(PROMPT): Prompt(PROMPT, {"text": torch.randn(5, WIDTH, generator=g)})}, text_schema)
         for i, n in enumerate(counts):
             h, w_ = buckets[i % len(buckets)]
             g = torch.Generator().manual_seed(i)
             x = torch.randn(CHANNELS, h // 8, w_ // 8, generator=g)
-            fields = {"latent": x, "text": torch.randn(3 + i % 4, WIDTH, generator=g),
-                      "source": torch.tensor(list(f"{i}.png".encode()), dtype=torch.uint8)}
+            embedding = torch.randn(3 + i % 4, WIDTH, generator=g)
+            texts = ({TEXT_KEYS: key_rows([w.write_text(caption(i), {"text": embedding})])} if decoder
+                     else {"text": embedding})
+            fields = {"latent": x, **texts, "source": torch.tensor(list(f"{i}.png".encode()), dtype=torch.uint8)}
             if flip:
                 fields["flip_latent"] = -x[None]
             if references:
@@ -64,33 +82,24 @@ def write_edit_cache(root: Path, counts: list[int], *, preset: str = EDIT_PRESET
     return root
 
 
-def with_references(src: Path, dst: Path, count=lambda i: 1, preset: str | None = None) -> Path:
-    """A copy of the cache stage one built at `src` (its files: decoder weights, prompts; its record, with `preset`
-    as the preset it was built for) whose sample i has count(i) references: the latents of other samples of the cache
-    (the posteriors' means), so that they decode to pictures."""
-    cache = open_cache(src)
-    manifest = cache.manifest
-    storage = manifest.schema[cache.spec.latent.fields[0]].dtype
-    schema = {**cache.schema, **reference_schema(storage)}
-    latents = [cache[i].fields[cache.spec.latent.fields[0]] for i in range(len(cache))]
-    with ShardWriter(dst, manifest.fingerprint, schema) as w:
-        for role, entry in manifest.files.items():
-            info = {k: v for k, v in entry.items() if k not in ("path", "bytes", "sha256")}
-            w.add_file(role, entry["path"], (Path(src) / entry["path"]).read_bytes(), **info)
-        for name, value in manifest.extra.items():
-            w.set_extra(name, {**value, "preset": preset} if name == "precompute" and preset else value)
-        for i in range(len(cache)):
-            s = cache[i]
-            refs = [latents[(i + 1 + j) % len(latents)].float() for j in range(count(i))]
-            fields = {**s.fields, **pack(refs, cache.spec.latent.channels, storage)}
-            w.write(s.key, s.bucket, fields, source=bytes(s.fields["source"].numpy()).decode())
-    return dst
+def store_decoder(writer: ShardWriter) -> None:
+    """Tiny Sana's VAE (stage one's seeded one) into the cache as the decoder's files (`vae/`), as stage one stores a
+    tiny preset's."""
+    from precompute.families import family
+    from precompute.presets import get_preset as stage_one_preset
+
+    vae = stage_one_preset("tiny-sana").vae
+    with tempfile.TemporaryDirectory() as tmp:
+        family("sana").save_tiny_vae(vae, tmp)
+        for f in sorted((Path(tmp) / vae.subfolder).iterdir()):
+            writer.add_file(f"decoder:{f.name}", f"vae/{f.name}", f.read_bytes())
 
 
 class EditForward:
-    """A stand-in edit family's forward: tiny Sana called once per group of `reference_groups`, on the noisy latents
-    shifted by each reference's per-channel mean, so the prediction depends on the references. Records each call's
-    references (shapes, dtype, device) in `seen`."""
+    """A stand-in edit family's forward: tiny Sana called once per group of `reference_groups`, each reference's
+    positions joining the caption's tokens (its C channels zero-padded to the caption width), so the prediction depends
+    on the references and the sequence grows with them, as an edit model's does. Records each call's references
+    (shapes, dtype, device) in `seen`."""
 
     def __init__(self):
         self.seen: list[list[list[tuple]]] = []
@@ -103,21 +112,24 @@ class EditForward:
         out = [None] * xt.shape[0]
         for rows in reference_groups(batch):
             part = group_of(batch, rows)
-            x = xt[rows]
+            text, mask = part["text"].to(xt.dtype), part["text_mask"]
             for ref in stacked_references(part) if part["references"][0] else []:  # (b, C, h_j, w_j)
-                x = x + ref.float().mean(dim=(2, 3), keepdim=True).to(x.dtype)
-            pred = masked_call(model, x, t[rows], part)
+                tokens = ref.flatten(2).transpose(1, 2).to(xt.dtype)  # (b, h_j * w_j, C)
+                tokens = torch.nn.functional.pad(tokens, (0, text.shape[-1] - tokens.shape[-1]))
+                text = torch.cat([text, tokens], dim=1)
+                mask = torch.cat([mask, mask.new_ones(tokens.shape[:2])], dim=1)
+            pred = masked_call(model, xt[rows], t[rows], {**part, "text": text, "text_mask": mask})
             for k, i in enumerate(rows):
                 out[i] = pred[k]
         return torch.stack(out)
 
 
-def edit_preset(monkeypatch, references: int = 2) -> EditForward:
-    """Register `tiny-sana-edit` (tiny Sana taking up to `references` reference images) and give the Sana family the
-    `EditForward` it returns, for this test."""
+def edit_preset(monkeypatch, references: int = 2, requires_references: bool = True) -> EditForward:
+    """Register `tiny-sana-edit` (tiny Sana taking up to `references` reference images; with `requires_references`
+    False, also generating from text alone) and give the Sana family the `EditForward` it returns, for this test."""
     base = get_preset("tiny-sana")
-    monkeypatch.setitem(PRESETS, EDIT_PRESET, lambda: dataclasses.replace(base, name=EDIT_PRESET, references=references,
-                                                                           reference_pixels=64 * 64))
+    monkeypatch.setitem(PRESETS, EDIT_PRESET, lambda: dataclasses.replace(
+        base, name=EDIT_PRESET, references=references, reference_pixels=64 * 64, requires_references=requires_references))
     forward = EditForward()
     monkeypatch.setattr(get_family(base.family), "forward", forward)
     return forward

@@ -51,7 +51,7 @@ def test_validation_samples_cached_items_with_the_training_weights_alone(caches,
         stored = cache[i].fields
         assert item.bucket == cache[i].bucket
         assert torch.equal(item.control, stored[spec.control_fields[0]].float().reshape(item.control.shape))
-        assert torch.equal(item.reference, stored[spec.fields[0]].float().reshape(item.reference.shape))
+        assert torch.equal(item.target, stored[spec.fields[0]].float().reshape(item.target.shape))
     assert len(Validator(cache, preset, objective, prompts=[], buckets=[], steps=2, guidance=4.5, seed=0, decode_device="cpu",
                          out=tmp_path, model_name=model, items=len(cache) + 5).items) == len(cache)
     forward = controlnet.controlled_forward(net.module, net.controlnet, preset.family, latent=spec)
@@ -116,7 +116,7 @@ def test_validation_samples_cached_items_with_the_training_weights_alone(caches,
     assert len(validator.decoder.rows) == 3
     for (label, row), it, z in zip(validator.decoder.rows, validator.items, latents.values()):
         assert it.name in label and len(row) == 3
-        assert torch.equal(row[0], it.control) and torch.equal(row[1], z) and torch.equal(row[2], it.reference)
+        assert torch.equal(row[0], it.control) and torch.equal(row[1], z) and torch.equal(row[2], it.target)
 
 
 def derived(item) -> int:

@@ -111,6 +111,9 @@ class ModelPreset:
             concatenates their tokens to the target's.
         reference_pixels: the pixel area (height x width) its pipeline prepares a reference at by default: what the
             planner assumes for each reference of a planned sample.
+        requires_references: an edit model that only edits (every sample has a reference image; validation has no
+            prompt-only samples); False for one that also generates from text alone (its cache may hold text-to-image
+            samples, and it may validate on cached prompts).
     """
 
     name: str
@@ -136,6 +139,7 @@ class ModelPreset:
     paired: bool = False
     references: int = 0
     reference_pixels: int = 1024 * 1024
+    requires_references: bool = True
 
     @property
     def transformer_class(self) -> type:
@@ -479,7 +483,12 @@ class Family(ABC):
         return self.pipeline
 
     def usage_generate(self, preset: ModelPreset | None, extra: str) -> tuple[list[str], list[str]]:
-        """(imports, statements) of the export card that sample from `pipe` (`extra`: ", " and `usage_call_args`, or "")."""
+        """(imports, statements) of the export card that sample from `pipe` (`extra`: ", " and `usage_call_args`, or "").
+        An edit preset's pipeline edits an input image (`image=`) by an instruction."""
+        if preset is not None and preset.references:
+            return (["from diffusers.utils import load_image"],
+                    ['reference = load_image("reference.png")  # the image to edit',
+                     f'image = pipe(image=reference, prompt="an edit instruction"{extra}).images[0]'])
         return [], [f'image = pipe("a prompt"{extra}).images[0]']
 
     def usage_call_args(self) -> str:
