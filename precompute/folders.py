@@ -8,8 +8,8 @@ the sidecar `x.mask.png` (never an image of its own, with or without masks), a m
 mask folder (`with_mask_folder`). An edit sample's reference images (`references`) are the sidecars `x.ref.png`, or
 `x.ref0.png`, `x.ref1.png`, ... in their numbers' order (never images of their own, with or without references), a
 metadata row's `reference_file_name` (a path or a list of paths), or a reference folder (`with_reference_folder`).
-Only regular files are opened, and metadata cannot name a path outside DATA (`confined`). An entry's stamp (size and mtime of its files) lets an incremental
-run skip an unchanged input without reading it.
+Only regular files are opened, and metadata cannot name a path outside DATA (`confined`). An entry's stamp (size and
+mtime of its files) lets an incremental run skip an unchanged input without reading it.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def in_order(numbered: list[tuple[int, str]], what: str) -> tuple[list[str] | No
     first = min(by_number, default=0)
     for n in range(min(first, 1), max(by_number, default=-1) + 1):
         if n not in by_number:
-            return None, "missing_reference", (f"no {what.format(n=n)}: numbered references run from 0 (or 1) without "
-                                               f"gaps, and {', '.join(by_number[k][0] for k in sorted(by_number))} were found")
+            found = ", ".join(by_number[k][0] for k in sorted(by_number))
+            return None, "missing_reference", f"no {what.format(n=n)}: numbered references run from 0 (or 1) without gaps, and {found} were found"
     return [by_number[n][0] for n in sorted(by_number)], "", ""
 
 
@@ -403,8 +403,8 @@ def _walk_folder(root: Path, control: bool, mask: bool = False, references: bool
                 entry = replace(entry, mask=str(Path(dirpath) / found) if found else None,
                                 mask_looked=f"no {stem}{MASK_SUFFIX}.<image extension> beside the image")
             if references:
-                entry = _with_numbered(entry, refs.get(stem, []), f"no {stem}.ref.<image extension> (or {stem}.ref0.<image "
-                                       f"extension>, {stem}.ref1..., numbered) beside the image", stem + ".ref{n}.<image extension>")
+                none = f"no {stem}.ref.<image extension> (or {stem}.ref0.<image extension>, {stem}.ref1..., numbered) beside the image"
+                entry = _with_numbered(entry, refs.get(stem, []), none, stem + ".ref{n}.<image extension>")
             entries.append(entry)
     complete = not any(f["reason"] == "unlisted_directory" for f in failures)
     return Listing(sorted(entries, key=lambda e: e.source), failures, complete)
@@ -491,18 +491,18 @@ def with_reference_folder(entries: list[FolderEntry], folders: tuple[str | os.Pa
             numbered = [(i, path) for i, found in enumerate(listed) for path in found.get(stem, [])]
             missing = [i for i, found in enumerate(listed) if stem not in found]
             if missing:
-                out.append(replace(e, references=None, references_looked=f"no {stem}.<image extension> in {folders[missing[0]]} "
-                                                                          f"(reference {missing[0] + 1} of {len(folders)})"))
+                looked = f"no {stem}.<image extension> in {folders[missing[0]]} (reference {missing[0] + 1} of {len(folders)})"
+                out.append(replace(e, references=None, references_looked=looked))
                 continue
-            out.append(_with_numbered(e, numbered, "", f"{stem}.<image extension> in reference folder {{n}}"))
+            out.append(_with_numbered(e, numbered, "", f"{stem}.<image extension> in reference folder {{n}} (from 0)"))
             continue
         found, folder = listed[0], folders[0]
         exact = found.get(stem, [])
         if exact:
             out.append(_with_numbered(e, [(0, path) for path in exact], "", f"{stem}.<image extension> in {folder}"))
             continue
-        out.append(_with_numbered(e, numbered_in.get(stem, []), f"no {stem}.<image extension> (or {stem}_0.<image extension>, {stem}_1..., "
-                                               f"numbered) in {folder}", f"{stem}_{{n}}.<image extension> in {folder}"))
+        none = f"no {stem}.<image extension> (or {stem}_0.<image extension>, {stem}_1..., numbered) in {folder}"
+        out.append(_with_numbered(e, numbered_in.get(stem, []), none, f"{stem}_{{n}}.<image extension> in {folder}"))
     return out
 
 

@@ -79,9 +79,9 @@ def list_hf(data: str, split: str = "train", image_column: str = "image", captio
             control_column: str | None = None, mask_column: str | None = None, video_column: str | None = None,
             video: bool = False, reference_column: str | None = None) -> HFListing:
     """The rows of DATA's split, in parts, after checking that every file has the columns (the control, mask and
-    reference columns too, when given) and that the image columns hold images. Only file headers and parquet footers are read. A
-    file whose header or footer cannot be read (corrupt, empty) is listed as unreadable, with one part of no rows:
-    its reader reports it, and the other files are read.
+    reference columns too, when given) and that the image columns hold images. Only file headers and parquet footers
+    are read. A file whose header or footer cannot be read (corrupt, empty) is listed as unreadable, with one part of
+    no rows: its reader reports it, and the other files are read.
 
     With `video` (a video model's cache) the input column is `video_column`, or when that is not given the `video`
     column of a dataset that has one, else `image_column`; its cells are videos or images (one-frame clips).

@@ -174,7 +174,8 @@ def content_key(image, captions: list[str], flip: bool = False, control: bytes |
     control image's bytes when it has one, its loss mask: the mask image's bytes, or that it is the image's alpha
     channel, and the resolution it is cached at unless that is the base one (0) (a caption never holds NUL, so the
     markers cannot be a caption) and, for an edit sample, its reference images' bytes in order. A sample without
-    control image, mask or references at the base resolution has the key it had before any of them existed. `image`: the bytes, or a sha256 object that has hashed them (not changed here)."""
+    control image, mask or references at the base resolution has the key it had before any of them existed. `image`:
+    the bytes, or a sha256 object that has hashed them (not changed here)."""
     h = hashlib.sha256(image) if isinstance(image, (bytes, bytearray, memoryview)) else image.copy()
     for c in captions:
         h.update(b"\x00" + c.encode("utf-8"))
@@ -376,8 +377,9 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
         if not references:  # none found (an empty list of them too)
             return failed(record.references_missing, record.references_detail)
         if len(references) > policy.max_references:
-            return failed("too_many_references", f"{len(references)} reference images ({', '.join(record.reference_names)}), "
-                                                 f"more than the {policy.max_references} the model takes")
+            names = ", ".join(record.reference_names)
+            return failed("too_many_references", f"{len(references)} reference images ({names}), more than the "
+                                                 f"{policy.max_references} the model takes")
         if not all(references):
             i = next(i for i, r in enumerate(references) if not r)
             return failed("corrupt_reference", f"{reference_name(record, i)}: zero-byte file")

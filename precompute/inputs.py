@@ -128,7 +128,8 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
     if source.reference_folder is not None and (tar or hf):
         instead = ref_in_tar if tar else "a Hugging Face dataset holds its reference images in a column (reference_column)"
         raise ValueError(f"source {source.name!r}: reference_folder pairs a folder's images with folders of reference "
-                         f"images by name; {instead}: remove reference_folder from the dataset file and set references = true")
+                         f"images by name; {instead}: remove reference_folder from the dataset file and set "
+                         f"references = true")
     if source.reference_column is not None and tar:
         raise ValueError(f"source {source.name!r}: reference_column names a column of a Hugging Face dataset or of a "
                          f"folder's metadata file; {ref_in_tar}: remove reference_column from the dataset file and set "
@@ -151,9 +152,10 @@ def open_inputs(config: PrecomputeConfig, source: Source, policy: ImagePolicy, k
         return Inputs(dataset, len(dataset), listing.rows, True, workers=min(config.workers, len(parts)))
     if not Path(data).is_dir():
         raise FileNotFoundError(f"{where(source)}={data} is neither a folder of images, webdataset tars nor a Hugging Face dataset on disk")
+    sidecar_references = source.takes_references and source.reference_folder is None
     listing = list_folder(data, source.caption_column or config.caption_column, config.control and source.control is None,
                           source.control_column or CONTROL_COLUMN, files and source.mask is None, source.mask_column or MASK_COLUMN,
-                          source.takes_references and source.reference_folder is None, source.reference_column or REFERENCE_COLUMN)
+                          sidecar_references, source.reference_column or REFERENCE_COLUMN)
     entries = listing.entries if only is None else [e for e in listing.entries if e.source in only]
     if config.control and source.control is not None:
         try:

@@ -415,7 +415,8 @@ def read_dataset_file(file: str | Path) -> list[Source]:
             if key in values and "://" not in values[key] and not Path(values[key]).is_absolute():
                 values[key] = str(file.parent / values[key])
         if "reference_folder" in values:  # one folder, or one per reference
-            many = values["reference_folder"] if isinstance(values["reference_folder"], list) else [values["reference_folder"]]
+            many = values["reference_folder"]
+            many = many if isinstance(many, list) else [many]
             values["reference_folder"] = tuple(v if "://" in v or Path(v).is_absolute() else str(file.parent / v) for v in many)
         sources.append(Source(**values, from_file=True))
         overlap = _overlap(sources[:-1], sources[-1])

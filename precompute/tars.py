@@ -231,9 +231,9 @@ def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = Fal
                 video: bool = False, references: bool = False) -> Record:
     """A webdataset sample dict (raw bytes per extension) as a Record; with `control`, its `control.EXT` member
     is the control image; with `mask`, its `mask.EXT` member the loss mask; with `references`, its `ref.EXT` member or
-    its `ref0.EXT`, `ref1.EXT`, ... members the reference images (`precompute.folders.in_order` says how numbers go). Its input is its image member, or its
-    video member (`KEY.mp4`, ...) when it has no image; with `video` (a video model's cache), the video when it has
-    both (a video beside its thumbnail)."""
+    its `ref0.EXT`, `ref1.EXT`, ... members the reference images (`precompute.folders.in_order` says how numbers go).
+    Its input is its image member, or its video member (`KEY.mp4`, ...) when it has no image; with `video` (a video
+    model's cache), the video when it has both (a video beside its thumbnail)."""
     source = f"{tar_name(sample.get('__url__', ''))}/{sample['__key__']}"
     found = [(sample[ext], False) for ext in IMAGE_MEMBERS if ext in sample][:1]
     found += [(sample[ext], True) for ext in VIDEO_MEMBERS if ext in sample][:1]
@@ -262,7 +262,8 @@ def tar_records(sample: dict, caption_keys: tuple[str, ...], control: bool = Fal
         record.mask_detail = f"no member {sample['__key__']}.mask.png (or another image extension) in the tar"
     if references:
         key = sample["__key__"]
-        numbered = [(int(m[1] or 0), f"{key}.{ext}") for ext in sample if isinstance(ext, str) and (m := REFERENCE_MEMBER.fullmatch(ext))]
+        numbered = [(int(m[1] or 0), f"{key}.{ext}") for ext in sample
+                    if isinstance(ext, str) and (m := REFERENCE_MEMBER.fullmatch(ext))]
         found, reason, detail = in_order(numbered, key + ".ref{n}.png")
         if not numbered:
             record.references_detail = (f"no member {key}.ref.png (or {key}.ref0.png, {key}.ref1.png, ...; any image "

@@ -20,7 +20,7 @@ from precompute.config import PrecomputeConfig
 from precompute.folders import FolderDataset, entry_stamp, list_folder, with_reference_folder
 from precompute.hfdata import HFDataset, list_hf, row_stamp
 from precompute.images import Record, content_key, latent_key, prepare
-from precompute.inputs import REASONS, pixels_as_array
+from precompute.inputs import REASONS, open_inputs, pixels_as_array
 from precompute.presets import get_preset
 from precompute.sample_data import make_edit_folder
 from precompute.sources import KEYS, Source, read_dataset_file
@@ -344,3 +344,19 @@ def test_references_need_an_edit_preset_and_an_edit_only_preset_needs_them(tmp_p
         (tmp_path / "f.toml").write_text('[[source]]\npath = "imgs"\nreferences = true\nflip = true\n')
         PrecomputeConfig(str(tmp_path / "f.toml"))
 
+
+
+def test_a_reference_folder_or_column_where_the_source_keeps_references_otherwise_is_refused(tmp_path):
+    url = tar_of(tmp_path / "data.tar", {"a.png": png(), "a.txt": b"one"})
+    config = PrecomputeConfig(str(tmp_path))
+
+    def opened(source: Source):
+        return open_inputs(config, source, POLICY, {}, frozenset(), rank=0, world=1)
+
+    with pytest.raises(ValueError, match=r"reference_folder .*KEY\.ref\.png .*remove reference_folder"):
+        opened(Source("t", str(url), reference_folder=("before",)))
+    with pytest.raises(ValueError, match=r"reference_column .*KEY\.ref\.png .*remove reference_column"):
+        opened(Source("t", str(url), reference_column="before"))
+    target(tmp_path / "imgs", "a.png")
+    with pytest.raises(FileNotFoundError, match=r"source 'i': reference_folder: .*nowhere is not a folder"):
+        opened(Source("i", str(tmp_path / "imgs"), reference_folder=(str(tmp_path / "nowhere"),)))
