@@ -2,6 +2,7 @@
 packed tokens after the target's, their ids' first coordinate 1) and only the target's prediction comes back, per group
 of samples whose references share a shape; validation denoises as the pipeline does; the export card edits an image."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,3 +164,156 @@ def test_the_export_card_edits_an_image_through_fluxkontextpipeline(kind):
     compile(code, "card", "exec")
     flux = usage("flux", kind, Base("hub", "black-forest-labs/FLUX.1-dev"), "owner/export", preset=get_preset("flux-dev"))
     assert "FluxPipeline.from_pretrained" in flux and 'pipe("a prompt").images[0]' in flux and "Kontext" not in flux
+
+
+# ---- end to end: stage one's cache of an edit folder, training, resume, export through the stock pipeline ----------
+
+@pytest.fixture(scope="module")
+def kontext_cache(tmp_path_factory):
+    """Stage one's tiny-flux1-kontext cache (fp32) of an edit folder of 8 targets, each with `x.ref.png` beside it, and
+    one validation prompt; the folder."""
+    from conftest import VALIDATION_PROMPTS
+
+    from precompute.run import main as precompute
+    from precompute.sample_data import make_edit_folder
+
+    root = tmp_path_factory.mktemp("kontext")
+    data = make_edit_folder(root / "data", count=8)
+    summary = precompute(str(data), "tiny-flux1-kontext", root / "cache", workers=0, progress=False, references=True,
+                         storage_dtype="fp32", validation_prompt=VALIDATION_PROMPTS[:1])
+    assert summary["new"] == 8
+    return root / "cache", data
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """tiny-flux1-kontext's VAE, CLIP-L and T5 with their tokenizers, saved in the diffusers layout."""
+    from precompute.presets import get_preset as encoders
+    from precompute.presets import save_tiny
+
+    directory = tmp_path_factory.mktemp("parts")
+    save_tiny(encoders("tiny-flux1-kontext"), directory)
+    return directory
+
+
+def stock_kontext(transformer, parts):
+    """The stock FluxKontextPipeline around `transformer`, its other components loaded with `from_pretrained`."""
+    import diffusers
+    from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
+
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
+                                                          base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                                                          max_image_seq_len=4096)
+    return diffusers.FluxKontextPipeline(
+        scheduler=scheduler, vae=diffusers.AutoencoderKL.from_pretrained(parts / "vae"),
+        text_encoder=CLIPTextModel.from_pretrained(parts / "text_encoder"), tokenizer=AutoTokenizer.from_pretrained(parts / "tokenizer"),
+        text_encoder_2=T5EncoderModel.from_pretrained(parts / "text_encoder_2"),
+        tokenizer_2=AutoTokenizer.from_pretrained(parts / "tokenizer_2"), transformer=transformer)
+
+
+def edit(pipe, data, monkeypatch, output_type="np"):
+    """An edit of the folder's first reference through the stock pipeline, its preferred resolutions the tiny preset's
+    (as stage one prepared the references the model trained on)."""
+    from diffusers.pipelines.flux import pipeline_flux_kontext
+    from PIL import Image
+
+    from precompute.families.flux import FAMILY as FLUX
+    from precompute.presets import get_preset as encoders
+
+    table = FLUX.reference_resolutions(encoders("tiny-flux1-kontext"))
+    monkeypatch.setattr(pipeline_flux_kontext, "PREFERRED_KONTEXT_RESOLUTIONS", table)
+    image = Image.open(data / "00000.ref.png").convert("RGB")
+    caption = (data / "00000.txt").read_text().strip()
+    return pipe(image=image, prompt=caption, height=64, width=64, max_area=64 * 64, num_inference_steps=2, guidance_scale=2.5,
+                max_sequence_length=TOKENS, output_type=output_type, generator=torch.Generator().manual_seed(0)).images
+
+
+def run_config(cache, run, **kw):
+    base = dict(model="tiny-flux1-kontext", cache=cache, run=run, steps=4, batch_size=2, workers=0, progress=False, log_every=1,
+                checkpoint_every=2, lr=1e-3, validation_steps=2, precision="fp32", validate=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_the_cache_holds_each_reference_as_the_stock_pipeline_encodes_it(kontext_cache):
+    """Every sample's cached reference latent is what FluxKontextPipeline.prepare_latents computes from its `x.ref.png`
+    (resized to the tiny preset's preferred resolution, the posterior's mean shifted and scaled), bit for bit."""
+    from diffusers import FluxKontextPipeline
+    from PIL import Image
+
+    from precompute.families.flux import FAMILY as FLUX
+    from precompute.presets import get_preset as encoders
+    from shards import Cache
+    from shards.references import unpack
+
+    cache_dir, data = kontext_cache
+    cache = Cache(cache_dir)
+    preset = encoders("tiny-flux1-kontext")
+    pipe = FluxKontextPipeline(scheduler=None, vae=FLUX.load_vae(preset.vae, None), text_encoder=None, tokenizer=None,
+                               text_encoder_2=None, tokenizer_2=None, transformer=None)
+    for i in range(len(cache)):
+        s = cache[i]
+        refs = unpack(s)
+        assert len(refs) == 1
+        name = bytes(s["source"].tolist()).decode()
+        image = Image.open(data / name.replace(".png", ".ref.png")).convert("RGB")
+        pixels = FLUX.prepare_reference(preset, image, 0, 1)["pixels"]
+        # the pipeline's step 3 result (the same image processor calls, checked against __call__ in stage one's tests)
+        image_tensor = pipe.image_processor.preprocess(pipe.image_processor.resize(image, *pixels.shape[1:]), *pixels.shape[1:])
+        with torch.no_grad():
+            _, image_latents, _, image_ids = pipe.prepare_latents(image_tensor, 1, C, 64, 64, torch.float32, "cpu", None)
+        h, w = refs[0].shape[1:]
+        assert torch.equal(FluxKontextPipeline._pack_latents(refs[0][None].float(), 1, C, h, w), image_latents), name
+        assert (h * 8, w * 8) == tuple(pixels.shape[1:]) and torch.equal(image_ids[:, 0], torch.ones(len(image_ids)))
+
+
+@pytest.mark.slow
+def test_tiny_kontext_trains_resumes_exactly_and_its_export_edits_through_the_stock_pipeline(kontext_cache, parts, tmp_path,
+                                                                                             monkeypatch):
+    from conftest import losses
+
+    from train.export import export
+    from train.loop import train
+
+    cache, data = kontext_cache
+    straight = train(run_config(cache, tmp_path / "straight", validate=True, validation_bucket=["176x368"]))
+    train(run_config(cache, tmp_path / "resumed", steps=2))
+    resumed = train(run_config(cache, tmp_path / "resumed"))
+    assert straight["step"] == resumed["step"] == 4
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 4
+    assert (tmp_path / "straight" / "samples-step00000004.png").exists()
+
+    export(tmp_path / "straight", tmp_path / "export")
+    from diffusers import FluxTransformer2DModel
+
+    exported = FluxTransformer2DModel.from_pretrained(tmp_path / "export", subfolder="transformer")
+    base = build_transformer(get_preset("tiny-flux1-kontext"), None, 0)
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), base.parameters()))  # it trained
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "FluxKontextPipeline" in card and "pipe(image=" in card
+    image = edit(stock_kontext(exported, parts), data, monkeypatch)[0]
+    assert image.shape == (64, 64, 3) and np.isfinite(image).all() and float(image.std()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora_format", ["diffusers", "kohya"])
+def test_tiny_kontext_lora_resumes_exactly_and_loads_through_fluxkontextpipeline(kontext_cache, parts, tmp_path, monkeypatch,
+                                                                                 lora_format):
+    from conftest import losses
+
+    from train.export import export
+    from train.loop import train
+
+    cache, data = kontext_cache
+    lora = dict(lora_rank=4, lora_alpha=8, lr=1e-2)
+    straight = train(run_config(cache, tmp_path / "straight", **lora))
+    train(run_config(cache, tmp_path / "resumed", **{**lora, "steps": 2}))
+    resumed = train(run_config(cache, tmp_path / "resumed", **lora))
+    assert resumed["last_loss"] == straight["last_loss"] and losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+    written = export(tmp_path / "straight", tmp_path / "lora", lora_format=lora_format)
+    pipe = stock_kontext(build_transformer(get_preset("tiny-flux1-kontext"), None, 0), parts)
+    before = edit(pipe, data, monkeypatch, "latent")
+    pipe.load_lora_weights(tmp_path / "lora", weight_name=written.name)
+    after = edit(pipe, data, monkeypatch, "latent")
+    assert torch.isfinite(after).all() and not torch.allclose(before, after)
+    assert 'pipe.load_lora_weights("' in (tmp_path / "lora" / "README.md").read_text()
