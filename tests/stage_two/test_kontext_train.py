@@ -158,7 +158,7 @@ def test_the_export_card_edits_an_image_through_fluxkontextpipeline(kind):
     code = usage("flux", kind, Base("hub", preset.repo), "owner/export", preset=preset)
     assert "from diffusers import FluxKontextPipeline" in code and "from diffusers.utils import load_image" in code
     assert 'pipe = FluxKontextPipeline.from_pretrained("black-forest-labs/FLUX.1-Kontext-dev"' in code
-    assert 'image = pipe(image=load_image("input.png"), prompt="an edit instruction", guidance_scale=2.5).images[0]' in code
+    assert 'image = pipe(image=reference, prompt="an edit instruction", guidance_scale=2.5).images[0]' in code
     assert ('FluxTransformer2DModel.from_pretrained("owner/export", subfolder="transformer"' in code if kind == "full"
             else 'pipe.load_lora_weights("owner/export")' in code)
     compile(code, "card", "exec")
@@ -302,15 +302,21 @@ def test_tiny_kontext_lora_resumes_exactly_and_loads_through_fluxkontextpipeline
 
     from train.export import export
     from train.loop import train
+    from train.lora import DIFFUSERS_FILE, KOHYA_FILE
 
     cache, data = kontext_cache
     lora = dict(lora_rank=4, lora_alpha=8, lr=1e-2)
+    if lora_format == "kohya":  # diffusers' converter splits a single block's linear1 at FLUX.1's widths only: the double block
+        lora["lora_targets"] = [f"transformer_blocks.0.{m}" for m in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                                                                        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+                                                                        "attn.to_add_out", "ff.net.0.proj", "ff.net.2")]
     straight = train(run_config(cache, tmp_path / "straight", **lora))
     train(run_config(cache, tmp_path / "resumed", **{**lora, "steps": 2}))
     resumed = train(run_config(cache, tmp_path / "resumed", **lora))
     assert resumed["last_loss"] == straight["last_loss"] and losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
     written = export(tmp_path / "straight", tmp_path / "lora", lora_format=lora_format)
+    assert written.name == (KOHYA_FILE if lora_format == "kohya" else DIFFUSERS_FILE)
     pipe = stock_kontext(build_transformer(get_preset("tiny-flux1-kontext"), None, 0), parts)
     before = edit(pipe, data, monkeypatch, "latent")
     pipe.load_lora_weights(tmp_path / "lora", weight_name=written.name)

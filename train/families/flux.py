@@ -223,12 +223,9 @@ class Flux(Family):
         return "FluxKontextPipeline" if preset.references else self.pipeline
 
     def usage_generate(self, preset: ModelPreset | None, extra: str) -> tuple[list[str], list[str]]:
-        if preset is None or not preset.references:
-            return super().usage_generate(preset, extra)
-        # an edit: the image to edit and the instruction, at the guidance Kontext's examples use
-        return ["from diffusers.utils import load_image"], [
-            f'image = pipe(image=load_image("input.png"), prompt="an edit instruction", guidance_scale={preset.guidance_scale:g}'
-            f'{extra}).images[0]']
+        if preset is not None and preset.references:  # an edit, at the guidance Kontext's examples use (the pipeline's default is 3.5)
+            extra = f", guidance_scale={preset.guidance_scale:g}{extra}"
+        return super().usage_generate(preset, extra)
 
     def save_adapter(self, directory: Path, state, config, lora_format, fold):
         if lora_format == "kohya":
