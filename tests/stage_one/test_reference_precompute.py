@@ -128,3 +128,47 @@ def test_an_edit_only_model_without_reference_images_is_refused_before_loading(t
     with pytest.raises(ValueError, match="edit model.*--references"):
         precompute(str(data), MODEL, tmp_path / "cache", **{**RUN, "references": False})
     assert not loaded and not (tmp_path / "cache").exists()
+
+
+def test_text_to_image_and_multi_reference_edits_share_a_cache(tmp_path):
+    """A model that takes references without needing them: a source of edits with two references each (of two sizes)
+    beside a source of plain images. Every sample has the reference fields, empty for the plain ones; the summary and
+    inspect count them per source."""
+    model = "tiny-flux2"
+    edits, plain = edit_folder(tmp_path / "edits", 2, seed=5), tmp_path / "plain"
+    rng = random.Random(6)
+    for i in range(2):  # a square reference, then a tall one
+        with Image.open(edits / f"{i}.ref.png") as first:
+            first.resize((256, 256)).save(edits / f"{i}.ref0.png")
+        (edits / f"{i}.ref.png").unlink()
+        draw_sample(rng)[0].resize((128, 256)).save(edits / f"{i}.ref1.png")
+    plain.mkdir()
+    for i in range(2):
+        img, caption = draw_sample(rng)
+        img.save(plain / f"{i}.png")
+        (plain / f"{i}.txt").write_text(caption)
+    (tmp_path / "data.toml").write_text(f'[[source]]\npath = "{edits}"\nreferences = true\n[[source]]\npath = "{plain}"\n')
+    cache = tmp_path / "cache"
+    summary = precompute(str(tmp_path / "data.toml"), model, cache, **{**RUN, "references": False})
+    refs = summary["references"]
+    assert (refs["samples_with_references"], refs["samples_without_references"], refs["references_per_sample"]) == (2, 2, 2.0)
+    assert refs["sources"] == {"edits": {"samples_with_references": 2, "references": 4},
+                               "plain": {"samples_with_references": 0, "references": 0}}
+    preset, enc = get_preset(model), Encoders(get_preset(model), torch.device("cpu"))
+    c = Cache(cache)
+    for i in range(len(c)):
+        s, dataset = c[i], c.manifest.shards.datasets()[c.locate(i)[0]]
+        name = bytes(s["source"].tolist()).decode()
+        got = unpack(s)
+        if dataset == "plain":
+            assert s[REFERENCE_LATENT].shape == (0, 128) and s[REFERENCE_SHAPE].shape == (0, 2)
+            continue
+        assert len(got) == 2 and got[0].shape != got[1].shape  # each reference at its own size
+        for j, latent in enumerate(got):
+            with Image.open(edits / name.replace(".png", f".ref{j}.png")) as img, torch.inference_mode():
+                pixels = family(preset.family).prepare_reference(preset, img.convert("RGB"), j, 2)["pixels"]
+                want = family(preset.family).encode_references(enc.vae, pixels[None], enc.latent)[0]
+            torch.testing.assert_close(latent, want, rtol=0, atol=0)
+    text = CliRunner().invoke(shards_app, ["inspect", str(cache)]).output
+    assert "2 samples with reference images (and 2 without, text-to-image), 2.00 references per sample" in text
+    assert "reference images: 4 for 2 samples (2.00 per sample)" in text
