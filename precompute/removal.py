@@ -97,13 +97,16 @@ def repair_texts(config: PrecomputeConfig, manifest, device) -> dict:
     damaged = damaged_texts(config.cache, manifest)
     if not damaged:
         return {"repaired_text_shards": 0}
-    seeing = {path: sum(k != text_key(c) for k, c in zip(keys, captions)) for path, (keys, captions) in damaged.items()}
-    unrepairable = [path for path, n in seeing.items() if n]
+    seeing = {path: {k for k, c in zip(keys, captions) if k != text_key(c)} for path, (keys, captions) in damaged.items()}
+    unrepairable = [path for path, keys in seeing.items() if keys]
     for path in unrepairable:
         del damaged[path]
-        print(f"  not repaired: text shard {path}: {seeing[path]} of its texts were encoded with their samples' reference "
-              f"images, which the cache does not keep; remove the sources whose samples refer to them (--remove-source "
-              f"NAME) and run stage one on them again", file=sys.stderr)
+        names = sorted({name for j, name in zip(manifest.shards.rows, manifest.shards.datasets())
+                        if seeing[path] & set(manifest.shards.texts_of(int(j)))})
+        print(f"  not repaired: text shard {path}: {len(seeing[path])} of its texts were encoded with their samples' "
+              f"reference images, which the cache does not keep; remove the source(s) whose samples refer to them "
+              f"({', '.join(repr(n) for n in names) or 'none left'}) with --remove-source NAME and run stage one on them "
+              f"again", file=sys.stderr)
     if not damaged:
         return {"repaired_text_shards": 0, "unrepairable_text_shards": unrepairable}
     enc = Encoders(config.preset(), device, text_dtype=config.text_dtype, pretrained=config.pretrained, vae=False)
