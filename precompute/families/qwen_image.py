@@ -50,6 +50,7 @@ EDIT_2509_TOKENS = MAX_TOKENS + EDIT_2509_REFERENCES * (14 * 14 + 7)
 TINY_EDIT_TOKENS = 64
 # Where the edit repositories keep the Qwen2VLProcessor whose tokenizer and image processor encode_prompt uses.
 PROCESSOR = "processor"
+EDIT_KINDS = ("qwen2.5-vl-edit", "qwen2.5-vl-edit-2509")  # the edit pipelines' text encoders (`TextEncoderSpec.kind`)
 VISION_SPAN = "<|vision_start|><|image_pad|><|vision_end|>"  # Edit's template holds its one image here
 
 
@@ -233,7 +234,12 @@ def channel_stats(latent: LatentSpec, like: torch.Tensor) -> tuple[torch.Tensor,
 
 def edit_of(spec: TextEncoderSpec) -> Edit | None:
     """The edit pipeline a text encoder belongs to; None for QwenImagePipeline's."""
-    return edits().get(spec.name)
+    return edits().get(spec.name) if is_edit(spec) else None
+
+
+def is_edit(spec: TextEncoderSpec) -> bool:
+    """Whether a text encoder is an edit pipeline's (without importing diffusers: a run's options are checked first)."""
+    return spec.kind in EDIT_KINDS
 
 
 def to_pil(pixels: torch.Tensor):
@@ -327,8 +333,10 @@ class QwenImage(Family):
         return {"pixels": pixels[0].float(), "text_pixels": text_pixels}
 
     def encode_references(self, vae: torch.nn.Module, x: torch.Tensor, latent: LatentSpec) -> torch.Tensor:
-        """The pipelines' `_encode_vae_image`: the one-frame posterior's mode, (z - latents_mean) / latents_std."""
-        z = vae.encode(x[:, :, None]).latent_dist.mode()  # (B, C, 1, h, w)
+        """The pipelines' `_encode_vae_image`: the one-frame posterior's mode, (z - latents_mean) / latents_std. One
+        image per VAE call, as the pipelines encode each input image (a batch's convolutions round differently); the
+        text encoder's pass over the same references costs far more."""
+        z = torch.cat([vae.encode(image[None, :, None]).latent_dist.mode() for image in x])  # (B, C, 1, h, w)
         shape = (1, latent.channels, 1, 1, 1)
         mean = torch.tensor(latent.latents_mean).view(shape).to(z.device, z.dtype)
         std = torch.tensor(latent.latents_std).view(shape).to(z.device, z.dtype)
@@ -450,7 +458,7 @@ class QwenImage(Family):
         return out
 
     def truncated(self, side: TextSide, captions: list[str]) -> list[bool]:
-        if edit_of(side.spec) is not None:
+        if is_edit(side.spec):
             return [False] * len(captions)  # the edit pipelines' encode_prompt cuts no caption
         pipeline = side.pipeline
         template, drop = pipeline.prompt_template_encode, pipeline.prompt_template_encode_start_idx
@@ -461,7 +469,7 @@ class QwenImage(Family):
         text-to-image preset with QwenImagePipeline's."""
         super().check_text_options(preset)
         own = self.presets()[preset.name].text if preset.name in self.presets() else preset.text
-        if (edit_of(own) is not None or edit_of(preset.text) is not None) and preset.text.name != own.name:
+        if (is_edit(own) or is_edit(preset.text)) and preset.text.name != own.name:
             raise ValueError(f"--text-encoder {preset.text.name}: {preset.name} encodes captions with its pipeline's own "
                              f"text encoder and prompt template, {own.name}")
 

@@ -215,3 +215,93 @@ def test_the_edit_presets_and_their_records():
         FAMILY.check_text_options(replace(get_preset("qwen-image"), text=get_text_encoder("qwen2.5-vl-7b-edit")))
     with pytest.raises(ValueError, match="not an edit preset"):
         FAMILY.prepare_reference(get_preset("tiny-qwen-image"), picture(64, 64, 0), 0, 1)
+
+
+# -- a whole stage-one run ------------------------------------------------------------------------------------------
+
+RUN = dict(workers=0, progress=False, batch_size=2, max_shard_mb=0, storage_dtype="fp32", references=True)
+
+
+def by_source(cache) -> dict:
+    from shards import Cache
+
+    c = Cache(cache)
+    return {bytes(c[i]["source"].tolist()).decode(): c[i] for i in range(len(c))}
+
+
+def reference_files(data, name: str, count: int) -> list:
+    stem = name.removesuffix(".png")
+    return [data / f"{stem}.ref.png"] if count == 1 else [data / f"{stem}.ref{k}.png" for k in range(count)]
+
+
+def expected(pipe, preset, data, name: str, caption: str, count: int):
+    """What the cache must hold for sample `name`: (its text, its reference latents), from its reference files through
+    the family's `prepare_reference` and the stock pipeline's `encode_prompt` and `prepare_latents`."""
+    images = [Image.open(path).convert("RGB") for path in reference_files(data, name, count)]
+    prepared = [FAMILY.prepare_reference(preset, image, j, count) for j, image in enumerate(images)]
+    texts = [Image.fromarray(p["text_pixels"].permute(1, 2, 0).numpy()) for p in prepared]
+    plus = type(pipe).__name__ == PLUS
+    with torch.no_grad():
+        text, _ = pipe.encode_prompt(caption, image=texts if plus else texts[0], device=CPU)
+        given = [p["pixels"][None, :, None] for p in prepared]
+        _, packed = pipe.prepare_latents(given if plus else given[0], 1, 16, 64, 64, torch.float32, CPU, None)
+    latents, start = [], 0
+    for p in prepared:
+        h, w = p["pixels"].shape[1] // 8, p["pixels"].shape[2] // 8
+        latents.append(pipe._unpack_latents(packed[:, start : start + h * w // 4], h * 8, w * 8, 8)[0, :, 0])
+        start += h * w // 4
+    return text[0], latents
+
+
+@pytest.mark.parametrize("name, count", [("tiny-qwen-image-edit", 1), ("tiny-qwen-image-edit-2509", 2)], ids=["edit", "2509"])
+def test_a_tiny_edit_cache_holds_what_the_stock_pipeline_computes_and_an_edited_reference_re_encodes_its_sample(
+        parts, tmp_path, monkeypatch, name, count):
+    """Stage one on an edit folder (x.ref.png; x.ref0.png and x.ref1.png for 2509): every sample's text is the stock
+    pipeline's `encode_prompt` of its caption with its reference images and its reference latents the pipeline's
+    `image_latents`, bit for bit; the validation prompt is encoded without images. Editing one reference image
+    re-encodes exactly that sample, its text included (the text's key covers the references)."""
+    from precompute.encode import Encoders
+    from precompute.run import main as precompute
+    from precompute.sample_data import make_edit_folder
+    from shards import prompt_key
+    from shards.references import unpack
+
+    preset = get_preset(name)
+    pipe = stock(PLUS if count > 1 else EDIT, parts)
+    data, cache = make_edit_folder(tmp_path / "data", 3, references=count, seed=1), tmp_path / "cache"
+    summary = precompute(str(data), name, cache, validation_prompt=["make it red"], **RUN)
+    assert summary["new"] == 3 and summary["references"]["references_per_sample"] == count
+    before = by_source(cache)
+    for source, s in before.items():
+        caption = (data / source.replace(".png", ".txt")).read_text().strip()
+        text, latents = expected(pipe, preset, data, source, caption, count)
+        assert torch.equal(s["text"], text), source
+        assert [torch.equal(a, b) for a, b in zip(unpack(s), latents)] == [True] * count, source
+    from shards import Cache
+
+    prompts = Cache(cache).prompts()
+    with torch.no_grad():
+        alone, _ = stock(PLUS, parts).encode_prompt("make it red", image=None, device=CPU)
+    assert torch.equal(prompts[prompt_key("make it red")].fields["text"], alone[0])
+
+    # one reference image edited: its sample alone is encoded again, its references and its caption with them
+    calls = {"references": [], "captions": []}
+    references, texts = Encoders.encode_references, Encoders.encode_text
+    monkeypatch.setattr(Encoders, "encode_references", lambda s, px: calls["references"].append(len(px)) or references(s, px))
+    monkeypatch.setattr(Encoders, "encode_text", lambda s, captions, *a, **k: calls["captions"].append(list(captions))
+                        or texts(s, captions, *a, **k))
+    edited = reference_files(data, "00001.png", count)[-1]
+    image = Image.open(edited).convert("RGB")
+    image.paste((250, 20, 20), (0, 0, image.width // 3, image.height // 3))  # a red corner
+    image.save(edited)
+    summary = precompute(str(data), name, cache, validation_prompt=["make it red"], **RUN)
+    caption = (data / "00001.txt").read_text().strip()
+    assert (summary["new"], summary["changed"], summary["unchanged"]) == (0, 1, 2)
+    samples = [c for c in calls["captions"] if c not in ([""], ["make it red"])]  # each run encodes its prompts again
+    assert sum(calls["references"]) == count and samples == [[caption]], calls["captions"]
+    after = by_source(cache)
+    text, latents = expected(pipe, preset, data, "00001.png", caption, count)
+    assert torch.equal(after["00001.png"]["text"], text) and not torch.equal(text, before["00001.png"]["text"])
+    assert torch.equal(unpack(after["00001.png"])[-1], latents[-1])
+    for source in ("00000.png", "00002.png"):
+        assert after[source].key == before[source].key and torch.equal(after[source]["text"], before[source]["text"])
