@@ -248,6 +248,8 @@ def test_the_cache_holds_each_reference_as_the_stock_pipeline_encodes_it(kontext
     cache_dir, data = kontext_cache
     cache = Cache(cache_dir)
     preset = encoders("tiny-flux1-kontext")
+    recorded = cache.manifest.fingerprint["references"]  # how the references were sized, with the generic entries
+    assert recorded["resolutions_wh"] == [list(r) for r in FLUX.reference_resolutions(preset)] and recorded["multiple_of"] == 16
     pipe = FluxKontextPipeline(scheduler=None, vae=FLUX.load_vae(preset.vae, None), text_encoder=None, tokenizer=None,
                                text_encoder_2=None, tokenizer_2=None, transformer=None)
     for i in range(len(cache)):
