@@ -71,6 +71,17 @@ def test_the_dry_run_of_an_edit_run_measures_what_the_plan_predicts(cache, tmp_p
     assert abs(result["predicted_peak"] / result["measured_peak"] - 1) <= 0.15, result
 
 
+@pytest.mark.slow
+def test_the_dry_run_of_a_flux2_edit_run_measures_what_the_plan_predicts(tmp_path):
+    from train.loop import train
+
+    model = "tiny-flux2"  # its references at their time offsets, after the target's tokens
+    cache = stage_one_edit_cache(tmp_path / "cache", model, count=4)
+    result = train(cfg(cache, tmp_path / "run", model=model, batch_size=2, dry_run=True, validate=True, validation_items=1,
+                       validation_steps=2))
+    assert abs(result["predicted_peak"] / result["measured_peak"] - 1) <= 0.15, result
+
+
 def test_an_edit_row_holds_more_than_the_same_bucket_without_references():
     setup = dict(batch_size=2, bucket=(256, 256), text_tokens=32, precision="fp32")
     edit, plain = plan(PlanConfig(MODEL, **setup)), plan(PlanConfig("tiny-flux", **setup))  # one architecture
