@@ -296,7 +296,6 @@ def test_tiny_kontext_trains_resumes_exactly_and_its_export_edits_through_the_st
     assert image.shape == (64, 64, 3) and np.isfinite(image).all() and float(image.std()) > 0
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("lora_format", ["diffusers", "kohya"])
 def test_tiny_kontext_lora_resumes_exactly_and_loads_through_fluxkontextpipeline(kontext_cache, parts, tmp_path, monkeypatch,
                                                                                  lora_format):
