@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from functools import cache
 from importlib import import_module
@@ -164,15 +165,22 @@ def tiny_processor(tokenizer):
 
 
 def load_processor(repo: str, subfolder: str, revision: str | None):
-    """A published edit pipeline's processor, as the pipeline's `from_pretrained` loads it."""
-    from transformers import Qwen2VLProcessor
+    """A published edit pipeline's processor, as the pipeline's `from_pretrained` loads it. Without torchvision
+    transformers cannot build a Qwen2VLProcessor (nor the stock pipeline load): the same tokenizer and image
+    processor settings are loaded with the image processor's PIL backend, which resizes slightly otherwise than the
+    torchvision one the stock pipeline uses where it runs; a warning says so and the fingerprint names the backend."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
     from transformers.utils import is_torchvision_available
 
-    if not is_torchvision_available():
-        raise ValueError(f"the Qwen-Image-Edit presets encode captions with {repo}'s Qwen2VLProcessor, which transformers "
-                         f"builds only with torchvision installed: install the torchvision build of your torch (pip install "
-                         f"torchvision)")
-    return Qwen2VLProcessor.from_pretrained(repo, subfolder=subfolder, revision=revision)
+    if is_torchvision_available():
+        return Qwen2VLProcessor.from_pretrained(repo, subfolder=subfolder, revision=revision)
+    image_processor = AutoImageProcessor.from_pretrained(repo, subfolder=subfolder, revision=revision)
+    warnings.warn(f"{repo}: torchvision is not installed, so {type(image_processor).__name__} (the PIL backend) prepares the "
+                  f"images Qwen2.5-VL sees; the stock edit pipeline loads its processor only with torchvision and then "
+                  f"resizes with torchvision's kernels, so cached texts may differ from its in the last bits. Install "
+                  f"torchvision to cache exactly what it computes.", stacklevel=2)
+    tokenizer = AutoTokenizer.from_pretrained(repo, subfolder=subfolder, revision=revision)
+    return images_only_processor()(image_processor=image_processor, tokenizer=tokenizer)
 
 
 def check_template(tokenizer) -> None:

@@ -305,3 +305,21 @@ def test_a_tiny_edit_cache_holds_what_the_stock_pipeline_computes_and_an_edited_
     assert torch.equal(unpack(after["00001.png"])[-1], latents[-1])
     for source in ("00000.png", "00002.png"):
         assert after[source].key == before[source].key and torch.equal(after[source]["text"], before[source]["text"])
+
+
+def test_a_real_edit_preset_loads_the_published_layout_with_from_pretrained(parts):
+    """qwen-image-edit pointed at a directory in its layout (the tiny components saved there: vae/, text_encoder/,
+    processor/) loads them with `from_pretrained` and encodes what the tiny preset encodes; without torchvision the
+    processor's PIL backend is used, and a warning says so."""
+    from precompute.encode import Encoders
+
+    preset = get_preset("qwen-image-edit")
+    with pytest.warns(UserWarning, match="torchvision is not installed"):
+        real = Encoders(preset, CPU, pretrained=str(parts))
+    tiny = Encoders(get_preset("tiny-qwen-image-edit"), CPU)
+    assert type(real.pipeline).__name__ == EDIT and type(real.pipeline.processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+    assert real.fingerprint()["text_encoder"]["image_processor_sha256"] == tiny.fingerprint()["text_encoder"]["image_processor_sha256"]
+    pixels = FAMILY.prepare_reference(get_preset("tiny-qwen-image-edit"), picture(100, 60, seed=10), 0, 1)["text_pixels"]
+    captions, references = ["make it green", ""], [[pixels], []]
+    for a, b in zip(real.encode_text(captions, references=references).fields, tiny.encode_text(captions, references=references).fields):
+        assert torch.equal(a["text"], b["text"])

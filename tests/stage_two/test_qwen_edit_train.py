@@ -163,3 +163,134 @@ def test_the_published_edit_models_are_qwen_images_architecture():
         for bucket in ((1024, 1024), (928, 1664), (1472, 1140)):
             width, height, _ = calculate_dimensions(1024 * 1024, bucket[1] / bucket[0])
             assert family.reference_size(config, preset, bucket) == (height, width)
+
+
+# ---- end to end: stage one's cache of an edit folder, training, resume, export through the stock pipelines ----------
+
+EDITS = {"tiny-qwen-image-edit": 1, "tiny-qwen-image-edit-2509": 2}  # preset: references per sample of its folder
+
+
+@pytest.fixture(scope="module")
+def edit_caches(tmp_path_factory):
+    """Stage one's fp32 caches of an edit folder of 6 targets for each tiny edit preset (x.ref.png beside each for
+    Edit, x.ref0.png and x.ref1.png for 2509) with one validation prompt; {preset: (cache, folder)}."""
+    from conftest import VALIDATION_PROMPTS
+
+    from precompute.run import main as precompute
+    from precompute.sample_data import make_edit_folder
+
+    root = tmp_path_factory.mktemp("qwen-edit")
+    out = {}
+    for name, count in EDITS.items():
+        data = make_edit_folder(root / f"data-{name}", count=6, references=count, seed=count)
+        summary = precompute(str(data), name, root / name, workers=0, progress=False, references=True, storage_dtype="fp32",
+                             validation_prompt=VALIDATION_PROMPTS[:1])
+        assert summary["new"] == 6
+        out[name] = (root / name, data)
+    return out
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """The tiny edit presets' VAE and Qwen2.5-VL with its tokenizer and processor, saved in the diffusers layout."""
+    from precompute.presets import get_preset as encoders
+    from precompute.presets import save_tiny
+
+    directory = tmp_path_factory.mktemp("parts")
+    save_tiny(encoders("tiny-qwen-image-edit"), directory)
+    return directory
+
+
+def stock_edit(name: str, transformer, parts):
+    """The stock edit pipeline of preset `name` around `transformer` with the published scheduler, its VAE and text
+    encoder loaded with `from_pretrained` (the processor rebuilt around the saved tokenizer: transformers loads a
+    Qwen2VLProcessor only with torchvision)."""
+    import diffusers
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+    from precompute.families.qwen_image import tiny_processor
+
+    tokenizer = Qwen2Tokenizer.from_pretrained(parts / "tokenizer")
+    return getattr(diffusers, get_family("qwen-image").pipeline_of(get_preset(name)))(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler.from_config(SCHEDULER),
+        vae=diffusers.AutoencoderKLQwenImage.from_pretrained(parts / "vae"),
+        text_encoder=Qwen2_5_VLForConditionalGeneration.from_pretrained(parts / "text_encoder"), tokenizer=tokenizer,
+        processor=tiny_processor(tokenizer), transformer=transformer)
+
+
+def edit(pipe, data, monkeypatch, output_type="np"):
+    """An edit of the folder's first sample through the stock pipeline, at the tiny presets' reference areas (as stage
+    one prepared the references the model trained on)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+    from PIL import Image
+
+    from precompute.families.qwen_image import TINY_CONDITION_AREA, TINY_VAE_AREA
+
+    sized = pipeline_qwenimage_edit.calculate_dimensions
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda area, ratio: sized(TINY_VAE_AREA, ratio))
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", TINY_VAE_AREA)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", TINY_CONDITION_AREA)
+    files = sorted(data.glob("00000.ref*.png"))
+    images = [Image.open(f).convert("RGB") for f in files]
+    caption = (data / "00000.txt").read_text().strip()
+    return pipe(image=images if len(images) > 1 else images[0], prompt=caption, negative_prompt="", true_cfg_scale=4.0,
+                height=64, width=64, num_inference_steps=2, output_type=output_type,
+                generator=torch.Generator().manual_seed(0)).images
+
+
+def run_config(name, cache, run, **kw):
+    base = dict(model=name, cache=cache, run=run, steps=4, batch_size=2, workers=0, progress=False, log_every=1,
+                checkpoint_every=2, lr=1e-3, validation_steps=2, precision="fp32", validate=False)
+    return TrainConfig(**{**base, **kw})
+
+
+@pytest.mark.slow  # validation, an export and an edit through the stock pipeline
+@pytest.mark.parametrize("name", list(EDITS))
+def test_a_tiny_edit_model_trains_resumes_exactly_and_its_export_edits_through_the_stock_pipeline(edit_caches, parts, tmp_path,
+                                                                                                 monkeypatch, name):
+    import numpy as np
+    from conftest import losses
+    from diffusers import QwenImageTransformer2DModel
+
+    from train.export import export
+    from train.loop import train
+
+    cache, data = edit_caches[name]
+    straight = train(run_config(name, cache, tmp_path / "straight", validate=True))
+    train(run_config(name, cache, tmp_path / "resumed", steps=2))
+    resumed = train(run_config(name, cache, tmp_path / "resumed"))
+    assert straight["step"] == resumed["step"] == 4
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 4
+    assert (tmp_path / "straight" / "samples-step00000004.png").exists()
+
+    export(tmp_path / "straight", tmp_path / "export")
+    exported = QwenImageTransformer2DModel.from_pretrained(tmp_path / "export", subfolder="transformer")
+    base = build_transformer(get_preset(name), None, 0)
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), base.parameters()))  # it trained
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert get_family("qwen-image").pipeline_of(get_preset(name)) in card and "pipe(image=" in card
+    image = edit(stock_edit(name, exported, parts), data, monkeypatch)[0]
+    assert image.shape == (64, 64, 3) and np.isfinite(image).all() and float(image.std()) > 0
+
+
+@pytest.mark.parametrize("name", list(EDITS))
+def test_a_tiny_edit_lora_resumes_exactly_and_loads_through_the_stock_pipeline(edit_caches, parts, tmp_path, monkeypatch, name):
+    from conftest import losses
+
+    from train.export import export
+    from train.loop import train
+
+    cache, data = edit_caches[name]
+    lora = dict(lora_rank=4, lora_alpha=8, lr=1e-2)
+    straight = train(run_config(name, cache, tmp_path / "straight", **lora))
+    train(run_config(name, cache, tmp_path / "resumed", **{**lora, "steps": 2}))
+    resumed = train(run_config(name, cache, tmp_path / "resumed", **lora))
+    assert resumed["last_loss"] == straight["last_loss"] and losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+    written = export(tmp_path / "straight", tmp_path / "lora")
+    pipe = stock_edit(name, build_transformer(get_preset(name), None, 0), parts)
+    before = edit(pipe, data, monkeypatch, "latent")
+    pipe.load_lora_weights(tmp_path / "lora", weight_name=written.name)
+    after = edit(pipe, data, monkeypatch, "latent")
+    assert torch.isfinite(after).all() and not torch.allclose(before, after)
+    assert 'pipe.load_lora_weights("' in (tmp_path / "lora" / "README.md").read_text()
