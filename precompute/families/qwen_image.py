@@ -481,6 +481,12 @@ class QwenImage(Family):
             raise ValueError(f"--text-encoder {preset.text.name}: {preset.name} encodes captions with its pipeline's own "
                              f"text encoder and prompt template, {own.name}")
 
+    def caption_elements(self, text: TextSpec) -> int:
+        """An edit text keeps every vision token of its references (its limit beyond the caption's MAX_TOKENS) and a
+        caption of about 64 tokens; a text-to-image caption half its limit, as by default."""
+        vision = text.max_tokens - MAX_TOKENS
+        return (vision + 64) * text.width if vision > 0 else super().caption_elements(text)
+
 
 def valid_tokens(embeds: torch.Tensor, mask: torch.Tensor | None) -> list[dict[str, torch.Tensor]]:
     """A batch's (B, L, D) embeddings and mask (None: nothing padded) -> per caption its valid tokens, float32 on the CPU."""

@@ -216,6 +216,12 @@ def test_the_edit_presets_and_their_records():
     with pytest.raises(ValueError, match="not an edit preset"):
         FAMILY.prepare_reference(get_preset("tiny-qwen-image"), picture(64, 64, 0), 0, 1)
 
+    from shards import TextSpec
+
+    # the disk estimate counts an edit text's vision tokens whole (Edit's 1,369 at a megapixel) and a short caption
+    assert FAMILY.caption_elements(TextSpec("masked", 3584, edit.text.max_length)) == (37 * 37 + 64) * 3584
+    assert FAMILY.caption_elements(TextSpec("masked", 3584, 512)) == 256 * 3584
+
 
 # -- a whole stage-one run ------------------------------------------------------------------------------------------
 
