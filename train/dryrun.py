@@ -10,13 +10,12 @@ import torch
 
 from shards import Cache
 from shards.options import DTYPES
-from shards.references import unpack as unpack_references
 from train.cache import largest_bucket
 from train.config import TrainConfig
-from train.data import REFERENCES, TrainingSamples, has_references, to_device
+from train.data import REFERENCES, TrainingSamples, to_device
 from train.families import get_family
 from train.metrics import device_memory
-from train.plan import measure_peak, plan
+from train.plan import cached_references, measure_peak, plan
 from train.plan_config import CARD_RESERVED, PlanConfig
 from train.step import TrainStep
 from train.validate import Validator, generate
@@ -34,20 +33,6 @@ def startup_plan(cfg: TrainConfig, cache: Cache, device: torch.device, world: in
                               pretrained_controlnet=None,
                               controlnet_layers=controlnet_layers or cfg.controlnet_layers)
     return plan(setup, objective, buckets=list(cache.manifest.buckets()))
-
-
-def cached_references(cache: Cache, bucket) -> dict:
-    """An edit cache's references as the plan takes them (`PlanConfig.references`, `reference_size`): those of the first
-    sample of `bucket` (the dry run's), each planned at the largest one's size; {} for a cache without references."""
-    if not has_references(cache):
-        return {}
-    first = cache[cache.ranges_by_bucket()[bucket][0].start]
-    refs = unpack_references(first.fields)
-    if not refs:
-        return {"references": 0}
-    down = cache.spec.latent.downsample
-    h, w = max((tuple(r.shape[-2:]) for r in refs), key=lambda hw: (hw[0] * hw[1], hw))
-    return {"references": len(refs), "reference_size": f"{h * down}x{w * down}"}
 
 
 def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: TrainStep, validator: Validator | None, preset,

@@ -19,7 +19,9 @@ import torch
 
 from shards import ASPECT_RATIO_TABLES, Bucket, bucket_table, resolution_table
 from shards.options import DTYPE_BYTES, DTYPES
+from shards.references import unpack as unpack_references
 from train.config import TrainConfig
+from train.data import has_references
 from train.families import get_family, get_preset
 from train.families.base import EXPERT_NAMES
 from train.frozen import build_frozen, meta_loader, quiet_diffusers, swapped_blocks
@@ -170,6 +172,24 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
         "activation_bytes_per_sample": per_sample,
         **({"preservation_forward": preservation} if preservation else {}),
     }
+
+
+def cached_references(cache, bucket: Bucket | None = None) -> dict:
+    """An edit cache's references as the plan takes them (`PlanConfig.references`, `reference_size`): those of the first
+    sample of `bucket` (the dry run's; default, or a bucket the cache does not hold: its largest), each planned at the
+    largest one's size; {} for a cache without references."""
+    if not has_references(cache):
+        return {}
+    ranges = cache.ranges_by_bucket()
+    if bucket not in ranges:
+        bucket = max(ranges, key=lambda b: (b.pixels, b))
+    first = cache[ranges[bucket][0].start]
+    refs = unpack_references(first.fields)
+    if not refs:
+        return {"references": 0}
+    down = cache.spec.latent.downsample
+    h, w = max((tuple(r.shape[-2:]) for r in refs), key=lambda hw: (hw[0] * hw[1], hw))
+    return {"references": len(refs), "reference_size": f"{h * down}x{w * down}"}
 
 
 def default_table(preset, family, config) -> tuple[Bucket, ...]:

@@ -26,12 +26,16 @@ def plan_command(model: str, *, resolution: int | None = None, bucket: str | Non
     """Predict memory per device before launching: bytes by component, peak, verdict, largest batch. Options named
     like the trainer's mean the same and default the same."""
     from shards import FormatError, open_cache
-    from train.plan import format_plan, plan
+    from train.families import get_preset
+    from train.plan import cached_references, format_plan, plan
 
     try:
         opened = open_cache(cache) if cache else None
         size = traced_bucket(model, resolution, bucket, frames, opened)
         buckets = list(opened.manifest.buckets()) if opened is not None else None
+        if opened is not None and get_preset(model).references and options.get("references") is None \
+                and options.get("reference_size") is None:  # an edit cache's own references, unless given
+            options.update(cached_references(opened, size))
         # what it is doing goes to stderr: the plan (or its JSON) alone on stdout
         result = plan(PlanConfig(model, bucket=tuple(size) if size.frames else size[:2], gpu_memory=card_memory(gpu_memory), **options),
                       say=lambda message: typer.echo(message, err=True), buckets=buckets)
@@ -81,7 +85,9 @@ def _parameters() -> list[inspect.Parameter]:
                               "latent frames x patches are the tokens traced.")),
         inspect.Parameter("cache", keyword, annotation=Optional[str], default=typer.Option(
             None, help="A cache built for the run (a directory or URL): the plan traces its largest resolution (a cache "
-                       "of clips: its largest clip bucket) and gives the largest batch of each of its buckets.")),
+                       "of clips: its largest clip bucket) and gives the largest batch of each of its buckets; an edit "
+                       "cache's references are those of the traced bucket's first sample, unless --references or "
+                       "--reference-size say otherwise.")),
         *typer_parameters(PlanConfig, OPTIONS[1:]),
         inspect.Parameter("gpu_memory", keyword, annotation=str, default=typer.Option("80GB", help=GPU_MEMORY_HELP)),
         inspect.Parameter("as_json", keyword, annotation=bool, default=typer.Option(

@@ -71,6 +71,18 @@ def test_the_plan_command_takes_and_states_the_references(monkeypatch):
     assert refused.exit_code == 2 and "takes no reference images" in refused.output
 
 
+def test_the_plan_of_an_edit_cache_takes_its_references(tmp_path, monkeypatch):
+    from train.__main__ import tools
+
+    edit_preset(monkeypatch)
+    cache = write_edit_cache(tmp_path / "edit", [2, 1, 1, 1], buckets=((64, 64),))  # the first sample: 4x4 and 3x5 latents
+    out = CliRunner().invoke(tools, ["plan", EDIT_PRESET, "--cache", str(cache), "--text-tokens", "20", "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["references"] == {"count": 2, "size": "32x32", "tokens": 2 * 16}  # each at the larger's size
+    given = CliRunner().invoke(tools, ["plan", EDIT_PRESET, "--cache", str(cache), "--references", "1", "--json"])
+    assert json.loads(given.stdout)["references"] == {"count": 1, "size": "64x64", "tokens": 64}  # as given, default size
+
+
 def test_the_dry_run_of_an_edit_run_measures_what_the_plan_predicts(tmp_path, monkeypatch, capsys):
     from train.loop import train
 
