@@ -340,6 +340,10 @@ def test_references_need_an_edit_preset_and_an_edit_only_preset_needs_them(tmp_p
     (tmp_path / "two.toml").write_text('[[source]]\npath = "edits"\nreferences = true\n[[source]]\npath = "plain"\n')
     with pytest.raises(ValueError, match=r"edit model: .* source 'plain' has none.*references = true"):
         PrecomputeConfig(str(tmp_path / "two.toml"))
+    # a model that also takes text-to-image samples (requires_references False) takes sources without references
+    mixed = replace(edit, requires_references=False)
+    monkeypatch.setattr(precompute.config, "get_preset", lambda name: mixed if name == "tiny-sana" else get_preset(name))
+    assert [s.takes_references for s in PrecomputeConfig(str(tmp_path / "two.toml")).sources()] == [True, False]
     with pytest.raises(ValueError, match="flip = true with reference images"):
         (tmp_path / "f.toml").write_text('[[source]]\npath = "imgs"\nreferences = true\nflip = true\n')
         PrecomputeConfig(str(tmp_path / "f.toml"))
