@@ -138,13 +138,14 @@ class QwenImage(Family):
         groups = reference_groups(batch)
         if len(groups) == 1:
             return self.call(model, xt, t, batch, stacked_references(batch) if batch["references"][0] else [])
-        out = torch.empty_like(xt)
+        out: list[torch.Tensor | None] = [None] * xt.shape[0]
         for rows in groups:
             group = group_of(batch, rows)
             refs = stacked_references(group) if group["references"][0] else []
             index = torch.tensor(rows, device=xt.device)
-            out[index] = self.call(model, xt[index], t[index], group, refs).to(out.dtype)
-        return out
+            for i, pred in zip(rows, self.call(model, xt[index], t[index], group, refs)):
+                out[i] = pred
+        return torch.stack(out)
 
     def call(self, model, xt: torch.Tensor, t: torch.Tensor, batch: dict, references: list[torch.Tensor]) -> torch.Tensor:
         """One transformer pass: target (B, C, h, w) and references (B, C, h_j, w_j) each -> the target's prediction."""
