@@ -8,9 +8,21 @@ can be installed before the library is imported), and installing one twice insta
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from collections import Counter
+
+# Set in a forked child (a data loader's worker): its parent says what is said once, so the child says none of it.
+_forked = False
+
+
+def _in_child() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_in_child)
 
 # transformers, per class it imports whose preferred backend is missing: "`CLIPImageProcessor` requires torchvision (not
 # installed); falling back to `CLIPImageProcessorPil` ..."
@@ -26,7 +38,8 @@ class Collapsed(logging.Filter):
 
     Loggers call their filters without a lock, and libraries log from their loading threads (transformers and
     diffusers load weights in thread pools), so counting and deciding is one locked step: two threads' first records
-    of a key must not both be let through."""
+    of a key must not both be let through. A forked process (a data loader's worker, which imports what its parent
+    imported) lets none through: the parent says it, once for all of them."""
 
     def __init__(self, pattern: str, summary: str | None = None):
         super().__init__(pattern)
@@ -42,7 +55,7 @@ class Collapsed(logging.Filter):
         with self._lock:
             self.seen[key] += 1
             first = self.seen[key] == 1
-        if self.summary is None or not first:
+        if self.summary is None or not first or _forked:
             return False
         record.msg, record.args = self.summary.format(*match.groups()), ()
         return True

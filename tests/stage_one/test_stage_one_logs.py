@@ -104,3 +104,20 @@ def test_the_root_handler_leaves_a_librarys_own_records_to_its_own_handler():
         assert root_handler.filter(other)
     finally:
         library.handlers.clear()
+
+
+def test_a_forked_worker_leaves_the_once_said_lines_to_its_parent():
+    """A data loader's workers fork from the run and import what it imported: their first fallback record of a backend
+    is dropped (the parent says it), the parent's own first is said."""
+    import multiprocessing
+
+    f = collapse("cachedit-test.forked", BACKEND_FALLBACK, "{0} missing")
+    record = logging.LogRecord("cachedit-test.forked", logging.WARNING, __file__, 1,
+                               "`C` requires torchvision (not installed); falling back to `P` ...", (), None)
+    ctx = multiprocessing.get_context("fork")
+    said = ctx.Queue()
+    child = ctx.Process(target=lambda: said.put(f.filter(record)))
+    child.start()
+    assert said.get(timeout=60) is False
+    child.join(timeout=60)
+    assert f.filter(record) is True
