@@ -42,6 +42,7 @@ class Tally:
         seen: key -> (source name, input) of every input read and kept (encoded or unchanged).
         restamps: key -> stamp of unchanged inputs whose stamp moved (touched, same content).
         repaired: key -> fields re-encoded for a damaged shard (`--repair`).
+        repaired_texts: text key -> fields re-encoded from its sample's inputs for a damaged text shard (`--repair`).
         loop_s, wait_s: time in the pass, and of it blocked on the loader.
         encoder_s: of the pass, the time inside the encoders' calls (VAE, image encoder, text encoder).
         write_wait_s: of the pass, the time blocked on the background writer (its queue full, its last batches).
@@ -54,6 +55,7 @@ class Tally:
     seen: dict[str, tuple[str, str]] = field(default_factory=dict)
     restamps: dict[str, int] = field(default_factory=dict)
     repaired: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    repaired_texts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     loop_s: float = 0.0
     wait_s: float = 0.0
     encoder_s: float = 0.0
@@ -148,6 +150,9 @@ class EncodingPass:
         needed: repairing: the keys of the damaged shards' samples (None: not repairing).
         cached: the latent fields cached before this run, for changed inputs whose image did not change (None: encode
             every image).
+        rebuild_texts: repairing: text keys of damaged text shards to encode again from their samples' inputs (texts
+            seen with reference images), kept in `tally.repaired_texts`.
+        texts_only: repairing: keys of samples read for their texts alone (their own shard is intact).
     """
 
     enc: Encoders
@@ -162,6 +167,8 @@ class EncodingPass:
     needed: set[str] | None
     tally: Tally
     cached: CachedLatents | None = None
+    rebuild_texts: set[str] = field(default_factory=set)
+    texts_only: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.flipped_fields = [name for name in self.enc.latent_spec().flipped_fields if name in self.schema]
@@ -267,7 +274,8 @@ class EncodingPass:
             if bad_fields:
                 tally.fail({"source": it["source"], "reason": "non_finite", "detail": f"fields {bad_fields}", "dataset": it["dataset"]})
             elif self.repair:
-                tally.repaired[it["key"]] = fields
+                if it["key"] not in self.texts_only:
+                    tally.repaired[it["key"]] = fields
             else:
                 scope = (it["dataset"], it.get("resolution", 0))
                 outcome = "changed" if it["source"] in self.cached_inputs.get(scope, ()) else "new"
@@ -331,18 +339,24 @@ class EncodingPass:
         """The text key of each caption (with its context, see `caption_inputs`), its text encoded and written once
         (appended to `writes`, before the samples that refer to it): a text the cache holds (or this run wrote) is not
         encoded again, however many samples refer to it. A text holding NaN/Inf is not written (its samples fail as
-        non_finite)."""
+        non_finite). Repairing, a text of `rebuild_texts` is encoded again and kept in `tally.repaired_texts`."""
         keys = [text_key(c, x) for c, x in zip(captions, contexts)]
         first: dict[str, int] = {}  # each new text's key -> its first caption's index
         for i, k in enumerate(keys):
-            if k not in first and k not in self.queued_texts and k not in self.bad_texts and not self.writer.has_text(k):
+            if k in first or k in self.bad_texts:
+                continue
+            if k in self.rebuild_texts and k not in self.tally.repaired_texts or (
+                    k not in self.queued_texts and not self.writer.has_text(k)):
                 first[k] = i
         new = list(first.values())
         encoded = self.encode_captions([captions[i] for i in new], count=False, contexts=[contexts[i] for i in new],
                                        references=None if references is None else [references[i] for i in new])
         for i, fields in zip(new, encoded):
             fields = {name: t.to(self.storage).cpu() for name, t in fields.items()}
-            if all(bool(torch.isfinite(t).all()) for t in fields.values() if t.is_floating_point()):
+            finite = all(bool(torch.isfinite(t).all()) for t in fields.values() if t.is_floating_point())
+            if keys[i] in self.rebuild_texts and finite:
+                self.tally.repaired_texts[keys[i]] = fields
+            elif finite:
                 writes.append((partial(self.writer.write_text, captions[i], fields, contexts[i]), fields))
                 self.queued_texts.add(keys[i])
             else:

@@ -88,27 +88,24 @@ def damaged_texts(cache: Path, manifest) -> dict[str, tuple[list[str], list[str]
     return {entry.path: table.samples_of(int(j))[:2] for j, entry in zip(table.rows, table) if (cache / entry.path).resolve() in bad}
 
 
-def repair_texts(config: PrecomputeConfig, manifest, device) -> dict:
+def repair_texts(config: PrecomputeConfig, manifest, device) -> tuple[dict, dict[str, list[str]]]:
     """Re-encode every damaged text shard from the captions the manifest keeps (no input is read) and commit each
     copy in its place. The text encoder built must be the cache's (refused otherwise, naming the differing fields).
+
     A text that depends on its sample's reference images as well (an edit model whose text encoder sees them: its key
-    is not its caption's alone, `shards.texts.text_key`) cannot be rebuilt from its caption: its text shard is left as
-    it is and named, with what to do."""
+    is not its caption's alone, `shards.texts.text_key`) cannot be rebuilt from its caption: its text shard is left to
+    the repair's pass, which reads the inputs of the samples referring to its texts (`text_referrers`) and encodes
+    each text again with its sample's references (`replace_texts`).
+
+    Returns:
+        The summary's entries, and those text shards: path -> their text keys, in order.
+    """
     damaged = damaged_texts(config.cache, manifest)
-    if not damaged:
-        return {"repaired_text_shards": 0}
-    seeing = {path: {k for k, c in zip(keys, captions) if k != text_key(c)} for path, (keys, captions) in damaged.items()}
-    unrepairable = [path for path, keys in seeing.items() if keys]
-    for path in unrepairable:
+    seeing = {path: keys for path, (keys, captions) in damaged.items() if any(k != text_key(c) for k, c in zip(keys, captions))}
+    for path in seeing:
         del damaged[path]
-        names = sorted({name for j, name in zip(manifest.shards.rows, manifest.shards.datasets())
-                        if seeing[path] & set(manifest.shards.texts_of(int(j)))})
-        print(f"  not repaired: text shard {path}: {len(seeing[path])} of its texts were encoded with their samples' "
-              f"reference images, which the cache does not keep; remove the source(s) whose samples refer to them "
-              f"({', '.join(repr(n) for n in names) or 'none left'}) with --remove-source NAME and run stage one on them "
-              f"again", file=sys.stderr)
     if not damaged:
-        return {"repaired_text_shards": 0, "unrepairable_text_shards": unrepairable}
+        return {"repaired_text_shards": 0}, seeing
     enc = Encoders(config.preset(), device, text_dtype=config.text_dtype, pretrained=config.pretrained, vae=False)
     check_text_encoder(manifest.fingerprint["text_encoder"], enc.text_fingerprint(), config.cache)
     storage = dtype_from_name(manifest.fingerprint["storage_dtype"])
@@ -121,7 +118,36 @@ def repair_texts(config: PrecomputeConfig, manifest, device) -> dict:
             writer.replace(path, list(zip(keys, rows)))
     print(f"\n{config.cache}: repaired {len(damaged)} damaged text shard(s), "
           f"{sum(len(k) for k, _ in damaged.values())} texts re-encoded from their captions", file=sys.stderr)
-    return {"repaired_text_shards": len(damaged), **({"unrepairable_text_shards": unrepairable} if unrepairable else {})}
+    return {"repaired_text_shards": len(damaged)}, seeing
+
+
+def text_referrers(manifest, texts: dict[str, list[str]]) -> set[str]:
+    """The keys of the samples referring to any text of `texts` (text shard path -> text keys)."""
+    wanted = {k for keys in texts.values() for k in keys}
+    if not wanted:
+        return set()
+    table = manifest.shards
+    return {key for j in (int(j) for j in table.rows) if wanted.intersection(table.texts_of(j)) for key in table.samples_of(j)[0]}
+
+
+def replace_texts(writer: ShardWriter | None, texts: dict[str, list[str]], encoded: dict[str, dict], cache: Path) -> dict:
+    """Commit a re-encoded copy of every text shard of `texts` (path -> text keys) whose texts were all encoded again
+    from their samples' inputs (`encoded`: text key -> fields); one with a text no sample's input gave (its input is
+    gone or changed) is left as it is and named (`writer`: None when no input was read)."""
+    repaired, unrepairable = [], []
+    for path, keys in texts.items():
+        if all(k in encoded for k in keys):
+            writer.replace(path, [(k, encoded[k]) for k in keys])
+            repaired.append(path)
+        else:
+            unrepairable.append(path)
+            print(f"  not repaired: text shard {path}: {sum(k not in encoded for k in keys)} of its texts depend on their "
+                  f"samples' reference images, and no sample referring to them was read again (its input is gone or "
+                  f"changed since it was cached); restore the inputs and run --repair again", file=sys.stderr)
+    if repaired:
+        print(f"\n{cache}: repaired {len(repaired)} damaged text shard(s) from the inputs of the samples that refer to "
+              f"their texts (encoded with their reference images)", file=sys.stderr)
+    return {"repaired_text_shards": len(repaired), **({"unrepairable_text_shards": unrepairable} if unrepairable else {})}
 
 
 def replace_damaged(writer: ShardWriter, damaged: dict[str, list[str]], encoded: dict, inputs, cache: Path) -> dict:

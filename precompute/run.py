@@ -40,6 +40,8 @@ from precompute.removal import (
     removals,
     repair_texts,
     replace_damaged,
+    replace_texts,
+    text_referrers,
     warn_damaged,
 )
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
@@ -105,6 +107,7 @@ class Inputs:
     damaged: dict[str, list[str]] = field(default_factory=dict)
     needed: set[str] | None = None
     dropped: dict[str, set[str]] = field(default_factory=dict)  # per source, its cached keys of resolutions it no longer has
+    texts_only: set[str] = field(default_factory=set)  # repairing: keys read for the texts they refer to alone
 
 
 def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, t_start: float, sources: dict[str, str]) -> dict:
@@ -115,14 +118,15 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     # 1. what the cache holds, from its manifest alone (no shard is opened), read under the lock; then the inputs of
     # every source, split disjointly by global rank. The loader's workers start reading images now, while the
     # encoders load.
-    repaired = {}
+    repaired, rebuild = {}, {}  # rebuild: damaged text shards of texts seen with reference images -> their keys
     if config.repair and manifest is not None and manifest.texts is not None:  # texts first: the samples refer to them
-        repaired = repair_texts(config, manifest, device) if rank == 0 else {}
+        repaired, rebuild = repair_texts(config, manifest, device) if rank == 0 else ({}, {})
         if world > 1:
             dist.barrier()
-    inputs = open_all_inputs(config, manifest, device, rank, world)
-    if inputs is None:  # a repair with nothing damaged
-        return {"repaired_shards": 0, "repaired_samples": 0, "unrepairable": [], **repaired}
+    inputs = open_all_inputs(config, manifest, device, rank, world, rebuild)
+    if inputs is None:  # a repair with nothing damaged (or no sample left to rebuild a damaged text shard from)
+        return {"repaired_shards": 0, "repaired_samples": 0, "unrepairable": [], **repaired,
+                **(replace_texts(None, rebuild, {}, config.cache) if rebuild else {})}
     # 2. encoders and the fingerprint of everything that determines the cached values; a cache built differently is
     # refused before anything is encoded
     try:
@@ -145,7 +149,8 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     # a clip is a batch of its own by default: an 81-frame 480p clip holds twice the pixels of 16 images at 1024²
     batch = config.batch_size or (1 if config.video else DEFAULT_BATCH[device.type])
     encoding = EncodingPass(enc, writer, schema, storage, batch, config.text_batch_size,
-                            config.control, inputs.previous, stamps, inputs.needed, tally, cached_latents(config, enc, manifest, schema))
+                            config.control, inputs.previous, stamps, inputs.needed, tally, cached_latents(config, enc, manifest, schema),
+                            rebuild_texts={k for keys in rebuild.values() for k in keys}, texts_only=inputs.texts_only)
     desc = f"precompute[{rank}]" if world > 1 else "precompute"
     if config.progress and sys.stderr.isatty() or rank != 0:  # rank 0 speaks for all
         bar = tqdm(total=inputs.total, unit="input" if config.video else "img", desc=desc, disable=rank != 0, dynamic_ncols=True)
@@ -157,6 +162,9 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
         if inputs.needed is not None:
             summary = replace_damaged(writer, inputs.damaged, tally.repaired, partial(cached_inputs, manifest, inputs.sources), config.cache)
             summary.update(repaired)
+            if rebuild:  # after the samples: a text shard rebuilt from the inputs of the samples that refer to its texts
+                more = replace_texts(writer, rebuild, tally.repaired_texts, config.cache)
+                summary.update(more, repaired_text_shards=repaired.get("repaired_text_shards", 0) + more["repaired_text_shards"])
         writer.finish()
     except BaseException:
         writer.close()  # everything committed so far stays valid; buffered samples are redone next run
@@ -180,12 +188,14 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     return summary
 
 
-def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, rank: int, world: int) -> Inputs | None:
+def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, rank: int, world: int,
+                    rebuild: dict[str, list[str]] | None = None) -> Inputs | None:
     """Every source's inputs for this rank, and the loader over them. A source's scope is its own samples: new,
     changed and removed count within it, and other sources are never touched. A source cached at several
     resolutions is read once per resolution, each read against that resolution's samples. Repairing, only the
-    damaged samples' inputs are read (a folder's others are not listed; a tar's are skipped by key); None if nothing
-    is damaged."""
+    damaged samples' inputs are read (a folder's others are not listed; a tar's are skipped by key), and those of the
+    samples referring to the texts of `rebuild`'s text shards (texts seen with their samples' reference images, which
+    only the inputs give); None if nothing is damaged."""
     cache, repair = config.cache, config.repair
     sources = config.sources()
     previous = {s.name: {key: src for key, src, *_ in manifest.samples(s.name)} if manifest else {} for s in sources}
@@ -195,10 +205,13 @@ def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, ra
         if manifest is None:
             raise FileNotFoundError(f"{cache} holds no cache to repair; build it with `make precompute DATA=... CACHE={cache}`")
         damaged = damaged_shards(cache, manifest)
-        if not damaged:
-            print(f"{cache}: every shard of generation {manifest.generation} is intact; nothing to repair", file=sys.stderr)
-            return None
         needed = {k for keys in damaged.values() for k in keys}
+        texts_only = text_referrers(manifest, rebuild or {}) - needed
+        if not damaged and not texts_only:
+            if not rebuild:
+                print(f"{cache}: every shard of generation {manifest.generation} is intact; nothing to repair", file=sys.stderr)
+            return None
+        needed |= texts_only
         skip = everything - needed
     else:
         skip = everything  # an input whose content is cached in another source is read, then counted a duplicate
@@ -224,7 +237,7 @@ def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, ra
     workers = max(i.workers for i in listings.values())
     loader = build_loader(SourcesDataset(parts), workers, device)
     batches = iter(loader)  # forks the workers before any encoder weights exist in this process
-    return Inputs(sources, previous, listings, batches, total, damaged, needed, dropped)
+    return Inputs(sources, previous, listings, batches, total, damaged, needed, dropped, texts_only if repair else set())
 
 
 def open_source(config: PrecomputeConfig, manifest, source, tag: int, skip: frozenset[str], needed: set[str] | None,

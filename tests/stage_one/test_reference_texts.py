@@ -15,7 +15,7 @@ from precompute.families import family
 from precompute.presets import get_preset
 from precompute.run import main as precompute
 from precompute.sample_data import draw_sample
-from shards import Cache
+from shards import Cache, verify
 from shards.references import references_digest
 from shards.texts import TEXT_KEYS, keys_of, text_key
 
@@ -98,14 +98,34 @@ def test_an_edited_reference_re_encodes_its_samples_text_alone(data, tmp_path, m
     assert Cache(cache).manifest.text_stats()["texts"] == 4
 
 
-def test_a_repair_names_a_text_shard_it_cannot_rebuild_from_captions(data, tmp_path, capsys):
+def test_a_repair_rebuilds_a_text_shard_of_texts_seen_with_references_from_their_samples_inputs(data, tmp_path, capsys):
+    """Such a text cannot be rebuilt from its caption: the repair reads the inputs of the samples referring to it and
+    encodes it again with their references; with those inputs gone, the text shard is named, not repaired."""
+    work = tmp_path / "data"
+    shutil.copytree(data, work)
     cache = tmp_path / "cache"
-    precompute(str(data), MODEL, cache, **RUN)
-    text_shard = sorted((cache / "texts").glob("*.safetensors"))[0]
-    text_shard.write_bytes(text_shard.read_bytes()[:100])
-    summary = precompute(str(data), MODEL, cache, repair=True, **RUN)
-    assert summary["unrepairable_text_shards"] == [f"texts/{text_shard.name}"]
-    assert "reference images, which the cache does not keep" in capsys.readouterr().err
+    precompute(str(work), MODEL, cache, **RUN)
+    before = {name: s["text"].clone() for name, s in resolved(cache).items()}  # not views of the files damaged next
+    paths = Cache(cache).texts.paths()
+    for path in paths:  # every text shard damaged; the sample shards intact
+        (cache / path).write_bytes((cache / path).read_bytes()[:100])
+    assert not verify(cache).ok
+    summary = precompute(str(work), MODEL, cache, repair=True, **RUN)
+    assert summary["repaired_text_shards"] == len(paths) and "unrepairable_text_shards" not in summary and summary["repaired_shards"] == 0
+    assert verify(cache).ok
+    for name, s in resolved(cache).items():
+        torch.testing.assert_close(s["text"], before[name], rtol=0, atol=0)
+
+    # the only sample of a text lost its input: that text shard cannot be rebuilt and is named
+    key = text_key(CAPTIONS[0], references_digest([(work / "0.ref.png").read_bytes()]))
+    (path,) = [p for p in Cache(cache).texts.paths() if key in Cache(cache).manifest.texts.samples_of(
+        Cache(cache).manifest.texts.row_of(p))[0]]
+    (cache / path).write_bytes((cache / path).read_bytes()[:100])
+    (work / "0.png").unlink()
+    capsys.readouterr()
+    summary = precompute(str(work), MODEL, cache, repair=True, **RUN)
+    assert summary["unrepairable_text_shards"] == [path]
+    assert "no sample referring to them was read again" in capsys.readouterr().err
 
 
 def test_a_caption_sees_every_reference_of_its_sample_in_order(tmp_path):
