@@ -78,9 +78,9 @@ class CachedLatents:
 
     An input that changed but whose image did not (a new loss mask, edited captions) gets a new key; its old sample,
     found through the input's entry in the stamp table, holds the latent fields the VAE would compute again, which its
-    `shards.LATENT_KEY` proves (the same image bytes, flip, control image and reference images). They are read with the shards reader
-    from the generation the run started with (its shards are not retired before the run ends), digests checked; a
-    sample that cannot be read is encoded again.
+    `shards.LATENT_KEY` proves (the same image bytes, flip, control image and reference images). They are read with
+    the shards reader from the generation the run started with (its shards are not retired before the run ends),
+    digests checked; a sample that cannot be read is encoded again.
 
     Args:
         root: the cache.
