@@ -44,6 +44,7 @@ KLEIN = {"flux2-klein-4b": ("black-forest-labs/FLUX.2-klein-4B", "4b"),
          "flux2-klein-9b": ("black-forest-labs/FLUX.2-klein-9B", "9b"),
          "flux2-klein-base-9b": ("black-forest-labs/FLUX.2-klein-base-9B", "9b")}
 DEV_REFERENCES, KLEIN_REFERENCES = 6, 4  # BFL's documented limits (the pipelines set none)
+GUIDANCE_EMBEDDED = "guidance_embedded"  # validation's question to `forward` (see `Flux2.denoise`)
 
 
 def preset(name: str, repo: str | None, config: dict | str, **kwargs) -> ModelPreset:
@@ -115,6 +116,8 @@ class Flux2(Family):
         reference's tokens after them at time 10, 20, ... (samples whose references differ in shape run one group at a
         time), every caption token with ids (0, 0, 0, token), the timestep as sigma (t / 1000) and, for dev, the
         guidance (B,); returns the target tokens' prediction as (B, 128, h, w)."""
+        if GUIDANCE_EMBEDDED in batch:
+            batch[GUIDANCE_EMBEDDED] = bool(config["guidance_embeds"])
         references = batch.get("references")
         if not references or not any(references):
             return self.call(model, config, xt, t, batch, [], guidance)
@@ -171,24 +174,27 @@ class Flux2(Family):
         """dev (guidance embedding) and the distilled klein models (`guidance` 1): one pass on the caption per step;
         klein bases: one on the caption and one on the empty caption, combined by classifier-free guidance, as
         Flux2KleinPipeline runs them (the sample's references with both)."""
-        null, caption = rows(text, slice(0, 1)), rows(text, slice(1, 2))
+        # `forward` answers GUIDANCE_EMBEDDED in the caption's batch: whether the model takes the guidance in its
+        # embedding (then it is no classifier-free guidance scale)
+        null, caption = rows(text, slice(0, 1)), {**rows(text, slice(1, 2)), GUIDANCE_EMBEDDED: None}
         for t in scheduler.timesteps:
             with autocast:
                 pred = forward(latents, t.expand(1), caption).float()
-                if guidance > 1 and not self.guidance_embedded(forward):
+                if guidance > 1 and not caption[GUIDANCE_EMBEDDED]:
                     pred = self.combine(forward(latents, t.expand(1), null).float(), pred, guidance)
             latents = scheduler.step(pred, t, latents).prev_sample
         return latents
 
-    @staticmethod
-    def guidance_embedded(forward) -> bool:
-        """Whether the transformer behind a validation forward (`train.presets.model_forward`'s closure, which holds its
-        config) embeds the guidance value: `denoise` is not given the config."""
-        cells = [c.cell_contents for c in forward.__closure__ or ()]
-        return any(isinstance(c, Mapping) and c.get("guidance_embeds") for c in cells)
-
-    def usage_call_args(self) -> str:
-        return ""
+    def usage_generate(self, preset: ModelPreset | None, extra: str) -> tuple[list[str], list[str]]:
+        """Text to image and an edit from reference images, at the preset's validation steps and guidance (klein's
+        distilled models: 4 steps, no guidance)."""
+        if preset is None:
+            return super().usage_generate(preset, extra)
+        args = f"num_inference_steps={preset.validation_steps}, guidance_scale={preset.guidance_scale:g}{extra}"
+        return ["from diffusers.utils import load_image"], [
+            f'image = pipe("a prompt", {args}).images[0]',
+            f"# an edit: up to {preset.references} reference images, each prepared as the pipeline prepares its inputs",
+            f'edited = pipe(image=[load_image("input.png")], prompt="an edit instruction", {args}).images[0]']
 
     def tags(self) -> list[str]:
         return [self.name, "flux2-diffusers", "image-editing"]

@@ -1,0 +1,222 @@
+"""FLUX.2 in stage two (tiny-flux2, tiny-flux2-klein): the transformer gets what the stock Flux2Pipeline and
+Flux2KleinPipeline give it — the target's tokens, each reference's after them at its own time offset, the 4-axis ids,
+every caption token, the timestep and dev's guidance — and only the target's prediction comes back, per group of samples
+whose references share shapes; training's shift is the pipelines' empirical mu; validation samples as the pipelines do,
+with the sample's references; the presets count the published parameters."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import record_calls
+
+from train.config import TrainConfig
+from train.families import get_family, get_preset
+from train.model import build_run_objective, train_guidance
+from train.presets import build_transformer, model_forward
+
+pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models (left out of make test-fast)
+
+C, TOKENS, WIDTH = 128, 64, 48  # the patchified latent's channels; the tiny encoders' token limit and stacked width
+PIPELINES = {"tiny-flux2": "Flux2Pipeline", "tiny-flux2-klein": "Flux2KleinPipeline"}
+# FLUX.2's scheduler config as released (dev and klein)
+SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                 base_image_seq_len=256, max_image_seq_len=4096, time_shift_type="exponential")
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """Each tiny preset's VAE, text encoder and tokenizer, saved in the diffusers layout."""
+    from precompute.presets import get_preset as encoders
+    from precompute.presets import save_tiny
+
+    out = {}
+    for name in PIPELINES:
+        out[name] = tmp_path_factory.mktemp(name)
+        save_tiny(encoders(name), out[name])
+    return out
+
+
+def stock(name: str, transformer, parts):
+    """The stock pipeline of preset `name` around `transformer`, its other components loaded with `from_pretrained`."""
+    import diffusers
+    from transformers import AutoTokenizer, Mistral3ForConditionalGeneration, Qwen3ForCausalLM
+
+    encoder = Mistral3ForConditionalGeneration if name == "tiny-flux2" else Qwen3ForCausalLM
+    directory = parts[name]
+    return getattr(diffusers, PIPELINES[name])(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**SCHEDULER), transformer=transformer,
+        vae=diffusers.AutoencoderKLFlux2.from_pretrained(directory / "vae"),
+        text_encoder=encoder.from_pretrained(directory / "text_encoder"),
+        tokenizer=AutoTokenizer.from_pretrained(directory / "tokenizer"))
+
+
+def images(*sizes):
+    rng = np.random.RandomState(4)
+    from PIL import Image
+
+    return [Image.fromarray((rng.rand(h, w, 3) * 255).astype(np.uint8)) for h, w in sizes]
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(B, h * w, C) tokens in the pipelines' row-major order -> (B, C, h, w)."""
+    return tokens.transpose(1, 2).reshape(tokens.shape[0], -1, h, w)
+
+
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_the_transformer_gets_what_the_stock_pipeline_gives_it(name, parts):
+    """A 64 x 96 target with two references of other shapes through the stock pipeline, and the same latents, references
+    and caption embeddings through our forward: every input of the transformer's call is the pipeline's, bit for bit
+    (ids: the target at time 0, the references at 10 and 20; the caption's tokens at (0, 0, 0, l)), and our prediction is
+    the pipeline's for the target's tokens."""
+    transformer = build_transformer(get_preset(name), None, 0).eval()
+    calls = record_calls(transformer)
+    pipe = stock(name, transformer, parts)
+    pipe(prompt="a large red circle on a blue background", image=images((64, 64), (70, 100)), height=64, width=96,
+         num_inference_steps=2, guidance_scale=4.0, max_sequence_length=TOKENS, output_type="latent",
+         generator=torch.Generator().manual_seed(0))
+    theirs = calls[0]  # the caption's pass (a klein base also runs the empty caption's)
+    assert theirs["hidden_states"].shape == (1, 4 * 6 + 4 * 4 + 4 * 6, C)  # target 4 x 6, references 4 x 4 and 4 x 6
+    hidden, ids = theirs["hidden_states"], theirs["img_ids"]
+    assert ids[0, 24].tolist() == [10, 0, 0, 0] and ids[0, 40].tolist() == [20, 0, 0, 0] and ids[0, -1].tolist() == [20, 3, 5, 0]
+    latents, refs = unpack(hidden[:, :24], 4, 6), [unpack(hidden[:, 24:40], 4, 4)[0], unpack(hidden[:, 40:], 4, 6)[0]]
+    batch = {"text": theirs["encoder_hidden_states"], "references": [refs]}
+    guidance = 4.0 if name == "tiny-flux2" else None
+    with torch.no_grad():
+        ours = model_forward(transformer, "flux2", guidance=guidance)(latents, theirs["timestep"] * 1000, batch)
+    mine = calls[-1]
+    for key in ("hidden_states", "img_ids", "txt_ids", "timestep", "encoder_hidden_states", "guidance"):
+        assert (mine[key] is None and theirs[key] is None) or torch.equal(mine[key], theirs[key]), key
+    assert (theirs["guidance"] is None) == (name == "tiny-flux2-klein")
+    assert torch.equal(theirs["txt_ids"][0, -1], torch.tensor([0, 0, 0, TOKENS - 1]))
+    assert ours.shape == latents.shape and torch.equal(ours, unpack(theirs["out"][:, :24], 4, 6))
+
+
+def test_samples_whose_references_differ_run_one_group_at_a_time():
+    """A batch of a text-to-image sample and two edit samples with references of different shapes: three transformer
+    calls, each sample's prediction its own call's (the others' tokens never in its sequence)."""
+    transformer = build_transformer(get_preset("tiny-flux2"), None, 0).eval()
+    g = torch.Generator().manual_seed(1)
+    xt, t = torch.randn(3, C, 4, 6, generator=g), torch.tensor([900.0, 250.0, 500.0])
+    text = torch.randn(3, TOKENS, WIDTH, generator=g)
+    refs = [[], [torch.randn(C, 4, 4, generator=g)], [torch.randn(C, 2, 3, generator=g), torch.randn(C, 4, 4, generator=g)]]
+    calls = []
+    transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(kw["hidden_states"].shape), with_kwargs=True)
+    forward = model_forward(transformer, "flux2", guidance=1.0)
+    with torch.no_grad():
+        ours = forward(xt, t, {"text": text, "references": refs})
+        assert calls == [(1, 24, C), (1, 24 + 16, C), (1, 24 + 6 + 16, C)]
+        for i in range(3):
+            alone = forward(xt[i : i + 1], t[i : i + 1], {"text": text[i : i + 1], "references": [refs[i]]})
+            torch.testing.assert_close(ours[i : i + 1], alone, rtol=1e-5, atol=1e-6)
+        # a batch whose samples share their references' shapes is one call
+        calls.clear()
+        same = forward(xt[1:], t[1:], {"text": text[1:], "references": [[refs[1][0], refs[1][0]], [refs[2][1], refs[2][1]]]})
+        assert calls == [(2, 24 + 32, C)] and same.shape == (2, C, 4, 6)
+
+
+def test_the_reference_conditions_the_target_and_gradients_reach_every_trained_weight():
+    transformer = build_transformer(get_preset("tiny-flux2-klein"), None, 0)
+    g = torch.Generator().manual_seed(2)
+    xt, ref = torch.randn(2, C, 4, 4, generator=g), torch.randn(C, 4, 4, generator=g)
+    batch = {"text": torch.randn(2, TOKENS, WIDTH, generator=g), "references": [[ref], [ref * 0]]}
+    pred = model_forward(transformer, "flux2")(xt, torch.tensor([500.0, 500.0]), batch)
+    pred.square().mean().backward()
+    assert all(p.grad is not None for p in transformer.parameters())
+    with torch.no_grad():
+        other = model_forward(transformer, "flux2")(xt, torch.tensor([500.0, 500.0]), {**batch, "references": [[ref * 0]] * 2})
+    assert not torch.allclose(pred[0], other[0]) and torch.allclose(pred[1], other[1])
+
+
+@pytest.mark.parametrize("bucket", [(256, 256), (512, 768), (1024, 1024), (1024, 2048), (2048, 2048)])
+def test_the_shift_is_the_pipelines_empirical_mu(bucket):
+    """Training shifts by exp(mu) of compute_empirical_mu at the sequence length (50 steps, the pipelines' default);
+    validation's sigmas are the pipeline's for its step count."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu, retrieve_timesteps
+
+    from train.validate import sampling_scheduler
+
+    h, w = bucket
+    seq_len = (h // 16) * (w // 16)  # the pipelines' image_seq_len: one token per 16 x 16 pixels
+    for name in ("flux2-dev", "flux2-klein-4b", "flux2-klein-base-9b"):
+        preset = get_preset(name)
+        objective = build_run_objective(TrainConfig(model=name), preset, preset.transformer_config())
+        mu = compute_empirical_mu(seq_len, 50)
+        assert objective.dynamic_shift and objective.mu(h * w) == mu
+        assert objective.shift_at(h * w) == pytest.approx(math.exp(mu), rel=1e-12)
+        steps = preset.validation_steps
+        reference = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
+        retrieve_timesteps(reference, steps, "cpu", sigmas=np.linspace(1.0, 1 / steps, steps),
+                           mu=compute_empirical_mu(seq_len, steps))
+        ours = sampling_scheduler(preset, objective, h * w)
+        get_family("flux2").set_timesteps(ours, objective, steps, h * w, "cpu")
+        assert torch.allclose(ours.sigmas, reference.sigmas) and torch.allclose(ours.timesteps, reference.timesteps), name
+
+
+def test_the_presets_count_the_published_parameters():
+    """flux2-dev's transformer from the published config has 32,223,281,152 parameters (counted on the meta device);
+    klein 4B and 9B as their configs say; dev embeds guidance (trained at 1), klein does not; references: BFL's limits."""
+    counts = {}
+    for name in ("flux2-dev", "flux2-klein-4b", "flux2-klein-9b"):
+        preset = get_preset(name)
+        with torch.device("meta"):
+            model = preset.transformer_class.from_config(preset.transformer_config())
+        counts[name] = sum(p.numel() for p in model.parameters())
+    assert counts == {"flux2-dev": 32_223_281_152, "flux2-klein-4b": 3_875_544_576, "flux2-klein-9b": 9_078_581_248}
+    dev, klein, base = get_preset("flux2-dev"), get_preset("flux2-klein-4b"), get_preset("flux2-klein-base-4b")
+    assert dev.transformer_config()["joint_attention_dim"] == 3 * 5120 and klein.transformer_config()["joint_attention_dim"] == 3 * 2560
+    assert get_preset("flux2-klein-9b").transformer_config()["joint_attention_dim"] == 3 * 4096
+    assert train_guidance(TrainConfig(model="flux2-dev"), dev) == 1.0 and klein.train_guidance is None
+    assert (dev.references, klein.references, dev.latent_downsample, dev.text_tokens) == (6, 4, 16, 512)
+    assert (klein.validation_steps, klein.guidance_scale, base.validation_steps, base.guidance_scale) == (4, 1.0, 50, 4.0)
+    family = get_family("flux2")
+    assert family.pipeline_of(dev) == "Flux2Pipeline" and family.pipeline_of(klein) == "Flux2KleinPipeline"
+    assert klein.repo == "black-forest-labs/FLUX.2-klein-4B" and base.repo == "black-forest-labs/FLUX.2-klein-base-4B"
+
+
+@pytest.mark.parametrize("name, guidance", [("tiny-flux2", 4.0), ("tiny-flux2-klein", 4.0), ("tiny-flux2-klein", 1.0)])
+def test_validation_samples_as_the_stock_pipeline_does(name, guidance, parts):
+    """`validate.generate` from cached caption embeddings and reference latents against the stock pipeline's __call__
+    given the same noise, embeddings and references as latents: dev one pass with embedded guidance; a klein base with
+    classifier-free guidance against the empty caption; a distilled klein (guidance 1) one pass."""
+    from diffusers import Flux2Pipeline
+
+    from shards import TextSpec
+    from train.data import TextLayout
+    from train.validate import generate
+
+    preset = dataclasses.replace(get_preset(name), guidance_scale=guidance)
+    transformer = build_transformer(preset, None, 0).eval()
+    objective = build_run_objective(TrainConfig(model=name), preset, preset.transformer_config())
+    height, width, steps = 64, 96, 3
+    g = torch.Generator().manual_seed(3)
+    refs = [torch.randn(C, 4, 4, generator=g), torch.randn(C, 3, 5, generator=g)]
+    cond, null = ({"text": torch.randn(TOKENS, WIDTH, generator=g)} for _ in range(2))
+    with torch.no_grad():
+        ours = generate(transformer, preset, objective, cond, null, (C, height // 16, width // 16), height * width, steps=steps,
+                        guidance=guidance, seed=7, precision=torch.float32, layout=TextLayout(TextSpec("masked", WIDTH, TOKENS)),
+                        references=refs)
+    pipe = stock(name, transformer, parts)
+
+    def given_latents(images, batch_size, **kwargs):  # the cached references in place of encoding the images
+        packed = torch.cat([Flux2Pipeline._pack_latents(r[None]) for r in refs], dim=1)
+        ids = Flux2Pipeline._prepare_image_ids([r[None] for r in refs])
+        return packed.expand(batch_size, -1, -1), ids.expand(batch_size, -1, -1)
+
+    pipe.prepare_image_latents = given_latents
+    seen = []  # the packed latents after each step, before the pipeline denormalises them
+
+    def keep(pipe, step, t, tensors):
+        seen.append(tensors["latents"])
+        return {}
+
+    noise = torch.randn(1, C, height // 16, width // 16, generator=torch.Generator().manual_seed(7))  # generate's draw
+    kwargs = {} if name == "tiny-flux2" else {"negative_prompt_embeds": null["text"][None]}
+    with torch.no_grad():
+        pipe(image=images((64, 64)), prompt_embeds=cond["text"][None], height=height, width=width, num_inference_steps=steps,
+             guidance_scale=guidance, latents=noise, output_type="latent", callback_on_step_end=keep, **kwargs)
+    assert len(seen) == steps and torch.equal(ours, unpack(seen[-1], 4, 6)[0])
+    assert not torch.allclose(ours, noise[0], atol=1e-2)  # it sampled
