@@ -1,0 +1,57 @@
+"""The memory plan of FLUX.2 [dev] at real size: the published transformer's parameters, and LoRA on one 24, 48 or 80 GB
+card with an int8 or nf4 base and block swap, for a text-to-image sample and for an edit sample whose reference image's
+tokens join the target's (the rows the README gives)."""
+
+import functools
+
+import pytest
+
+from train.plan import plan
+from train.plan_config import GiB, PlanConfig
+
+pytestmark = pytest.mark.model  # builds the transformer on the meta device through diffusers
+
+
+@functools.cache
+def lora(base_quant: str, blocks_to_swap: int, references: int) -> dict:
+    """A rank-16 LoRA at 1024x1024, batch 1, bf16 base, checkpointing all; `references` reference images of 1024x1024
+    per sample (the pipelines' largest)."""
+    return plan(PlanConfig("flux2-dev", lora_rank=16, weights_dtype="bf16", grad_checkpointing="all", batch_size=1,
+                           gpu_memory=24 * GiB, base_quant=base_quant, blocks_to_swap=blocks_to_swap, references=references,
+                           reference_size="1024x1024" if references else None))
+
+
+@pytest.mark.slow
+def test_the_plan_counts_the_published_transformer():
+    """`python -m train plan flux2-dev`: 32,223,281,152 parameters, the published config's, and a 1024x1024 sample's
+    4,096 tokens (16 x 16 pixels each) beside 512 caption tokens, plus 4,096 for the default reference."""
+    result = plan(PlanConfig("flux2-dev", batch_size=1, grad_checkpointing="all"))
+    assert result["parameters"] == result["trainable_parameters"] == 32_223_281_152
+    assert result["references"] == {"count": 1, "size": "1024x1024", "tokens": 4096}
+    assert result["largest_batch_by_card"]["80GB"] == 0  # full fine-tuning needs more than one card
+
+
+# (--base-quant, --blocks-to-swap, references per sample) -> the largest batch on a 24, 48 and 80 GB card (0: does not fit)
+README_ROWS = [
+    ("int8", 0, 0, 0, 3, 9), ("int8", 44, 0, 2, 6, 13), ("nf4", 0, 0, 1, 6, 12),
+    ("int8", 0, 1, 0, 1, 4), ("int8", 52, 1, 1, 4, 7), ("nf4", 0, 1, 0, 3, 6),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("base_quant,blocks_to_swap,references,on_24,on_48,on_80", README_ROWS)
+def test_the_readme_rows(base_quant, blocks_to_swap, references, on_24, on_48, on_80):
+    result = lora(base_quant, blocks_to_swap, references)
+    cards = result["largest_batch_by_card"]
+    assert (cards["24GB"], cards["48GB"], cards["80GB"]) == (on_24, on_48, on_80)
+    assert result["tokens_per_sample"] == 4096 and (result["references"] or {}).get("tokens", 0) == 4096 * references
+
+
+@pytest.mark.slow
+def test_a_reference_costs_activations_not_weights_and_swapping_moves_blocks_to_the_host():
+    t2i, edit, swapped = lora("int8", 0, 0), lora("int8", 0, 1), lora("int8", 52, 1)
+    assert edit["bytes"]["weights"] == t2i["bytes"]["weights"] and edit["trainable_parameters"] == t2i["trainable_parameters"]
+    assert edit["bytes"]["activations"] > 1.5 * t2i["bytes"]["activations"]  # twice the image tokens, the same caption
+    assert swapped["host_bytes"] > 20 * GiB and edit["bytes"]["weights"] - swapped["bytes"]["weights"] > 20 * GiB
+    with pytest.raises(ValueError, match="blocks-to-swap with --base-quant nf4"):
+        lora("nf4", 8, 0)
