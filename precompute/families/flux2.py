@@ -228,6 +228,9 @@ class Flux2(Family):
         bn_mean, bn_std = batch_norm_stats(vae, z)
         return {"latent_mean": ((z - bn_mean) / bn_std).float(), "latent_std": (std / bn_std).float()}
 
+    def decoder_patch(self, vae) -> int:
+        return int(vae.config.patch_size[0])  # the pipelines unpatchify before decoding
+
     def vae_fingerprint(self, vae) -> dict:
         return {"patch_size": list(vae.config.patch_size), "batch_norm_eps": float(vae.config.batch_norm_eps),
                 "normalised_as": "Flux2Pipeline._encode_vae_image: (patchify(z) - bn.running_mean) / "
@@ -254,11 +257,13 @@ class Flux2(Family):
         return {"pixels": pixels[0].float()}
 
     def encode_references(self, vae, x: torch.Tensor, latent: LatentSpec) -> torch.Tensor:
-        """The pipeline's own `_encode_vae_image` (mode, patchify, batch-norm normalisation): (B, 128, h/16, w/16)."""
+        """The pipeline's own `_encode_vae_image` (mode, patchify, batch-norm normalisation): (B, 128, h/16, w/16). One
+        image per VAE call in the image processor's layout, as `prepare_image_latents` encodes each input image (a
+        batch's convolutions round differently)."""
         from diffusers import Flux2Pipeline
 
         shell = Flux2Pipeline(scheduler=None, vae=vae, text_encoder=None, tokenizer=None, transformer=None)
-        return shell._encode_vae_image(pipeline_layout(x), None).float()
+        return torch.cat([shell._encode_vae_image(pipeline_layout(image[None]), None) for image in x]).float()
 
     def reference_fingerprint(self, preset: Preset) -> dict:
         return {**reference_size(preset).fingerprint(),

@@ -48,7 +48,9 @@ GUIDANCE_EMBEDDED = "guidance_embedded"  # validation's question to `forward` (s
 
 
 def preset(name: str, repo: str | None, config: dict | str, **kwargs) -> ModelPreset:
-    return ModelPreset(name, "flux2", repo, config, "flow", "flow", dynamic_shift=True, latent_downsample=16, **kwargs)
+    # text to image and edits alike: its cache may hold samples without references, and it validates on prompts too
+    return ModelPreset(name, "flux2", repo, config, "flow", "flow", dynamic_shift=True, latent_downsample=16,
+                       requires_references=False, **kwargs)
 
 
 def pipeline_class(config: Mapping) -> str:
