@@ -6,14 +6,16 @@ with the sample's references; the presets count the published parameters."""
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import record_calls
+from conftest import VALIDATION_PROMPTS, record_calls
 
 from train.config import TrainConfig
 from train.families import get_family, get_preset
+from train.loop import train
 from train.model import build_run_objective, train_guidance
 from train.presets import build_transformer, model_forward
 
@@ -220,3 +222,121 @@ def test_validation_samples_as_the_stock_pipeline_does(name, guidance, parts):
              guidance_scale=guidance, latents=noise, output_type="latent", callback_on_step_end=keep, **kwargs)
     assert len(seen) == steps and torch.equal(ours, unpack(seen[-1], 4, 6)[0])
     assert not torch.allclose(ours, noise[0], atol=1e-2)  # it sampled
+
+
+# ---- end to end: a stage-one cache of text-to-image and two-reference samples, trained, resumed and exported ----------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def mixed_cache(tmp_path_factory):
+    """tiny-flux2's cache of a dataset file's two sources: four plain images and four edits of two references each."""
+    from precompute.run import main as precompute
+    from precompute.sample_data import make_edit_folder, make_folder
+
+    root = tmp_path_factory.mktemp("flux2_mixed")
+    make_folder(root / "data" / "plain", count=4)
+    make_edit_folder(root / "data" / "edits", count=4, references=2)
+    (root / "data" / "data.toml").write_text('[[source]]\npath = "plain"\n[[source]]\npath = "edits"\nreferences = true\n')
+    summary = precompute(str(root / "data" / "data.toml"), "tiny-flux2", root / "cache", workers=0, progress=False,
+                         validation_prompt=list(VALIDATION_PROMPTS))
+    assert summary["new"] == 8 and summary["failed"] == 0
+    return {"cache": root / "cache", "data": root / "data"}
+
+
+def run_config(cache, run, **kw):
+    base = dict(model="tiny-flux2", cache=cache, run=run, steps=4, batch_size=2, workers=0, progress=False, log_every=1,
+                checkpoint_every=2, lr=1e-3, validation_steps=2, precision="fp32", validate=False)
+    return TrainConfig(**{**base, **kw})
+
+
+def edit_inputs(data: Path) -> list:
+    from PIL import Image
+
+    return [Image.open(data / "edits" / f"00000.ref{k}.png").convert("RGB") for k in range(2)]
+
+
+def test_one_cache_holds_text_to_image_samples_and_two_reference_edits(mixed_cache):
+    from shards import Cache
+    from shards.references import unpack
+
+    cache = Cache(mixed_cache["cache"])
+    counts = sorted(len(unpack(cache[i].fields)) for i in range(len(cache)))
+    assert counts == [0, 0, 0, 0, 2, 2, 2, 2]
+    for i in range(len(cache)):
+        # each reference at its own size, within tiny-flux2's area cap of 128 x 128 pixels (64 tokens)
+        assert all(r.shape[0] == C and r.shape[1] * r.shape[2] <= 64 for r in unpack(cache[i].fields))
+
+
+@pytest.mark.slow
+def test_tiny_flux2_trains_resumes_exactly_and_its_export_edits_through_flux2pipeline(mixed_cache, parts, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import losses
+
+    straight = train(run_config(mixed_cache["cache"], tmp_path / "straight"))
+    train(run_config(mixed_cache["cache"], tmp_path / "resumed", steps=2))
+    resumed = train(run_config(mixed_cache["cache"], tmp_path / "resumed"))
+    assert straight["step"] == resumed["step"] == 4 and math.isfinite(straight["last_loss"])
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 4
+
+    out = subprocess.run([sys.executable, "-m", "train", "export", str(tmp_path / "straight"), "--out", str(tmp_path / "export")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    from diffusers import Flux2Transformer2DModel
+
+    exported = Flux2Transformer2DModel.from_pretrained(tmp_path / "export", subfolder="transformer")
+    base = build_transformer(get_preset("tiny-flux2"), None, 0)
+    assert any(not torch.equal(a, b) for a, b in zip(exported.parameters(), base.parameters()))  # it trained
+    pipe = stock("tiny-flux2", exported, parts)
+    for given in ({}, {"image": edit_inputs(mixed_cache["data"])}):  # text to image, and an edit of two references
+        image = pipe(prompt=VALIDATION_PROMPTS[0], height=64, width=96, num_inference_steps=2, max_sequence_length=TOKENS,
+                     output_type="np", generator=torch.Generator().manual_seed(0), **given).images[0]
+        assert image.shape == (64, 96, 3) and np.isfinite(image).all() and float(image.std()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_a_lora_trains_alone_resumes_exactly_and_loads_into_the_stock_pipeline(name, mixed_cache, parts, tmp_path):
+    """LoRA on both tiny presets (klein's on a plain cache of its own): only the adapters train, the run resumes exactly,
+    and `load_lora_weights` of Flux2Pipeline / Flux2KleinPipeline takes the export and changes what it generates."""
+    import subprocess
+    import sys
+
+    from conftest import losses, stage_one_cache
+
+    from train.checkpoint import complete_checkpoints
+    from train.export import load_model
+
+    cache = mixed_cache["cache"] if name == "tiny-flux2" else stage_one_cache(tmp_path / "klein", name, count=4)
+    lora = dict(model=name, lora_rank=4, lora_alpha=8, lr=1e-2)
+    straight = train(run_config(cache, tmp_path / "straight", **lora))
+    train(run_config(cache, tmp_path / "resumed", **{**lora, "steps": 2}))
+    resumed = train(run_config(cache, tmp_path / "resumed", **lora))
+    assert resumed["last_loss"] == straight["last_loss"] and losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+    trained, _, _ = load_model(complete_checkpoints(tmp_path / "straight")[-1], ema=False)
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in trained.named_parameters() if ".lora_A." in n}
+    assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.add_k_proj",
+            "transformer_blocks.0.ff.linear_in", "transformer_blocks.0.ff_context.linear_out",
+            "single_transformer_blocks.1.attn.to_qkv_mlp_proj"} <= adapted
+    base = dict(build_transformer(get_preset(name), None, 0).named_parameters())
+    for n, p in trained.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base[n.replace("base_layer.", "")]), n
+
+    out = subprocess.run([sys.executable, "-m", "train", "export", str(tmp_path / "straight"), "--out", str(tmp_path / "lora")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    pipe = stock(name, build_transformer(get_preset(name), None, 0), parts)
+
+    def generate():
+        return pipe(prompt=VALIDATION_PROMPTS[0], height=64, width=64, num_inference_steps=2, max_sequence_length=TOKENS,
+                    output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+    before = generate()
+    pipe.load_lora_weights(tmp_path / "lora")
+    after = generate()
+    assert torch.isfinite(after).all() and not torch.allclose(before, after)
