@@ -321,7 +321,8 @@ def test_a_lora_trains_alone_resumes_exactly_and_loads_into_the_stock_pipeline(n
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in trained.named_parameters() if ".lora_A." in n}
     assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.attn.add_k_proj",
             "transformer_blocks.0.ff.linear_in", "transformer_blocks.0.ff_context.linear_out",
-            "single_transformer_blocks.1.attn.to_qkv_mlp_proj"} <= adapted
+            "single_transformer_blocks.1.attn.to_qkv_mlp_proj", "single_transformer_blocks.1.attn.to_out"} <= adapted
+    assert not any(n.endswith("norm_out.linear") or n.startswith(("x_embedder", "context_embedder")) for n in adapted)
     base = dict(build_transformer(get_preset(name), None, 0).named_parameters())
     for n, p in trained.named_parameters():
         if "lora_" not in n:

@@ -44,6 +44,8 @@ KLEIN = {"flux2-klein-4b": ("black-forest-labs/FLUX.2-klein-4B", "4b"),
          "flux2-klein-9b": ("black-forest-labs/FLUX.2-klein-9B", "9b"),
          "flux2-klein-base-9b": ("black-forest-labs/FLUX.2-klein-base-9B", "9b")}
 DEV_REFERENCES, KLEIN_REFERENCES = 6, 4  # BFL's documented limits (the pipelines set none)
+# the single-stream blocks' output projections, by name (see `Flux2.lora_targets`), as many as dev has blocks
+SINGLE_OUTPUTS = tuple(f"single_transformer_blocks.{i}.attn.to_out" for i in range(48))
 GUIDANCE_EMBEDDED = "guidance_embedded"  # validation's question to `forward` (see `Flux2.denoise`)
 
 
@@ -69,10 +71,11 @@ class Flux2(Family):
     transformer = "Flux2Transformer2DModel"
     pipeline = "Flux2Pipeline"
     # both streams' attention of the double-stream blocks, their feed-forwards (image and text), and the single-stream
-    # blocks' fused q/k/v + MLP input projection (their output projection shares its name, `to_out`, with the double
-    # blocks' output list, which a suffix cannot tell apart)
+    # blocks' fused q/k/v + MLP input and their output projection, named block by block: its name, `attn.to_out`, is
+    # also the double blocks' output list, which a suffix cannot tell apart (as DiffSynth-Studio's FLUX.2 LoRA lists
+    # them); dev has 48 single-stream blocks, klein 20 and 24
     lora_targets = ATTENTION + TEXT_STREAM + ("to_qkv_mlp_proj", "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
-                                              "ff_context.linear_out")
+                                              "ff_context.linear_out") + SINGLE_OUTPUTS
     null_caption = "empty"  # the empty prompt, what Flux2KleinPipeline encodes as its negative prompt
     no_controlnet = "--controlnet trains the ControlNets of the families that have one here; FLUX.2 has none in diffusers"
 
