@@ -341,3 +341,21 @@ def test_a_lora_trains_alone_resumes_exactly_and_loads_into_the_stock_pipeline(n
     pipe.load_lora_weights(tmp_path / "lora")
     after = generate()
     assert torch.isfinite(after).all() and not torch.allclose(before, after)
+
+
+@pytest.mark.parametrize("name, pipeline, call", [
+    ("flux2-dev", "Flux2Pipeline", "num_inference_steps=50, guidance_scale=4"),
+    ("flux2-klein-4b", "Flux2KleinPipeline", "num_inference_steps=4, guidance_scale=1"),
+    ("flux2-klein-base-9b", "Flux2KleinPipeline", "num_inference_steps=50, guidance_scale=4")])
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_the_export_card_generates_and_edits_through_the_models_pipeline(name, pipeline, call, kind):
+    from train.card import Base, usage
+
+    preset = get_preset(name)
+    code = usage("flux2", kind, Base("hub", preset.repo), "owner/export", preset=preset)
+    assert f'pipe = {pipeline}.from_pretrained("{preset.repo}"' in code
+    assert f'image = pipe("a prompt", {call}).images[0]' in code
+    assert f'edited = pipe(image=[load_image("input.png")], prompt="an edit instruction", {call}).images[0]' in code
+    assert ('Flux2Transformer2DModel.from_pretrained("owner/export", subfolder="transformer"' in code if kind == "full"
+            else 'pipe.load_lora_weights("owner/export")' in code)
+    compile(code, "card", "exec")
