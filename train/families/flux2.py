@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from train.families.base import ATTENTION, TEXT_STREAM, Family, ModelPreset, group_of, reference_groups
+from train.families.base import ATTENTION, TEXT_STREAM, Family, ModelPreset, group_of, reference_groups, stacked_references
 
 FLUX2_DEV = "black-forest-labs/FLUX.2-dev"
 # The published scheduler (scheduler/scheduler_config.json of FLUX.2-dev and klein): FlowMatchEulerDiscreteScheduler
@@ -128,12 +128,12 @@ class Flux2(Family):
             return self.call(model, config, xt, t, batch, [], guidance)
         groups = reference_groups(batch)
         if len(groups) == 1:
-            return self.call(model, config, xt, t, batch, stacked(references), guidance)
+            return self.call(model, config, xt, t, batch, stacked_references(batch), guidance)
         out = torch.empty_like(xt)
         for group in groups:
             part = group_of({**batch, "xt": xt, "t": t}, group)
             index = torch.tensor(group, device=xt.device)
-            out[index] = self.call(model, config, part["xt"], part["t"], part, stacked(part["references"]), guidance)
+            out[index] = self.call(model, config, part["xt"], part["t"], part, stacked_references(part), guidance)
         return out
 
     def call(self, model, config, xt, t, batch, references: list[torch.Tensor], guidance):
@@ -200,14 +200,6 @@ class Flux2(Family):
             f'image = pipe("a prompt", {args}).images[0]',
             f"# an edit: up to {preset.references} reference images, each prepared as the pipeline prepares its inputs",
             f'edited = pipe(image=[load_image("input.png")], prompt="an edit instruction", {args}).images[0]']
-
-    def tags(self) -> list[str]:
-        return [self.name, "flux2-diffusers", "image-editing"]
-
-
-def stacked(references: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Reference j of every sample stacked, (B, C, h_j, w_j) each (the samples' references share shapes; none: [])."""
-    return [torch.stack([sample[j] for sample in references]) for j in range(len(references[0]))]
 
 
 FAMILY = Flux2()
