@@ -129,11 +129,12 @@ class Flux2(Family):
         groups = reference_groups(batch)
         if len(groups) == 1:
             return self.call(model, config, xt, t, batch, stacked_references(batch), guidance)
-        out = torch.empty_like(xt)
+        out = None  # the groups' predictions gathered in the dtype the transformer returns (autocast's)
         for group in groups:
             part = group_of({**batch, "xt": xt, "t": t}, group)
-            index = torch.tensor(group, device=xt.device)
-            out[index] = self.call(model, config, part["xt"], part["t"], part, stacked_references(part), guidance)
+            pred = self.call(model, config, part["xt"], part["t"], part, stacked_references(part), guidance)
+            out = pred.new_empty(xt.shape) if out is None else out
+            out[torch.tensor(group, device=xt.device)] = pred
         return out
 
     def call(self, model, config, xt, t, batch, references: list[torch.Tensor], guidance):
