@@ -29,6 +29,9 @@ def test_the_plan_counts_the_published_transformer():
     assert result["parameters"] == result["trainable_parameters"] == 32_223_281_152
     assert result["references"] == {"count": 1, "size": "1024x1024", "tokens": 4096}
     assert result["largest_batch_by_card"]["80GB"] == 0  # full fine-tuning needs more than one card
+    # a trainer without a cache keeps the VAE and Mistral Small 3.1 (its published config, LM head and vision tower
+    # included) resident in bf16
+    assert result["peak_with_encoders_resident"] - result["predicted_peak"] == 2 * (84_046_115 + 24_011_361_280)
 
 
 # (--base-quant, --blocks-to-swap, references per sample) -> the largest batch on a 24, 48 and 80 GB card (0: does not fit)

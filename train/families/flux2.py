@@ -28,12 +28,12 @@ MU_STEPS = 50
 TINY = dict(patch_size=1, in_channels=128, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
             joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
 # Parameter counts of the encoders stage one uses (diffusers 0.42.1 / transformers 5.24 modules counted on the meta
-# device): AutoencoderKLFlux2's default config is the published one; Mistral3ForConditionalGeneration built from Mistral
-# Small 3.1's architecture numbers (5120 wide, 40 layers, 131072 tokens; Pixtral vision 1024 x 24); Qwen3-4B (tied
-# embeddings) and Qwen3-8B as the pipelines load them (Qwen3ForCausalLM, LM head included).
+# device): AutoencoderKLFlux2's default config is the published one; Mistral3ForConditionalGeneration from Mistral Small
+# 3.1's published config (text 5120 wide, 40 layers, 131072 tokens, its own LM head; Pixtral vision 1024 wide, 24
+# layers); Qwen3-4B (tied embeddings) and Qwen3-8B as the pipelines load them (Qwen3ForCausalLM, LM head included).
 VAE = {"FLUX.2 VAE (AutoencoderKLFlux2)": 84_046_115}
 ENCODERS = {
-    "dev": {**VAE, "Mistral Small 3.1 24B (Mistral3ForConditionalGeneration)": 23_340_272_640},
+    "dev": {**VAE, "Mistral Small 3.1 24B (Mistral3ForConditionalGeneration)": 24_011_361_280},
     "4b": {**VAE, "Qwen3-4B (Qwen3ForCausalLM)": 4_022_468_096},
     "9b": {**VAE, "Qwen3-8B (Qwen3ForCausalLM)": 8_190_735_360},
 }
