@@ -96,6 +96,19 @@ def test_sidecars_in_order_and_never_images_with_or_without_references(tmp_path)
     assert all(it["key"] == content_key((tmp_path / s).read_bytes(), ["make it red"]) for s, it in plain.items())
 
 
+def test_a_reference_is_read_as_images_are_exif_orientation_applied_rgb(tmp_path):
+    target(tmp_path, "a.png")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # orientation: rotate 90 degrees to view
+    Image.new("RGBA", SIZES[0], (10, 20, 30, 0)).convert("RGB").save(tmp_path / "a.ref.jpg", exif=exif)
+    Image.new("LA", SIZES[0], (100, 0)).save(tmp_path / "b.ref.png")  # grey with alpha: composited on white, RGB
+    target(tmp_path, "b.png")
+    got = items(tmp_path)
+    assert seen(got["a.png"]) == [(SIZES[0][::-1], 0, 1)]
+    pixels = got["b.png"]["reference_pixels"][0]["pixels"]
+    assert pixels.shape[0] == 3 and torch.all(pixels == 1)  # fully transparent: white
+
+
 def test_sidecars_that_make_no_sequence_are_named_failures(tmp_path):
     for name, files in {"gap.png": ["gap.ref0.png", "gap.ref2.png"], "twice.png": ["twice.ref.png", "twice.ref0.png"],
                         "ext.png": ["ext.ref1.png", "ext.ref1.jpg"], "none.png": []}.items():
