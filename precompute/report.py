@@ -119,8 +119,9 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         print(f"  {n} caption file(s) were not UTF-8 and were read as {encoding}: check their text if it looks wrong", file=out)
     if failures:
         print(f"  skipped {summary['failed']} ({summary['failure_fraction']:.1%}), listed in {cache / 'failures.jsonl'}:", file=out)
+        width = max([18, *map(len, by_reason)])  # the reasons' column, as wide as the longest
         for reason, k in sorted(by_reason.items()):
-            print(f"    {reason:<18} {k:>7}  {REASONS.get(reason, '')}", file=out)
+            print(f"    {reason:<{width}} {k:>7}  {REASONS.get(reason, '')}", file=out)
         for f in failures:
             if "samples" in f:  # a damaged tar: how many samples it stands for
                 print(f"    {f['source']}: {f['detail']}", file=out)
