@@ -10,6 +10,7 @@ pipeline's image latents (`_encode_vae_image`: the posterior's mode, patchified 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, replace
 
@@ -74,6 +75,14 @@ class ReferenceSize:
 PIPELINE_REFERENCE = ReferenceSize(1024 * 1024, 16, 64, 8)
 # The tiny presets' references: the same steps at a CPU-sized area cap (128 x 128) and one token's side as the minimum
 TINY_REFERENCE = ReferenceSize(128 * 128, 16, 16, 8)
+
+
+@functools.cache
+def image_processor(multiple: int):
+    """The pipelines' image processor (`Flux2ImageProcessor(vae_scale_factor=16)`), one per loader process."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    return Flux2ImageProcessor(vae_scale_factor=multiple)
 
 
 def reference_size(preset: Preset) -> ReferenceSize:
@@ -252,8 +261,7 @@ class Flux2(Family):
         if image.width * image.height > size.area:
             image = Flux2ImageProcessor._resize_to_target_area(image, size.area)
         width, height = image.width // size.multiple * size.multiple, image.height // size.multiple * size.multiple
-        processor = Flux2ImageProcessor(vae_scale_factor=size.multiple)
-        pixels = processor.preprocess(image, height=height, width=width, resize_mode="crop")  # (1, 3, h, w) in [-1, 1]
+        pixels = image_processor(size.multiple).preprocess(image, height=height, width=width, resize_mode="crop")  # (1, 3, h, w)
         return {"pixels": pixels[0].float()}
 
     def encode_references(self, vae, x: torch.Tensor, latent: LatentSpec) -> torch.Tensor:
