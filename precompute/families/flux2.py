@@ -238,7 +238,10 @@ class Flux2(Family):
         return {"latent_mean": ((z - bn_mean) / bn_std).float(), "latent_std": (std / bn_std).float()}
 
     def decoder_patch(self, vae) -> int:
-        return int(vae.config.patch_size[0])  # the pipelines unpatchify before decoding
+        """Latent pixels a side each stored position folds into its channels (2): decoding unfolds them after undoing
+        the normalisation, as the pipelines unpatchify before `vae.decode` (the decoder recipe's `patch`, where the
+        recipe records one)."""
+        return int(vae.config.patch_size[0])
 
     def vae_fingerprint(self, vae) -> dict:
         return {"patch_size": list(vae.config.patch_size), "batch_norm_eps": float(vae.config.batch_norm_eps),
