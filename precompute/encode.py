@@ -220,7 +220,8 @@ class Encoders:
         the decoder."""
         latent = self.latent
         # how the latents were normalised, undone before decoding
-        stored = dict(latents_mean=latent.latents_mean, latents_std=latent.latents_std, frame_axis=self.family.frame_axis)
+        stored = dict(latents_mean=latent.latents_mean, latents_std=latent.latents_std, frame_axis=self.family.frame_axis,
+                      patch=self.family.decoder_patch(self.vae))
         vae_class, scaling, shift = type(self.vae).__name__, latent.scaling_factor, latent.shift_factor
         if self.vae_repo:
             local = Path(self.vae_repo)

@@ -42,7 +42,9 @@ class DecoderRecipe:
     `in_cache`: the weights exist nowhere else (tiny presets) and were stored in the cache under `source`.
     `latents_mean` / `latents_std`: the per-channel normalisation the latents were stored with (see `LatentSpec`),
     undone before decoding instead of the scaling and shift. `frame_axis`: the VAE takes and returns video,
-    (B, C, T, H, W); the cache holds one frame without that axis."""
+    (B, C, T, H, W); the cache holds one frame without that axis. `patch`: the stored latent holds the VAE latent's
+    `patch` x `patch` patches folded into its channels, channel-major ((c, i, j) -> c * patch^2 + i * patch + j, as
+    Flux2-style pipelines patchify), unfolded after the normalisation is undone; 1: the VAE's latent as it is."""
 
     vae_class: str
     source: str
@@ -54,9 +56,12 @@ class DecoderRecipe:
     latents_mean: tuple[float, ...] | None = None
     latents_std: tuple[float, ...] | None = None
     frame_axis: bool = False
+    patch: int = 1
 
     def __post_init__(self) -> None:
         _check_channel_stats(self.latents_mean, self.latents_std, "decoder recipe")
+        if self.patch < 1:
+            raise FormatError(f"the decoder recipe's patch must be 1 or more; got {self.patch!r}")
 
     def to_json(self) -> dict:
         out = {"class": self.vae_class, "scaling_factor": self.scaling_factor, "shift_factor": self.shift_factor,
@@ -68,6 +73,8 @@ class DecoderRecipe:
             out.update(latents_mean=list(self.latents_mean), latents_std=list(self.latents_std))
         if self.frame_axis:
             out["frame_axis"] = True
+        if self.patch > 1:
+            out["patch"] = self.patch
         return out
 
     @classmethod
@@ -75,7 +82,7 @@ class DecoderRecipe:
         mean, std = data.get("latents_mean"), data.get("latents_std")
         return cls(data["class"], data["source"], data["scaling_factor"], data["shift_factor"], data.get("subfolder"),
                    data.get("revision"), bool(data.get("in_cache")), None if mean is None else tuple(mean),
-                   None if std is None else tuple(std), bool(data.get("frame_axis")))
+                   None if std is None else tuple(std), bool(data.get("frame_axis")), int(data.get("patch", 1)))
 
     def located(self, root: Path) -> DecoderRecipe:
         """The recipe with weights stored in the cache at `root` given by their full path."""

@@ -54,11 +54,21 @@ def unscale(recipe: DecoderRecipe, latents: torch.Tensor) -> torch.Tensor:
     the family's pipeline undoes its normalisation before decoding."""
     z = latents.float()
     if recipe.latents_mean is None:
-        return z / recipe.scaling_factor + recipe.shift_factor
+        return unfold(z / recipe.scaling_factor + recipe.shift_factor, recipe.patch)
     shape = (1, len(recipe.latents_mean), *[1] * (z.dim() - 2))
     mean = torch.tensor(recipe.latents_mean).view(shape).to(z.device, z.dtype)
     inverse_std = 1.0 / torch.tensor(recipe.latents_std).view(shape).to(z.device, z.dtype)
-    return z / inverse_std + mean  # the pipelines' own expression: the stored latents are (z - mean) * (1 / std)
+    return unfold(z / inverse_std + mean, recipe.patch)  # the pipelines' own expression: stored as (z - mean) * (1 / std)
+
+
+def unfold(z: torch.Tensor, patch: int) -> torch.Tensor:
+    """(B, C * p * p, h, w) latents whose p x p patches are folded into channels (the recipe's `patch`) -> the VAE's
+    (B, C, h * p, w * p)."""
+    if patch == 1:
+        return z
+    b, c, h, w = z.shape
+    z = z.reshape(b, c // patch**2, patch, patch, h, w).permute(0, 1, 4, 2, 5, 3)
+    return z.reshape(b, c // patch**2, h * patch, w * patch)
 
 
 @torch.inference_mode()

@@ -230,6 +230,11 @@ class Family(ABC):
         large frames are tiled); empty by default, so the fingerprints of caches without them do not change."""
         return {}
 
+    def decoder_patch(self, vae: torch.nn.Module) -> int:
+        """How many latent pixels a side of the VAE's latent one stored latent pixel folds into its channels (the
+        decoder recipe's `patch`): 1 by default, the VAE's latent stored as it is."""
+        return 1
+
     def save_tiny_vae(self, spec: VaeSpec, directory: str) -> None:
         """Write the tiny VAE in the diffusers layout (`directory/spec.subfolder`), to load back with `load_vae`."""
         self.load_vae(spec, None).save_pretrained(f"{directory}/{spec.subfolder}")

@@ -359,3 +359,24 @@ def test_the_export_card_generates_and_edits_through_the_models_pipeline(name, p
     assert ('Flux2Transformer2DModel.from_pretrained("owner/export", subfolder="transformer"' in code if kind == "full"
             else 'pipe.load_lora_weights("owner/export")' in code)
     compile(code, "card", "exec")
+
+
+def test_validation_decodes_the_cache_as_flux2pipeline_decodes_its_latents(mixed_cache):
+    """The decoder recipe of a FLUX.2 cache undoes the batch-norm normalisation and unfolds the 2 x 2 patches, as
+    Flux2Pipeline does before `vae.decode`: a cached latent decodes to the pipeline's image of it."""
+    from diffusers import Flux2Pipeline
+
+    from shards import Cache
+    from train.decode import decode, decoder_recipe, load_decoder, unscale
+
+    cache = Cache(mixed_cache["cache"])
+    recipe = decoder_recipe(cache)
+    assert (recipe.vae_class, recipe.patch, len(recipe.latents_mean)) == ("AutoencoderKLFlux2", 2, C)
+    vae = load_decoder(recipe, torch.device("cpu"))
+    s = cache[0]
+    latents = s["latent_mean"].float()[None]  # (1, 128, h, w)
+    std = torch.sqrt(vae.bn.running_var + vae.config.batch_norm_eps).view(1, -1, 1, 1)
+    theirs = Flux2Pipeline._unpatchify_latents(latents * std + vae.bn.running_mean.view(1, -1, 1, 1))
+    torch.testing.assert_close(unscale(recipe, latents), theirs, rtol=1e-6, atol=1e-6)
+    (image,) = decode(vae, recipe, latents)
+    assert (image.height, image.width) == (s.bucket.height, s.bucket.width)
