@@ -182,7 +182,7 @@ def describe_training(state: dict, ema: bool) -> list[str]:
         ("caption dropout", f"{cfg['caption_dropout']:g}"),
         ("EMA", f"decay {cfg['ema_decay']:g}" if cfg.get("ema_decay") else "none"),
         *([("guidance embedding", f"{cfg['train_guidance']:g} in training (the unguided target); validation sampled at "
-                                  f"guidance_scale {cfg['guidance_scale']:g}, the pipeline's default")]
+                                  f"guidance_scale {cfg['guidance_scale']:g}")]
           if cfg.get("train_guidance") is not None else []),
         ("weights exported", "EMA" if ema else "trained"),
         ("seed", str(cfg["seed"])),
