@@ -135,28 +135,12 @@ def edit_preset(monkeypatch, references: int = 2, requires_references: bool = Tr
     return forward
 
 
-def edit_folder(root: Path, count: int, seed: int = 0) -> Path:
-    """A dataset folder of `count` edits: x.png (the target), x.ref.png (its input: another drawing, of its own size)
-    and x.txt (the instruction), for stage one's --references."""
-    import random
-
-    from precompute.sample_data import draw_sample
-
-    root.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    for i in range(count):
-        target, what = draw_sample(rng)
-        reference, _ = draw_sample(rng)
-        target.save(root / f"{i}.png")
-        reference.save(root / f"{i}.ref.png")
-        (root / f"{i}.txt").write_text(f"make it {what}")
-    return root
-
-
 def stage_one_edit_cache(root: Path, model: str, count: int = 6) -> Path:
-    """ROOT/cache: stage one's cache of `edit_folder`'s edits for edit preset `model`."""
+    """ROOT/cache: stage one's cache of `count` generated edits (`make_edit_folder`: x.png, x.ref.png, x.txt) for edit
+    preset `model`."""
     from precompute.run import main as precompute
+    from precompute.sample_data import make_edit_folder
 
-    precompute(str(edit_folder(root / "data", count)), model, root / "cache", workers=0, progress=False, batch_size=2,
+    precompute(str(make_edit_folder(root / "data", count)), model, root / "cache", workers=0, progress=False, batch_size=2,
                references=True)
     return root / "cache"
