@@ -134,6 +134,39 @@ def losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (Path(run) / "metrics.jsonl").read_text().splitlines() if "loss" in line]
 
 
+def checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a checkpoint holds, by file and name: its weights (safetensors) and the optimizer's, scheduler's and
+    EMA's state (.pt)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(Path(checkpoint).rglob("*")):
+        if file.suffix == ".safetensors":
+            tensors = load_file(file)
+        elif file.suffix == ".pt":
+            flat, _ = torch.utils._pytree.tree_flatten_with_path(torch.load(file, weights_only=True))
+            tensors = {torch.utils._pytree.keystr(k): v for k, v in flat if isinstance(v, torch.Tensor)}
+        else:
+            continue
+        out.update({f"{file.relative_to(checkpoint)}{name}": t for name, t in tensors.items()})
+    return out
+
+
+def assert_same_checkpoints(a: Path, b: Path) -> None:
+    """Two runs' checkpoints at each step both saved are equal bit for bit: weights, optimizer moments, the rest."""
+    from train.checkpoint import complete_checkpoints
+
+    steps_a = {c.name: c for c in complete_checkpoints(a)}
+    steps_b = {c.name: c for c in complete_checkpoints(b)}
+    both = sorted(steps_a.keys() & steps_b.keys())
+    assert both, f"no checkpoint step saved by both {a} and {b}"
+    for step in both:
+        x, y = checkpoint_tensors(steps_a[step]), checkpoint_tensors(steps_b[step])
+        assert x.keys() == y.keys() and any(".safetensors" in k for k in x) and any("optimizer.pt" in k for k in x), step
+        differ = [k for k in x if not torch.equal(x[k], y[k])]
+        assert not differ, f"{step}: {len(differ)} of {len(x)} tensors differ, e.g. {differ[:3]}"
+
+
 def record_calls(model) -> list[dict]:
     """Every call's keyword arguments to `model` (cloned), and what it returned under "out"."""
     calls = []

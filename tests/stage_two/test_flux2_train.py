@@ -274,13 +274,14 @@ def test_tiny_flux2_trains_resumes_exactly_and_its_export_edits_through_flux2pip
     import subprocess
     import sys
 
-    from conftest import losses
+    from conftest import assert_same_checkpoints, losses
 
     straight = train(run_config(mixed_cache["cache"], tmp_path / "straight"))
     train(run_config(mixed_cache["cache"], tmp_path / "resumed", steps=2))
     resumed = train(run_config(mixed_cache["cache"], tmp_path / "resumed"))
     assert straight["step"] == resumed["step"] == 4 and math.isfinite(straight["last_loss"])
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 4
+    assert_same_checkpoints(tmp_path / "straight", tmp_path / "resumed")
 
     out = subprocess.run([sys.executable, "-m", "train", "export", str(tmp_path / "straight"), "--out", str(tmp_path / "export")],
                          cwd=ROOT, capture_output=True, text=True)
@@ -305,7 +306,7 @@ def test_a_lora_trains_alone_resumes_exactly_and_loads_into_the_stock_pipeline(n
     import subprocess
     import sys
 
-    from conftest import losses, stage_one_cache
+    from conftest import assert_same_checkpoints, losses, stage_one_cache
 
     from train.checkpoint import complete_checkpoints
     from train.export import load_model
@@ -316,6 +317,7 @@ def test_a_lora_trains_alone_resumes_exactly_and_loads_into_the_stock_pipeline(n
     train(run_config(cache, tmp_path / "resumed", **{**lora, "steps": 2}))
     resumed = train(run_config(cache, tmp_path / "resumed", **lora))
     assert resumed["last_loss"] == straight["last_loss"] and losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    assert_same_checkpoints(tmp_path / "straight", tmp_path / "resumed")
 
     trained, _, _ = load_model(complete_checkpoints(tmp_path / "straight")[-1], ema=False)
     adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in trained.named_parameters() if ".lora_A." in n}

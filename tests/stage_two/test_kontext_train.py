@@ -271,7 +271,7 @@ def test_the_cache_holds_each_reference_as_the_stock_pipeline_encodes_it(kontext
 @pytest.mark.slow
 def test_tiny_kontext_trains_resumes_exactly_and_its_export_edits_through_the_stock_pipeline(kontext_cache, parts, tmp_path,
                                                                                              monkeypatch):
-    from conftest import losses
+    from conftest import assert_same_checkpoints, losses
 
     from train.export import export
     from train.loop import train
@@ -282,6 +282,7 @@ def test_tiny_kontext_trains_resumes_exactly_and_its_export_edits_through_the_st
     resumed = train(run_config(cache, tmp_path / "resumed"))
     assert straight["step"] == resumed["step"] == 4
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 4
+    assert_same_checkpoints(tmp_path / "straight", tmp_path / "resumed")
     assert (tmp_path / "straight" / "samples-step00000004.png").exists()
 
     export(tmp_path / "straight", tmp_path / "export")
@@ -299,7 +300,7 @@ def test_tiny_kontext_trains_resumes_exactly_and_its_export_edits_through_the_st
 @pytest.mark.parametrize("lora_format", ["diffusers", "kohya"])
 def test_tiny_kontext_lora_resumes_exactly_and_loads_through_fluxkontextpipeline(kontext_cache, parts, tmp_path, monkeypatch,
                                                                                  lora_format):
-    from conftest import losses
+    from conftest import assert_same_checkpoints, losses
 
     from train.export import export
     from train.loop import train
@@ -315,6 +316,7 @@ def test_tiny_kontext_lora_resumes_exactly_and_loads_through_fluxkontextpipeline
     train(run_config(cache, tmp_path / "resumed", **{**lora, "steps": 2}))
     resumed = train(run_config(cache, tmp_path / "resumed", **lora))
     assert resumed["last_loss"] == straight["last_loss"] and losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    assert_same_checkpoints(tmp_path / "straight", tmp_path / "resumed")
 
     written = export(tmp_path / "straight", tmp_path / "lora", lora_format=lora_format)
     assert written.name == (KOHYA_FILE if lora_format == "kohya" else DIFFUSERS_FILE)
