@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 import threading
 import warnings
 from collections.abc import Callable
@@ -327,12 +328,16 @@ def decode_image(data: bytes, max_pixels: int, convert=None):
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.load()
             return (convert or to_rgb)(img), None, ""
-    except UnidentifiedImageError as e:
-        return None, "not_an_image", str(e)
+    except UnidentifiedImageError:  # its message names the buffer object, whose address changes from run to run
+        return None, "not_an_image", "UnidentifiedImageError: the bytes are in no image format Pillow reads"
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         return None, "too_many_pixels", f"{e} (--max-pixels {max_pixels})"
     except (OSError, ValueError, SyntaxError, EOFError) as e:
-        return None, "corrupt_image", f"{type(e).__name__}: {e}"
+        return None, "corrupt_image", f"{type(e).__name__}: {OBJECT_REPR.sub('the image', str(e))}"
+
+
+# an object's default repr (`<_io.BytesIO object at 0x7f...>`): a failure's detail is the same from run to run without it
+OBJECT_REPR = re.compile(r"<[^<>]* at 0x[0-9a-fA-F]+>")
 
 
 def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set[str] = frozenset()) -> dict:
