@@ -46,10 +46,10 @@ class Model:
 
 
 def own_memory(model: torch.nn.Module) -> None:
-    """Give every CPU parameter and buffer that is a view into a loaded safetensors file (`from_pretrained` maps it:
-    tensors sit at the file's offsets, 8-byte aligned) memory of its own. CPU matmul kernels take other paths, and
-    round differently, on memory that is not 64-byte aligned, so a run resumed from its checkpoint's file would not
-    continue bit for bit the run that trained those weights in memory of their own."""
+    """Give every CPU parameter and buffer loaded from a safetensors file at the file's offset (8-byte aligned) memory
+    of its own (64-byte aligned, as torch allocates). CPU kernels round a one-row product (a transformer call on one
+    sample, as an edit batch whose references differ in shape makes) differently on weights that are not 64-byte
+    aligned: a run resumed from its checkpoint's file would not continue bit for bit the run that saved it."""
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             if t.device.type == "cpu" and t.data_ptr() % 64:
@@ -104,7 +104,8 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
         model = build_transformer(preset, weights, cfg.seed, weights_dtype)
     if weights is not None and weights.kind != "fresh" and preset.released_dtype not in (None, cfg.precision):
         log.warning("%s weights were released for %s training; this run uses %s", preset.name, preset.released_dtype, cfg.precision)
-    own_memory(model)
+    if device.type == "cpu":  # (on an accelerator the weights move to memory of their own)
+        own_memory(model)
     swap = build_swap(cfg, model, device, say)
     checkpoint_run(cfg, model, swap, "transformer", say)
     model.train()
