@@ -205,3 +205,14 @@ def captioned_cache(root: Path, model: str, long_caption: str, prompt: str, seed
     summary = precompute(str(data), model, root / "cache", validation_prompt=[prompt], workers=0, progress=False, batch_size=2,
                          storage_dtype="fp32")
     return {"root": root, "data": data, "cache": root / "cache", "summary": summary, "captions": captions}
+
+
+def stage_one_crop(data: Path, sample):
+    """The PIL image stage one encoded for a cached `sample` of a folder at `data`: its input resized to cover the
+    bucket (bicubic), then cropped at the recorded (top, left), as `precompute.images` prepares it."""
+    from PIL import Image
+
+    (h, w), (top, left, bh, bw) = sample["original_size"].tolist(), sample["crop"].tolist()
+    img = Image.open(data / bytes(sample["source"].tolist()).decode()).convert("RGB")
+    k = max(bh / h, bw / w)
+    return img.resize((max(bw, round(w * k)), max(bh, round(h * k))), Image.BICUBIC).crop((left, top, left + bw, top + bh))

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import captioned_cache
+from conftest import captioned_cache, stage_one_crop
 from PIL import Image
 
 from precompute.families.flux2 import DEV_REFERENCES, FAMILY, KLEIN, KLEIN_REFERENCES, PIPELINE_REFERENCE, TINY_REFERENCE, TINY_TOKENS
@@ -96,10 +96,8 @@ def test_latents_are_the_pipelines_image_latents(built):
     assert vae.bn.running_mean.abs().sum() > 0  # seeded statistics: a normalisation left out would show
     for i in range(len(cache)):
         s = cache[i]
-        (h, w), (top, left, bh, bw) = s["original_size"].tolist(), s["crop"].tolist()
-        img = Image.open(built["data"] / bytes(s["source"].tolist()).decode()).convert("RGB")
-        k = max(bh / h, bw / w)  # resized to cover the bucket, then cropped at (top, left)
-        img = img.resize((max(bw, round(w * k)), max(bh, round(h * k))), Image.BICUBIC).crop((left, top, left + bw, top + bh))
+        bh, bw = s["crop"].tolist()[2:]
+        img = stage_one_crop(built["data"], s)  # as stage one resized and cropped it
         x = pipe.image_processor.preprocess(img, height=bh, width=bw)  # as the pipeline hands its VAE an image
         with torch.no_grad():
             theirs = pipe._encode_vae_image(x, None)[0]

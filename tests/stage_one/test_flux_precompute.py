@@ -10,8 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import captioned_cache
-from PIL import Image
+from conftest import captioned_cache, stage_one_crop
 from typer.testing import CliRunner
 
 from precompute.__main__ import prompts_app
@@ -104,10 +103,8 @@ def test_latents_are_the_vae_posterior_shifted_and_scaled(built, stock):
     assert (cache.spec.latent.shift_factor, cache.spec.latent.scaling_factor, cache.spec.latent.channels) == (shift, scaling, 16)
     for i in range(len(cache)):
         s = cache[i]
-        (h, w), (top, left, bh, bw) = s["original_size"].tolist(), s["crop"].tolist()
-        img = Image.open(built["data"] / bytes(s["source"].tolist()).decode()).convert("RGB")
-        k = max(bh / h, bw / w)  # resized to cover the bucket, then cropped at (top, left)
-        img = img.resize((max(bw, round(w * k)), max(bh, round(h * k))), Image.BICUBIC).crop((left, top, left + bw, top + bh))
+        bh, bw = s["crop"].tolist()[2:]
+        img = stage_one_crop(built["data"], s)  # as stage one resized and cropped it
         # (1, 3, H, W) in [-1, 1] as x / 127.5 - 1: the random tiny VAE turns the last bit of another rounding of the
         # same pixels (the image processor's x / 255 * 2 - 1) into differences of 1e-3
         x = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)[None].float() / 127.5 - 1

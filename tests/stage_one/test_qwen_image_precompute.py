@@ -12,8 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import captioned_cache
-from PIL import Image
+from conftest import captioned_cache, stage_one_crop
 
 from precompute.encode import Encoders
 from precompute.families.qwen_image import FAMILY, LATENTS_MEAN, LATENTS_STD, check_template, tiny_tokenizer
@@ -150,10 +149,8 @@ def test_latents_are_the_posterior_of_one_frame_normalised_per_channel_as_the_pi
     img2img = QwenImageImg2ImgPipeline(scheduler=stock.scheduler, vae=stock.vae, text_encoder=None, tokenizer=None, transformer=None)
     for i in range(len(cache)):
         s = cache[i]
-        (h, w), (top, left, bh, bw) = s["original_size"].tolist(), s["crop"].tolist()
-        img = Image.open(built["data"] / bytes(s["source"].tolist()).decode()).convert("RGB")
-        k = max(bh / h, bw / w)  # resized to cover the bucket, then cropped at (top, left)
-        img = img.resize((max(bw, round(w * k)), max(bh, round(h * k))), Image.BICUBIC).crop((left, top, left + bw, top + bh))
+        bh, bw = s["crop"].tolist()[2:]
+        img = stage_one_crop(built["data"], s)  # as stage one resized and cropped it
         x = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)[None].float() / 127.5 - 1
         with torch.no_grad():
             theirs = img2img._encode_vae_image(x[:, :, None], torch.Generator().manual_seed(i))  # (1, 16, 1, h, w)

@@ -8,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import captioned_cache
-from PIL import Image
+from conftest import captioned_cache, stage_one_crop
 
 from precompute.config import PrecomputeConfig
 from precompute.families.z_image import FAMILY, TINY_WIDTH
@@ -105,10 +104,8 @@ def test_latents_are_the_posterior_as_the_img2img_pipeline_encodes(built, parts)
     assert (cache.spec.latent.shift_factor, cache.spec.latent.scaling_factor, cache.spec.latent.channels) == (0.1159, 0.3611, 16)
     for i in range(len(cache)):
         s = cache[i]
-        (h, w), (top, left, bh, bw) = s["original_size"].tolist(), s["crop"].tolist()
-        img = Image.open(built["data"] / bytes(s["source"].tolist()).decode()).convert("RGB")
-        k = max(bh / h, bw / w)  # resized to cover the bucket, then cropped at (top, left)
-        img = img.resize((max(bw, round(w * k)), max(bh, round(h * k))), Image.BICUBIC).crop((left, top, left + bw, top + bh))
+        bh, bw = s["crop"].tolist()[2:]
+        img = stage_one_crop(built["data"], s)  # as stage one resized and cropped it
         x = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)[None].float() / 127.5 - 1
         with torch.no_grad():
             theirs = pipe.prepare_latents(x, None, 1, 16, bh, bw, torch.float32, "cpu", torch.Generator().manual_seed(i))
