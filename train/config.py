@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from shards.options import SEED_MAX, Dtype, check_options, opt
-from train.families import DEFAULT_PRESET
+from train.families import DEFAULT_PRESET, FAMILIES
 
 Optimizer = Literal["adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit"]
 # what class batches (of `is_reg` sources) train towards: their data, or the base model's prediction
@@ -402,9 +402,21 @@ class ObjectiveOptions:
                                    "masks, so a few kept pixels would take a whole image's step). Flow and DDPM objectives, "
                                    "every family (packed latents are unpacked before the loss). A cache without masks is "
                                    "refused.")
+    tread: str | None = opt(
+        None, "TREAD token routing (faster steps): in training forwards, a random share of the image tokens skips a range "
+              "of transformer blocks and rejoins the sequence after it, at its place, as it was. The value: "
+              "RATIO:START:END, comma-separated for several (not overlapping): RATIO of the image tokens (0 <= RATIO < 1) "
+              "leave before block START and return after block END, both included, counted from 0 (negative: from the "
+              "end, -1 the last block), e.g. 0.5:2:-2 (half the tokens skip the third block to the second-to-last). Text "
+              "tokens and an edit's reference tokens are never routed; rotary positions go with the kept tokens. With "
+              "--masked-loss the tokens the loss mask weights are never routed (the ratio is taken from the others; fewer "
+              "are routed where the weighted ones outnumber the kept share). Families: "
+              f"{', '.join(f.title for f in FAMILIES if not f.tread_refusal())}; the others refuse it, saying why. The "
+              "held-out loss, validation and export use every token.")
 
     def check(self) -> None:
         check_preservation(self)
+        check_tread(self)
         from train.families import get_preset
 
         preset = get_preset(self.model)
@@ -538,6 +550,23 @@ def check_preservation(cfg) -> None:
                          "(--lora-rank, any --adapter) the frozen base is that model, the adapters turned off for one forward. "
                          "A full fine-tune would have to keep a second, frozen copy of every weight (twice the weights' "
                          "memory): train LoRA adapters, or use --preservation prior")
+
+
+def check_tread(cfg) -> None:
+    """--tread's syntax, and that the run's family and kind of training take it (the block range is checked against
+    the transformer when it is built)."""
+    from train.tread import parse_routes
+
+    if not parse_routes(cfg.tread or ""):
+        return
+    from train.families import get_family, get_preset
+
+    refusal = get_family(get_preset(cfg.model).family).tread_refusal()
+    if refusal:
+        raise ValueError(refusal)
+    if cfg.controlnet:
+        raise ValueError("--tread with --controlnet: the ControlNet's residuals are added to every image token of the "
+                         "transformer's blocks, routed or not; train the ControlNet without --tread")
 
 
 def parse_checkpointing(value: str) -> int:

@@ -13,7 +13,7 @@ import torch
 
 from shards import LatentSpec
 from shards.options import DTYPES, install_extra
-from train import checkpoint, controlnet, distributed, init_lora, lora, quant
+from train import checkpoint, controlnet, distributed, init_lora, lora, quant, tread
 from train.config import TrainConfig
 from train.ema import EMA
 from train.families import get_family
@@ -43,6 +43,7 @@ class Model:
     adapter: object | None
     weights: dict | None
     controlnet: torch.nn.Module | None = None
+    router: tread.Router | None = None  # --tread's token routing of the training forward (None: none)
 
 
 def own_memory(model: torch.nn.Module) -> None:
@@ -108,13 +109,15 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
         own_memory(model)
     swap = build_swap(cfg, model, device, say)
     checkpoint_run(cfg, model, swap, "transformer", say)
+    router = tread.install(cfg, model, get_family(preset.family), say=say)  # outside the swap's and checkpointing's wrappers
     model.train()
     # two experts: a batch whose timesteps all fall to one leaves the other without gradients (DDP must be told)
     net = distribute(cfg, model, parallel, world, device, say, swap=swap, find_unused=preset.paired)
     # a resumed run keeps the record of the weights it started from (a LoRA base re-resolved now may name a newer commit)
     record = state.get("weights") if resume_from else weights.to_json()
-    return Model(model, net, model_forward(net, preset.family, guidance=train_guidance(cfg, preset)),
-                 [p for p in model.parameters() if p.requires_grad], adapter, record)
+    forward = model_forward(net, preset.family, guidance=train_guidance(cfg, preset))
+    return Model(model, net, forward if router is None else router.forward(forward),
+                 [p for p in model.parameters() if p.requires_grad], adapter, record, router=router)
 
 
 def build_controlnet_model(cfg: TrainConfig, preset: ModelPreset, weights, parallel: str, world: int, device: torch.device, *,

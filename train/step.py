@@ -81,6 +81,8 @@ class TrainStep:
         """Forward and backward one micro-batch of step `step`; returns whether the step is ready to `update`."""
         # Noise and timesteps of this micro-batch: drawn for the global batch, this rank's slice taken.
         g = seeded_generator(self.cfg.seed, 1_000_003, step, self.micro, device=self.device)
+        if self.model.router is not None:  # --tread: this micro-batch's token routing, seeded like its noise
+            self.model.router.at(step, self.micro, self.device)
         last = self.micro + 1 >= self.cfg.grad_accum  # gradients are reduced across ranks only on the last micro-batch
         if self.parallel == "fsdp":
             self.model.module.set_requires_gradient_sync(last)

@@ -173,6 +173,29 @@ class ModelPreset:
         return {k: v for k, v in cfg.items() if not k.startswith("_")}
 
 
+@dataclass(frozen=True)
+class TokenRoute:
+    """How token routing (`--tread`, `train.tread`) reaches a transformer's blocks.
+
+    Args:
+        blocks: the blocks in order, as a route's START and END count them.
+        hidden: the name of the blocks' argument holding the image tokens (B, S, D), the routed sequence; text tokens
+            travel in another argument and are never routed.
+        output: where a block's output holds them: the index into its output tuple, or None (the output is them).
+        shared: one selection for every sample of a call: a per-token argument has no batch dimension (one rotary table
+            for the call, as Flux's).
+        per_token: the blocks' other arguments that hold a row per image token, for the kept tokens: (the first routed
+            block's arguments by name, kept positions (B | 1, K)) -> those arguments replaced (e.g. the rotary
+            embedding's rows); None where there are none (absolute positions were added before the blocks).
+    """
+
+    blocks: list[torch.nn.Module]
+    hidden: str = "hidden_states"
+    output: int | None = None
+    shared: bool = False
+    per_token: Callable[[dict, torch.Tensor], dict] | None = None
+
+
 class TextInput:
     """How the cached text fields of one layout (`shards.TextSpec.layout`) become the transformer's text input.
 
@@ -277,6 +300,7 @@ class Family(ABC):
     precondition_outputs: ClassVar[bool] = False  # default of --precondition-outputs (flow matching)
     controlnet: ClassVar[ControlNet | None] = None
     no_controlnet: ClassVar[str] = ""  # why --controlnet is refused, where `controlnet` is None
+    no_tread: ClassVar[str] = ""  # why --tread is refused, for a family without `tread_route` (default: a generic reason)
     # a video family's VAE: pixel frames per latent frame after the first (a clip of F frames has (F - 1) // k + 1 latent
     # frames; the transformer patches one latent frame at a time); 0: the family's models take images
     temporal_downsample: ClassVar[int] = 0
@@ -304,6 +328,23 @@ class Family(ABC):
         """The repeated blocks in order (of the transformer or its ControlNet): what gradient checkpointing, the
         block swap and FSDP work on."""
         return list(model.transformer_blocks)
+
+    def tread_route(self, model: torch.nn.Module) -> TokenRoute:
+        """Where `--tread` routes the image tokens of the transformer's blocks. A family whose blocks allow it overrides
+        this; the default refuses, saying why (`no_tread`)."""
+        raise ValueError(self.tread_refusal())
+
+    def tread_refusal(self) -> str:
+        """Why --tread is refused for this family's models, or "" where it routes them (`tread_route`)."""
+        if type(self).tread_route is not Family.tread_route:
+            return ""
+        return self.no_tread or (f"--tread: token routing is not built for {self.title}: its blocks' per-token inputs "
+                                 f"(positions, modulation) are not wired to the router; train without --tread")
+
+    def tread_tokens(self, config: Mapping, xt: torch.Tensor) -> int | None:
+        """How many tokens at the front of the blocks' image sequence `--tread` may route for noisy latents `xt`: the
+        target's, where an edit's reference tokens follow them (never routed); None: all of them."""
+        return None
 
     # --- the cache it reads ---
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from shards import Bucket
-from train.families.base import ATTENTION, TEXT_STREAM, Family, ModelPreset, TextInput, group_of, reference_groups
+from train.families.base import ATTENTION, TEXT_STREAM, Family, ModelPreset, TextInput, TokenRoute, group_of, reference_groups
 
 # Flux.1-dev's features at CPU size: double- and single-stream blocks, 3-axis RoPE (the axes sum to the head width),
 # the guidance embedding; the text and pooled widths of tiny-sd3's encoders.
@@ -108,6 +108,19 @@ class Flux(Family):
 
     def blocks(self, model):
         return list(model.transformer_blocks) + list(model.single_transformer_blocks)
+
+    def tread_route(self, model):
+        """The image stream of the double-stream blocks and the image part of the single-stream ones, one range over
+        both (each takes the image tokens apart from the text's and returns them second); the rotary table's text rows
+        stay and its image rows are gathered for the kept tokens. One selection per call: the table has no batch
+        dimension (FluxPipeline's ids are one per call)."""
+        return TokenRoute(self.blocks(model), output=1, shared=True, per_token=flux_rotary_rows)
+
+    def tread_tokens(self, config, xt):
+        """The target's packed tokens; a Kontext reference's follow them and are never routed: they are the image being
+        edited, which every block sees at inference, and their outputs are dropped, so routing them would only hide
+        the input from the blocks between."""
+        return (xt.shape[-2] // 2) * (xt.shape[-1] // 2)
 
     def latent_channels(self, config: Mapping) -> int:
         return config["in_channels"] // 4  # in_channels count the 2 x 2 packed patch
@@ -234,5 +247,13 @@ class Flux(Family):
             return flux_kohya.save(directory, state, config)
         return super().save_adapter(directory, state, config, lora_format, fold)
 
+
+def flux_rotary_rows(arguments: dict, kept: torch.Tensor) -> dict:
+    """The rotary table (cos, sin), (text + image tokens, D) each, for the text tokens and the kept image tokens
+    (`kept` (1, K) among the image tokens)."""
+    text = arguments["encoder_hidden_states"].shape[1]
+    cos, sin = arguments["image_rotary_emb"]
+    rows = torch.cat([torch.arange(text, device=cos.device), text + kept[0].to(cos.device)])
+    return {"image_rotary_emb": (cos[rows], sin[rows])}
 
 FAMILY = Flux()

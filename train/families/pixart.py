@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from train.families.base import Family, ModelPreset, masked_call
+from train.families.base import Family, ModelPreset, TokenRoute, masked_call
 
 TINY = dict(
     sample_size=32, num_layers=2, attention_head_dim=16, num_attention_heads=2, in_channels=4, out_channels=8,
@@ -39,6 +39,11 @@ class PixArt(Family):
             "tiny-pixart": lambda: ModelPreset("tiny-pixart", self.name, None, TINY, "ddpm", "epsilon", base_resolution=256,
                                                text_tokens=64),
         }
+
+    def tread_route(self, model):
+        """The image tokens of every block: their absolute position embedding was added before the first, the caption
+        is the cross-attention's keys (another argument), and the timestep's modulation is one per sample."""
+        return TokenRoute(self.blocks(model))
 
     def forward(self, model, config: Mapping, xt, t, batch, guidance):
         return masked_call(model, xt, t, batch, added_cond_kwargs={"resolution": None, "aspect_ratio": None})

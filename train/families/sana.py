@@ -59,6 +59,9 @@ class Sana(Family):
     transformer = "SanaTransformer2DModel"
     pipeline = "SanaPipeline"
     controlnet = SanaControl()
+    no_tread = ("--tread: Sana's blocks cannot route tokens: their Mix-FFN convolves each token with its neighbours in "
+                "the 2D latent grid (a depthwise 3 x 3 convolution), which a sequence with tokens taken out no longer is; "
+                "train Sana without --tread")
 
     def presets(self):
         return {

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from shards import LatentSpec, TextSpec
-from train.families.base import ATTENTION, TEXT_STREAM, ControlNet, Family, ModelPreset, TextInput
+from train.families.base import ATTENTION, TEXT_STREAM, ControlNet, Family, ModelPreset, TextInput, TokenRoute
 
 # SD3.5-medium's features at CPU size: QK RMS-norm and one dual-attention (MMDiT-X) block.
 TINY = dict(
@@ -160,6 +160,12 @@ class SD3(Family):
 
     def text_width(self, config: Mapping) -> int:
         return config["joint_attention_dim"]
+
+    def tread_route(self, model):
+        """The image stream of the joint blocks (returned second, after the text stream, which is never routed; SD3.5's
+        second attention is over the image tokens alone): their absolute position embedding was added by the patch
+        embedding, before the first block."""
+        return TokenRoute(self.blocks(model), output=1)
 
     def forward(self, model, config, xt, t, batch, guidance):
         # joint attention over all tokens, no mask; pooled CLIP projections

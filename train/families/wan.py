@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from shards import Bucket
-from train.families.base import ATTENTION, Family, ModelPreset, TextInput
+from train.families.base import ATTENTION, Family, ModelPreset, TextInput, TokenRoute
 
 # The published scheduler (scheduler/scheduler_config.json of the Wan-AI/*-Diffusers repositories): UniPC, second order
 # (bh2), in flow sigmas shifted by `flow_shift` (set per preset), ending at sigma 0.
@@ -158,6 +158,12 @@ class Wan(Family):
     def blocks(self, model):
         return list(model.blocks)
 
+    def tread_route(self, model):
+        """The video tokens of every block (text and a first frame's CLIP tokens are the cross-attention's keys, another
+        argument); the 3D rotary embedding's rows, and a per-token timestep embedding's (Wan 2.2 TI2V), gathered for each
+        sample's kept tokens."""
+        return TokenRoute(self.blocks(model), per_token=wan_token_rows)
+
     # --- the cache it reads: latents (C, T, h, w), an I2V model's condition on top of them ---
 
     def latent_channels(self, config: Mapping) -> int:
@@ -296,6 +302,17 @@ class Wan(Family):
         return [f"from diffusers.utils import export_to_video{loads}"], [
             f'frames = pipe("a prompt"{first}, num_frames=81{extra}).frames[0]', 'export_to_video(frames, "video.mp4", fps=16)']
 
+
+def wan_token_rows(arguments: dict, kept: torch.Tensor) -> dict:
+    """The rotary embedding (cos, sin), (1, S, 1, D) each, for the kept tokens `kept` (B, K): (B, K, 1, D); a per-token
+    timestep embedding (B, S, 6, D) likewise."""
+    from train.tread import gather_tokens
+
+    rows = kept.shape[0]
+    out = {"rotary_emb": tuple(gather_tokens(r.expand(rows, *r.shape[1:]), kept) for r in arguments["rotary_emb"])}
+    if arguments["temb"].dim() == 4:
+        out["temb"] = gather_tokens(arguments["temb"], kept)
+    return out
 
 def single(text: dict, j: int) -> dict:
     """Row `j` of every field of a collated batch, as a batch of one."""
