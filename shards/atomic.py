@@ -36,12 +36,16 @@ def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     fsync_dir(Path(path).parent)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` atomically."""
+def atomic_write_bytes(path: str | os.PathLike, data) -> None:
+    """Write `data` to `path` atomically: bytes, or an object that writes itself to an open file (`data.write_to(f)`, as a
+    shard streamed from its samples' tensors does: `shards.encode.EncodedShard`)."""
     tmp = temp_path(path)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            if hasattr(data, "write_to"):
+                data.write_to(f)
+            else:
+                f.write(data)
         publish(tmp, path)
     finally:
         if tmp.exists():

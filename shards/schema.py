@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 FORMAT_NAME = "cachedit-shards"
@@ -163,24 +165,56 @@ def sample_digest(key: str, fields: dict[str, torch.Tensor]) -> bytes:
     for name in sorted(fields):
         t = fields[name]
         h.update(f"{name}|{dtype_name(t.dtype)}|{tuple(t.shape)}|".encode())
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        h.update(tensor_bytes(t))  # hashlib releases the GIL over buffers past 2 KiB: digests run on other threads
     return h.digest()
 
 
-def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """safetensors bytes with a canonical header, so equal contents give byte-identical files.
+def tensor_bytes(t: torch.Tensor) -> np.ndarray:
+    """A tensor's bytes in C order as a flat uint8 array: a view of the tensor itself when it is a contiguous CPU tensor
+    (no copy), else of a contiguous CPU copy."""
+    if t.numel() == 0:  # its strides may be anything (0 too), which a dtype view refuses
+        return np.empty(0, np.uint8)
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
 
-    safetensors writes `__metadata__` in hash-map order, which differs from run to run; the header
-    is re-emitted here with sorted keys (same length, same data offsets), padded as safetensors pads it.
+
+# safetensors lays a file's data out by descending dtype alignment, then by name (its Rust `prepare`), and names dtypes
+# so in the header. The order is that of safetensors 0.3 to 0.8, which wrote every cache so far; it is fixed here so that
+# equal contents keep giving byte-identical files.
+_STORED = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16",
+           torch.float16: "F16", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_DATA_ORDER = {dtype: rank for rank, dtype in enumerate(_STORED)}
+
+
+def safetensors_header(tensors: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str] | None) -> tuple[bytes, list[int]]:
+    """The first bytes of a safetensors file holding `tensors` (name, dtype, shape), up to its data, and the order in
+    which their data follows (indices into `tensors`), back to back.
+
+    The header is canonical: compact JSON with sorted keys, padded with spaces to a multiple of 8 bytes as safetensors
+    pads it, so equal contents give byte-identical files (safetensors itself writes `__metadata__` in hash-map order,
+    which differs from run to run). For ASCII names and metadata these are exactly the bytes `serialize` has written
+    since the first cache; other names are escaped (`\\uXXXX`), which every JSON reader reads back.
     """
-    from safetensors.torch import save
+    try:
+        order = sorted(range(len(tensors)), key=lambda i: (_DATA_ORDER[tensors[i][1]], tensors[i][0]))
+    except KeyError as e:
+        raise ValueError(f"dtype {e.args[0]} cannot be stored; use one of {sorted(_DTYPES)}") from None
+    header: dict = {} if metadata is None else {"__metadata__": metadata}
+    offset = 0
+    for i in order:
+        name, dtype, shape = tensors[i]
+        end = offset + math.prod(shape) * dtype.itemsize
+        header[name] = {"data_offsets": [offset, end], "dtype": _STORED[dtype], "shape": list(shape)}
+        offset = end
+    text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, order
 
-    data = save(tensors, metadata=metadata)
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.dumps(json.loads(data[8 : 8 + n]), sort_keys=True, separators=(",", ":")).encode()
-    if len(header) > n:  # never expected: the original is compact too
-        return data
-    return data[:8] + header + b" " * (n - len(header)) + data[8 + n :]
+
+def serialize(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """safetensors bytes with a canonical header (`safetensors_header`), so equal contents give byte-identical files."""
+    names = list(tensors)
+    header, order = safetensors_header([(name, t.dtype, list(t.shape)) for name, t in tensors.items()], metadata)
+    return b"".join([header, *(tensor_bytes(tensors[names[i]]) for i in order)])
 
 
 def open_file(path, kind: str = "shard", tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:

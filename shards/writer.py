@@ -244,8 +244,8 @@ class ShardWriter:
         sequence = f"r{self.rank:05d}/{folder}"
         seq = self.manifest.next_seq.get(sequence, 0)
         self.manifest.next_seq[sequence] = seq + 1
-        path = write_shard_file(self.root, bucket, self.rank, seq, data, folder)
-        entry = ShardEntry(path.relative_to(self.root).as_posix(), bucket, len(items), len(data), hashlib.sha256(data).hexdigest(),
+        path = write_shard_file(self.root, bucket, self.rank, seq, data, folder)  # streamed from the samples' tensors
+        entry = ShardEntry(path.relative_to(self.root).as_posix(), bucket, len(items), len(data), data.sha256,
                            field_bytes, keys=[k for k, *_ in items], sources=[s for _, _, s, _ in items], stamps=[t for *_, t in items],
                            dataset=dataset, resolution=resolution)
         if self.text_schema is not None and not texts:  # what its samples refer to, for removals and `inspect`
@@ -473,11 +473,13 @@ class ShardWriter:
         if [k for k, _ in samples] != list(keys):
             raise ValueError(f"a repair of {path} must hold its keys in order ({len(keys)} samples)")
         entry = table.entry_at_row(j)
+        checked = []
         for key, fields in samples:  # a repaired text row is checked as a new one is
-            shapes, _ = check_sample(key, entry.bucket, fields, self.text_schema if texts else self.schema,
-                                     self.manifest.shapes.get(entry.bucket, {}), self.check_finite)
+            shapes, fields = check_sample(key, entry.bucket, fields, self.text_schema if texts else self.schema,
+                                          self.manifest.shapes.get(entry.bucket, {}), self.check_finite)
             self.manifest.shapes.setdefault(entry.bucket, shapes)
-        new = self._write_shard(entry.bucket, [(k, f, s, t) for (k, f), s, t in zip(samples, sources, stamps)], entry.dataset,
+            checked.append(fields)
+        new = self._write_shard(entry.bucket, [(k, f, s, t) for (k, _), f, s, t in zip(samples, checked, sources, stamps)], entry.dataset,
                                 entry.resolution, texts)
         self.commit(replace=[[path, new.to_json()]])
         return new.path
