@@ -20,8 +20,8 @@ memory, and written by each row into a fresh directory in the same round, one ro
 
 Every row starts after `os.sync()` (no writeback of an earlier row runs during it) and its files are deleted after it.
 The order of the rows rotates from round to round. Reported: MB/s of sample field bytes (10^6 bytes a second, the
-same bytes for every row; median and range over the rounds) and the ratio of (ii) to (i) and to (i') in the same
-round (median). Goal: (ii) / (i) >= 1.00, the writer at least as fast as MDS's sequential write while it checks,
+same bytes for every row; median and range over the rounds), the process's CPU seconds (all its threads; the
+kernel's writeback threads not counted) and the ratio of (ii) to (i) and to (i') in the same round (median). Goal: (ii) / (i) >= 1.00, the writer at least as fast as MDS's sequential write while it checks,
 hashes and fsyncs. Writes go to the page cache; fsync is said per row.
 
 The breakdown (`--breakdown`) times one shard's parts one at a time (so they add up; the writer overlaps some): the
@@ -263,13 +263,15 @@ def main(
         ours(samples[: len(SANA_BUCKETS)], root / "warm-up", shard_bytes)  # imports and first touches, unmeasured
         shutil.rmtree(root / "warm-up")
         seconds: dict[str, list[float]] = {name: [] for name in names}
+        cpu: dict[str, list[float]] = {name: [] for name in names}
         for k in range(rounds):
             for name in names[k % len(names):] + names[: k % len(names)]:
                 out = root / f"round{k}-{names.index(name)}"
                 os.sync()  # no writeback of an earlier row during this one
-                t = time.perf_counter()
+                t, c = time.perf_counter(), time.process_time()
                 rows[name](out)
                 seconds[name].append(time.perf_counter() - t)
+                cpu[name].append(time.process_time() - c)
                 shutil.rmtree(out)
         parts = breakdown(one_shard(samples, shard_bytes), root) if show_breakdown else []
     finally:
@@ -281,11 +283,12 @@ def main(
           f"(page cache, then the device where fsync is yes)")
     if mds_writer is None:
         print(f"row (iii) left out: {why_not}")
-    print(f"{'row':36s} {'fsync':>5s} {'MB/s':>7s} {'range':>11s} {'s':>6s}")
+    print(f"{'row':36s} {'fsync':>5s} {'MB/s':>7s} {'range':>11s} {'s':>6s} {'CPU s':>6s}")
     rate = {name: [size / s / 1e6 for s in seconds[name]] for name in names}
     for name in names:
         r = Stats.of(rate[name])
-        print(f"{name:36s} {fsyncs[name]:>5s} {r.median:7.0f} {r.best:5.0f}-{r.worst:<5.0f} {Stats.of(seconds[name]).median:6.2f}")
+        print(f"{name:36s} {fsyncs[name]:>5s} {r.median:7.0f} {r.best:5.0f}-{r.worst:<5.0f} {Stats.of(seconds[name]).median:6.2f} "
+              f"{Stats.of(cpu[name]).median:6.2f}")
     ii, i, i_sync = "(ii) ShardWriter, all guarantees", "(i) MDS-style write, no fsync", "(i') MDS-style write + fsync"
     ratio = Stats.of(a / b for a, b in zip(rate[ii], rate[i]))
     ratio_sync = Stats.of(a / b for a, b in zip(rate[ii], rate[i_sync]))

@@ -38,9 +38,10 @@ from shards.schema import (
 )
 
 # Digests and the file's sha256 run on threads beside the writing one when a shard is at least this big (below it,
-# starting threads costs more than it saves) and the process may use more than one core.
+# starting threads costs more than it saves): HASH_THREADS digest threads and one for the sha256, when the process may
+# use more than one core.
 THREADS_MIN_BYTES = 4 << 20
-HASH_THREADS = 2
+HASH_THREADS = 2 if (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) > 1 else 0
 
 Item = tuple[str, dict[str, torch.Tensor], str, int]  # a sample to encode: (key, fields, source, stamp)
 
@@ -90,8 +91,8 @@ def check_sample(key: str, bucket: Bucket, sample: Mapping[str, torch.Tensor], s
 
 
 def hash_threads(nbytes: int) -> int:
-    """Threads to hash a shard of `nbytes` with, beside the writing thread (0: hash on the writing thread)."""
-    return HASH_THREADS if nbytes >= THREADS_MIN_BYTES and len(os.sched_getaffinity(0)) > 1 else 0
+    """Threads to compute the digests of a shard of `nbytes` with, beside the writing thread (0: all on it)."""
+    return HASH_THREADS if nbytes >= THREADS_MIN_BYTES else 0
 
 
 class EncodedShard:
@@ -116,9 +117,11 @@ class EncodedShard:
         return self._size
 
     def __bytes__(self) -> bytes:
-        return b"".join(self._buffers())
+        return b"".join(self.buffers())
 
-    def _buffers(self) -> Iterator:
+    def buffers(self) -> Iterator:
+        """The file's bytes in order, as buffers: the header, then views of the samples' tensors (and the few bytes of
+        offsets, keys and digests; the digests once the hashing threads are done)."""
         for piece in self._pieces:
             yield piece.result() if isinstance(piece, _Digests) else piece
 
@@ -126,20 +129,20 @@ class EncodedShard:
         """Write the file's bytes to `f` (open for writing, at its start), its sha256 computed over the same buffers."""
         if not self._threads:
             h = hashlib.sha256()
-            for buf in self._buffers():
+            for buf in self.buffers():
                 f.write(buf)
                 h.update(buf)  # still in the CPU's cache
             self._sha256 = h.hexdigest()
             return
         self._hashing = threading.Thread(target=self._hash, name="shard-sha256", daemon=True)
         self._hashing.start()
-        for buf in self._buffers():
+        for buf in self.buffers():
             f.write(buf)
 
     def _hash(self) -> None:
         try:
             h = hashlib.sha256()
-            for buf in self._buffers():
+            for buf in self.buffers():
                 h.update(buf)
             self._sha256 = h.hexdigest()
         except BaseException as e:  # raised by `sha256`, on the thread that asks
@@ -156,7 +159,7 @@ class EncodedShard:
                 raise self._error
         if self._sha256 is None:
             h = hashlib.sha256()
-            for buf in self._buffers():
+            for buf in self.buffers():
                 h.update(buf)
             self._sha256 = h.hexdigest()
         return self._sha256
