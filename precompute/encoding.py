@@ -1,8 +1,12 @@
 """Stage one's pass over a rank's inputs: each decoded input is sorted (failed, duplicate, unchanged, to encode),
 batched per bucket, encoded, checked and written; what the pass found is tallied for the run's summary. A changed
 input whose image did not change (only its loss mask or captions did) takes its old sample's latent fields instead
-of the VAE's (`CachedLatents`). The samples are written on a background thread (`precompute.background`) while
-the encoders go on with the next batches.
+of the VAE's (`CachedLatents`).
+
+Three threads overlap so that the encoders never wait on the pass's own work: the pass's thread sorts and batches
+the decoded inputs (decoded in the loader's worker processes) and checks what was encoded, the encoder's thread runs
+the encoders on ready batches, the writer's thread writes the samples (`precompute.background`). A bounded queue
+stands between each two; a failure in any stage stops the pass and is raised on the pass's thread.
 
 An edit preset's samples carry their reference images, each prepared at its own size (`Family.prepare_reference`):
 they are encoded in groups of one size and stored as the sample's reference fields (`shards.references`). Where the
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -23,12 +27,17 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from precompute.background import BackgroundWrites, held_bytes
+from precompute.background import BackgroundCalls, BackgroundWrites, held_bytes
 from precompute.clips import CLIP
-from precompute.encode import Encoders
+from precompute.encode import Encoders, TextBatch
 from shards import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, Cache, FormatError, ShardWriter
 from shards.references import REFERENCE_LATENT, pack
 from shards.texts import TEXT_KEYS, key_rows, text_key
+
+# Batches handed to the encoder's thread and not yet finished: the one it encodes and the next, ready. While it
+# encodes one, the pass finishes the one before and prepares the one after; more ahead would only hold memory.
+IN_FLIGHT = 2
+IN_FLIGHT_BYTES = 2 << 30  # their pixels' bytes (a batch larger than this is encoded alone)
 
 
 @dataclass
@@ -43,9 +52,11 @@ class Tally:
         restamps: key -> stamp of unchanged inputs whose stamp moved (touched, same content).
         repaired: key -> fields re-encoded for a damaged shard (`--repair`).
         repaired_texts: text key -> fields re-encoded from its sample's inputs for a damaged text shard (`--repair`).
-        loop_s, wait_s: time in the pass, and of it blocked on the loader.
+        loop_s, wait_s: time in the pass, and of it the time the encoders idled waiting on the loader (the pass
+            blocked on it with no batch left for them to encode).
         encoder_s: of the pass, the time inside the encoders' calls (VAE, image encoder, text encoder).
-        write_wait_s: of the pass, the time blocked on the background writer (its queue full, its last batches).
+        write_wait_s: of the pass, the time the encoders idled waiting on the background writer (its queue full, its
+            last batches).
         write_s: the background writer's time writing (serialising, digests, fsync, commits), beside the pass.
     """
 
@@ -132,6 +143,43 @@ class CachedLatents:
 
 
 @dataclass
+class Batch:
+    """One bucket's batch on its way through the pass: prepared on the pass's thread (`EncodingPass.prepare`),
+    encoded on the encoder's (`encode`), finished on the pass's (`finish`).
+
+    Args:
+        items: the batch's decoded inputs, in the order taken.
+        reused: per item, its latent fields copied from the cache (`EncodingPass.reusable`), or None: encoded.
+    """
+
+    items: list[dict]
+    reused: list[dict | None]
+    video: bool = False  # clips: `Encoders.encode_videos`
+    pixels: torch.Tensor | None = None  # (B, 3, H, W) or (B, 3, F, H, W) uint8 of the items to encode
+    flips: list[int] = field(default_factory=list)  # of those, the ones with a flipped view
+    mirrored_pixels: torch.Tensor | None = None  # their flipped images
+    control_pixels: torch.Tensor | None = None  # (B, 3, H, W) control images
+    reference_groups: list[tuple[list[tuple[int, int]], torch.Tensor]] = field(default_factory=list)
+    captions: list[str] = field(default_factory=list)  # every caption of the batch (`caption_inputs`)
+    contexts: list[bytes] = field(default_factory=list)
+    keys: list[str] | None = None  # their text keys, in a cache that stores each text once
+    encode_texts: list[int] = field(default_factory=list)  # the captions to encode, by index
+    text_references: list[list[torch.Tensor]] | None = None  # each of those's references, for a text encoder that sees them
+    # the encoders' outputs: latent fields in the storage dtype on the host; per text-encoder call its `TextBatch`
+    latents: dict[str, torch.Tensor] | None = None
+    mirrored: dict[str, torch.Tensor] | None = None
+    controls: dict[str, torch.Tensor] | None = None
+    reference_latents: list[tuple[list[tuple[int, int]], torch.Tensor]] = field(default_factory=list)
+    texts: list[TextBatch] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """The host memory its pixels hold until encoded."""
+        pixels = [self.pixels, self.mirrored_pixels, self.control_pixels, *(x for _, x in self.reference_groups)]
+        return sum(t.nbytes for t in pixels if t is not None)
+
+
+@dataclass
 class EncodingPass:
     """One rank's pass: `run(batches)` reads every decoded input, encodes the ones to write in batches of one
     bucket, and writes them (or keeps them in `tally.repaired`, repairing). While it runs, the writer is written to
@@ -153,6 +201,8 @@ class EncodingPass:
         rebuild_texts: repairing: text keys of damaged text shards to encode again from their samples' inputs (texts
             seen with reference images), kept in `tally.repaired_texts`.
         texts_only: repairing: keys of samples read for their texts alone (their own shard is intact).
+        overlap: the encoders run on a thread of their own, while this one sorts, batches and finishes batches
+            (False: one after the other on this thread, the same batches and writes in the same order).
     """
 
     enc: Encoders
@@ -169,6 +219,7 @@ class EncodingPass:
     cached: CachedLatents | None = None
     rebuild_texts: set[str] = field(default_factory=set)
     texts_only: set[str] = field(default_factory=set)
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         self.flipped_fields = [name for name in self.enc.latent_spec().flipped_fields if name in self.schema]
@@ -180,9 +231,12 @@ class EncodingPass:
         self.pending: dict = defaultdict(list)
         self.truncated_texts: set[str] = set()  # text keys of the captions this run found truncated
         self.bad_texts: set[str] = set()  # text keys whose text held NaN/Inf: not stored
-        self.queued_texts: set[str] = set()  # text keys handed to the background writer by this pass
+        self.queued_texts: set[str] = set()  # text keys this pass took for encoding (then written, kept or bad)
         self.late_duplicates: list[tuple[str, str]] = []  # (dataset, outcome counted) of samples another rank committed first
         self.writes: BackgroundWrites | None = None
+        self.encoder: BackgroundCalls | None = None  # the encoder's thread (None: serial)
+        self.in_flight: deque[Batch] = deque()  # batches handed to it, not finished yet, in the order batched
+        self.finished = 0  # batches it encoded that were finished
 
     @property
     def repair(self) -> bool:
@@ -191,33 +245,48 @@ class EncodingPass:
     def run(self, batches, bar: tqdm | PlainProgress) -> None:
         """Encode and write every input of `batches`; returns once every write is done.
 
+        Three stages overlap, each behind a bounded queue: this thread sorts the decoded inputs and batches them
+        (`take`, `prepare`), the encoder's thread runs the encoders on ready batches (`encode`), this thread again
+        checks the encoded samples and hands their writes to the writer's thread (`finish`), in the order batched:
+        the cache written is the one a serial pass writes (`overlap=False`).
+
         Raises:
-            what a write raised (disk full, a sample the writer refused), at the batch after it: the batches queued
-            after it are not written, and what was committed before stays.
+            what an encoder call or a write raised (out of memory, disk full, a sample the writer refused), at the
+            input after it: the batches queued after it are not written, and what was committed before stays.
         """
         tally = self.tally
         t_loop = time.perf_counter()
         self.writes = BackgroundWrites()
+        self.encoder = BackgroundCalls(IN_FLIGHT, IN_FLIGHT_BYTES, "encoder") if self.overlap else None
         try:
             while True:
                 self.writes.check()  # a write failed: stop now, not after the inputs
+                self.finish_encoded()  # an encoder call failed: raised here
                 t_wait = time.perf_counter()
                 item = next(batches, None)
-                tally.wait_s += time.perf_counter() - t_wait  # near zero when decoding is hidden behind encoding
+                tally.wait_s += self.starved(t_wait)  # near zero when decoding is hidden behind encoding
                 if item is None:
                     break
                 bar.update(item.get("inputs", 1))  # an input's clips after its first count no input
                 self.take(item)
                 counts = tally.counts
-                bar.set_postfix(new=counts["new"] + counts["changed"], unchanged=counts["unchanged"], failed=counts["failed"], refresh=False)
+                bar.set_postfix(new=counts["new"] + counts["changed"] + self.batched(), unchanged=counts["unchanged"],
+                                failed=counts["failed"], refresh=False)
             for bucket in sorted(self.pending):
                 self.encode_and_write(self.pending.pop(bucket))
+            self.finish_encoded(keep=0)
+            if self.encoder is not None:
+                self.encoder.drain()
+            t_wait = time.perf_counter()
             self.writes.drain()
+            tally.write_wait_s += self.starved(t_wait)
         except BaseException:
+            if self.encoder is not None:
+                self.encoder.stop()  # the call in flight ends; the batches after it are never encoded
             self.writes.stop()  # the shard in flight is committed; queued batches are redone next run
             raise
         finally:
-            tally.write_wait_s, tally.write_s = self.writes.wait_s, self.writes.busy_s
+            tally.write_s = self.writes.busy_s
         for dataset, outcome in self.late_duplicates:
             tally.counts[outcome] -= 1
             tally.by_source[dataset][outcome] -= 1
@@ -252,18 +321,107 @@ class EncodingPass:
             if len(self.pending[item["bucket"]]) >= self.batch_size:
                 self.encode_and_write(self.pending.pop(item["bucket"]))
 
+    def batched(self) -> int:
+        """Inputs taken for encoding whose batch is not finished yet (waiting for a full batch, or on the encoder's
+        side): new or changed, for the progress line, unless repairing."""
+        if self.repair:
+            return 0
+        return sum(map(len, self.pending.values())) + sum(len(batch.items) for batch in self.in_flight)
+
     def encode_and_write(self, items: list[dict]) -> None:
-        """Encode one bucket's batch (images, flipped images, control images, captions) and hand its writes (its new
-        texts, then each sample) to the background writer as one batch."""
-        tally = self.tally
-        images = self.image_fields(items)
-        captions, contexts, references = self.caption_inputs(items)
-        stored_once = TEXT_KEYS in self.schema  # each text in a text row the samples refer to (`shards.texts`)
+        """Encode one bucket's batch (images, flipped images, control images, references, captions) and hand its
+        writes (its new texts, then each sample) to the background writer as one batch: at once in a serial pass;
+        overlapping, on the encoder's thread while this one goes on with the next inputs (`finish_encoded` finishes
+        it once its encoding is done)."""
+        batch = self.prepare(items)
+        if self.encoder is None:
+            self.encode(batch)
+            self.finish(batch)
+            return
+        self.finish_encoded(keep=IN_FLIGHT - 1)  # room for this one: the encoder is at most a batch ahead of it
+        self.encoder.submit([partial(self.encode, batch)], batch.nbytes)
+        self.in_flight.append(batch)
+
+    def finish_encoded(self, keep: int | None = None) -> None:
+        """Finish the batches whose encoding is done, in the order batched; then wait for the oldest and finish it
+        while more than `keep` are on the encoder's side (None: wait for none).
+
+        Raises:
+            what an encoder call raised (no batch after it is finished).
+        """
+        if self.encoder is None:
+            return
+        self.encoder.check()
+        while self.in_flight and (self.encoder.completed > self.finished or keep is not None and len(self.in_flight) > keep):
+            self.encoder.wait_for(self.finished + 1)
+            self.finish(self.in_flight.popleft())
+            self.finished += 1
+
+    def prepare(self, items: list[dict]) -> Batch:
+        """On the pass's thread: what the encoders are to compute for a batch. Latent fields found in the cache
+        (`reusable`) are taken; the rest's pixels stacked per call (in pinned memory for a CUDA device: copied
+        while it runs); the batch's captions listed, and in a cache that stores each text once only those of texts
+        not stored or taken for encoding yet (`store_texts` decides as a serial pass would: a text is encoded once)."""
+        batch = Batch(items, [self.reusable(it) for it in items])
+        self.tally.counts["latents_reused"] += sum(f is not None for f in batch.reused)
+        fresh = [it for it, f in zip(items, batch.reused) if f is None]
+        if fresh:
+            batch.video = bool(fresh[0]["bucket"].frames)
+            batch.pixels = self.stacked([it["pixels"] for it in fresh])  # (B, 3, H, W) images, (B, 3, F, H, W) clips of one bucket
+            batch.flips = [j for j, it in enumerate(fresh) if it.get("flip")]
+            if batch.flips:
+                batch.mirrored_pixels = self.stacked([fresh[j]["pixels"].flip(-1) for j in batch.flips])
+            if self.control:  # the control images, cropped as their images, through the same VAE: the pipelines' control latents
+                batch.control_pixels = self.stacked([it["control_pixels"] for it in fresh])
+            if self.references:
+                batch.reference_groups = self.reference_groups(fresh)
+        batch.captions, batch.contexts, references = self.caption_inputs(items)
+        if TEXT_KEYS in self.schema:  # each text in a text row the samples refer to (`shards.texts`)
+            batch.keys = [text_key(c, x) for c, x in zip(batch.captions, batch.contexts)]
+            batch.encode_texts = self.texts_to_encode(batch.keys)
+        else:
+            batch.encode_texts = list(range(len(batch.captions)))
+        batch.text_references = None if references is None else [references[i] for i in batch.encode_texts]
+        return batch
+
+    def encode(self, batch: Batch) -> None:
+        """On the encoder's thread (or the pass's, serial): the encoders' calls of a prepared batch, their outputs
+        kept in it. Latent fields leave the encoders in the storage dtype, on the host: the device's memory is the
+        next batch's."""
+        enc = self.enc
+        if enc.device.type == "cuda":  # the thread's current device, for what the encoders allocate without naming one
+            torch.cuda.set_device(enc.device)
+        if batch.pixels is not None:
+            batch.latents = self.on_host(self.encoded(enc.encode_videos if batch.video else enc.encode_images, batch.pixels))
+            if batch.mirrored_pixels is not None:
+                batch.mirrored = self.on_host(self.encoded(enc.encode_images, batch.mirrored_pixels))
+            if batch.control_pixels is not None:
+                batch.controls = self.on_host(self.encoded(enc.encode_images, batch.control_pixels))
+        for where, x in batch.reference_groups:
+            batch.reference_latents.append((where, self.on_host(self.encoded(enc.encode_references, x))))
+        captions = [batch.captions[i] for i in batch.encode_texts]
+        for i in range(0, len(captions), self.text_batch_size):
+            part = slice(i, i + self.text_batch_size)
+            refs = None if batch.text_references is None else batch.text_references[part]
+            batch.texts.append(self.encoded(enc.encode_text, captions[part], True, refs))
+
+    def finish(self, batch: Batch) -> None:
+        """On the pass's thread, once the batch is encoded: its texts kept, each sample's fields built and checked
+        (NaN/Inf fails it), and its writes (its new texts, then each sample) handed to the writer as one batch."""
+        tally, items = self.tally, batch.items
+        images = self.image_fields(batch)
+        texts = [fields for part in batch.texts for fields in part.fields]
+        truncated = [cut for part in batch.texts for cut in part.truncated]
+        encoded = [batch.captions[i] for i in batch.encode_texts]
+        encoded_contexts = [batch.contexts[i] for i in batch.encode_texts]
+        self.truncated_texts.update(text_key(c, x) for c, x, cut in zip(encoded, encoded_contexts, truncated) if cut)
+        stored_once = batch.keys is not None
         writes: list[tuple[partial, dict]] = []  # (write, the tensors it writes), in the order they run
         if stored_once:
-            texts = self.store_texts(captions, contexts, references, writes)
+            self.store_texts(batch, texts, writes)
+            texts = batch.keys
         else:
-            texts = self.encode_captions(captions, references=references, contexts=contexts)
+            tally.counts["captions_truncated"] += sum(truncated)
         at = 0
         for j, it in enumerate(items):
             mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field (or their keys)
@@ -283,7 +441,19 @@ class EncodingPass:
                 writes.append((partial(self.write_sample, it, fields, outcome), fields))
                 tally.count(outcome, it["dataset"])  # undone if another rank commits it first (`write_sample`)
         if writes:
+            t_wait = time.perf_counter()
             self.writes.submit([write for write, _ in writes], held_bytes([t for _, fields in writes for t in fields.values()]))
+            tally.write_wait_s += self.starved(t_wait)
+
+    def starved(self, since: float) -> float:
+        """Of the time since `since`, which this thread spent waiting (on the loader, on the writer), the part the
+        encoders idled through for want of a batch: all of it in a serial pass; overlapping, the part after the
+        encoder's thread ran out of batches (none can come while this thread waits)."""
+        now = time.perf_counter()
+        if self.encoder is None:
+            return now - since
+        idle = self.encoder.idle_since
+        return 0.0 if idle is None else now - max(since, idle)
 
     def write_sample(self, it: dict, fields: dict[str, torch.Tensor], outcome: str) -> None:
         """On the background thread: write one sample, unless another rank committed it meanwhile (the same image and
@@ -303,6 +473,20 @@ class EncodingPass:
         self.tally.encoder_s += time.perf_counter() - t0
         return out
 
+    def stacked(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """`torch.stack(tensors)`, into pinned memory for a CUDA device (its copy to the device does not wait on
+        the host)."""
+        if self.enc.device.type != "cuda":
+            return torch.stack(tensors)
+        out = torch.empty((len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, pin_memory=True)
+        return torch.stack(tensors, out=out)
+
+    def on_host(self, out: dict[str, torch.Tensor] | torch.Tensor):
+        """An encoder's outputs (a tensor, or a dict of them) in the storage dtype, on the host."""
+        if isinstance(out, torch.Tensor):
+            return out.to(self.storage).cpu()
+        return {name: t.to(self.storage).cpu() for name, t in out.items()}
+
     def caption_inputs(self, items: list[dict]) -> tuple[list[str], list[bytes], list[list[torch.Tensor]] | None]:
         """Every caption of a batch, in order; per caption what its text key adds to the caption (`text_key`'s
         context: its sample's `reference_digest` where the text encoder sees the references, else nothing); and, for
@@ -318,51 +502,34 @@ class EncodingPass:
             references += [[r["text_pixels"] for r in refs]] * len(it["captions"])
         return captions, contexts, references
 
-    def encode_captions(self, captions: list[str], count: bool = True, references: list[list[torch.Tensor]] | None = None,
-                        contexts: list[bytes] | None = None) -> list[dict[str, torch.Tensor]]:
-        """The text fields of each caption (seeing its `references`, see `caption_inputs`); truncated captions are
-        counted (with `count`) and remembered by text key (`contexts`: each caption's, see `caption_inputs`)."""
-        texts, truncated = [], 0
-        contexts = contexts or [b""] * len(captions)
-        for i in range(0, len(captions), self.text_batch_size):
-            part = slice(i, i + self.text_batch_size)
-            batch = self.encoded(self.enc.encode_text, captions[part], True, None if references is None else references[part])
-            texts += batch.fields
-            truncated += sum(batch.truncated)
-            self.truncated_texts.update(text_key(c, x) for c, x, cut in zip(captions[part], contexts[part], batch.truncated) if cut)
-        if count:
-            self.tally.counts["captions_truncated"] += truncated
-        return texts
-
-    def store_texts(self, captions: list[str], contexts: list[bytes], references: list[list[torch.Tensor]] | None,
-                    writes: list[tuple[partial, dict]]) -> list[str]:
-        """The text key of each caption (with its context, see `caption_inputs`), its text encoded and written once
-        (appended to `writes`, before the samples that refer to it): a text the cache holds (or this run wrote) is not
-        encoded again, however many samples refer to it. A text holding NaN/Inf is not written (its samples fail as
-        non_finite). Repairing, a text of `rebuild_texts` is encoded again and kept in `tally.repaired_texts`."""
-        keys = [text_key(c, x) for c, x in zip(captions, contexts)]
+    def texts_to_encode(self, keys: list[str]) -> list[int]:
+        """Of a batch's text keys (one per caption, see `caption_inputs`), the index of the first caption of each
+        text to encode: one the cache does not hold, not taken for encoding by this pass before, or, repairing, one
+        of `rebuild_texts`. A text taken is never encoded again (kept, written, or found holding NaN/Inf)."""
         first: dict[str, int] = {}  # each new text's key -> its first caption's index
         for i, k in enumerate(keys):
-            if k in first or k in self.bad_texts:
+            if k in first or k in self.queued_texts:
                 continue
-            if k in self.rebuild_texts and k not in self.tally.repaired_texts or (
-                    k not in self.queued_texts and not self.writer.has_text(k)):
+            if k in self.rebuild_texts or not self.writer.has_text(k):
                 first[k] = i
-        new = list(first.values())
-        encoded = self.encode_captions([captions[i] for i in new], count=False, contexts=[contexts[i] for i in new],
-                                       references=None if references is None else [references[i] for i in new])
-        for i, fields in zip(new, encoded):
+        self.queued_texts.update(first)
+        return list(first.values())
+
+    def store_texts(self, batch: Batch, texts: list[dict[str, torch.Tensor]], writes: list[tuple[partial, dict]]) -> None:
+        """A batch's encoded texts (one per `batch.encode_texts`) written once, appended to `writes` before the
+        samples that refer to them. A text holding NaN/Inf is not written (its samples fail as non_finite).
+        Repairing, a text of `rebuild_texts` is kept in `tally.repaired_texts`."""
+        for i, fields in zip(batch.encode_texts, texts):
+            key = batch.keys[i]
             fields = {name: t.to(self.storage).cpu() for name, t in fields.items()}
             finite = all(bool(torch.isfinite(t).all()) for t in fields.values() if t.is_floating_point())
-            if keys[i] in self.rebuild_texts and finite:
-                self.tally.repaired_texts[keys[i]] = fields
+            if key in self.rebuild_texts and finite:
+                self.tally.repaired_texts[key] = fields
             elif finite:
-                writes.append((partial(self.writer.write_text, captions[i], fields, contexts[i]), fields))
-                self.queued_texts.add(keys[i])
+                writes.append((partial(self.writer.write_text, batch.captions[i], fields, batch.contexts[i]), fields))
             else:
-                self.bad_texts.add(keys[i])
-        self.tally.counts["captions_truncated"] += sum(k in self.truncated_texts for k in keys)  # per caption, as before
-        return keys
+                self.bad_texts.add(key)
+        self.tally.counts["captions_truncated"] += sum(k in self.truncated_texts for k in batch.keys)  # per caption, as before
 
     def reusable(self, it: dict) -> dict[str, torch.Tensor] | None:
         """The latent fields of a changed input's old sample, when its image (its video, and which clip of it) did not
@@ -375,52 +542,52 @@ class EncodingPass:
         candidates = [k for k in candidates if k != it["key"] and k in self.previous[it["dataset"]]]
         return self.cached.find_any(it["dataset"], candidates, it["latent_key"]) if candidates else None
 
-    def image_fields(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
-        """Per item, its latent fields in the storage dtype: its image's, its flipped image's (one row for a source
-        with flip, none otherwise), its control image's and its references' (`reference_fields`); from the VAE, or
-        copied from its old sample when only its mask or captions changed (`reusable`)."""
-        enc, storage = self.enc, self.storage
-        out: list[dict | None] = [self.reusable(it) for it in items]
-        self.tally.counts["latents_reused"] += sum(f is not None for f in out)
-        fresh = [it for it, f in zip(items, out) if f is None]
-        if not fresh:
-            return out
-        pixels = torch.stack([it["pixels"] for it in fresh])  # (B, 3, H, W) images, (B, 3, F, H, W) clips of one bucket
-        latents = self.encoded(enc.encode_videos if fresh[0]["bucket"].frames else enc.encode_images, pixels)
-        flips = [j for j, it in enumerate(fresh) if it.get("flip")]
-        mirrored = self.encoded(enc.encode_images, torch.stack([fresh[j]["pixels"].flip(-1) for j in flips])) if flips else {}
-        # the control images, cropped as their images, through the same VAE: the pipelines' control latents
-        controls = self.encoded(enc.encode_images, torch.stack([it["control_pixels"] for it in fresh])) if self.control else {}
-        references = self.reference_fields(fresh) if self.references else None
+    def image_fields(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
+        """Per item of an encoded batch, its latent fields in the storage dtype: its image's, its flipped image's (one
+        row for a source with flip, none otherwise), its control image's and its references' (`reference_fields`);
+        from the VAE, or copied from its old sample when only its mask or captions changed (`reusable`)."""
+        if batch.pixels is None:
+            return batch.reused
+        latents, mirrored, controls, flips = batch.latents, batch.mirrored or {}, batch.controls or {}, batch.flips
+        fresh = sum(f is None for f in batch.reused)
+        references = self.reference_fields(batch, fresh) if self.references else None
         encoded = []
-        for j in range(len(fresh)):
-            fields = {name: t[j].to(storage) for name, t in latents.items()}
+        for j in range(fresh):
+            fields = {name: t[j] for name, t in latents.items()}
             for name in self.flipped_fields:  # one row: the flipped image's latent; none for a source without flip
                 plain = latents[name.removeprefix(FLIP_PREFIX)]
-                row = mirrored[name.removeprefix(FLIP_PREFIX)][flips.index(j)][None] if j in flips else plain[j][None][:0]
-                fields[name] = row.to(storage)
-            fields.update({CONTROL_PREFIX + name: t[j].to(storage) for name, t in controls.items()})
+                fields[name] = mirrored[name.removeprefix(FLIP_PREFIX)][flips.index(j)][None] if j in flips else plain[j][None][:0]
+            fields.update({CONTROL_PREFIX + name: t[j] for name, t in controls.items()})
             if references is not None:
                 fields.update(references[j])
             encoded.append(fields)
         it = iter(encoded)
-        return [f if f is not None else next(it) for f in out]
+        return [f if f is not None else next(it) for f in batch.reused]
 
-    def reference_fields(self, items: list[dict]) -> list[dict[str, torch.Tensor]]:
-        """Per item, its references' two fields (`shards.references.pack`, storage dtype; empty for an item without
-        references). A reference is prepared at its own size, so a batch's references are encoded in groups of one
-        size, at most `batch_size` images per call, by the family's `encode_references`."""
+    def reference_groups(self, items: list[dict]) -> list[tuple[list[tuple[int, int]], torch.Tensor]]:
+        """The references of a batch's items to encode, in groups of one size, at most `batch_size` images a group:
+        per group its (item, reference) places and its (B, 3, h, w) pixels in [-1, 1]. A reference is prepared at
+        its own size (`Family.prepare_reference`)."""
         by_size: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (h, w) -> (item, reference)
         for j, it in enumerate(items):
             for r, ref in enumerate(it.get("reference_pixels") or ()):
                 by_size[tuple(ref["pixels"].shape[-2:])].append((j, r))
-        latents: list[list[torch.Tensor | None]] = [[None] * len(it.get("reference_pixels") or ()) for it in items]
+        groups = []
         for where in by_size.values():
             for i in range(0, len(where), self.batch_size):
                 part = where[i : i + self.batch_size]
-                x = torch.stack([items[j]["reference_pixels"][r]["pixels"] for j, r in part])  # (B, 3, h, w) in [-1, 1]
-                for (j, r), latent in zip(part, self.encoded(self.enc.encode_references, x)):  # (C, h', w') each
-                    latents[j][r] = latent.to(self.storage)
+                groups.append((part, self.stacked([items[j]["reference_pixels"][r]["pixels"] for j, r in part])))
+        return groups
+
+    def reference_fields(self, batch: Batch, count: int) -> list[dict[str, torch.Tensor]]:
+        """Per encoded item (`count` of them), its references' two fields (`shards.references.pack`, storage dtype;
+        empty for an item without references), from the family's `encode_references` of each group of one size."""
+        latents: list[list[torch.Tensor | None]] = [[None] * len(it.get("reference_pixels") or ())
+                                                    for it, f in zip(batch.items, batch.reused) if f is None]
+        for where, out in batch.reference_latents:
+            for (j, r), latent in zip(where, out):  # (C, h', w') each
+                latents[j][r] = latent
+        assert len(latents) == count
         channels = self.enc.latent_spec().channels
         return [pack(refs, channels, self.storage) for refs in latents]
 

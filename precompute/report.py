@@ -41,6 +41,32 @@ def _size(n: float) -> str:
         n /= 1024
 
 
+ENCODER_BOUND = 0.95  # the encoder busy this much of the pass: the run goes as fast as the encoding device
+BOUND_ADVICE = {
+    "encoder": "bound by the encoder (busy >= 95 % of the pass): decoding and writing keep up; nothing to do here "
+               "(a faster device or dtype, or a larger --batch-size if the device has room, would go faster)",
+    "decoding": "bound by decoding: the encoder waited for decoded inputs; raise --workers if the machine has idle cores "
+                "(each worker is a process that reads, decodes and resizes images: some 25 photos a second at 1024 px "
+                "on one core)",
+    "writer": "bound by the writer: the encoder waited on writes to the cache; put --cache on faster storage (a local "
+              "disk rather than a network mount)",
+    "pass": "bound by the pass's own thread (sorting inputs, batching, checking outputs) or a CPU the loader's workers "
+            "fill: fewer --workers if every core is busy, or a larger --batch-size",
+}
+
+
+def bound_by(shares: dict[str, float]) -> str:
+    """Which stage bounds a run, from where its passes' time went (`report`'s `shares`): `encoder` when it was busy at
+    least `ENCODER_BOUND` of the pass; else what it idled for most: `decoding` (it waited for decoded inputs),
+    `writer` (it waited on writes) or `pass` (the rest: the pass's own work of sorting, batching and checking)."""
+    busy = shares["encoder_busy_fraction"]
+    if busy >= ENCODER_BOUND:
+        return "encoder"
+    idle = {"decoding": shares["data_wait_fraction"], "writer": shares["writer_wait_fraction"]}
+    idle["pass"] = 1.0 - busy - sum(idle.values())
+    return max(idle, key=idle.get)
+
+
 def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, loop_s: float,
            by_source: dict[str, Counter] | None = None, shares: dict[str, float] | None = None) -> dict:
     """The run's summary, printed to stderr and returned.
@@ -48,7 +74,8 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
     Args:
         loop_s: the pass's wall time (the longest rank's).
         shares: where the passes' time went (`encoder_s`, `encoder_busy_fraction`, `data_wait_fraction`,
-            `writer_wait_fraction`, `writer_busy_fraction`), added to the summary and printed as one line.
+            `writer_wait_fraction`, `writer_busy_fraction`), added to the summary and printed as one line; the stage
+            that bounds the run (`bound_by`) is added as `bound_by` and said with its advice on the next.
     """
     manifest = Cache(cache).manifest
     in_cache = manifest.datasets()
@@ -106,12 +133,12 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
     print(f"  encoded {encoded} in {loop_s:.1f}s ({summary['images_per_s']:.1f} {'clips' if clips else 'images'}/s; {elapsed:.1f}s with setup); "
           f"{summary['captions_truncated']} captions truncated to the token limit", file=out)
     if shares and encoded:
-        # what bounds the run: the encoder busy near 100 % is as fast as this device goes; waiting on inputs asks for
-        # more loader workers, waiting on the writer for a faster disk
         pct = {k: f"{v * 100:.0f} %" for k, v in shares.items() if k.endswith("_fraction")}
         print(f"  encoder busy {pct['encoder_busy_fraction']} of the pass; waiting on inputs {pct['data_wait_fraction']}, "
               f"on the writer {pct['writer_wait_fraction']} (the writer was busy {pct['writer_busy_fraction']} of it, in the "
               f"background)", file=out)
+        summary["bound_by"] = bound_by(shares)
+        print(f"  {BOUND_ADVICE[summary['bound_by']]}", file=out)
     if summary["latents_reused"]:
         print(f"  {summary['latents_reused']} of them changed only their mask or captions: their cached latents were "
               f"reused, not encoded again", file=out)
