@@ -9,17 +9,19 @@ fields of its captions, computed once before the run (a sample's whole encoding 
 
 Rows, measured side by side in each round: the pass as it runs (the encoder on its own thread) and the serial pass
 (the encoder called on the pass's thread between sorting, batching and checking: the pass before the encoder got a
-thread), at `--rate`; then the overlapped pass at `--high-rate`, where a 2-core machine stops keeping up. Each row
+thread), at `--rate`; then the overlapped pass at `--high-rate`, where a 2-core machine stops keeping up, and the
+loader alone (what decoding can give, nothing encoded: the ceiling of every row on a machine shared with others). Each row
 gives the encoder's busy fraction (time inside encode calls / pass wall), samples/s achieved against the rate, the
 pass's time waiting on the loader and on the writer, and the stage the summary names as the bound.
 
-Default run: 1,200 tiny images (~256 px), batch 16, 2 loader workers, 2 rounds: about a minute.
+Default run: 1,000 tiny images (~256 px), batch 16, 2 loader workers, 2 rounds: about a minute.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import shutil
 import statistics
 import sys
@@ -100,6 +102,18 @@ def one_run(data: Path, cache: Path, enc: SimulatedEncoders, model: str, *, over
                                    progress=False, log_seconds=3600)
 
 
+def decode_rate(data: Path, model: str, workers: int) -> float:
+    """Samples/s of stage one's loader alone (its worker processes reading, decoding and resizing), nothing encoded."""
+    config = PrecomputeConfig(str(data), model, Path(tempfile.mkdtemp(prefix="encoder-busy-loader-")), workers=workers)
+    try:
+        t0 = time.perf_counter()
+        inputs = precompute.run.open_all_inputs(config, None, torch.device("cpu"), 0, 1)
+        n = sum(1 for _ in inputs.batches)
+        return n / (time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(config.cache, ignore_errors=True)
+
+
 def figures(summary: dict, rate: float) -> dict:
     return {"busy": summary["encoder_busy_fraction"], "rate": summary["images_per_s"] / rate,
             "per_s": summary["images_per_s"], "data": summary["data_wait_fraction"],
@@ -112,7 +126,7 @@ def main(
                                            "encodes hundreds a second in batches)."),
     high_rate: float = typer.Option(1000.0, help="A higher rate for a last row, where this machine stops keeping up "
                                                  "(0: no such row)."),
-    count: int = typer.Option(1200, help="Generated images (~256 px PNGs) in each run."),
+    count: int = typer.Option(1000, help="Generated images (~256 px PNGs) in each run."),
     batch_size: int = typer.Option(DEFAULT_BATCH["cuda"], help="Images per encoder call (stage one's --batch-size; "
                                                                "the default is its CUDA default)."),
     workers: int = typer.Option(2, help="Stage one's loader worker processes (--workers), each decoding images."),
@@ -138,11 +152,13 @@ def main(
             if high_rate:
                 enc.rate = high_rate
                 rounds[-1]["high"] = figures(run(overlap=True), high_rate)
+        loader = decode_rate(data, model, workers)
+        load = os.getloadavg()[0]
         rows = {name: {k: statistics.median(r[name][k] for r in rounds) if k != "bound" else
                        statistics.mode(r[name][k] for r in rounds) for k in rounds[0][name]} for name in rounds[0]}
 
         print(f"stage one's pass, simulated encoder ({model}'s shapes): {count} generated images, batch {batch_size}, "
-              f"{workers} loader worker(s), bf16 cache; {threads_line}; {repeats} rounds: median")
+              f"{workers} loader worker(s), bf16 cache; {threads_line}; load average {load:.1f} at the end; {repeats} rounds: median")
         print(f"{'row':44s} {'busy':>6s} {'samples/s':>16s} {'data wait':>9s} {'writer wait':>11s} {'bound by':>9s}   goal")
 
         def line(label: str, row: dict, at: float, goal: str) -> None:
@@ -157,6 +173,8 @@ def main(
         print(f"{'  overlapped / serial samples/s':44s} {gain:6.2f} x")
         if high_rate:
             line(f"encoder on its own thread, {high_rate:.0f}/s", rows["high"], high_rate, "where it stops keeping up")
+        print(f"{'loader alone (' + str(workers) + ' workers), nothing encoded':44s} {'':6s} {loader:6.0f} "
+              f"samples/s: the most decoding gives on this machine now")
         print(f"the background writer was busy {rows['overlapped']['writer_busy']:.1%} of the overlapped pass at "
               f"{rate:.0f}/s (beside it, on its thread)")
     finally:
