@@ -18,7 +18,7 @@ from train.presets import build_transformer, model_forward
 
 pytestmark = pytest.mark.model  # builds tiny diffusers models (left out of make test-fast)
 
-ROUTED = ("tiny-flux", "tiny-flux1-kontext", "tiny-wan", "tiny-pixart", "tiny-sd3")
+ROUTED = ("tiny-flux", "tiny-flux1-kontext", "tiny-wan", "tiny-pixart", "tiny-sd3", "tiny-qwen-image", "tiny-qwen-image-edit")
 CPU = torch.device("cpu")
 
 
@@ -96,7 +96,7 @@ def test_the_option_has_help_and_families_without_routing_refuse_it_saying_why()
     assert TrainConfig(model="tiny-flux", tread="0.5:0:-1").tread == "0.5:0:-1"
     with pytest.raises(ValueError, match=r"Sana.*Mix-FFN.*convol"):
         TrainConfig(model="tiny-sana", tread="0.5:0:1")
-    for name in ("tiny-flux2", "tiny-qwen-image", "tiny-z-image"):
+    for name in ("tiny-flux2", "tiny-z-image"):
         title = get_family(get_preset(name).family).title
         with pytest.raises(ValueError, match=rf"--tread: .*{title}"):
             TrainConfig(model=name, tread="0.5:0:1")
@@ -202,6 +202,11 @@ def test_the_routed_blocks_see_the_kept_share_with_their_positions(name):
             ids = torch.cat([ids, ref])
         own = model.pos_embed(torch.cat([torch.zeros(text, 3), ids[kept[0][0]]]))
         assert torch.allclose(cos, own[0]) and torch.allclose(sin, own[1])
+    if preset.family == "qwen-image":
+        image, text = first["image_rotary_emb"]
+        full_image, full_text = second["image_rotary_emb"]
+        assert image.shape[0] == k + references and torch.equal(text, full_text)
+        assert torch.equal(image, full_image[kept[0][0]])
     if preset.family == "wan":
         cos, sin = first["rotary_emb"]
         full_cos, full_sin = second["rotary_emb"]

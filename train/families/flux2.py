@@ -78,6 +78,10 @@ class Flux2(Family):
                                               "ff_context.linear_out") + SINGLE_OUTPUTS
     null_caption = "empty"  # the empty prompt, what Flux2KleinPipeline encodes as its negative prompt
     no_controlnet = "--controlnet trains the ControlNets of the families that have one here; FLUX.2 has none in diffusers"
+    no_tread = ("--tread: token routing is not built for FLUX.2: its single-stream blocks take the caption's and the "
+                "image's tokens as one sequence (the transformer joins the two streams after its double-stream blocks), "
+                "which the router, taking the image tokens from a block argument of their own, does not split; train "
+                "FLUX.2 without --tread")
 
     def presets(self):
         # dev: validation as Flux2Pipeline's defaults (50 steps, embedded guidance 4); trained with its guidance embedding

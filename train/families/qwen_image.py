@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from train.families.base import Family, ModelPreset, group_of, reference_groups, stacked_references
+from train.families.base import Family, ModelPreset, TokenRoute, group_of, reference_groups, stacked_references
 
 # The published scheduler's config (scheduler/scheduler_config.json of Qwen/Qwen-Image): mu from the image's sequence
 # length between these points, the exponential time shift, and sampling stretched to end at sigma 0.02.
@@ -100,6 +100,18 @@ class QwenImage(Family):
     def usage_call_args(self) -> str:
         # QwenImagePipeline guides (true CFG) only when given a negative prompt, as validation samples
         return 'negative_prompt="", true_cfg_scale=4.0'
+
+    def tread_route(self, model):
+        """The image stream of the dual-stream blocks (returned second, after the text stream, never routed); the image
+        rotary table's rows (and a per-token modulation index, where the model has one) gathered for the kept tokens.
+        One selection per call: the table has no batch dimension. The joint attention mask is built in the blocks from
+        the sequence they get."""
+        return TokenRoute(self.blocks(model), output=1, shared=True, per_token=qwen_token_rows)
+
+    def tread_tokens(self, config, xt):
+        """The target's packed tokens; the references' follow them and are never routed (the images being edited,
+        which every block sees at inference; their outputs are dropped)."""
+        return (xt.shape[-2] // 2) * (xt.shape[-1] // 2)
 
     def latent_channels(self, config: Mapping) -> int:
         return config["in_channels"] // 4  # in_channels count the 2 x 2 packed patch
@@ -210,5 +222,15 @@ def single(text: dict, j: int) -> dict:
         out["references"] = [text["references"][j if len(text["references"]) > 1 else 0]]
     return out
 
+
+def qwen_token_rows(arguments: dict, kept: torch.Tensor) -> dict:
+    """The image rotary table (image tokens, D / 2) complex, with the text's beside it, for the kept image tokens `kept`
+    (1, K); a modulation index (B, image tokens) likewise."""
+    image, text = arguments["image_rotary_emb"]
+    out = {"image_rotary_emb": (image[kept[0].to(image.device)], text)}
+    index = arguments.get("modulate_index")
+    if index is not None:
+        out["modulate_index"] = index.gather(1, kept.to(index.device).expand(index.shape[0], -1))
+    return out
 
 FAMILY = QwenImage()

@@ -51,6 +51,10 @@ class ZImage(Family):
     lora_targets = ATTENTION + FEED_FORWARD
     no_controlnet = ("Z-Image's ControlNet (diffusers' ZImageControlNetModel) is not trained by this version; --controlnet "
                      "trains the families whose ControlNet it builds")
+    no_tread = ("--tread: token routing is not built for Z-Image: its transformer joins each sample's image and caption "
+                "tokens into one sequence of the sample's own length, padded per batch, before its main blocks, which the "
+                "router, taking the image tokens from a block argument of their own, does not split; train Z-Image "
+                "without --tread")
 
     def presets(self):
         # ZImagePipeline's default token limit is 512; both models were released in bf16 and their schedulers shift
