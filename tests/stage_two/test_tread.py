@@ -342,3 +342,36 @@ def test_a_routed_run_trains_and_resumes_bit_for_bit(flux_cache, tmp_path, kind)
     assert_same_checkpoints(tmp_path / "straight", tmp_path / "resumed")
     train(run_cfg(flux_cache, tmp_path / "plain", tread=None, **extra))
     assert losses(tmp_path / "plain")[0] != losses(tmp_path / "straight")[0]  # routing changed the training forward
+
+
+def test_a_masked_loss_run_never_routes_the_weighted_tokens(tmp_path, monkeypatch):
+    """Stage one's masks (the left half of every image weighted 0) through the trainer: every routed call keeps each
+    token the batch's loss mask weights, and routes some of the others."""
+    from PIL import Image
+
+    from precompute.run import main as precompute
+    from precompute.sample_data import make_folder
+
+    data = make_folder(tmp_path / "data", count=8)
+    for image in sorted(data.glob("*.png")):
+        with Image.open(image) as img:
+            mask = Image.new("L", img.size, 255)
+        mask.paste(0, (0, 0, img.width // 2, img.height))
+        mask.save(image.with_name(image.stem + ".mask.png"))
+    precompute(str(data), "tiny-pixart", tmp_path / "cache", workers=0, progress=False, masks=True)
+    seen = []
+    draw = tread.Router.draw
+
+    def spy(self, hidden, ratio, shared):
+        kept = draw(self, hidden, ratio, shared)
+        seen.append((self.call["keep"], kept, hidden.shape[1]))
+        return kept
+    monkeypatch.setattr(tread.Router, "draw", spy)
+    train(TrainConfig(model="tiny-pixart", cache=[str(tmp_path / "cache")], run=tmp_path / "run", steps=2, batch_size=2,
+                      workers=0, progress=False, validate=False, masked_loss=True, tread="0.5:0:-1", precision="fp32"))
+    assert len(seen) == 2
+    for keep, kept, n in seen:
+        assert keep.any() and not keep.all()
+        for row in range(keep.shape[0]):
+            assert set(keep[row].nonzero().flatten().tolist()) <= set(kept[row].tolist())
+        assert kept.shape[1] < n
