@@ -123,14 +123,16 @@ class _Open:
 
 
 class Router:
-    """Routes the image tokens of a transformer's blocks (`install` builds it); inert outside a training forward.
+    """Routes the image tokens of a transformer's blocks (`install` builds it and wraps the blocks); inert outside a
+    training forward.
 
     Args:
-        route: the family's `TokenRoute` of the transformer (or of each of two experts).
         routes: (ratio, start, end) per route, resolved (`resolve_routes`).
         seed: the run's seed; `at` seeds each micro-batch's draws from it.
         rank: this process's rank (its samples differ from the other ranks').
-        tokens: (xt, batch) -> the routable image tokens at the front of the blocks' sequence (None: all).
+        modules: the transformer (or each of two experts): routing only while they are in train mode.
+        tokens: (noisy latents) -> how many tokens at the front of the blocks' image sequence may be routed (None:
+            all; an edit's reference tokens follow the target's).
         keep: (batch) -> (B, tokens) bool, the tokens never routed (None: any may be).
     """
 
@@ -139,16 +141,15 @@ class Router:
         self.routes, self.seed, self.rank, self.modules = routes, seed, rank, modules
         self.tokens_of, self.keep_of = tokens, keep
         self.generator: torch.Generator | None = None
-        self.device: torch.device | None = None
         self.call: dict | None = None  # the current transformer call's: routable tokens, keep mask; None: not inside one
         self.open: dict[int, _Open] = {}  # route index -> its state within the current call
 
     def at(self, step: int, micro: int, device: torch.device) -> None:
         """Seed the draws of micro-batch `micro` of step `step` (the training step calls it before each forward)."""
         self.generator = seeded_generator(self.seed, SALT, step, micro, self.rank, device=device)
-        self.device = device
 
     def active(self) -> bool:
+        """Routing now: a training forward (gradients on, train mode) inside `calling`, after `at`."""
         return (self.generator is not None and torch.is_grad_enabled() and self.call is not None
                 and all(m.training for m in self.modules))
 
@@ -162,6 +163,7 @@ class Router:
 
     @contextlib.contextmanager
     def calling(self, xt: torch.Tensor, batch: Mapping):
+        """Inside it, the blocks route the tokens of this call (noisy latents `xt`, the run's `batch`)."""
         self.call = {"tokens": self.tokens_of(xt) if self.tokens_of else None,
                      "keep": self.keep_of(batch) if self.keep_of else None}
         try:

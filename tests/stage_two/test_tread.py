@@ -375,3 +375,30 @@ def test_a_masked_loss_run_never_routes_the_weighted_tokens(tmp_path, monkeypatc
         for row in range(keep.shape[0]):
             assert set(keep[row].nonzero().flatten().tolist()) <= set(kept[row].tolist())
         assert kept.shape[1] < n
+
+
+def test_two_experts_are_routed_each():
+    """A two-expert model (--expert both): each expert's blocks route, whichever takes a sample."""
+    from train.experts import Experts
+
+    preset = get_preset("tiny-wan")
+
+    def experts():
+        model = Experts(build_transformer(preset, None, 0), build_transformer(preset, None, 1), 500.0,
+                        ("transformer", "transformer_2"))
+        model.train()
+        return model
+
+    xt, _, batch = inputs("tiny-wan")
+    t = torch.tensor([900.0, 100.0])  # one sample for each expert
+    plain = experts()
+    reference = model_forward(plain, "wan")(xt, t, batch)
+    for routes, same in (("0:0:-1", True), ("0.5:0:-1", False)):
+        model = experts()
+        router = tread.install(types.SimpleNamespace(tread=routes, seed=0, masked_loss=False), model, get_family("wan"),
+                               say=lambda *a: None)
+        router.at(0, 0, CPU)
+        out = router.forward(model_forward(model, "wan"))(xt, t, batch)
+        assert torch.equal(out, reference) == same
+        if not same:  # both experts' predictions changed
+            assert not torch.allclose(out[0], reference[0]) and not torch.allclose(out[1], reference[1])
