@@ -402,3 +402,22 @@ def test_two_experts_are_routed_each():
         assert torch.equal(out, reference) == same
         if not same:  # both experts' predictions changed
             assert not torch.allclose(out[0], reference[0]) and not torch.allclose(out[1], reference[1])
+
+
+def test_a_routed_wan_run_on_clips_resumes_bit_for_bit(tmp_path):
+    """The video case: tiny-wan's LoRA trained from a cache of clips with --tread, resumed, equals the uninterrupted run."""
+    from video_testing import clip_cache
+
+    cache = clip_cache(tmp_path / "cache", family="wan", preset="tiny-wan")
+
+    def cfg(run, **kw):
+        return TrainConfig(**{**dict(model="tiny-wan", cache=[str(cache)], run=run, steps=4, batch_size=2, workers=0,
+                                     progress=False, log_every=1, checkpoint_every=2, lr=1e-2, precision="fp32",
+                                     validate=False, lora_rank=4, lora_alpha=8, tread="0.5:0:-1"), **kw})
+    train(cfg(tmp_path / "straight"))
+    train(cfg(tmp_path / "resumed", steps=2))
+    train(cfg(tmp_path / "resumed"))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight") and len(losses(tmp_path / "straight")) == 4
+    assert_same_checkpoints(tmp_path / "straight", tmp_path / "resumed")
+    train(cfg(tmp_path / "plain", tread=None))
+    assert losses(tmp_path / "plain")[0] != losses(tmp_path / "straight")[0]
