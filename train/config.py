@@ -355,8 +355,8 @@ class OptimizerOptions:
 
 @dataclass
 class ObjectiveOptions:
-    """What the loss is: the timestep density, its weights and the family's objective parameters. Reads `model` and
-    `expert`."""
+    """What the loss is: the timestep density, its weights and the family's objective parameters, and what the training
+    forward computes of it (--tread). Reads `model`, `expert` and `controlnet`."""
 
     weighting_scheme: WeightingScheme = opt(
         "logit_normal", "Flow matching, as diffusers' flow-matching trainers name it: the timestep density and the loss weight "
