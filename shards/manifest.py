@@ -25,6 +25,7 @@ from shards.buckets import Bucket
 from shards.fingerprint import fingerprint_hash, normalize
 from shards.layout import confined, parse_shard_name
 from shards.log import TEXT_INDEX, check_snapshot, damaged_commit, damaged_snapshot, sample_index_digest, snapshot_digest
+from shards.sample_index import SampleIndex, StampTable
 from shards.schema import (
     BASE_VERSION,
     FORMAT_NAME,
@@ -171,11 +172,27 @@ class Manifest:
             for r, (k, s, t) in enumerate(zip(keys, sources, stamps)):
                 yield k, s, t, i, r
 
-    def by_source(self, dataset: str | None = None, resolution: int | None = None) -> dict[str, tuple[str, int]]:
+    def index(self, dataset: str | None = None, resolution: int | None = None) -> SampleIndex:
+        """The sample index (keys, sources, stamps) of every sample (of one dataset; of one resolution), searched in
+        place (`shards.sample_index`): no shard is opened and no Python object is made per sample."""
+        names = self.shards.datasets() if dataset is not None else None
+        resolutions = self.shards.column("resolution") if resolution is not None else None
+        rows = self.shards.rows
+        if names is not None or resolutions is not None:
+            mine = np.ones(len(rows), dtype=bool)
+            if names is not None:
+                mine &= np.array([n == dataset for n in names], dtype=bool)
+            if resolutions is not None:
+                mine &= resolutions == resolution
+            rows = rows[mine]
+        return self.shards.index(rows)
+
+    def by_source(self, dataset: str | None = None, resolution: int | None = None) -> StampTable:
         """source -> (key, stamp) of every sample (of one dataset, of one resolution) that recorded its source, from
         the sample index (no shard is opened): an incremental run skips an input whose stamp is unchanged without
-        reading it. A source listed twice maps to its last sample in index order."""
-        return {source: (key, stamp) for key, source, stamp, _, _ in self.samples(dataset, resolution) if source}
+        reading it. A source listed twice maps to its last sample in index order. A mapping searched in place
+        (`shards.sample_index.StampTable`: sorted source hashes, stamps read column-wise)."""
+        return StampTable(self.index(dataset, resolution))
 
     def conflict(self, commit: dict) -> str | None:
         """Why `commit` cannot follow this generation, or None: a shard it removes or replaces is no longer

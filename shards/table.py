@@ -15,7 +15,12 @@ import torch
 from shards.buckets import Bucket
 from shards.layout import confined
 from shards.log import damaged_snapshot, sample_index_digest
+from shards.sample_index import KeyIndex, SampleIndex, Store, Strings
 from shards.schema import FormatError
+
+# Keys of shards appended since a table's key lookup was built are kept in a dict (a writer's own, a log tail's) up to
+# this many, or an eighth of the table's samples; past that the lookup is built again over the whole table.
+RECENT_KEYS = 1 << 18
 
 
 @dataclass
@@ -111,10 +116,13 @@ class ShardTable:
         self._resolution = array("i")  # per row: `ShardEntry.resolution`
         self._row: dict[str, int] | None = None  # path -> row, built on first removal
         self._alive_rows: np.ndarray | None = None
-        # per row: (keys, sources, stamps) from commits; snapshot rows read theirs from `_snapshot_samples`
-        self._samples_of: dict[int, tuple[list[str], list[str], list[int]]] = {}
+        # per row: its keys, sources and stamps from commits, packed (`Store`); snapshot rows read theirs from
+        # `_snapshot_samples`
+        self._samples_of: dict[int, Store] = {}
         self._snapshot_samples = None
-        self._keys: dict[str, tuple[int, int]] | None = None
+        # the key lookup: the sorted key hashes of the live rows when it was built, and the keys of rows appended since
+        self._key_base: SampleIndex | None = None
+        self._key_recent: dict[str, tuple[int, int]] = {}
         # per row: the text keys its samples refer to (`ShardEntry.texts`), from commits; snapshot rows read theirs there
         self._texts_of: dict[int, list[str]] = {}
         self._text_refs = array("q")  # per row: references to text rows, and the bytes they would take inline
@@ -138,18 +146,19 @@ class ShardTable:
         self._dataset.append(self._dataset_id(e.dataset))
         self._resolution.append(e.resolution)
         if e.keys is not None:
-            self._samples_of[len(self._paths) - 1] = (list(e.keys), list(e.sources or [""] * e.samples),
-                                                      list(e.stamps or [0] * e.samples))
+            self._samples_of[len(self._paths) - 1] = Store.pack(e.keys, e.sources or [""] * e.samples, e.stamps or [0] * e.samples)
         if e.texts is not None:
             self._texts_of[len(self._paths) - 1] = list(e.texts)
         self._text_refs.append(e.text_refs)
         self._text_ref_bytes.append(e.text_ref_bytes)
         self._alive_rows = None
-        if self._keys is not None and e.keys is not None:  # kept up to date: a writer asks after every commit
+        if self._key_base is not None and e.keys is not None:  # kept up to date: a writer asks after every commit
             j = len(self._paths) - 1
-            self._keys.update((k, (j, r)) for r, k in enumerate(e.keys))
+            self._key_recent.update((k, (j, r)) for r, k in enumerate(e.keys))
+            if len(self._key_recent) > max(RECENT_KEYS, len(self._key_base) // 8):
+                self._forget_keys()
         else:
-            self._keys = None
+            self._forget_keys()
 
     def row_of(self, path: str) -> int:
         if self._row is None:
@@ -166,7 +175,7 @@ class ShardTable:
         self._live[self.row_of(path)] = 0
         del self._row[path]
         self._alive_rows = None
-        self._keys = None
+        self._forget_keys()
 
     def replace(self, old: str, e: ShardEntry) -> None:
         """Put a shard's repaired copy in its place (same keys, same order): global indices are unchanged."""
@@ -186,7 +195,8 @@ class ShardTable:
         if e.resolution != self._resolution[j]:
             raise FormatError(f"{e.path} replaces {old} but belongs to resolution {e.resolution}, not {self._resolution[j]}")
         if e.keys is not None:
-            self._samples_of[j] = (list(e.keys), list(e.sources or [""] * e.samples), list(e.stamps or [0] * e.samples))
+            self._samples_of[j] = Store.pack(e.keys, e.sources or [""] * e.samples, e.stamps or [0] * e.samples)
+            self._forget_keys()
         if e.texts is not None:  # a repaired copy refers to the texts its shard did (the same samples)
             self._texts_of[j] = list(e.texts)
 
@@ -208,23 +218,65 @@ class ShardTable:
             self._dataset[int(j)] = after
         return len(moved)
 
-    def key_index(self) -> dict[str, tuple[int, int]]:
-        """key -> (table row, position in the shard) of every live sample, built once per change."""
-        if self._keys is None:
-            self._keys = {}
-            for j in self.rows:
-                for r, k in enumerate(self.samples_of(int(j))[0]):
-                    self._keys[k] = (int(j), r)
-        return self._keys
+    def key_index(self) -> KeyIndex:
+        """key -> (table row, position in the shard) of every live sample, a mapping searched in place (`find_key`)."""
+        return KeyIndex(self)
+
+    def find_key(self, key: str) -> tuple[int, int] | None:
+        """(table row, position in the shard) of live sample `key` (its last copy in index order), or None. Searches
+        the sorted key hashes of the table as it was when first asked (built then: O(samples) arrays, no object per
+        sample), and the keys of the shards appended since."""
+        recent = self._key_recent.get(key)
+        if recent is not None and self._live[recent[0]]:
+            return recent
+        if self._key_base is None:
+            self._key_base, self._key_recent = self.index(), {}
+            self._key_base.lookup("keys")
+        p = self._key_base.find("keys", key)
+        if p < 0:
+            return None
+        j, r = self._key_base.row_of(p)
+        return (j, r) if self._live[j] else None
+
+    def _forget_keys(self) -> None:
+        self._key_base, self._key_recent = None, {}
 
     def restamp(self, key: str, stamp: int) -> None:
-        if key not in self.key_index():
+        found = self.find_key(key)
+        if found is None:
             raise FormatError(f"restamp of {key}, which is not in the cache")
-        j, r = self._keys[key]
+        j, r = found
         keys, sources, stamps = self.samples_of(j)
-        stamps = list(stamps)
         stamps[r] = stamp
-        self._samples_of[j] = (keys, sources, stamps)
+        self._samples_of[j] = Store.pack(keys, sources, stamps)  # the same keys: the key lookup stays valid
+
+    def _store_of(self, j: int) -> tuple[Store, int]:
+        """Where row `j`'s samples are stored, and the position of its first there."""
+        if j in self._samples_of:
+            return self._samples_of[j], 0
+        if self._snapshot_samples is None:
+            raise FormatError("the sample index of this shard was not loaded")
+        return self._snapshot_samples.store(), int(self._snapshot_samples.columns()[0][j])
+
+    def index(self, rows: np.ndarray | None = None) -> SampleIndex:
+        """The sample index of the live rows `rows` (all of them by default; in table order), read where it is stored:
+        a snapshot's columns in place, a committed shard's packed rows. Positions are in index order; `global_index`
+        maps them to the global index over every live sample."""
+        live = self.rows
+        counts = self.column("samples")
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        if rows is None:
+            chosen = np.arange(len(live))
+        else:
+            chosen = np.searchsorted(live, np.asarray(rows, dtype=np.int64))
+        runs, row_starts, at = [], [], 0
+        for i in chosen.tolist():
+            j, n = int(live[i]), int(counts[i])
+            store, a = self._store_of(j)
+            runs.append((store, a, n, int(starts[i])))
+            row_starts.append((j, at))
+            at += n
+        return SampleIndex(runs, row_starts)
 
     # -- reading ---------------------------------------------------------------------------------
     @property
@@ -277,7 +329,8 @@ class ShardTable:
     def samples_of(self, j: int) -> tuple[list[str], list[str], list[int]]:
         """(keys, sources, stamps) of table row `j`."""
         if j in self._samples_of:
-            return self._samples_of[j]
+            store = self._samples_of[j]
+            return store.rows(0, len(store))
         if self._snapshot_samples is None:
             raise FormatError("the sample index of this shard was not loaded")
         return self._snapshot_samples(j)
@@ -441,18 +494,25 @@ class _SnapshotSamples:
         texts = None
         if "samples.text_shard" in t:  # each shard's references to text rows, rows text_bounds[j]:text_bounds[j + 1]
             text_bounds = np.searchsorted(t["samples.text_shard"].numpy(), np.arange(len(self.samples) + 1))
-            texts = (text_bounds, _Strings(t["samples.text"], t["samples.text.offsets"]))
-        return (bounds, _Strings(t["samples.key"], t["samples.key.offsets"]),
-                _Strings(t["samples.source"], t["samples.source.offsets"]), t["samples.stamp"].numpy(), texts)
+            texts = (text_bounds, Strings(t["samples.text"].numpy(), t["samples.text.offsets"].numpy()))
+        keys = Strings(t["samples.key"].numpy(), t["samples.key.offsets"].numpy())
+        sources = Strings(t["samples.source"].numpy(), t["samples.source.offsets"].numpy())
+        self._store = Store(keys, sources, t["samples.stamp"].numpy())
+        return bounds, keys, sources, self._store.stamps, texts
+
+    def store(self) -> Store:
+        """The whole index as one `Store` (positions in snapshot order), checked as `columns` checks it."""
+        self.columns()
+        return self._store
 
     def texts(self, j: int) -> list[str]:
         texts = self.columns()[4]
         if texts is None:
             return []
         bounds, keys = texts
-        return keys[int(bounds[j]) : int(bounds[j + 1])]
+        return keys.slice(int(bounds[j]), int(bounds[j + 1]))
 
     def __call__(self, j: int) -> tuple[list[str], list[str], list[int]]:
         bounds, keys, sources, stamps, _ = self.columns()
         a, b = int(bounds[j]), int(bounds[j + 1])
-        return keys[a:b], sources[a:b], stamps[a:b].tolist()
+        return keys.slice(a, b), sources.slice(a, b), stamps[a:b].tolist()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -115,8 +116,11 @@ class ShardWriter:
                     raise ValueError(f"the schema has {TEXT_KEYS!r}: a cache that stores each text once starts with its "
                                      f"text_schema (the fields of a text row)")
                 self.manifest = Manifest(fingerprint, schema, text_schema=text_schema)
-            self._listed = {key for key, *_ in self.manifest.samples()}
-            self._texts = set(self.manifest.texts.key_index()) if self.manifest.texts is not None else set()
+            # what is listed: the manifest's keys (searched in place, `ShardTable.find_key`) and the keys buffered here
+            self._listed: set[str] = set()  # keys buffered, not committed yet
+            self._texts: set[str] = set()  # text keys buffered or in a commit being made
+            # `has_text` is asked from another thread than the one writing: the manifest's tables change under this lock
+            self._lookups = threading.RLock()
             remove_leftovers(self.root, self.rank, self.manifest.next_seq)
         except BaseException:
             self.close()
@@ -133,12 +137,18 @@ class ShardWriter:
 
     def listed(self, key: str) -> bool:
         """Whether `key` is in the cache or this writer's buffers (as far as this writer has caught up with others)."""
-        return key in self._listed
+        if key in self._listed:
+            return True
+        with self._lookups:
+            return self.manifest.shards.find_key(key) is not None
 
     def has_text(self, key: str) -> bool:
         """Whether the text of text key `key` is in the cache or this writer's buffer: samples may refer to it without
         writing it again (as far as this writer has caught up with others)."""
-        return key in self._texts
+        if key in self._texts:
+            return True
+        with self._lookups:
+            return self.manifest.texts is not None and self.manifest.texts.find_key(key) is not None
 
     def write_text(self, caption: str, fields: Mapping[str, torch.Tensor], context: bytes = b"") -> str:
         """Store one caption's text fields once; samples refer to it by the returned text key (`shards.texts.text_key`).
@@ -155,7 +165,7 @@ class ShardWriter:
             raise ValueError(f"the cache at {self.root} stores texts with each sample; write_text needs a cache started "
                              f"with a text_schema")
         key = text_key(caption, context)
-        if key in self._texts:
+        if self.has_text(key):
             return key
         known = self.manifest.shapes.get(TEXT_BUCKET, {})
         shapes, checked = check_sample(f"text {caption[:60]!r}", TEXT_BUCKET, fields, self.text_schema, known, self.check_finite)
@@ -195,13 +205,13 @@ class ShardWriter:
         bucket = Bucket(*bucket)
         if not key or not key.isascii():
             raise ValueError(f"sample key {key!r} must be a non-empty ASCII string")
-        if key in self._listed:
+        if self.listed(key):
             raise ValueError(f"sample {key} is already in the cache at {self.root}; a key is written once")
         check_stamp(key, stamp)
         known = self.manifest.shapes.get(bucket, {})
         shapes, fields = check_sample(key, bucket, sample, self.schema, known, self.check_finite)
         if self.text_schema is not None:
-            missing = [k for k in keys_of(fields[TEXT_KEYS]) if k not in self._texts]
+            missing = [k for k in keys_of(fields[TEXT_KEYS]) if not self.has_text(k)]
             if missing:
                 raise ValueError(f"sample {key} refers to text {missing[0]}, which is neither in the cache nor written "
                                  f"(write_text) by this writer")
@@ -307,7 +317,9 @@ class ShardWriter:
             if write_commit(self.root, commit, self.rank):
                 break
         self._pending.clear()
-        self.manifest.apply(commit)
+        with self._lookups:
+            self.manifest.apply(commit)
+            self._forget_committed(commit)
         if generation == 0:
             write_pointer(self.root, self.manifest)
         elif compaction_due(self.root, generation):
@@ -316,14 +328,18 @@ class ShardWriter:
 
     def _catch_up(self) -> None:
         """Apply the commits other writers made since this one last looked (the first one checks that they
-        started the same cache)."""
-        for commit in replay(self.root, self.manifest, check_end=False):  # the log was checked whole at the start
-            for obj in commit.get("add", []) + [new for _, new in commit.get("replace", [])]:
-                self._listed.update(obj.get("keys") or [])
-            for obj in commit.get("add_texts", []):
-                self._texts.update(obj.get("keys") or [])
-            if commit.get("remove_texts"):  # texts another writer dropped: written again when referred to
-                self._texts = set(self.manifest.texts.key_index()) | {k for k, *_ in self._texts_buffer}
+        started the same cache). Their keys and texts are then the manifest's (texts another writer dropped are
+        written again when referred to)."""
+        with self._lookups:
+            for _ in replay(self.root, self.manifest, check_end=False):  # the log was checked whole at the start
+                pass
+
+    def _forget_committed(self, commit: dict) -> None:
+        """Keys of a commit this writer made are the manifest's now: only those still buffered stay in its sets."""
+        for obj in commit.get("add", []) + [new for _, new in commit.get("replace", [])]:
+            self._listed.difference_update(obj.get("keys") or [])
+        for obj in commit.get("add_texts", []):
+            self._texts.difference_update(obj.get("keys") or [])
 
     def add_prompts(self, prompts: dict[str, Prompt], schema: Schema) -> None:
         """Store prompt embeddings (the empty caption, validation prompts) beside the shards.
@@ -381,9 +397,12 @@ class ShardWriter:
         self.flush()
         self._catch_up()  # shards other writers committed hold keys too
         keys = set(keys)
+        table = self.manifest.shards
+        # the shards holding them, found by key (a cache holds a key once), in table order
+        rows = sorted({found[0] for found in map(table.find_key, keys) if found is not None})
         retired, added, removed = [], [], 0
-        for j, entry in zip(self.manifest.shards.rows, self.manifest.shards):
-            shard_keys, sources, stamps = self.manifest.shards.samples_of(int(j))
+        for j, entry in ((j, table.entry_at_row(j)) for j in rows):
+            shard_keys, sources, stamps = table.samples_of(j)
             drop = {i for i, k in enumerate(shard_keys) if k in keys}
             if not drop:
                 continue
@@ -395,7 +414,6 @@ class ShardWriter:
                 added.append(self._write_shard(entry.bucket, items, entry.dataset, entry.resolution).to_json())
         if retired:
             self.commit(remove=retired, add=added, **self._drop_texts(retired, added))
-            self._listed -= keys
         return removed
 
     def drop_unreferenced_texts(self) -> int:
@@ -433,9 +451,6 @@ class ShardWriter:
             items = [(keys[i], fields, captions[i], 0) for i, fields in intact_rows(self.root, entry.path, keep, TEXTS_KIND)]
             if items:
                 kept.append(self._write_shard(TEXT_BUCKET, items, texts=True).to_json())
-        for path in dropped:
-            self._texts.difference_update(table.samples_of(table.row_of(path))[0])
-        self._texts.update(k for obj in kept for k in obj["keys"])
         return {"remove_texts": dropped, "add_texts": kept}
 
     def remove_dataset(self, name: str) -> int:
@@ -450,7 +465,6 @@ class ShardWriter:
         keys = {k for j in rows for k in table.samples_of(j)[0]}
         retired = [table.entry_at_row(j).path for j in rows]
         self.commit(remove=retired, **self._drop_texts(retired, []))
-        self._listed -= keys
         return len(keys)
 
     def rename_dataset(self, old: str, new: str) -> int:
