@@ -8,12 +8,13 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import shards  # noqa: E402
-from bench.scale_build import key, source, stamp  # noqa: E402
+from bench.scale_build import source, stamp  # noqa: E402
 from shards import Cache  # noqa: E402
 
 torch.set_num_threads(1)  # as in the benchmark's own process
@@ -49,29 +50,72 @@ def measure_load(root: str) -> dict:
     return {"load_s": seconds, "load_peak_bytes": peak_growth(before), "samples": len(cache)}
 
 
-def measure_decide(root: str, n: int, budget_s: float) -> dict:
-    inputs = [(source(i), key(i), stamp(i)) for i in range(n)]  # the run's listing of its inputs, not timed
+class Listed(NamedTuple):
+    """A listed folder input as `FolderDataset` reads it: its source, and the stamp its files' stat gives."""
+
+    source: str
+    stamp: int
+
+
+def measure_decide(root: str, n: int, budget_s: float = 0.0) -> dict:
+    """Stage one's "nothing changed" decision over the synthetic cache, by the functions `precompute.run` uses, in
+    this (fresh) process: the manifest loaded; per source its sample index, the cache's key lookup (the skip set) and
+    the source's stamp table at its resolution; the rank's writer opened; a folder listing of the n inputs looked up
+    in the stamp table (`FolderDataset`, its entries' stamps given: os.stat is not measured), read as the loader's
+    worker reads it (`SourcesDataset`: blocks of inputs stamped and compared at once) and sorted by
+    `EncodingPass.take` (the duplicate check, the set of inputs kept); rank 0's removals (`decide_removals`) from
+    the pass's gathered tally and the final writer's removal. No shard is opened and nothing is encoded.
+    `budget_s` is unused (the whole decision always runs)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    import precompute.folders as folders
+    from precompute.config import PrecomputeConfig
+    from precompute.encoding import EncodingPass, Seen, Tally
+    from precompute.inputs import SourcesDataset
+    from precompute.run import SkipKeys, decide_removals
+    from shards import ShardWriter
+
+    listing = [Listed(source(i), stamp(i)) for i in range(n)]  # the run's listing of its inputs: not timed
+    policy = PrecomputeConfig("unused").policy()
+    folders.entry_stamp = lambda entry: entry.stamp  # the listing's stamps stand for os.stat's
     before, t0 = reset_peak(), time.perf_counter()
     manifest = shards.load(root)
     load_s = time.perf_counter() - t0
-    if hasattr(manifest, "by_source"):
-        table = manifest.by_source()
-        indexed, method = n, "Manifest.by_source()"
-    else:
-        table, indexed, method = {}, 0, "Manifest.samples()"
-        for k, s, st, *_ in manifest.samples():
-            table[s] = (k, st)
-            indexed += 1
-            if indexed % 256 == 0 and time.perf_counter() - t0 > budget_s:
-                break
+    # open_all_inputs: per source its samples, every key (the skip set), the stamp table at its resolution
+    previous = {"": manifest.index("")}
+    skip = SkipKeys(manifest.shards.key_index())
+    stamps = {("", 0): manifest.by_source("", 0)}
+    dataset = folders.FolderDataset(listing, policy, skip, stamps[("", 0)])
+    if (dataset.positions < 0).any():
+        manifest.shards.sample_index().lookup("keys")  # as open_source builds it before the loader's workers fork
     index_s = time.perf_counter() - t0 - load_s
+    writer = ShardWriter(root, manifest.fingerprint, manifest.schema, text_schema=manifest.text_schema)
+    tally = Tally(by_source={"": Counter()}, seen=Seen(manifest.shards))
+    sorter = EncodingPass.__new__(EncodingPass)  # its sorting alone: no encoder exists
+    sorter.tally, sorter.stamps, sorter.previous, sorter.needed = tally, stamps, previous, None
     t1 = time.perf_counter()
-    unchanged = sum(tuple(table.get(s, ())[:2]) == (k, st) for s, k, st in inputs)
+    for item in SourcesDataset([(SimpleNamespace(name="", flip=False, salt=lambda: 0), dataset, 0)]):  # as the loader's worker
+        sorter.take(item)
     lookup_s = time.perf_counter() - t1
-    total = load_s + index_s * n / indexed + lookup_s  # the table's rate so far, when unfinished
-    return {"decide_s": total, "decide_complete": indexed == n, "decide_indexed": indexed, "decide_load_s": load_s,
-            "decide_lookup_s": lookup_s, "decide_peak_bytes": peak_growth(before), "unchanged": unchanged,
-            "decide_method": method}
+    writer.restamp(tally.restamps)
+    writer.finish()
+    # rank 0: every rank's tally gathered, the removals decided and committed
+    t2 = time.perf_counter()
+    by_source = {"": Counter()}
+    inputs = SimpleNamespace(sources=[SimpleNamespace(name="", path="images", from_file=False)], previous=previous, dropped={})
+    config = SimpleNamespace(allow_removal=False, max_removal_fraction=0.5)
+    stale, refused = decide_removals(config, inputs, Seen.merged([tally.seen.part()]), [], {"": True}, manifest, by_source)
+    final = ShardWriter(root, manifest.fingerprint, manifest.schema, text_schema=manifest.text_schema)
+    final.remove(stale)
+    final.close()
+    finish_s = time.perf_counter() - t2
+    total = time.perf_counter() - t0
+    assert refused is None and not stale and tally.counts["unchanged"] == n, (tally.counts, len(stale))
+    return {"decide_s": total, "decide_complete": True, "decide_indexed": n, "decide_load_s": load_s, "decide_index_s": index_s,
+            "decide_lookup_s": lookup_s, "decide_finish_s": finish_s, "decide_peak_bytes": peak_growth(before),
+            "unchanged": tally.counts["unchanged"], "restamped": len(tally.restamps),
+            "decide_method": "precompute.run: by_source + FolderDataset + EncodingPass.take + decide_removals"}
 
 
 def measure_readers(root: str, max_reads: int, seed: int = 0) -> dict:

@@ -31,6 +31,15 @@ def gather(obj, world: int) -> list:
     return out
 
 
+def gather_to_main(obj, rank: int, world: int) -> list | None:
+    """Every rank's `obj`, on rank 0 alone (None on the others): what only rank 0 reads is not sent to every rank."""
+    if world == 1:
+        return [obj]
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
 def lock_cache(cache: Path, rank: int, world: int) -> CacheLock | None:
     """Rank 0 takes the cache's lock for the whole run (every rank learns whether it could): two runs on one
     cache would encode the same samples twice. Raises `CacheBusy` on every rank when another run holds it."""

@@ -40,6 +40,70 @@ IN_FLIGHT = 2
 IN_FLIGHT_BYTES = 2 << 30  # their pixels' bytes (a batch larger than this is encoded alone)
 
 
+class Seen:
+    """The inputs a rank's pass read and kept (encoded or unchanged), without an object per cached sample: a cached
+    sample is marked in a boolean column over the run's manifest's global index; an input the manifest does not hold
+    (new, or changed: a new key) is kept by key with its source name and input.
+
+    Args:
+        table: the shard table of the manifest the run started with (None: a new cache); its key lookup finds the
+            cached sample of an input read by key.
+    """
+
+    def __init__(self, table=None):
+        self.table = table
+        self.cached = np.zeros(int(table.column("samples").sum()) if table is not None else 0, dtype=bool)
+        self.moved: dict[int, tuple[str, str]] = {}  # global index -> (source name, input), read from another input
+        self.new: dict[str, tuple[str, str]] = {}  # key -> (source name, input) of inputs the manifest does not hold
+
+    def cached_at(self, key: str) -> tuple[int, str] | None:
+        """(global index, dataset) of cached sample `key`, or None."""
+        found = self.table.find_key(key) if self.table is not None else None
+        return None if found is None else (self.table.global_index(*found), self.table.dataset_of(found[0]))
+
+    def __contains__(self, key: str) -> bool:
+        return self.contains(key)
+
+    def contains(self, key: str, index: int | None = None) -> bool:
+        """Whether `key` was kept; `index`: its global index when the caller knows it (from the stamp table)."""
+        if key in self.new:
+            return True
+        if index is None:
+            at = self.cached_at(key)
+            index = at[0] if at is not None else None
+        return index is not None and bool(self.cached[index])
+
+    def add(self, key: str, name: str, source: str, index: int | None = None) -> None:
+        """Keep `key`, read from `source` of source name `name` (`index`: its global index, from the stamp table: the
+        input is the one the index records)."""
+        if index is None:
+            at = self.cached_at(key)
+            if at is None:
+                self.new[key] = (name, source)
+                return
+            index = at[0]
+            if self.table.sample_index().source(index) != source:
+                self.moved[index] = (name, source)
+        self.cached[index] = True
+
+    def __len__(self) -> int:
+        return int(self.cached.sum()) + len(self.new)
+
+    def part(self) -> dict:
+        """What rank 0 gathers of it: the column packed to bits, and the inputs kept by key or moved."""
+        return {"cached": np.packbits(self.cached), "samples": len(self.cached), "moved": self.moved, "new": self.new}
+
+    @staticmethod
+    def merged(parts: list[dict]) -> dict:
+        """Every rank's `part` as one: the columns ORed, the dicts joined."""
+        n = parts[0]["samples"]
+        bits = np.zeros_like(parts[0]["cached"])
+        for p in parts:
+            bits |= p["cached"]
+        return {"cached": np.unpackbits(bits, count=n).astype(bool), "moved": {k: v for p in parts for k, v in p["moved"].items()},
+                "new": {k: v for p in parts for k, v in p["new"].items()}}
+
+
 @dataclass
 class Tally:
     """What one rank's pass found: counts overall and per source, the failures, and the keys it saw.
@@ -48,7 +112,7 @@ class Tally:
         counts: outcomes of the whole pass (new, changed, unchanged, duplicate, failed, captions_truncated, ...).
         by_source: the same per source name.
         failures: one record per failed input (source, reason, detail, dataset).
-        seen: key -> (source name, input) of every input read and kept (encoded or unchanged).
+        seen: every input read and kept (encoded or unchanged), `Seen`.
         restamps: key -> stamp of unchanged inputs whose stamp moved (touched, same content).
         repaired: key -> fields re-encoded for a damaged shard (`--repair`).
         repaired_texts: text key -> fields re-encoded from its sample's inputs for a damaged text shard (`--repair`).
@@ -63,7 +127,7 @@ class Tally:
     counts: Counter = field(default_factory=Counter)
     by_source: dict[str, Counter] = field(default_factory=dict)
     failures: list[dict] = field(default_factory=list)
-    seen: dict[str, tuple[str, str]] = field(default_factory=dict)
+    seen: Seen = field(default_factory=Seen)
     restamps: dict[str, int] = field(default_factory=dict)
     repaired: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     repaired_texts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -102,15 +166,13 @@ class CachedLatents:
     def __init__(self, root, generation: int, fields: list[str]):
         self.root, self.generation, self.fields = root, generation, fields
         self._cache: Cache | None = None
-        self._index: dict[str, dict[str, int]] = {}  # dataset -> key -> global index, built when first asked
 
     def find_any(self, dataset: str, keys: list[str], latent_key: bytes) -> dict[str, torch.Tensor] | None:
         """`find` of the first of cached samples `keys` whose latent key is `latent_key` (a video's clips: the old clip
         that is this one), each candidate's latent key read alone, without the digest check a read makes."""
         try:
-            index = self._indexed(dataset)
             for key in keys:
-                i = index.get(key)
+                i = self._indexed(dataset, key)
                 if i is not None:
                     j, row = self._cache.locate(i)
                     if bytes(self._cache.shard(j).fields(row)[LATENT_KEY].numpy()) == latent_key:
@@ -122,7 +184,7 @@ class CachedLatents:
     def find(self, dataset: str, key: str, latent_key: bytes) -> dict[str, torch.Tensor] | None:
         """The latent fields of cached sample `key` of `dataset` if its latent key is `latent_key`, else None."""
         try:
-            i = self._indexed(dataset).get(key)
+            i = self._indexed(dataset, key)
             if i is None:
                 return None
             fields = self._cache[i].fields
@@ -132,14 +194,16 @@ class CachedLatents:
         except (FormatError, OSError, KeyError):  # damaged or gone: the VAE computes them again
             return None
 
-    def _indexed(self, dataset: str) -> dict[str, int]:
-        """key -> global index of a dataset's samples, the cache opened on first use."""
+    def _indexed(self, dataset: str, key: str) -> int | None:
+        """The global index of cached sample `key` of `dataset` (None: not one of its samples), the cache opened on
+        first use; found by the manifest's key lookup (`ShardTable.find_key`)."""
         if self._cache is None:
             self._cache = Cache(self.root, self.generation, check_digests=True)
-        if dataset not in self._index:
-            starts = self._cache.shard_starts
-            self._index[dataset] = {k: int(starts[j]) + r for k, _, _, j, r in self._cache.manifest.samples(dataset)}
-        return self._index[dataset]
+        table = self._cache.manifest.shards
+        found = table.find_key(key)
+        if found is None or table.dataset_of(found[0]) != dataset:
+            return None
+        return table.global_index(*found)
 
 
 @dataclass
@@ -193,7 +257,7 @@ class EncodingPass:
         storage: the stored dtype.
         batch_size: images per encoder batch; text_batch_size: captions per text-encoder batch.
         control: the inputs carry control images, encoded like their images.
-        previous: per source, key -> input of the samples cached before this run.
+        previous: per source, the sample index of its samples cached before this run (`shards.sample_index.SampleIndex`).
         stamps: per source and resolution (`ShardEntry.resolution`), input -> (key, stamp) cached (empty when repairing).
         needed: repairing: the keys of the damaged shards' samples (None: not repairing).
         cached: the latent fields cached before this run, for changed inputs whose image did not change (None: encode
@@ -212,7 +276,7 @@ class EncodingPass:
     batch_size: int
     text_batch_size: int
     control: bool
-    previous: dict[str, dict[str, str]]
+    previous: dict
     stamps: dict[str, dict]
     needed: set[str] | None
     tally: Tally
@@ -226,8 +290,6 @@ class EncodingPass:
         self.references = REFERENCE_LATENT in self.schema  # an edit preset's cache: every sample has reference fields
         # the text encoder sees each sample's references: a caption's text is keyed by caption and references
         self.text_references = self.references and self.enc.text_family.text_takes_references
-        # "changed" if cached as one at its resolution (an image cached at another resolution is new at this one)
-        self.cached_inputs = {scope: set(inputs) for scope, inputs in self.stamps.items()}
         self.pending: dict = defaultdict(list)
         self.truncated_texts: set[str] = set()  # text keys of the captions this run found truncated
         self.bad_texts: set[str] = set()  # text keys whose text held NaN/Inf: not stored
@@ -301,20 +363,24 @@ class EncodingPass:
                 item[key] = torch.from_numpy(item[key])
         for ref in item.get("reference_pixels") or ():  # each reference's `pixels` (and `text_pixels`)
             ref.update({k: torch.from_numpy(v) for k, v in ref.items() if isinstance(v, np.ndarray)})
-        if status == "failed":  # a damaged tar stands for the samples it did not yield (`samples`)
+        if status == "unchanged" and "index" in item and item.get("key") is None:
+            self.take_unchanged(np.asarray(item["index"], dtype=np.int64), name)
+        elif status == "failed":  # a damaged tar stands for the samples it did not yield (`samples`)
             tally.fail({k: item[k] for k in ("source", "reason", "detail", "dataset", "samples") if k in item}, item.get("samples", 1))
-        elif item["key"] in tally.seen or (status == "unchanged" and item["key"] not in self.previous[name] and not self.repair):
+        elif tally.seen.contains(item["key"], item.get("index")) or (
+                status == "unchanged" and not self.repair and not self.cached_in(item, name)):
             tally.count("duplicate", name)  # twice in this run, or cached in another source
         elif status == "unchanged":
-            tally.seen[item["key"]] = (name, item["source"])
+            tally.seen.add(item["key"], name, item["source"], item.get("index"))
             tally.count("unchanged", name)
-            cached = self.stamps[(name, item.get("resolution", 0))].get(item["source"])
+            # an input found by its stamp (`index`) has that stamp: only one read again may have moved
+            cached = self.stamps[(name, item.get("resolution", 0))].get(item["source"]) if item.get("index") is None else None
             if item.get("touched") or cached and cached[0] == item["key"] and item.get("stamp") and cached[1] != item["stamp"]:
                 tally.restamps[item["key"]] = item["stamp"]  # touched, same content: next time it is not read
         elif self.repair and item["key"] not in self.needed:
             tally.counts["changed_since"] += 1  # the input changed after it was cached: a plain re-run updates it
         else:
-            tally.seen[item["key"]] = (name, item["source"])
+            tally.seen.add(item["key"], name, item["source"])
             if item.get("caption_fallback"):  # not UTF-8: read in the encoding named, reported in the summary
                 tally.counts[f"caption_fallback:{item['caption_fallback']}"] += 1
             self.pending[item["bucket"]].append(item)
@@ -327,6 +393,27 @@ class EncodingPass:
         if self.repair:
             return 0
         return sum(map(len, self.pending.values())) + sum(len(batch.items) for batch in self.in_flight)
+
+    def take_unchanged(self, indices: np.ndarray, name: str) -> None:
+        """Inputs of source `name` unchanged by their stamps, by the global indices of their cached samples (a folder's
+        block): kept, but those kept already in this run (an input listed twice), which are duplicates."""
+        cached = self.tally.seen.cached
+        first = np.zeros(len(indices), dtype=bool)
+        first[np.unique(indices, return_index=True)[1]] = True
+        fresh = first & ~cached[indices]
+        cached[indices[fresh]] = True
+        kept = int(fresh.sum())
+        for outcome, n in (("unchanged", kept), ("duplicate", len(indices) - kept)):
+            if n:
+                self.tally.counts[outcome] += n
+                self.tally.by_source[name][outcome] += n
+
+    def cached_in(self, item: dict, name: str) -> bool:
+        """Whether the cached sample of an unchanged input is source `name`'s (one found by its stamp always is)."""
+        if item.get("index") is not None:
+            return True
+        at = self.tally.seen.cached_at(item["key"])
+        return at is not None and at[1] == name
 
     def encode_and_write(self, items: list[dict]) -> None:
         """Encode one bucket's batch (images, flipped images, control images, references, captions) and hand its
@@ -436,7 +523,8 @@ class EncodingPass:
                     tally.repaired[it["key"]] = fields
             else:
                 scope = (it["dataset"], it.get("resolution", 0))
-                outcome = "changed" if it["source"] in self.cached_inputs.get(scope, ()) else "new"
+                # "changed" if cached as one at its resolution (an image cached at another resolution is new at this one)
+                outcome = "changed" if it["source"] in self.stamps.get(scope, ()) else "new"
                 fields = {name: t.cpu() for name, t in fields.items()}  # queued in host memory, the device's freed
                 writes.append((partial(self.write_sample, it, fields, outcome), fields))
                 tally.count(outcome, it["dataset"])  # undone if another rank commits it first (`write_sample`)
@@ -539,7 +627,7 @@ class EncodingPass:
         old = self.stamps[(it["dataset"], it.get("resolution", 0))].get(it["source"])
         # a video's clips are several samples of one input: any of them may be this clip's old self
         candidates = it.get("replaces") or ((old[0],) if old else ())
-        candidates = [k for k in candidates if k != it["key"] and k in self.previous[it["dataset"]]]
+        candidates = [k for k in candidates if k != it["key"] and (at := self.tally.seen.cached_at(k)) and at[1] == it["dataset"]]
         return self.cached.find_any(it["dataset"], candidates, it["latent_key"]) if candidates else None
 
     def image_fields(self, batch: Batch) -> list[dict[str, torch.Tensor]]:

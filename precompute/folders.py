@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
+import numpy as np
 import torch
 
 from precompute.clips import cached_unchanged, prepare_clips
@@ -627,10 +628,46 @@ class FolderDataset(torch.utils.data.Dataset):
 
     def __init__(self, entries: list[FolderEntry], policy: ImagePolicy, skip_keys: frozenset[str],
                  known: dict[str, tuple[str, int]] | None = None):
-        self.entries, self.policy, self.skip_keys, self.known = entries, policy, skip_keys, known or {}
+        self.entries, self.policy, self.skip_keys = entries, policy, skip_keys
+        self.known = known if known is not None else {}
+        # a stamp table searched in place (`shards.sample_index.StampTable`): every entry looked up at once, here,
+        # before the loader's workers fork; its position in the table, -1 for an input not cached (an array, no object
+        # per entry). An unchanged input's item then names its cached sample's global index (`index`).
+        self.positions = None
+        if hasattr(self.known, "find_all") and policy.clip is None:
+            found = self.known.find_all([e.source for e in entries])
+            self.positions = found.astype(np.int32) if len(self.known.index) < 2**31 else found
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def block(self, indices: list[int]) -> Iterator[dict]:
+        """The items of entries `indices`, those unchanged by their stamps (`positions`) as one item: `{"status":
+        "unchanged", "index": (n,) int64 global indices of their cached samples, "inputs": n}`, after the others'.
+        Without a stamp table searched in place (a dict, a video model's clips), each entry's own items."""
+        if self.positions is None:
+            for i in indices:
+                yield from self.items(i)
+            return
+        found, stamps, rest = [], [], []
+        for i in indices:
+            p = int(self.positions[i])
+            if p < 0:
+                rest.append(i)
+                continue
+            try:
+                stamps.append(entry_stamp(self.entries[i]))
+            except OSError:
+                rest.append(i)  # its own item says why
+                continue
+            found.append((i, p))
+        positions = np.array([p for _, p in found], dtype=np.int64)
+        same = self.known.stamps_at(positions) == np.array(stamps, dtype=np.int64)  # a stamp of 0 is never an entry's
+        rest += [i for (i, _), s in zip(found, same.tolist()) if not s]
+        for i in sorted(rest):
+            yield from self.items(i)
+        if same.any():
+            yield {"status": "unchanged", "index": self.known.index.global_index(positions[same]), "inputs": int(same.sum())}
 
     def __getitem__(self, i: int) -> dict:
         """Entry i's item (its first clip's, in a video model's cache: `items` gives them all)."""
@@ -644,6 +681,15 @@ class FolderDataset(torch.utils.data.Dataset):
         except OSError as e:
             yield {"status": "failed", "source": entry.source, "reason": os_reason(e),
                    "detail": f"{type(e).__name__}: {e}", "stamp": 0}
+            return
+        if self.positions is not None:
+            p = int(self.positions[i])
+            if p >= 0:
+                key, known_stamp, index = self.known.entry(p)
+                if known_stamp == stamp:
+                    yield {"status": "unchanged", "source": entry.source, "key": key, "stamp": stamp, "index": index}
+                    return
+            yield {**prepare(read_folder_entry(entry), self.policy, self.skip_keys), "stamp": stamp}
             return
         known = self.known.get(entry.source)
         if self.policy.clip is not None:

@@ -215,6 +215,13 @@ class HFDataset(torch.utils.data.IterableDataset):
         for part in self.parts[worker::workers]:
             yield from self._part(part)
 
+    def _known_all(self, names: list[str]) -> list[tuple[str, int, int | None] | None]:
+        """(key, stamp, global index or None) of each cached input of `names`, None for the others: a stamp table
+        searched in place is asked for a part's rows at once."""
+        if hasattr(self.known, "find_all"):
+            return [self.known.entry(p) if p >= 0 else None for p in self.known.find_all(names).tolist()]
+        return [(f[0], f[1], None) if (f := self.known.get(n)) is not None else None for n in names]
+
     def _part(self, part: Part):
         name, path, kind = self.listing.files[part.file]
         names = self.listing.names(part)
@@ -235,15 +242,16 @@ class HFDataset(torch.utils.data.IterableDataset):
                     yield {"status": "failed", "source": n, "reason": os_reason(e), "detail": f"{type(e).__name__}: {e}", "stamp": 0}
             return
         stamps = [row_stamp(stamp, part.start + j) for j in range(part.rows)]
+        found = self._known_all(names) if self.policy.clip is None else []
         if self.policy.clip is not None:  # a video model's: each row's cached clips, unchanged by their stamps
             same = [cached_unchanged(n, s, self.known.get(n)) for n, s, want in zip(names, stamps, wanted) if want]
             if all(same):  # the whole part is unchanged: nothing is read
                 yield from (item for items in same for item in items)
                 return
-        elif all(self.known.get(n, (None, 0))[1] == s for n, s, want in zip(names, stamps, wanted) if want):
-            for n, s, want in zip(names, stamps, wanted):  # the whole part is unchanged: nothing is read
+        elif all(f is not None and f[1] == s for f, s, want in zip(found, stamps, wanted) if want):
+            for n, f, s, want in zip(names, found, stamps, wanted):  # the whole part is unchanged: nothing is read
                 if want:
-                    yield {"status": "unchanged", "source": n, "key": self.known[n][0], "stamp": s}
+                    yield {"status": "unchanged", "source": n, "key": f[0], "stamp": s, **({"index": f[2]} if f[2] is not None else {})}
             return
         try:
             table = self._reader.read(path, kind, part)

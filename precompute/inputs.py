@@ -35,6 +35,7 @@ from precompute.images import ImagePolicy
 from precompute.sources import Source
 from precompute.tars import TarDataset, expand_tar_urls, is_tar_source
 from precompute.video import VIDEO_REASONS
+from shards.sample_index import StampTable
 
 # Reasons a sample is skipped; each is counted and written to failures.jsonl.
 REASONS = {
@@ -182,6 +183,11 @@ def where(source: Source) -> str:
     return f"source {source.name!r}: path" if source.from_file else "DATA"
 
 
+# A folder's inputs stat'ed and compared with their cached stamps at once; those unchanged cross from the loader's
+# workers as one item (`FolderDataset.block`), not one each.
+BLOCK = 4096
+
+
 class SourcesDataset(torch.utils.data.IterableDataset):
     """The sources of a run, one after the other, as one stream for one DataLoader (its workers fork once,
     before any encoder exists). Every item is tagged with its source's name (`"dataset"`), the resolution its part
@@ -199,6 +205,9 @@ class SourcesDataset(torch.utils.data.IterableDataset):
             salt = source.salt()
             if isinstance(part, torch.utils.data.IterableDataset):
                 items = iter(part)
+            elif hasattr(part, "block"):  # a folder: its unchanged inputs come back as one item per block
+                mine = range(worker, len(part), workers)
+                items = (item for a in range(0, len(mine), BLOCK) for item in part.block(mine[a : a + BLOCK]))
             else:
                 items = (item for i in range(worker, len(part), workers) for item in part.items(i))
             for item in items:
@@ -211,7 +220,11 @@ class SourcesDataset(torch.utils.data.IterableDataset):
 def unsalted(known: dict[str, tuple[str, int]], source: Source) -> dict[str, tuple[str, int]]:
     """A source's cached (key, stamp) with its salt taken out, as its dataset compares them to fresh stamps."""
     salt = source.salt()
-    return {k: (key, stamp ^ salt) for k, (key, stamp) in known.items()} if salt else known
+    if not salt:
+        return known
+    if isinstance(known, StampTable):  # searched in place, its stamps XORed as they are read
+        return known.salted(salt)
+    return {k: (key, stamp ^ salt) for k, (key, stamp) in known.items()}
 
 
 def pixels_as_array(item: dict) -> dict:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from precompute.config import PrecomputeConfig
 from precompute.encode import Encoders, check_text_encoder
@@ -29,32 +32,42 @@ class RemovalRefused(ValueError):
     """A run would remove more of the cache than allowed; nothing was removed."""
 
 
-def removals(previous: dict[str, str], seen: set[str], failed_sources: set[str], complete: bool) -> tuple[set[str], int]:
-    """The cached keys to remove on evidence, and how many unseen ones are kept because their input failed to
-    read (or the listing was incomplete).
+def removals(previous: np.ndarray, seen: np.ndarray, source_of: Callable[[int], str] | None, failed_sources: set[str],
+             complete: bool) -> tuple[np.ndarray, int]:
+    """The cached samples to remove on evidence, and how many unseen ones are kept because their input failed to
+    read (or the listing was incomplete). On arrays: nothing is made per sample but for the unseen ones of a source
+    whose read failed.
 
     Args:
-        previous: key -> source of every cached sample.
-        seen: keys of every input read in this run (encoded or unchanged).
+        previous: (N,) int64 global indices of the cached samples (of one source).
+        seen: bool per global index: the sample's input was read in this run (encoded or unchanged).
+        source_of: global index -> the input it was cached from.
         failed_sources: sources whose read failed; a damaged tar protects every sample it held.
         complete: whether the listing itself succeeded everywhere.
+
+    Returns:
+        The global indices to remove (int64, in index order) and how many unseen ones are kept.
     """
-    unseen = {k: s for k, s in previous.items() if k not in seen}
+    unseen = previous[~seen[previous]] if len(previous) else previous
     if not complete:
-        return set(), len(unseen)
+        return unseen[:0], len(unseen)
+    if not failed_sources or not len(unseen):
+        return unseen, 0
     tars = tuple(tar_name(s) + "/" for s in failed_sources)
-    kept = {k for k, s in unseen.items() if s in failed_sources or (tars and s.startswith(tars))}
-    return set(unseen) - kept, len(kept)
+    kept = np.array([(s := source_of(int(g))) in failed_sources or bool(tars and s.startswith(tars)) for g in unseen.tolist()],
+                    dtype=bool)
+    return unseen[~kept], int(kept.sum())
 
 
-def removal_refused(config: PrecomputeConfig, source: Source, gone: set[str], previous: dict[str, str]) -> RemovalRefused | None:
-    """The refusal to remove `gone` (cached keys of `source` whose inputs are no longer listed) when they are more
-    of the source's samples than `config.max_removal_fraction` without `config.allow_removal`; None when they may go."""
-    if not gone or config.allow_removal or len(gone) <= config.max_removal_fraction * len(previous):
+def removal_refused(config: PrecomputeConfig, source: Source, examples: list[str], gone: int, cached: int) -> RemovalRefused | None:
+    """The refusal to remove `gone` cached samples of `source` whose inputs are no longer listed (`examples`: the
+    inputs of some of them) when they are more of its `cached` samples than `config.max_removal_fraction` without
+    `config.allow_removal`; None when they may go."""
+    if not gone or config.allow_removal or gone <= config.max_removal_fraction * cached:
         return None
     return RemovalRefused(
-        f"{len(gone)} of the {len(previous)} cached samples of source {source.name!r} are no longer in "
-        f"{where(source)}={source.path} (e.g. {', '.join(sorted(previous[k] for k in gone)[:3])}), over "
+        f"{gone} of the {cached} cached samples of source {source.name!r} are no longer in "
+        f"{where(source)}={source.path} (e.g. {', '.join(sorted(examples)[:3])}), over "
         f"--max-removal-fraction {config.max_removal_fraction:g}; nothing was removed and everything encoded is kept. "
         f"If they really are gone, re-run with --allow-removal (or drop the whole source with --remove-source "
         f"{source.name}).")
@@ -191,6 +204,11 @@ def forget_created(created: list[Path]) -> None:
 def cached_inputs(manifest, sources: list, keys: set[str]) -> dict[str, str]:
     """key -> where its input was read from, for messages, for `keys` alone: the file under its source's path, or
     the source's name when this run does not list it."""
-    paths = {s.name: s.path for s in sources}
-    return {key: f"{paths[name].rstrip('/')}/{src}" if name in paths else f"{src} (source {name!r}, which DATA does not list)"
-            for name in manifest.datasets() for key, src, *_ in manifest.samples(name) if key in keys}
+    paths, table, out = {s.name: s.path for s in sources}, manifest.shards, {}
+    for key in keys:
+        found = table.find_key(key)
+        if found is None:
+            continue
+        name, src = table.dataset_of(found[0]), table.samples_of(found[0])[1][found[1]]
+        out[key] = f"{paths[name].rstrip('/')}/{src}" if name in paths else f"{src} (source {name!r}, which DATA does not list)"
+    return out

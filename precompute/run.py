@@ -10,6 +10,7 @@ What leaves the cache, and when, is `precompute.removal`'s.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import sys
 import time
@@ -19,15 +20,16 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from precompute.clips import CLIP, cached_clips, unsalted_clips
 from precompute.config import DEFAULT_BATCH, PrecomputeConfig
-from precompute.distributed import gather, lock_cache, setup_distributed
+from precompute.distributed import gather_to_main, lock_cache, setup_distributed
 from precompute.encode import Encoders, best_device
-from precompute.encoding import CachedLatents, EncodingPass, PlainProgress, Tally
+from precompute.encoding import CachedLatents, EncodingPass, PlainProgress, Seen, Tally
 from precompute.families.base import Preset
 from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
 from precompute.presets import weights_sources
@@ -49,6 +51,7 @@ from shards import LATENT_KEY, MASK, CacheSpec, Field, Prompt, ShardWriter, exis
 from shards.atomic import atomic_write_bytes
 from shards.options import torch_dtype
 from shards.references import REFERENCE_FIELDS
+from shards.sample_index import SampleIndex, StampTable
 from shards.texts import TEXT_KEYS, TEXT_LENGTHS
 
 
@@ -96,18 +99,32 @@ def run(config: PrecomputeConfig) -> dict:
 
 @dataclass
 class Inputs:
-    """What a rank reads: per source, the samples cached before (key -> input) and its listing; the loader over
+    """What a rank reads: per source, the samples cached before (its sample index, searched in place) and its
+    listing; per source and resolution, its stamp table (input -> (key, stamp), empty when repairing); the loader over
     them all; when repairing, the damaged shards and the keys of their samples."""
 
     sources: list
-    previous: dict[str, dict[str, str]]
+    previous: dict[str, SampleIndex]
     listings: dict
     batches: Iterator
     total: int | None
     damaged: dict[str, list[str]] = field(default_factory=dict)
     needed: set[str] | None = None
-    dropped: dict[str, set[str]] = field(default_factory=dict)  # per source, its cached keys of resolutions it no longer has
+    # per source, the global indices of its cached samples of resolutions it no longer has (sorted)
+    dropped: dict[str, np.ndarray] = field(default_factory=dict)
     texts_only: set[str] = field(default_factory=set)  # repairing: keys read for the texts they refer to alone
+    stamps: dict[tuple[str, int], StampTable | dict] = field(default_factory=dict)
+
+
+class SkipKeys:
+    """Keys already cached (an input of one is "unchanged" after reading): the manifest's key lookup, searched in
+    place (`shards.table.ShardTable.key_index`), less the keys of `needed` (repairing: their inputs are encoded again)."""
+
+    def __init__(self, keys, needed: set[str] = frozenset()):
+        self.keys, self.needed = keys, needed
+
+    def __contains__(self, key) -> bool:
+        return key not in self.needed and key in self.keys
 
 
 def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, t_start: float, sources: dict[str, str]) -> dict:
@@ -140,12 +157,11 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     storage = torch_dtype(config.storage_dtype)
     writer = ShardWriter(config.cache, fingerprint, schema, rank=rank, max_shard_bytes=config.max_shard_mb << 20,
                          text_schema=text_schema)
-    tally = Tally(by_source={s.name: Counter() for s in inputs.sources})
+    tally = Tally(by_source={s.name: Counter() for s in inputs.sources}, seen=Seen(manifest.shards if manifest else None))
     for name, listing in inputs.listings.items():
         for failure in listing.failures:
             tally.fail({**failure, "dataset": name})
-    stamps = {(s.name, tag): manifest.by_source(s.name, tag) if manifest and inputs.needed is None else {}
-              for s in inputs.sources for tag in map(config.resolution_tag, config.resolutions(s))}
+    stamps = inputs.stamps
     # a clip is a batch of its own by default: an 81-frame 480p clip holds twice the pixels of 16 images at 1024²
     batch = config.batch_size or (1 if config.video else DEFAULT_BATCH[device.type])
     encoding = EncodingPass(enc, writer, schema, storage, batch, config.text_batch_size,
@@ -174,13 +190,14 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     if inputs.needed is not None:
         return summary
     # 4. rank 0: remove what is gone on evidence, store prompt embeddings and the decoder recipe
-    parts = gather({"counts": tally.counts, "by_source": tally.by_source, "failures": tally.failures, "seen": tally.seen,
-                    "loop_s": tally.loop_s, "wait_s": tally.wait_s, "encoder_s": tally.encoder_s, "write_wait_s": tally.write_wait_s,
-                    "write_s": tally.write_s,
-                    "complete": {name: i.complete for name, i in inputs.listings.items()}}, world)
+    # every rank's tally to rank 0 alone (its kept inputs a bit per cached sample), which decides and commits
+    parts = gather_to_main({"counts": tally.counts, "by_source": tally.by_source, "failures": tally.failures,
+                            "seen": tally.seen.part(), "loop_s": tally.loop_s, "wait_s": tally.wait_s, "encoder_s": tally.encoder_s,
+                            "write_wait_s": tally.write_wait_s, "write_s": tally.write_s,
+                            "complete": {name: i.complete for name, i in inputs.listings.items()}}, rank, world)
     summary, refused = {}, None
     if rank == 0:
-        summary, refused = finish(config, enc, fingerprint, schema, text_schema, inputs, parts, t_start)
+        summary, refused = finish(config, enc, fingerprint, schema, text_schema, inputs, parts, t_start, manifest)
     if world > 1:
         dist.barrier()
     if refused is not None:
@@ -198,8 +215,9 @@ def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, ra
     only the inputs give); None if nothing is damaged."""
     cache, repair = config.cache, config.repair
     sources = config.sources()
-    previous = {s.name: {key: src for key, src, *_ in manifest.samples(s.name)} if manifest else {} for s in sources}
-    everything = frozenset(k for k, *_ in manifest.samples()) if manifest else frozenset()
+    # the sample index searched in place: per source its samples, and every key of the cache
+    previous = {s.name: manifest.index(s.name) if manifest else SampleIndex([]) for s in sources}
+    everything = manifest.shards.key_index() if manifest else frozenset()
     damaged, needed = {}, None
     if repair:
         if manifest is None:
@@ -212,43 +230,49 @@ def open_all_inputs(config: PrecomputeConfig, manifest, device: torch.device, ra
                 print(f"{cache}: every shard of generation {manifest.generation} is intact; nothing to repair", file=sys.stderr)
             return None
         needed |= texts_only
-        skip = everything - needed
+        skip = SkipKeys(everything, needed)
     else:
         skip = everything  # an input whose content is cached in another source is read, then counted a duplicate
         if manifest is not None and rank == 0:
             warn_damaged(cache, manifest)
-    parts, listings, dropped = [], {}, {}
+    parts, listings, dropped, stamps = [], {}, {}, {}
     for source in sources:
         tags = {config.resolution_tag(r) for r in config.resolutions(source)}
-        dropped[source.name] = {key for tag in (manifest.resolutions() if manifest and not repair else ()) if tag not in tags
-                                for key, *_ in manifest.samples(source.name, tag)}
+        gone = [manifest.index(source.name, tag).global_indices() for tag in (manifest.resolutions() if manifest and not repair else ())
+                if tag not in tags]
+        dropped[source.name] = np.sort(np.concatenate(gone)) if gone else np.zeros(0, np.int64)
         for resolution in config.resolutions(source):
             tag = config.resolution_tag(resolution)
+            # input -> (key, stamp) cached at this resolution: searched in place, shared by the listing and the pass
+            stamps[(source.name, tag)] = manifest.by_source(source.name, tag) if manifest and not repair else {}
             if source.name in listings:  # the same listing again, on another resolution's table
-                more = open_source(config, manifest, source, tag, skip, needed, rank, world)
+                more = open_source(config, manifest, source, tag, skip, needed, rank, world, stamps[(source.name, tag)])
                 if more is not None:
                     parts.append((source, more.dataset, tag))
                     listings[source.name] = also_read(listings[source.name], more)
                 continue
-            inputs = open_source(config, manifest, source, tag, skip, needed, rank, world, must=True)
+            inputs = open_source(config, manifest, source, tag, skip, needed, rank, world, stamps[(source.name, tag)], must=True)
             listings[source.name] = inputs
             parts.append((source, inputs.dataset, tag))
     total = sum(i.total for i in listings.values()) if all(i.total is not None for i in listings.values()) else None
     workers = max(i.workers for i in listings.values())
     loader = build_loader(SourcesDataset(parts), workers, device)
     batches = iter(loader)  # forks the workers before any encoder weights exist in this process
-    return Inputs(sources, previous, listings, batches, total, damaged, needed, dropped, texts_only if repair else set())
+    return Inputs(sources, previous, listings, batches, total, damaged, needed, dropped, texts_only if repair else set(), stamps)
 
 
-def open_source(config: PrecomputeConfig, manifest, source, tag: int, skip: frozenset[str], needed: set[str] | None,
-                rank: int, world: int, must: bool = False):
+def open_source(config: PrecomputeConfig, manifest, source, tag: int, skip, needed: set[str] | None,
+                rank: int, world: int, stamps: StampTable | dict | None = None, must: bool = False):
     """One source's inputs at one resolution (`tag`, see `PrecomputeConfig.resolution_tag`), read against that
     resolution's cached samples; repairing, only the damaged ones' inputs (None when it has none and not `must`).
-    The source's first resolution (`must`) is where a listing that finds nothing is refused."""
+    The source's first resolution (`must`) is where a listing that finds nothing is refused. `stamps`: its stamp
+    table at `tag` (`Manifest.by_source`)."""
     cache, repair = config.cache, config.repair
     policy = config.policy(tag or None)
-    at_tag = {key: src for key, src, *_ in manifest.samples(source.name, tag)} if manifest else {}
-    only = {at_tag[k] for k in needed if k in at_tag} if repair else None
+    only = None
+    if repair:  # the inputs of the needed samples cached at this resolution
+        at_tag = manifest.index(source.name, tag) if manifest else SampleIndex([])
+        only = {at_tag.source(p) for p in at_tag.find_all("keys", sorted(needed)).tolist() if p >= 0} if len(at_tag) else set()
     if repair and not only and not must:
         return None
     if repair or not manifest:
@@ -256,15 +280,19 @@ def open_source(config: PrecomputeConfig, manifest, source, tag: int, skip: froz
     elif config.video:  # every input's cached clips: kept, skipped or encoded again together
         known = unsalted_clips(cached_clips(manifest, source.name, tag), source.salt())
     else:
-        known = unsalted(manifest.by_source(source.name, tag), source)
+        known = unsalted(stamps if stamps is not None else manifest.by_source(source.name, tag), source)
     inputs = open_inputs(config, source, policy, known, skip, rank=rank, world=world, only=only)
+    positions = getattr(inputs.dataset, "positions", None)
+    if manifest is not None and manifest.num_samples and (positions is None or bool((positions < 0).any())):
+        # the key lookup `skip` searches: built once, here, before the loader's workers fork
+        manifest.shards.sample_index().lookup("keys")
     if must:
-        mine = {key: src for key, src, *_ in manifest.samples(source.name)} if manifest else {}
+        mine = manifest.datasets().get(source.name, {}).get("samples", 0) if manifest else 0
         if inputs.listed == 0 and not inputs.failures and not repair and not (manifest and manifest.num_samples):
             raise RemovalRefused(f"{where(source)}={source.path} lists no input, and the cache at {cache} holds no sample: "
                                  f"DATA lists nothing to encode. Is the folder empty or unmounted?")
         if inputs.listed == 0 and mine and not config.allow_removal and not repair:
-            raise RemovalRefused(f"{where(source)}={source.path} lists no input, and the cache at {cache} holds {len(mine)} samples "
+            raise RemovalRefused(f"{where(source)}={source.path} lists no input, and the cache at {cache} holds {mine} samples "
                                  f"of source {source.name!r}: a re-run would remove them all. Is the folder empty or unmounted? "
                                  f"Pass --allow-removal to remove them.")
     return inputs
@@ -330,32 +358,17 @@ def texts_stored_once(schema: dict, text_schema: dict) -> dict:
 
 
 def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: dict, text_schema: dict | None, inputs: Inputs,
-           parts: list[dict], t_start: float) -> tuple[dict, RemovalRefused | None]:
+           parts: list[dict], t_start: float, manifest=None) -> tuple[dict, RemovalRefused | None]:
     """Rank 0, after every rank's pass: each source's removals on the evidence of its own listing, the prompts, the
     decoder recipe and the sources' records committed; failures.jsonl and the summary. Returns the summary and the
-    refusal to raise once every rank is done (what was encoded is kept)."""
-    cache, sources, previous = config.cache, inputs.sources, inputs.previous
+    refusal to raise once every rank is done (what was encoded is kept). `manifest`: the one the run started with
+    (None: a new cache); the removals are decided on its global indices."""
+    cache, sources = config.cache, inputs.sources
     counts = sum((Counter(p["counts"]) for p in parts), Counter())
     by_source = {s.name: sum((Counter(p["by_source"][s.name]) for p in parts), Counter()) for s in sources}
     failures = sorted((f for p in parts for f in p["failures"]), key=lambda f: (f["dataset"], f["source"]))
-    stale: set[str] = set()
-    refused = None
-    for source in sources:
-        # samples of a resolution the source is no longer cached at go, counted as removed
-        name, dropped = source.name, inputs.dropped.get(source.name, set())
-        mine = {k: src for k, src in previous[name].items() if k not in dropped}
-        seen_keys = {k for p in parts for k, (n, _) in p["seen"].items() if n == name}
-        gone_or_changed, kept = removals(mine, seen_keys, {f["source"] for f in failures if f["dataset"] == name},
-                                         all(p["complete"][name] for p in parts))
-        read = {src for p in parts for n, src in p["seen"].values() if n == name}
-        changed = {k for k in gone_or_changed if mine[k] in read}
-        gone = gone_or_changed - changed  # inputs no longer listed (changed ones were re-encoded)
-        refusal = removal_refused(config, source, gone, mine)
-        if refusal is not None:
-            refused, gone = refused or refusal, set()
-        stale |= changed | gone | dropped
-        by_source[name]["removed"] = len(gone) + len(dropped)
-        by_source[name]["kept_unreadable"] = kept
+    complete = {s.name: all(p["complete"][s.name] for p in parts) for s in sources}
+    stale, refused = decide_removals(config, inputs, Seen.merged([p["seen"] for p in parts]), failures, complete, manifest, by_source)
     storage = torch_dtype(config.storage_dtype)
     with ShardWriter(cache, fingerprint, schema, text_schema=text_schema) as final:
         final.remove(stale)
@@ -376,6 +389,52 @@ def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: d
               "writer_busy_fraction": sum(p["write_s"] for p in parts) / passes}
     summary = report(cache, counts, failures, time.perf_counter() - t_start, max(p["loop_s"] for p in parts), by_source, shares)
     return summary, refused
+
+
+def decide_removals(config: PrecomputeConfig, inputs: Inputs, seen: dict, failures: list[dict], complete: dict[str, bool],
+                    manifest, by_source: dict[str, Counter]) -> tuple[set[str], RemovalRefused | None]:
+    """Rank 0: each source's cached samples to remove on the evidence of its own listing (`seen`: every rank's
+    `Seen.part` merged; `complete`: per source, whether every rank listed it completely), on the global indices of
+    the manifest the run started with (None: a new cache); counts `removed` and `kept_unreadable` into `by_source`.
+    Returns the keys to remove and the refusal to raise once every rank is done."""
+    sources, previous = inputs.sources, inputs.previous
+    index = manifest.shards.sample_index() if manifest is not None else None  # positions are global indices
+    stale: list[np.ndarray] = []
+    refused = None
+    for source in sources:
+        # samples of a resolution the source is no longer cached at go, counted as removed
+        name, dropped = source.name, inputs.dropped.get(source.name, np.zeros(0, np.int64))
+        mine = previous[name].global_indices()
+        mine = mine[~np.isin(mine, dropped)] if len(dropped) else mine  # (N,) global indices of its cached samples
+        gone_or_changed, kept = removals(mine, seen["cached"], index.source if index is not None else None,
+                                         {f["source"] for f in failures if f["dataset"] == name},
+                                         complete[name])
+        changed = read_again(gone_or_changed, name, seen, index, manifest)
+        gone = gone_or_changed[~changed]  # inputs no longer listed (changed ones were re-encoded)
+        refusal = removal_refused(config, source, heapq.nsmallest(3, map(index.source, gone.tolist())) if len(gone) else [],
+                                  len(gone), len(mine))
+        if refusal is not None:
+            refused, gone = refused or refusal, gone[:0]
+        stale += [gone_or_changed[changed], gone, dropped]
+        by_source[name]["removed"] = len(gone) + len(dropped)
+        by_source[name]["kept_unreadable"] = kept
+    return {index.key(int(g)) for g in np.concatenate(stale)} if index is not None else set(), refused
+
+
+def read_again(cached: np.ndarray, name: str, seen: dict, index, manifest) -> np.ndarray:
+    """(N,) bool: which of cached samples `cached` (global indices of source `name`, not kept by the pass) had their
+    input read by the pass, which kept another sample of it (its content changed and was encoded again, or a video's
+    clips changed): the input is there, the sample is replaced, not gone."""
+    if not len(cached):
+        return np.zeros(0, dtype=bool)
+    read = {src for n, src in [*seen["new"].values(), *seen["moved"].values()] if n == name}
+    by_source = manifest.index(name)  # a cached input kept under its own name: any of its samples marked
+    out = np.zeros(len(cached), dtype=bool)
+    for i, g in enumerate(cached.tolist()):
+        src = index.source(g)
+        others = by_source.global_index(by_source.find_every("sources", src))
+        out[i] = src in read or any(seen["cached"][h] and h not in seen["moved"] for h in others.tolist())
+    return out
 
 
 def cache_schema(enc: Encoders, storage: torch.dtype, manifest, sources: list, cache: Path, control: bool = False) -> dict:

@@ -166,6 +166,13 @@ class SampleIndex:
         r = bisect_right(self._starts, i) - 1
         return self._stores[r], self._from[r] + i - self._starts[r]
 
+    def entry(self, i: int) -> tuple[str, int, int]:
+        """(key, stamp, global index) of sample `i`."""
+        r = bisect_right(self._starts, i) - 1
+        p = self._from[r] + i - self._starts[r]
+        store = self._stores[r]
+        return store.keys[p], int(store.stamps[p]), int(self._global[r]) + i - self._starts[r]
+
     def key(self, i: int) -> str:
         store, p = self._at(i)
         return store.keys[p]
@@ -217,6 +224,10 @@ class SampleIndex:
         """`find` of each value (int64, -1 where absent)."""
         return self.lookup(name).find_all(values)
 
+    def find_every(self, name: str, value: str) -> np.ndarray:
+        """Every position whose column `name` holds `value`, in index order (int64)."""
+        return self.lookup(name).find_every(value)
+
     def stamps_at(self, positions: np.ndarray) -> np.ndarray:
         """The stamps at these positions (int64), read column-wise from their stores."""
         positions = np.asarray(positions, dtype=np.int64)
@@ -261,6 +272,17 @@ class _HashLookup:
             return -1
         return self._verify(lo, int(np.searchsorted(self.sorted, h, side="right")), raw)
 
+    def find_every(self, value: str) -> np.ndarray:
+        raw = encode(value)
+        h = np.uint64(hash_bytes(raw))
+        lo, hi = (int(np.searchsorted(self.sorted, h, side=side)) for side in ("left", "right"))
+        hits = []
+        for p in self.order[lo:hi].tolist():
+            store, q = self.index._at(p)
+            if getattr(store, self.name).raw(q) == raw:
+                hits.append(p)
+        return np.array(sorted(hits), dtype=np.int64)
+
     def find_all(self, values: list[str]) -> np.ndarray:
         out = np.full(len(values), -1, dtype=np.int64)
         for a in range(0, len(values), _CHUNK):
@@ -269,8 +291,35 @@ class _HashLookup:
             h = packed.hashes(0, len(part))
             lo = np.searchsorted(self.sorted, h, side="left")
             hi = np.searchsorted(self.sorted, h, side="right")
-            for i in np.flatnonzero(hi > lo).tolist():
+            one = np.flatnonzero(hi - lo == 1)  # the usual hit: one candidate, its string compared in bulk
+            cand = self.order[lo[one]].astype(np.int64)
+            same = self._equal(cand, packed, one)
+            out[a + one[same]] = cand[same]
+            for i in np.flatnonzero(hi - lo > 1).tolist():  # a collision, or a value stored twice
                 out[a + i] = self._verify(int(lo[i]), int(hi[i]), bytes(packed.raw(i)))
+        return out
+
+    def _equal(self, positions: np.ndarray, queries: Strings, which: np.ndarray) -> np.ndarray:
+        """(n,) bool: whether the stored string at each position is the query `which[i]` of `queries`, byte for byte,
+        eight bytes at a time over all of them (grouped by the run they are stored in)."""
+        index, out = self.index, np.zeros(len(positions), dtype=bool)
+        run = np.searchsorted(index._starts_np, positions, side="right") - 1
+        order = np.argsort(run, kind="stable")
+        bounds = np.flatnonzero(np.diff(run[order])) + 1
+        for sel in np.split(order, bounds) if len(order) else ():
+            r = int(run[sel[0]])
+            column = getattr(index._stores[r], self.name)
+            p = index._from[r] + positions[sel] - index._starts[r]
+            a, length = column.offsets[p], column.offsets[p + 1] - column.offsets[p]
+            qa = queries.offsets[which[sel]]
+            eq = length == queries.offsets[which[sel] + 1] - qa
+            for k in range(0, int(length[eq].max(initial=0)), 8):
+                live = np.flatnonzero(eq & (length > k))
+                diff = _words(column.data, a[live] + k, len(column.data)) ^ _words(queries.data, qa[live] + k, len(queries.data))
+                rest = (length[live] - k).astype(np.uint64)
+                mask = np.where(rest >= 8, np.uint64(_M64), (np.uint64(1) << (np.minimum(rest, 7) * np.uint64(8))) - np.uint64(1))
+                eq[live] &= (diff & mask) == 0
+            out[sel] = eq
         return out
 
 
@@ -327,6 +376,15 @@ class StampTable(Mapping):
         if "" in sources:  # an empty source was never recorded
             out[[i for i, s in enumerate(sources) if not s]] = -1
         return out
+
+    def entry(self, position: int) -> tuple[str, int, int]:
+        """(key, stamp, global index) at `position`."""
+        key, stamp, g = self.index.entry(position)
+        return key, stamp ^ self.salt, g
+
+    def stamps_at(self, positions: np.ndarray) -> np.ndarray:
+        """The stamps at these positions (int64), read column-wise."""
+        return self.index.stamps_at(positions) ^ np.int64(self.salt)
 
     def at(self, position: int) -> tuple[str, int]:
         store, p = self.index._at(position)

@@ -229,14 +229,30 @@ class ShardTable:
         recent = self._key_recent.get(key)
         if recent is not None and self._live[recent[0]]:
             return recent
-        if self._key_base is None:
-            self._key_base, self._key_recent = self.index(), {}
-            self._key_base.lookup("keys")
-        p = self._key_base.find("keys", key)
+        base = self.sample_index()
+        p = base.find("keys", key)
         if p < 0:
             return None
-        j, r = self._key_base.row_of(p)
+        j, r = base.row_of(p)
         return (j, r) if self._live[j] else None
+
+    def global_index(self, j: int, r: int) -> int:
+        """The global index of the sample at position `r` of live table row `j`."""
+        rows = self.rows
+        if getattr(self, "_starts_of", (None,))[0] is not rows:  # cumulative samples of the live rows, once per change
+            self._starts_of = (rows, np.concatenate([[0], np.cumsum(self.column("samples"))]))
+        return int(self._starts_of[1][int(np.searchsorted(rows, j))]) + r
+
+    def dataset_of(self, j: int) -> str:
+        """The dataset of table row `j`."""
+        return self._dataset_names[self._dataset[j]]
+
+    def sample_index(self) -> SampleIndex:
+        """The sample index of every live row as the table was when first asked (positions are global indices until a
+        shard is appended): the one `find_key` searches (its key lookup built on the first search), once per change."""
+        if self._key_base is None:
+            self._key_base, self._key_recent = self.index(), {}
+        return self._key_base
 
     def _forget_keys(self) -> None:
         self._key_base, self._key_recent = None, {}
