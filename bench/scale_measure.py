@@ -79,7 +79,7 @@ def measure_decide(root: str, n: int, budget_s: float = 0.0) -> dict:
     listing = [Listed(source(i), stamp(i)) for i in range(n)]  # the run's listing of its inputs: not timed
     policy = PrecomputeConfig("unused").policy()
     folders.entry_stamp = lambda entry: entry.stamp  # the listing's stamps stand for os.stat's
-    before, t0 = reset_peak(), time.perf_counter()
+    before, t0, c0 = reset_peak(), time.perf_counter(), time.process_time()
     manifest = shards.load(root)
     load_s = time.perf_counter() - t0
     # open_all_inputs: per source its samples, every key (the skip set), the stamp table at its resolution
@@ -110,9 +110,9 @@ def measure_decide(root: str, n: int, budget_s: float = 0.0) -> dict:
     final.remove(stale)
     final.close()
     finish_s = time.perf_counter() - t2
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert refused is None and not stale and tally.counts["unchanged"] == n, (tally.counts, len(stale))
-    return {"decide_s": total, "decide_complete": True, "decide_indexed": n, "decide_load_s": load_s, "decide_index_s": index_s,
+    return {"decide_s": total, "decide_cpu_s": cpu, "decide_complete": True, "decide_indexed": n, "decide_load_s": load_s, "decide_index_s": index_s,
             "decide_lookup_s": lookup_s, "decide_finish_s": finish_s, "decide_peak_bytes": peak_growth(before),
             "unchanged": tally.counts["unchanged"], "restamped": len(tally.restamps),
             "decide_method": "precompute.run: by_source + FolderDataset + EncodingPass.take + decide_removals"}

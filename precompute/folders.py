@@ -635,8 +635,9 @@ class FolderDataset(torch.utils.data.Dataset):
         # per entry). An unchanged input's item then names its cached sample's global index (`index`).
         self.positions = None
         if hasattr(self.known, "find_all") and policy.clip is None:
-            found = self.known.find_all([e.source for e in entries])
-            self.positions = found.astype(np.int32) if len(self.known.index) < 2**31 else found
+            self.positions = np.empty(len(entries), dtype=np.int32 if len(self.known.index) < 2**31 else np.int64)
+            for a in range(0, len(entries), 1 << 16):
+                self.positions[a : a + (1 << 16)] = self.known.find_all([e.source for e in entries[a : a + (1 << 16)]])
 
     def __len__(self) -> int:
         return len(self.entries)

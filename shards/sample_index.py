@@ -17,6 +17,7 @@ HASH_MASK = (1 << 64) - 1
 _M64 = (1 << 64) - 1
 _P1, _P2, _SEED = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x2545F4914F6CDD1D
 _CHUNK = 1 << 20  # strings hashed per block: bounds the temporary arrays
+_ASKED = 1 << 16  # strings looked up per block
 
 
 def encode(s: str) -> bytes:
@@ -87,9 +88,13 @@ class Strings:
 
     @classmethod
     def pack(cls, strings: list[str]) -> Strings:
+        joined = "".join(strings)
+        offsets = np.zeros(len(strings) + 1, dtype=np.int64)
+        if joined.isascii():  # a character is a byte: no string is encoded alone
+            np.cumsum(np.fromiter(map(len, strings), dtype=np.int64, count=len(strings)), out=offsets[1:])
+            return cls(np.frombuffer(joined.encode("ascii"), dtype=np.uint8), offsets)
         blobs = [encode(s) for s in strings]
-        offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
-        np.cumsum([len(b) for b in blobs], out=offsets[1:])
+        np.cumsum(np.fromiter(map(len, blobs), dtype=np.int64, count=len(blobs)), out=offsets[1:])
         return cls(np.frombuffer(b"".join(blobs), dtype=np.uint8), offsets)
 
     def __len__(self) -> int:
@@ -285,8 +290,8 @@ class _HashLookup:
 
     def find_all(self, values: list[str]) -> np.ndarray:
         out = np.full(len(values), -1, dtype=np.int64)
-        for a in range(0, len(values), _CHUNK):
-            part = values[a : a + _CHUNK]
+        for a in range(0, len(values), _ASKED):
+            part = values[a : a + _ASKED]
             packed = Strings.pack(part)
             h = packed.hashes(0, len(part))
             lo = np.searchsorted(self.sorted, h, side="left")
