@@ -359,13 +359,45 @@ class ShardTable:
             return []
         return self._snapshot_samples.texts(j)
 
-    def referenced_texts(self, skip: set[int] = frozenset()) -> set[str]:
-        """Every text key the live shards (but the table rows in `skip`) refer to. Reads the sample index."""
+    def referenced_texts(self, skip: set[int] = frozenset(), hashes: np.ndarray | None = None) -> set[str]:
+        """Every text key the live shards (but the table rows in `skip`) refer to. Reads the sample index. With `hashes`
+        (sorted uint64, `shards.sample_index.hash_bytes`), only the keys whose hash is one of them: the others are not
+        decoded."""
         out: set[str] = set()
-        for j in self.rows:
-            if int(j) not in skip:
-                out.update(self.texts_of(int(j)))
+        if hashes is None:
+            for j in self.rows:
+                if int(j) not in skip:
+                    out.update(self.texts_of(int(j)))
+            return out
+        for strings, a, b in self._text_spans(skip):
+            hit = np.flatnonzero(np.isin(strings.hashes(a, b), hashes))
+            out.update(strings[a + i] for i in hit.tolist())
         return out
+
+    def referenced_hashes(self, skip: set[int] = frozenset()) -> np.ndarray:
+        """The hashes of every text key the live shards (but the table rows in `skip`) refer to: sorted, unique."""
+        parts = [strings.hashes(a, b) for strings, a, b in self._text_spans(skip)]
+        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.uint64)
+
+    def _text_spans(self, skip: set[int]) -> list[tuple[Strings, int, int]]:
+        """Where the text references of the live rows (but `skip`) are stored: (strings, first, end), a snapshot's
+        contiguous rows as one span."""
+        snapshot = self._snapshot_samples.columns()[4] if self._snapshot_samples is not None else None
+        spans: list[list] = []
+        for j in self.rows.tolist():
+            if j in skip:
+                continue
+            if j in self._texts_of:
+                refs = self._texts_of[j]
+                spans.append([Strings.pack(refs), 0, len(refs)])
+            elif snapshot is not None:
+                bounds, strings = snapshot
+                a, b = int(bounds[j]), int(bounds[j + 1])
+                if spans and spans[-1][0] is strings and spans[-1][2] == a:
+                    spans[-1][2] = b
+                elif b > a:
+                    spans.append([strings, a, b])
+        return [tuple(s) for s in spans]
 
     def keys_at(self, rows) -> list[str]:
         """The keys of the samples of these table rows, in order (of a text table: the text keys)."""
@@ -458,8 +490,37 @@ class ShardTable:
         # absent: written before resolutions were recorded, or every shard is of the cache's base resolution
         t._resolution = array("i", tensors["shards.resolution"].numpy().astype(np.int32).tobytes()
                               if "shards.resolution" in tensors else bytes(4 * len(t._paths)))
-        t._snapshot_samples = _SnapshotSamples(tensors, tensors["shards.samples"].numpy(), where, samples_sha256)
+        t._snapshot_samples = _SnapshotSamples(tensors, tensors["shards.samples"].numpy(), where, samples_sha256, names[1] + ".")
         return t
+
+
+_INTACT: set[tuple] = set()  # snapshot files (path, inode, size, mtime, index) whose sample index this process checked
+
+
+def _file_index_digest(path: Path, tensors: dict[str, torch.Tensor], prefix: str) -> str:
+    """`sample_index_digest` of a snapshot's sample index (`prefix`: its tensors' names in the file), its bytes read
+    from the file in order rather than through the tensors' memory map."""
+    import hashlib
+    import json
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        base = 8 + size
+        for name in sorted(n for n in tensors if n.startswith("samples.")):
+            t = tensors[name]
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            begin, end = header[prefix + name[len("samples."):]]["data_offsets"]
+            f.seek(base + begin)
+            left = end - begin
+            while left > 0:
+                chunk = f.read(min(left, 8 << 20))
+                if not chunk:
+                    raise ValueError(f"{path} ends inside {name}")
+                h.update(chunk)
+                left -= len(chunk)
+    return h.hexdigest()
 
 
 def _ragged(strings: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -490,8 +551,9 @@ class _SnapshotSamples:
     stamp a writer, `verify` or an incremental run takes from it is the one written, and a damaged index is named as
     the snapshot's damage, never blamed on the shards it lists nor copied into the next snapshot."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], samples: np.ndarray, where: str, sha256: str | None = None):
-        self.tensors, self.samples, self.where, self.sha256 = tensors, samples, where, sha256
+    def __init__(self, tensors: dict[str, torch.Tensor], samples: np.ndarray, where: str, sha256: str | None = None,
+                 prefix: str = "samples."):
+        self.tensors, self.samples, self.where, self.sha256, self.prefix = tensors, samples, where, sha256, prefix
         self._columns = None
 
     def columns(self) -> tuple:
@@ -501,7 +563,7 @@ class _SnapshotSamples:
 
     def _load(self) -> tuple:
         t = self.tensors
-        if self.sha256 is not None and sample_index_digest(t) != self.sha256:
+        if self.sha256 is not None and not self._intact():
             raise damaged_snapshot(Path(self.where), "its sample index does not match the samples_sha256 written with it")
         # the samples of shard j are rows bounds[j]:bounds[j + 1]
         bounds = np.searchsorted(t["samples.shard"].numpy(), np.arange(len(self.samples) + 1))
@@ -520,6 +582,24 @@ class _SnapshotSamples:
         """The whole index as one `Store` (positions in snapshot order), checked as `columns` checks it."""
         self.columns()
         return self._store
+
+    def _intact(self) -> bool:
+        """Whether the sample index matches its digest: read from the file (the page cache, not this process's memory
+        map, whose pages would stay resident), once per process and snapshot file as it is on disk."""
+        path = Path(self.where)
+        try:
+            st = path.stat()
+            seen = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, self.prefix, self.sha256)
+            if seen in _INTACT:
+                return True
+            digest = _file_index_digest(path, self.tensors, self.prefix)
+        except (OSError, ValueError, KeyError):  # not a file this process can read again: the mapped tensors
+            seen, digest = None, sample_index_digest(self.tensors)
+        if digest != self.sha256:
+            return False
+        if seen is not None:
+            _INTACT.add(seen)
+        return True
 
     def texts(self, j: int) -> list[str]:
         texts = self.columns()[4]

@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shards.atomic import atomic_write_bytes, fsync_dir
@@ -26,6 +27,7 @@ from shards.log import exists, missing_manifest, write_commit, write_pointer
 from shards.manifest import Manifest
 from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, stored_prompts
 from shards.reader import ShardReader
+from shards.sample_index import Strings
 from shards.schema import BASE_VERSION, CacheBusy, Schema, schema_to_json, validate_schema
 from shards.shard_files import intact_rows, remove_leftovers, write_shard_file
 from shards.table import ShardEntry
@@ -116,6 +118,10 @@ class ShardWriter:
                     raise ValueError(f"the schema has {TEXT_KEYS!r}: a cache that stores each text once starts with its "
                                      f"text_schema (the fields of a text row)")
                 self.manifest = Manifest(fingerprint, schema, text_schema=text_schema)
+            # a damaged sample index is named now, never copied into the next snapshot (read from the file, once per process)
+            self.manifest.shards.check_sample_index()
+            if self.manifest.texts is not None:
+                self.manifest.texts.check_sample_index()
             # what is listed: the manifest's keys (searched in place, `ShardTable.find_key`) and the keys buffered here
             self._listed: set[str] = set()  # keys buffered, not committed yet
             self._texts: set[str] = set()  # text keys buffered or in a commit being made
@@ -436,11 +442,26 @@ class ShardWriter:
         them (`remove_texts`), copying the other rows of a text shard that keeps some into a new one (`add_texts`)."""
         if self.text_schema is None:
             return {}
-        table = self.manifest.texts
-        referred = self.manifest.shards.referenced_texts({self.manifest.shards.row_of(p) for p in retired})
-        referred.update(k for obj in added for k in obj.get("texts") or [])
+        table, shards = self.manifest.texts, self.manifest.shards
+        skip = {shards.row_of(p) for p in retired}
+        added_keys = [k for obj in added for k in obj.get("texts") or []]
+        # on hashes first: a text row whose key's hash no sample's reference has is unreferenced; the text shards holding
+        # one are checked key by key against the references with those shards' hashes (decoded alone)
+        referred_hashes = np.union1d(shards.referenced_hashes(skip), Strings.pack(added_keys).hashes(0, len(added_keys)))
+        index = table.index()
+        hashes = index.hashes("keys")
+        unreferenced = ~np.isin(hashes, referred_hashes)
+        counts = table.column("samples")
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        touched = np.zeros(len(counts), dtype=bool)
+        if len(hashes):
+            touched[counts > 0] = np.logical_or.reduceat(unreferenced, starts[counts > 0])
+        affected = [int(table.rows[i]) for i in np.flatnonzero(touched)]
+        spans = [hashes[starts[i] : starts[i] + counts[i]] for i in np.flatnonzero(touched)]
+        maybe = np.unique(np.concatenate(spans)) if spans else np.zeros(0, np.uint64)
+        referred = shards.referenced_texts(skip, maybe) | set(added_keys) if affected else set()
         dropped, kept = [], []
-        for j in table.rows:
+        for j in affected:
             keys = table.samples_of(int(j))[0]
             keep = [i for i, k in enumerate(keys) if k in referred]
             if len(keep) == len(keys):
