@@ -9,12 +9,14 @@ fields of its captions, computed once before the run (a sample's whole encoding 
 
 Rows, measured side by side in each round: the pass as it runs (the encoder on its own thread) and the serial pass
 (the encoder called on the pass's thread between sorting, batching and checking: the pass before the encoder got a
-thread), at `--rate`; then the overlapped pass at `--high-rate`, where a 2-core machine stops keeping up, and the
-loader alone (what decoding can give, nothing encoded: the ceiling of every row on a machine shared with others). Each row
-gives the encoder's busy fraction (time inside encode calls / pass wall), samples/s achieved against the rate, the
-pass's time waiting on the loader and on the writer, and the stage the summary names as the bound.
+thread), at `--rate`; the same two with the inputs decoded before the run (the loader hands them out at once: what
+the pass alone gives); the overlapped pass at `--high-rate`, where a 2-core machine stops keeping up; and the loader
+alone (what decoding can give, nothing encoded: the ceiling of the rows that decode, on a machine shared with
+others). Each row gives the encoder's busy fraction (time inside encode calls / pass wall), samples/s achieved against
+the rate, the encoder's idle time waiting on decoded inputs and on the writer, and the stage the summary names as the
+bound.
 
-Default run: 1,000 tiny images (~256 px), batch 16, 2 loader workers, 2 rounds: about a minute.
+Default run: 900 tiny images (~256 px), batch 16, 2 loader workers, 2 rounds: about 1.5 minutes.
 """
 
 from __future__ import annotations
@@ -92,24 +94,26 @@ class SimulatedEncoders(Encoders):
 
 
 def one_run(data: Path, cache: Path, enc: SimulatedEncoders, model: str, *, overlap: bool, workers: int,
-            batch_size: int) -> dict:
-    """Stage one's run of `data` into a new `cache` with `enc` as its encoders; its summary (its printout dropped)."""
+            batch_size: int, decoded: list[dict] | None = None) -> dict:
+    """Stage one's run of `data` into a new `cache` with `enc` as its encoders; its summary (its printout dropped).
+    With `decoded` (what the loader yields for `data`), the loader hands those out at once instead of decoding."""
     shutil.rmtree(cache, ignore_errors=True)
+    loader = precompute.run.build_loader if decoded is None else lambda *a: iter(decoded)
     with (mock.patch.object(precompute.run, "Encoders", lambda *a, **k: enc),
           mock.patch.object(precompute.run, "EncodingPass", partial(EncodingPass, overlap=overlap)),
-          contextlib.redirect_stderr(io.StringIO())):
+          mock.patch.object(precompute.run, "build_loader", loader), contextlib.redirect_stderr(io.StringIO())):
         return precompute.run.main(str(data), model, cache, workers=workers, batch_size=batch_size, storage_dtype="bf16",
                                    progress=False, log_seconds=3600)
 
 
-def decode_rate(data: Path, model: str, workers: int) -> float:
-    """Samples/s of stage one's loader alone (its worker processes reading, decoding and resizing), nothing encoded."""
+def decode(data: Path, model: str, workers: int) -> tuple[list[dict], float]:
+    """What stage one's loader yields for `data` (its worker processes reading, decoding and resizing), nothing
+    encoded, and its samples/s."""
     config = PrecomputeConfig(str(data), model, Path(tempfile.mkdtemp(prefix="encoder-busy-loader-")), workers=workers)
     try:
         t0 = time.perf_counter()
-        inputs = precompute.run.open_all_inputs(config, None, torch.device("cpu"), 0, 1)
-        n = sum(1 for _ in inputs.batches)
-        return n / (time.perf_counter() - t0)
+        items = list(precompute.run.open_all_inputs(config, None, torch.device("cpu"), 0, 1).batches)
+        return items, len(items) / (time.perf_counter() - t0)
     finally:
         shutil.rmtree(config.cache, ignore_errors=True)
 
@@ -126,7 +130,7 @@ def main(
                                            "encodes hundreds a second in batches)."),
     high_rate: float = typer.Option(1000.0, help="A higher rate for a last row, where this machine stops keeping up "
                                                  "(0: no such row)."),
-    count: int = typer.Option(1000, help="Generated images (~256 px PNGs) in each run."),
+    count: int = typer.Option(900, help="Generated images (~256 px PNGs) in each run."),
     batch_size: int = typer.Option(DEFAULT_BATCH["cuda"], help="Images per encoder call (stage one's --batch-size; "
                                                                "the default is its CUDA default)."),
     workers: int = typer.Option(2, help="Stage one's loader worker processes (--workers), each decoding images."),
@@ -145,14 +149,16 @@ def main(
                  [p.read_text(encoding="utf-8").strip() for p in sorted(data.glob("*.txt"))])
         run = partial(one_run, data, work / "cache", enc, model, workers=workers, batch_size=batch_size)
         run(overlap=True)  # warm-up: the loader's imports, the files' pages
+        decoded, loader = decode(data, model, workers)
         rounds = []
         for _ in range(repeats):
             enc.rate = rate
-            rounds.append({"overlapped": figures(run(overlap=True), rate), "serial": figures(run(overlap=False), rate)})
+            rounds.append({"overlapped": figures(run(overlap=True), rate), "serial": figures(run(overlap=False), rate),
+                           "decoded": figures(run(overlap=True, decoded=decoded), rate),
+                           "decoded_serial": figures(run(overlap=False, decoded=decoded), rate)})
             if high_rate:
                 enc.rate = high_rate
                 rounds[-1]["high"] = figures(run(overlap=True), high_rate)
-        loader = decode_rate(data, model, workers)
         load = os.getloadavg()[0]
         rows = {name: {k: statistics.median(r[name][k] for r in rounds) if k != "bound" else
                        statistics.mode(r[name][k] for r in rounds) for k in rounds[0][name]} for name in rounds[0]}
@@ -165,15 +171,20 @@ def main(
             print(f"{label:44s} {row['busy']:6.1%} {row['per_s']:6.0f} of {at:5.0f} {row['data']:9.1%} "
                   f"{row['writer']:11.1%} {row['bound']:>9s}   {goal}")
 
-        ok = rows["overlapped"]["busy"] >= GOAL_BUSY
+        # the busy fraction counts a call's late wake-up (a loaded CPU, the GIL) as busy: the samples/s must agree
+        ok = min(rows["overlapped"]["busy"], rows["overlapped"]["rate"]) >= GOAL_BUSY
         line(f"encoder on its own thread, {rate:.0f}/s", rows["overlapped"], rate,
-             f">= 95 % busy at {rate:.0f} samples/s on {workers} worker(s): {'PASS' if ok else 'MISS'}")
+             f">= 95 % busy at {rate:.0f} samples/s on {os.cpu_count()} cores (and >= 95 % of the rate): "
+             f"{'PASS' if ok else 'MISS'}")
         line(f"serial pass (before), {rate:.0f}/s", rows["serial"], rate, "the baseline")
         gain = statistics.median(r["overlapped"]["per_s"] / r["serial"]["per_s"] for r in rounds)
         print(f"{'  overlapped / serial samples/s':44s} {gain:6.2f} x")
+        line(f"  inputs decoded before: own thread, {rate:.0f}/s", rows["decoded"], rate,
+             "the pass alone (no loader): >= 95 %")
+        line(f"  inputs decoded before: serial, {rate:.0f}/s", rows["decoded_serial"], rate, "the pass alone, before")
         if high_rate:
             line(f"encoder on its own thread, {high_rate:.0f}/s", rows["high"], high_rate, "where it stops keeping up")
-        print(f"{'loader alone (' + str(workers) + ' workers), nothing encoded':44s} {'':6s} {loader:6.0f} "
+        print(f"{'loader alone, ' + str(workers) + ' worker(s), nothing encoded':44s} {'':6s} {loader:6.0f} "
               f"samples/s: the most decoding gives on this machine now")
         print(f"the background writer was busy {rows['overlapped']['writer_busy']:.1%} of the overlapped pass at "
               f"{rate:.0f}/s (beside it, on its thread)")

@@ -181,10 +181,10 @@ def test_a_slow_loader_makes_the_summary_say_decoding_bounds(folder, tmp_path, m
 
 
 def test_a_slow_encoder_makes_the_summary_say_the_encoder_bounds(folder, tmp_path, monkeypatch, capsys, simulated):
-    """An encoder of 5 samples/s in batches of 2 (400 ms a call) behind inputs decoded in a few milliseconds: it is
+    """An encoder of 4 samples/s in batches of 2 (500 ms a call) behind inputs decoded in a few milliseconds: it is
     busy at least 95 % of the pass (the first batch's decoding aside, it never waits), which the summary says needs
     nothing done."""
-    simulated.rate = 5.0
+    simulated.rate = 4.0
     monkeypatch.setattr(precompute.run, "Encoders", lambda *a, **k: simulated)
     summary = run(folder, tmp_path / "cache", batch_size=2, max_shard_mb=128)
     assert summary["bound_by"] == "encoder" and summary["encoder_busy_fraction"] >= 0.95, summary
