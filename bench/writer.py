@@ -202,7 +202,7 @@ def breakdown(samples: list[Sample], workdir: Path) -> list[tuple[str, float | N
     rows.append(("canonical header (another copy)", old, None))
     _, old = timed(lambda: [sample_digest(k, f) for k, f, _, _ in items])
     encoded, new = timed(lambda: encode_shard(bucket, items, SCHEMA, shapes, "0" * 64, 0)[0])
-    _, new_digests = timed(lambda: bytes(encoded))  # waits for the hashing threads' digests (and joins, a copy: not in (ii))
+    _, new_digests = timed(lambda: list(encoded.buffers()))  # waits for the hashing threads' digests
     rows.append((f"blake2b per sample (1 thread -> {HASH_THREADS} hashing threads)", old, new + new_digests))
     _, old = timed(lambda: hashlib.sha256(data).hexdigest())
     rows.append(("sha256 of the file (alone; now beside the write)", old, None))
@@ -210,7 +210,7 @@ def breakdown(samples: list[Sample], workdir: Path) -> list[tuple[str, float | N
     _, old = timed(lambda: atomic_write_bytes(path, data))
     path.unlink()
     encoded = encode_shard(bucket, items, SCHEMA, shapes, "0" * 64, 0)[0]
-    bytes(encoded)  # digests done: what is timed is the write, with the sha256 beside it
+    list(encoded.buffers())  # digests done: what is timed is the write, with the sha256 beside it
     _, new = timed(lambda: (atomic_write_bytes(path, encoded), encoded.sha256))
     path.unlink()
     rows.append(("write + fsync + rename (+ sha256 beside it, now)", old, new))
