@@ -169,16 +169,22 @@ def one_shard(samples: list[Sample], shard_bytes: int) -> list[Sample]:
     return out
 
 
-def breakdown(samples: list[Sample], workdir: Path) -> list[tuple[str, float | None, float | None]]:
-    """One shard's parts, each timed alone: (part, seconds before, seconds now); None where a version has no such part."""
+Cost = tuple[float, float]  # (wall seconds, CPU seconds of the process: every thread)
+
+
+def breakdown(samples: list[Sample], workdir: Path) -> list[tuple[str, Cost | None, Cost | None]]:
+    """One shard's parts, each timed alone: (part, cost before, cost now); None where a version has no such part."""
     bucket = Bucket(*samples[0][1])
     items = [(key, fields, "", 0) for key, _, fields in samples]
     shapes = check_sample(samples[0][0], bucket, samples[0][2], SCHEMA, {}, False)[0]
 
     def timed(fn: Callable):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = fn()
-        return out, time.perf_counter() - t
+        return out, (time.perf_counter() - t, time.process_time() - c)
+
+    def plus(a: Cost, b: Cost) -> Cost:
+        return a[0] + b[0], a[1] + b[1]
 
     rows = []
     _, old = timed(lambda: [bool(torch.isfinite(t).all()) for _, f, _, _ in items for t in f.values() if t.is_floating_point()])
@@ -202,10 +208,10 @@ def breakdown(samples: list[Sample], workdir: Path) -> list[tuple[str, float | N
     rows.append(("canonical header (another copy)", old, None))
     _, old = timed(lambda: [sample_digest(k, f) for k, f, _, _ in items])
     encoded, new = timed(lambda: encode_shard(bucket, items, SCHEMA, shapes, "0" * 64, 0)[0])
-    _, new_digests = timed(lambda: list(encoded.buffers()))  # waits for the hashing threads' digests
-    rows.append((f"blake2b per sample (1 thread -> {HASH_THREADS} hashing threads)", old, new + new_digests))
+    _, digests = timed(lambda: list(encoded.buffers()))  # waits for the hashing threads' digests
+    rows.append((f"blake2b per sample (1 thread -> {HASH_THREADS} hashing threads)", old, plus(new, digests)))
     _, old = timed(lambda: hashlib.sha256(data).hexdigest())
-    rows.append(("sha256 of the file (alone; now beside the write)", old, None))
+    rows.append(("sha256 of the file (now beside the write, next row)", old, None))
     path = workdir / "breakdown.safetensors"
     _, old = timed(lambda: atomic_write_bytes(path, data))
     path.unlink()
@@ -213,12 +219,15 @@ def breakdown(samples: list[Sample], workdir: Path) -> list[tuple[str, float | N
     list(encoded.buffers())  # digests done: what is timed is the write, with the sha256 beside it
     _, new = timed(lambda: (atomic_write_bytes(path, encoded), encoded.sha256))
     path.unlink()
-    rows.append(("write + fsync + rename (+ sha256 beside it, now)", old, new))
+    rows.append(("write + fsync + rename (now + sha256 beside it)", old, new))
     out = workdir / "breakdown-cache"
-    _, new = timed(lambda: ours(samples, out, 1 << 40))
+    _, end_to_end = timed(lambda: ours(samples, out, 1 << 40))
     shutil.rmtree(out)
-    rows.append(("sum of the parts", sum(r[1] or 0 for r in rows), sum(r[2] or 0 for r in rows)))
-    rows.append(("ShardWriter end to end: one shard, with its commit", None, new))
+    total_old, total_new = (0.0, 0.0), (0.0, 0.0)
+    for _, old, new in rows:
+        total_old, total_new = plus(total_old, old or (0.0, 0.0)), plus(total_new, new or (0.0, 0.0))
+    rows.append(("sum of the parts", total_old, total_new))
+    rows.append(("ShardWriter end to end: one shard, with its commit", None, end_to_end))
     return rows
 
 
@@ -300,11 +309,12 @@ def main(
         print(f"(ii) / (iii) = {real.median:.2f} (range {real.best:.2f}-{real.worst:.2f})")
     if parts:
         shard = sum(t.nbytes for _, _, f in one_shard(samples, shard_bytes) for t in f.values())
-        print(f"one shard's parts, each timed alone ({shard / 2**20:.0f} MiB of fields; GB/s = 10^9 field bytes a second):")
-        print(f"{'part':58s} {'before s':>9s} {'GB/s':>6s} {'now s':>8s} {'GB/s':>6s}")
+        print(f"one shard's parts, each timed alone ({shard / 2**20:.0f} MiB of fields; GB/s = 10^9 field bytes a wall "
+              f"second; CPU s: the process's, every thread):")
+        print(f"{'part':54s} {'before s':>9s} {'GB/s':>6s} {'CPU s':>6s}   {'now s':>6s} {'GB/s':>6s} {'CPU s':>6s}")
         for part, old, new in parts:
-            cells = [f"{t:9.3f} {shard / t / 1e9:6.2f}" if t else f"{'-':>9s} {'':6s}" for t in (old, new)]
-            print(f"{part:58s} {cells[0]} {cells[1][1:]}")
+            cells = [f"{c[0]:9.3f} {shard / c[0] / 1e9:6.2f} {c[1]:6.3f}" if c else f"{'-':>9s} {'':6s} {'':6s}" for c in (old, new)]
+            print(f"{part:54s} {cells[0]}   {cells[1][3:]}")
 
 
 if __name__ == "__main__":
