@@ -129,24 +129,24 @@ class EncodedShard:
             yield piece.result() if isinstance(piece, _Digests) else piece
 
     def write_to(self, f: BinaryIO) -> None:
-        """Write the file's bytes to `f` (open for writing, at its start), its sha256 computed over the same buffers."""
-        if not self._threads:
-            h = hashlib.sha256()
-            for buf in self.buffers():
-                f.write(buf)
-                h.update(buf)  # still in the CPU's cache
-            self._sha256 = h.hexdigest()
-            return
-        self._hashing = threading.Thread(target=self._hash, name="shard-sha256", daemon=True)
-        self._hashing.start()
+        """Write the file's bytes to `f` (open for writing, at its start), its sha256 computed over the same buffers: on a
+        thread beside this one, or here as each buffer is written (still in the CPU's cache)."""
+        h = None if self._threads else hashlib.sha256()
+        if self._threads:
+            self._hashing = threading.Thread(target=self._hash, name="shard-sha256", daemon=True)
+            self._hashing.start()
         written = started = 0
         for buf in self.buffers():
             f.write(buf)
+            if h is not None:
+                h.update(buf)
             written += _nbytes(buf)
             if written - started >= WRITEBACK_BYTES:  # the device writes while the rest is hashed and written
                 f.flush()
                 start_writeback(f.fileno(), started, written - started)
                 started = written
+        if h is not None:
+            self._sha256 = h.hexdigest()
 
     def _hash(self) -> None:
         try:

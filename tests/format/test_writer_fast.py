@@ -109,12 +109,12 @@ def old_encode_shard(bucket, items, schema, shapes, fingerprint_sha256, rank, ki
 
 @pytest.fixture(params=["inline", "threads"])
 def hashing(request, monkeypatch):
-    """Hashing on the writing thread (a small shard), and on hashing threads with the device's writeback started as the
-    file is written (as a large shard is)."""
+    """Hashing on the writing thread (a small shard), and on hashing threads (as a large shard is); the device's
+    writeback started every 100 bytes written."""
+    monkeypatch.setattr(shards.encode, "WRITEBACK_BYTES", 100)
     if request.param == "threads":
         monkeypatch.setattr(shards.encode, "THREADS_MIN_BYTES", 0)
         monkeypatch.setattr(shards.encode, "HASH_THREADS", 2)
-        monkeypatch.setattr(shards.encode, "WRITEBACK_BYTES", 100)
     return request.param
 
 
