@@ -250,6 +250,7 @@ def main(
                                             "Its device is the one fsync waits for."),
 ) -> None:
     threads_line = pin_threads(threads)
+    load_before = os.getloadavg()[0]
     shard_bytes = shard_mib << 20
     n = sana_samples_for(gib)
     t0 = time.perf_counter()
@@ -290,6 +291,8 @@ def main(
           f"latent (32, H/32, W/32) + bf16 text (120-300, 2304)), made in {made_s:.0f} s; shards of {shard_mib} MiB")
     print(f"{threads_line}; the writer's hashing threads: {HASH_THREADS}; {rounds} rounds, rotating order; files in {root} "
           f"(page cache, then the device where fsync is yes)")
+    print(f"the machine's load average (1 min): {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other processes "
+          f"take the cores the hashing threads would use: with none free, the writer pays its two hashes in full)")
     if mds_writer is None:
         print(f"row (iii) left out: {why_not}")
     print(f"{'row':36s} {'fsync':>5s} {'MB/s':>7s} {'range':>11s} {'s':>6s} {'CPU s':>6s}")
