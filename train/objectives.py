@@ -284,8 +284,7 @@ def vlb_terms(scheduler: DDPMScheduler, x0: torch.Tensor, xt: torch.Tensor, t: t
     x_0 at t = 0, with p's mean from the (detached) epsilon prediction and its log variance interpolated
     between the clipped posterior's and beta's by `variance` in [-1, 1] (the "learned range").
     """
-    betas = scheduler.betas.to(x0.device, torch.float64)
-    ac = scheduler.alphas_cumprod.to(x0.device, torch.float64)
+    betas, ac = schedule_tables(scheduler, x0.device)
     ac_prev = torch.cat([ac.new_ones(1), ac[:-1]])
     posterior_var = betas * (1 - ac_prev) / (1 - ac)
     # log of the posterior variance, clipped: at t = 0 it is 0, so t = 1's is used
@@ -308,6 +307,15 @@ def vlb_terms(scheduler: DDPMScheduler, x0: torch.Tensor, xt: torch.Tensor, t: t
     nll = -discretized_gaussian_log_likelihood(x0, model_mean, 0.5 * model_log_var)
     per_dim = torch.where(per_sample(t == 0, x0), nll, kl)
     return masked_mean(per_dim, mask) / math.log(2.0)
+
+
+def schedule_tables(scheduler: DDPMScheduler, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scheduler's betas and cumulative alphas in float64 on `device`, copied there once: a copy from the host at
+    every step would wait for the device each time."""
+    tables = scheduler.__dict__.setdefault("_float64_tables", {})
+    if device not in tables:
+        tables[device] = (scheduler.betas.to(device, torch.float64), scheduler.alphas_cumprod.to(device, torch.float64))
+    return tables[device]
 
 
 def discretized_gaussian_log_likelihood(x: torch.Tensor, mean: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:

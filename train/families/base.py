@@ -32,6 +32,9 @@ EXPERT_NAMES = ("high", "low")
 BOTH = "both"
 # the text stream's projections of a joint (MMDiT) attention
 TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+# a collated batch's valid tokens per caption, as host ints (`TextInput.collate`): what a forward that needs the captions'
+# lengths as sizes reads, rather than the mask on the device (a read that would wait for it)
+TEXT_TOKENS = "text_tokens"
 
 
 def reference_groups(batch: dict) -> list[list[int]]:
@@ -46,19 +49,24 @@ def reference_groups(batch: dict) -> list[list[int]]:
 
 
 def group_of(batch: dict, rows: list[int]) -> dict:
-    """The batch restricted to samples `rows`: tensors with a batch dimension indexed, the references picked, other
-    entries as they are."""
+    """The batch restricted to samples `rows`: tensors with a batch dimension indexed, the references and the captions'
+    token counts picked, other entries as they are."""
     b = len(batch["references"])
-    index = torch.tensor(rows)
     out = {}
     for name, value in batch.items():
-        if name == "references":
-            out[name] = [value[i] for i in rows]
+        if name in ("references", TEXT_TOKENS):
+            out[name] = type(value)(value[i] for i in rows)
         elif isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == b:
-            out[name] = value[index.to(value.device)]
+            out[name] = value[indices(rows, value.device)]
         else:
             out[name] = value
     return out
+
+
+def indices(rows: list[int], device: torch.device | str) -> torch.Tensor:
+    """Row numbers the host knows as a long tensor on `device`, copied without waiting for the device (the driver
+    stages the few host bytes at once; a blocking copy would wait for every kernel queued before it)."""
+    return torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
 
 
 def stacked_references(batch: dict) -> list[torch.Tensor]:
@@ -220,16 +228,16 @@ class TextInput:
         return out
 
     def collate(self, spec: TextSpec, conds: list[dict[str, torch.Tensor]]) -> dict:
-        """Per-caption fields -> the batch's: `text` padded to the longest caption (B, L, D) with `text_mask` (B, L)."""
+        """Per-caption fields -> the batch's: `text` padded to the longest caption (B, L, D) with `text_mask` (B, L), and
+        each caption's token count as host ints (`TEXT_TOKENS`)."""
         out: dict = {}
         if "text" in conds[0]:
-            longest = max(c["text"].shape[0] for c in conds)
-            text = torch.zeros(len(conds), longest, conds[0]["text"].shape[1], dtype=conds[0]["text"].dtype)
-            mask = torch.zeros(len(conds), longest, dtype=torch.bool)
-            for j, c in enumerate(conds):
-                n = c["text"].shape[0]
+            lengths = tuple(c["text"].shape[0] for c in conds)
+            text = torch.zeros(len(conds), max(lengths), conds[0]["text"].shape[1], dtype=conds[0]["text"].dtype)
+            mask = torch.zeros(len(conds), max(lengths), dtype=torch.bool)
+            for j, (c, n) in enumerate(zip(conds, lengths)):
                 text[j, :n], mask[j, :n] = c["text"], True
-            out.update(text=text, text_mask=mask)
+            out.update({"text": text, "text_mask": mask, TEXT_TOKENS: lengths})
         return out
 
     def problems(self, spec: TextSpec, config: Mapping, family: Family) -> list[str]:

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from shards import Bucket
-from train.families.base import ATTENTION, TEXT_STREAM, Family, ModelPreset, TextInput, TokenRoute, group_of, reference_groups
+from train.families.base import (ATTENTION, TEXT_STREAM, Family, ModelPreset, TextInput, TokenRoute, group_of, indices,
+                                 reference_groups)
 
 # Flux.1-dev's features at CPU size: double- and single-stream blocks, 3-axis RoPE (the axes sum to the head width),
 # the guidance embedding; the text and pooled widths of tiny-sd3's encoders.
@@ -156,12 +157,12 @@ class Flux(Family):
             return self.edit_call(model, config, xt, t, batch, guidance, batch["references"])
         preds, order = [], []
         for rows in groups:
-            index = torch.tensor(rows, device=xt.device)
+            index = indices(rows, xt.device)
             group = group_of(batch, rows)
             preds.append(self.edit_call(model, config, xt[index], t[index], group, guidance, group["references"]))
             order += rows
         inverse = torch.empty(len(order), dtype=torch.long, device=xt.device)
-        inverse[torch.tensor(order, device=xt.device)] = torch.arange(len(order), device=xt.device)
+        inverse[indices(order, xt.device)] = torch.arange(len(order), device=xt.device)
         return torch.cat(preds)[inverse]
 
     def edit_call(self, model, config, xt, t, batch, guidance, references: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -173,15 +174,14 @@ class Flux(Family):
 
         b, c, h, w = xt.shape
         packed = FluxPipeline._pack_latents(xt, b, c, h, w)
-        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, xt.device, xt.dtype)  # (h/2 * w/2, 3)
+        img_ids = image_ids(h // 2, w // 2, xt.device, xt.dtype)  # (h/2 * w/2, 3)
         count = len(references[0]) if references else 0
         if count > 1:
             raise ValueError(f"a sample with {count} reference images: FLUX.1 Kontext takes one (its pipeline's `image`)")
         if count:
             ref = torch.stack([sample[0] for sample in references]).to(xt.dtype)  # (B, C, h', w')
             rh, rw = ref.shape[-2:]
-            ref_ids = FluxPipeline._prepare_latent_image_ids(b, rh // 2, rw // 2, xt.device, xt.dtype)
-            ref_ids[..., 0] = 1
+            ref_ids = image_ids(rh // 2, rw // 2, xt.device, xt.dtype, first=1)
             packed = torch.cat([packed, FluxPipeline._pack_latents(ref, b, c, rh, rw)], dim=1)
             img_ids = torch.cat([img_ids, ref_ids])
         text = batch["text"].to(xt.dtype)  # (B, L, D): every token, padding included
@@ -255,5 +255,17 @@ def flux_rotary_rows(arguments: dict, kept: torch.Tensor) -> dict:
     cos, sin = arguments["image_rotary_emb"]
     rows = torch.cat([torch.arange(text, device=cos.device), text + kept[0].to(cos.device)])
     return {"image_rotary_emb": (cos[rows], sin[rows])}
+
+
+def image_ids(height: int, width: int, device: torch.device, dtype: torch.dtype, first: float = 0.0) -> torch.Tensor:
+    """FluxPipeline's `_prepare_latent_image_ids` (first coordinate 0, then row and column, as float32 converted to
+    `dtype`), (height * width, 3), built on `device`: the pipeline builds them on the host and copies them over, which
+    waits for the device at every call. Kontext's reference ids have their first coordinate 1 (`first`)."""
+    ids = torch.zeros(height, width, 3, device=device)
+    ids[..., 0] = first
+    ids[..., 1] = torch.arange(height, device=device)[:, None]
+    ids[..., 2] = torch.arange(width, device=device)[None, :]
+    return ids.reshape(height * width, 3).to(dtype)
+
 
 FAMILY = Flux()

@@ -60,6 +60,14 @@ def pipeline_class(config: Mapping) -> str:
     return "Flux2Pipeline" if config.get("guidance_embeds") else "Flux2KleinPipeline"
 
 
+def position_ids(batch: int, time: int, height: int, width: int, length: int, device: torch.device) -> torch.Tensor:
+    """The 4-axis ids (time, row, column, token) of a grid, (B, height * width * length, 4) int64, as the FLUX.2
+    pipelines' `_prepare_latent_ids`, `_prepare_image_ids` and `_prepare_text_ids` build them (`torch.cartesian_prod`),
+    but on `device`: theirs are built on the host, and copying them over waits for the device at every call."""
+    axes = (torch.full((1,), time, device=device), *(torch.arange(n, device=device) for n in (height, width, length)))
+    return torch.cartesian_prod(*axes).unsqueeze(0).expand(batch, -1, -1)
+
+
 def rows(text: dict, picked: slice) -> dict:
     """Rows `picked` of a validation batch: its tensors and its per-sample lists (the references)."""
     return {k: v[picked] if isinstance(v, (torch.Tensor, list)) else v for k, v in text.items()}
@@ -148,19 +156,22 @@ class Flux2(Family):
 
         b, c, h, w = xt.shape
         tokens = Flux2Pipeline._pack_latents(xt)  # (B, h * w, C)
-        ids = Flux2Pipeline._prepare_latent_ids(xt).to(xt.device)  # (B, h * w, 4): (0, row, column, 0)
+        ids = position_ids(b, 0, h, w, 1, xt.device)  # (B, h * w, 4): (0, row, column, 0)
         if references:
             refs = torch.cat([Flux2Pipeline._pack_latents(r.to(xt.dtype)) for r in references], dim=1)
-            ref_ids = Flux2Pipeline._prepare_image_ids([r[:1] for r in references]).to(xt.device)  # (1, N, 4)
-            tokens, ids = torch.cat([tokens, refs], dim=1), torch.cat([ids, ref_ids.expand(b, -1, -1)], dim=1)
+            # each reference's (10 + 10 j, row, column, 0), as Flux2Pipeline._prepare_image_ids
+            ref_ids = torch.cat([position_ids(b, 10 + 10 * j, r.shape[-2], r.shape[-1], 1, xt.device)
+                                 for j, r in enumerate(references)], dim=1)
+            tokens, ids = torch.cat([tokens, refs], dim=1), torch.cat([ids, ref_ids], dim=1)
         text = batch["text"].to(xt.dtype)  # (B, L, D): every token, padding included
         g = None
         if config["guidance_embeds"]:
             if guidance is None:
                 raise ValueError("this FLUX.2 transformer embeds a guidance value (FLUX.2-dev): give one (--train-guidance)")
             g = torch.full((b,), float(guidance), device=xt.device, dtype=torch.float32)
+        txt_ids = position_ids(b, 0, 1, 1, text.shape[1], xt.device)  # (B, L, 4): (0, 0, 0, token)
         out = model(hidden_states=tokens, encoder_hidden_states=text, timestep=t / 1000, img_ids=ids,
-                    txt_ids=Flux2Pipeline._prepare_text_ids(text).to(xt.device), guidance=g, return_dict=False)[0]
+                    txt_ids=txt_ids, guidance=g, return_dict=False)[0]
         return out[:, : h * w].transpose(1, 2).reshape(b, c, h, w)  # the target's tokens, back to (B, C, h, w)
 
     # --- validation, as the pipelines sample ---

@@ -163,6 +163,7 @@ class QwenImage(Family):
         """One transformer pass: target (B, C, h, w) and references (B, C, h_j, w_j) each -> the target's prediction."""
         from diffusers import QwenImagePipeline
 
+        sync_free_text_lengths()
         b, c, h, w = xt.shape
         packed = [QwenImagePipeline._pack_latents(x, b, c, x.shape[2], x.shape[3]) for x in (xt, *references)]
         shapes = [(1, x.shape[2] // 2, x.shape[3] // 2) for x in (xt, *references)]
@@ -209,6 +210,28 @@ class QwenImage(Family):
         combined = uncond_p + guidance * (cond_p - uncond_p)
         combined = combined * (torch.norm(cond_p, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))
         return QwenImagePipeline._unpack_latents(combined, h, w, 1)[:, :, 0]
+
+
+def sync_free_text_lengths() -> None:
+    """QwenImageTransformer2DModel's forward asks `compute_text_seq_len_from_mask` for the text's length (for its rotary
+    positions) and the mask as booleans, and drops the per-sample lengths it also computes, for which that function makes
+    `torch.as_tensor(length, device=...)`: a blocking copy from the host at every call. Its module's name is pointed at
+    the same function without that unused part (the length and the mask it returns are the function's own)."""
+    from diffusers.models.transformers import transformer_qwenimage as module
+
+    original = module.compute_text_seq_len_from_mask
+    if getattr(original, "unused_lengths_dropped", False):
+        return
+
+    def text_lengths(encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None):
+        length, _, _ = original(encoder_hidden_states, None)  # the sequence's length, from its shape
+        if encoder_hidden_states_mask is None or encoder_hidden_states_mask.shape[:2] != encoder_hidden_states.shape[:2]:
+            return original(encoder_hidden_states, encoder_hidden_states_mask)  # its answer, or its error
+        return length, None, encoder_hidden_states_mask.to(torch.bool)
+
+    text_lengths.unused_lengths_dropped = True
+    text_lengths.original = original
+    module.compute_text_seq_len_from_mask = text_lengths
 
 
 def single(text: dict, j: int) -> dict:

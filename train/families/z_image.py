@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from train.families.base import ATTENTION, Family, ModelPreset
+from train.families.base import ATTENTION, TEXT_TOKENS, Family, ModelPreset
 
 Z_IMAGE = "Tongyi-MAI/Z-Image"
 Z_IMAGE_TURBO = "Tongyi-MAI/Z-Image-Turbo"
@@ -94,8 +94,15 @@ class ZImage(Family):
 
     def forward(self, model, config: Mapping, xt, t, batch, guidance):
         text = batch["text"].to(xt.dtype)  # (B, L, D), padded to the batch's longest caption
-        mask = batch.get("text_mask")
-        captions = list(text.unbind(0)) if mask is None else [tokens[valid] for tokens, valid in zip(text, mask)]
+        mask, lengths = batch.get("text_mask"), batch.get(TEXT_TOKENS)
+        if mask is None:
+            captions = list(text.unbind(0))
+        elif lengths is not None:  # the collate's counts (a caption's valid tokens come first): nothing read off the device
+            assert len(lengths) == len(text), f"{len(lengths)} caption lengths for {len(text)} captions"
+            # copied out as the mask's selection copies them (the memory the dry run measures against the plan)
+            captions = [tokens[:n].clone() for tokens, n in zip(text, lengths)]
+        else:  # a batch built without them: the mask says, read off the device
+            captions = [tokens[valid] for tokens, valid in zip(text, mask)]
         latents = list(xt.unsqueeze(2).unbind(0))  # B x (C, 1, h, w): one frame each
         out = model(latents, (1000 - t) / 1000, captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)  # the transformer predicts x_0 - noise
@@ -111,7 +118,7 @@ class ZImage(Family):
         """ZImagePipeline's loop: guidance only when the scale is above 0 (none for Turbo) and, with its defaults for
         `cfg_truncation` and `cfg_normalization`, on every step without renormalisation; the prompt alone otherwise."""
         truncation, normalization = pipeline_default("cfg_truncation"), pipeline_default("cfg_normalization")
-        prompt = {k: v[1:] if isinstance(v, torch.Tensor) else v for k, v in text.items()}
+        prompt = {k: v[1:] if isinstance(v, (torch.Tensor, tuple)) else v for k, v in text.items()}
         for t in scheduler.timesteps:
             guided = guidance > 0 and not (truncation is not None and (1000 - float(t)) / 1000 > truncation)
             with autocast:
