@@ -48,18 +48,45 @@ def sum_across(values: list[float], device: torch.device) -> list[float]:
     """Element-wise sum over ranks (identity in one process)."""
     if not dist.is_initialized():
         return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)  # no wait for the device before the sum
     dist.all_reduce(t)
     return t.tolist()
 
 
-def any_across(flag: bool, device: torch.device) -> bool:
-    """True on every rank when it is true on any: ranks take the same branch around collectives."""
+def any_across(flag: bool | torch.Tensor, device: torch.device) -> bool:
+    """True on every rank when it is true on any: ranks take the same branch around collectives. A flag computed on
+    the device is read once, after the all-reduce. This waits for the device: the training step's flags ride its one
+    read instead (`read_step`)."""
     if not dist.is_initialized():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
+        return bool(flag)
+    t = torch.zeros(1, device=device)
+    t[0] = flag if isinstance(flag, torch.Tensor) else float(flag)  # a fill on the device, no copy from the host
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def read_step(norm: torch.Tensor, flags: dict[str, bool | torch.Tensor], device: torch.device) -> tuple[float, dict[str, bool]]:
+    """The training step's one read of the device: the gradient norm, as it is on this rank (every rank's is the same:
+    the gradients were reduced), and `flags` (host booleans or 0-dim device tensors), each true on every rank when it is
+    true on any (one all-reduce of a few numbers, no read of its own).
+
+    Returns:
+        (the norm as a float, the agreed flags by name).
+    """
+    raised = torch.zeros(len(flags), dtype=torch.float64, device=device)
+    for i, flag in enumerate(flags.values()):
+        if isinstance(flag, torch.Tensor):
+            raised[i] = flag  # a copy on the device
+        elif flag:
+            raised[i] = 1.0  # a fill: no copy from the host
+    if dist.is_initialized():
+        dist.all_reduce(raised, op=dist.ReduceOp.MAX)
+    if norm.device == raised.device:
+        values = torch.cat([norm.detach().reshape(1).to(torch.float64), raised]).tolist()  # the one read
+        grad_norm, agreed = values[0], values[1:]
+    else:  # a norm computed on the host (FSDP's CPU offload): read where it is, the flags on their own
+        grad_norm, agreed = float(norm), raised.tolist()
+    return grad_norm, {name: value > 0 for name, value in zip(flags, agreed)}
 
 
 def rank0_value(value):

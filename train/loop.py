@@ -10,7 +10,7 @@ import contextlib
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ from tqdm import tqdm
 from shards import CorruptSample, DamagedCache
 from shards.options import DTYPES
 from train import checkpoint, controlnet, distributed, trackers
-from train.cache import check_cache, check_cache_files, check_same_caches, check_same_encoders, open_generation, saved_generations, until_damaged
+from train.cache import check_cache, check_cache_files, check_same_caches, check_same_encoders, open_generation, saved_generations
 from train.config import TrainConfig
 from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples, check_masks, check_references, has_references
 from train.dryrun import dry_run, startup_plan
@@ -30,7 +30,7 @@ from train.metrics import Metrics, progress_line, write_memory_report
 from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule, null_caption, train_guidance
 from train.order import BatchPlan
 from train.plan import format_plan
-from train.prefetch import Prefetcher
+from train.prefetch import Prefetcher, StepAhead
 from train.state import TrainState, own_run
 from train.step import Diverged, TrainStep
 from train.streams import is_eval_source
@@ -170,41 +170,52 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         say(f"training to step {cfg.steps} from step {progress.step}; a line every {cfg.log_every} steps", flush=True)
     caches = {progress.epoch: group}  # the generations each epoch in flight reads
     stream = BatchStream(first, workers=cfg.workers, prefetch=cfg.prefetch, readahead=cfg.readahead, pin=device.type == "cuda")
-    prefetch = Prefetcher(stream, device)
+    ahead = StepAhead(stream, cfg.grad_accum)  # each step's batches taken (in host memory) before the step before it ends
+    prefetch = Prefetcher(ahead, device)
     try:
-        if stream.needs_epoch():
+        while epochs.due(stream, cfg.grad_accum + 1):
             epochs.hand_over(stream, caches)
-        for batch in until_damaged(prefetch, damaged):
-            if world > 1 and distributed.any_across(False, device):  # a rank's batch is damaged: all stop here
-                damaged.append(DamagedCache("another rank read a damaged sample (its error names the shard)."))
-                break
+        # The first step's batches, agreed on by every rank before any collective; every later step's ride the step
+        # before's one read of the device (`TrainStep.report`): no rank waits for the device between micro-batches.
+        if distributed.any_across(ahead.take_step(), device):
+            damaged.append(damage(ahead))
+        for batch in [] if damaged else prefetch:
+            if step.micro == 0:  # a step begins, at the same batch on every rank: the next epochs are handed over in time
+                while epochs.due(stream, cfg.grad_accum + 1):  # the batches taken before the next step begins, at most
+                    epochs.hand_over(stream, caches)
             if batch["epoch"] != progress.epoch:  # the epoch before is done
                 caches.pop(progress.epoch, None)
                 group = caches[batch["epoch"]]
             progress.epoch, progress.cursor = batch["epoch"], batch["cursor"]
-            if stream.needs_epoch():
-                epochs.hand_over(stream, caches)
             if not step.accumulate(batch, progress.step):
                 continue
+            # the next step's batches are taken now: whether one is damaged, and whether a signal came, are agreed by every
+            # rank in the update's one read (a signal after it is seen at the next step)
+            step.report(stop=stop["signal"] is not None, damaged=progress.step + 1 < cfg.steps and ahead.take_step())
             try:
                 done = step.update(progress.step)
             except Diverged as e:  # the weights are left as they were; the checkpoints before stay the resume point
                 raise Diverged(f"{e} {resume_hint(cfg)}") from None
-            if done is None:  # non-finite: skipped on every rank
+            if done.stop and world > 1:
+                stop["signal"] = stop["signal"] or signal.SIGTERM  # a signal to any rank stops all at this step
+            stopping = done.stop if world > 1 else stop["signal"] is not None  # in several processes: as all agreed
+            if done.damaged:  # a batch of the next step is damaged on some rank: all stop after this one
+                damaged.append(damage(ahead))
+            if done.skipped:  # non-finite: skipped on every rank
+                if stopping or damaged:
+                    break
                 continue
-            grad_norm, micros = done
-            for micro in micros:
+            for micro in done.micros:
                 metrics.add(micro.loss, micro.per_sample, micro.t, micro.samples * world, micro.source, micro.class_loss)
             progress.step += 1
             bar.update(1)
-            if world > 1 and distributed.any_across(stop["signal"] is not None, device):
-                stop["signal"] = stop["signal"] or signal.SIGTERM  # a signal to any rank stops all at this step
             held = None  # the held-out loss, logged with this step
             if evaluator is not None and eval_due(progress.step, cfg.eval_every, cfg.steps):
                 held = evaluate(evaluator, model, cfg, preset, controlled)
                 metrics.exclude(held["eval_s"])
             if progress.step % cfg.log_every == 0 or progress.step == cfg.steps or held:
-                record = metrics.log(progress.step, float(scheduler.get_last_lr()[0]), grad_norm, prefetch.wait_s, held)
+                record = metrics.log(progress.step, float(scheduler.get_last_lr()[0]), done.grad_norm,
+                                     prefetch.wait_s + ahead.wait_s, held)
                 if validator is not None:
                     metrics.report_grids(validator.finished())
                 bar.set_postfix(loss=f"{record['loss']:.4f}", smooth=f"{record['smoothed_loss']:.4f}", lr=f"{record['lr']:.2e}",
@@ -219,11 +230,8 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
                 validated_at = progress.step
             if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0:
                 save(state, progress, metrics, group, run_config, device)
-            if progress.step >= cfg.steps or stop["signal"] is not None:
+            if progress.step >= cfg.steps or stopping or damaged:
                 break
-        else:
-            if damaged and world > 1:
-                distributed.any_across(True, device)  # answers the other ranks' check of this batch
     finally:
         stream.close()
     bar.close()
@@ -289,6 +297,7 @@ class Epochs:
     preset: ModelPreset
     rank: int
     world: int
+    sizes: dict[int, int | None] = field(default_factory=dict)  # batches of each epoch made (None: it failed to open)
 
     def open_all(self, generations: list[int | None]) -> list:
         """The run's caches at `generations` (None: the newest). Every rank reads the generation rank 0 opened (or the
@@ -315,6 +324,7 @@ class Epochs:
             raise ValueError(f"{where} holds no full batch of {cfg.batch_size} x {world} sample(s) in any bucket with "
                              f"--remainder {cfg.remainder}; use a smaller --batch-size"
                              + (" or --remainder repeat" if cfg.remainder != "repeat" else ""))
+        self.sizes[number] = plan.batches_per_epoch()
         parts, offset = [], 0
         family = get_family(self.preset.family)
         # a family's conditioning fields (an image-to-video model's first frame) and an edit cache's references in the
@@ -327,15 +337,26 @@ class Epochs:
             offset += len(c)
         return Epoch(number, plan, parts[0] if len(parts) == 1 else CacheSamples(parts), start)
 
+    def due(self, stream: BatchStream, ahead: int) -> bool:
+        """Whether the next epoch must be handed over now: from the stream's position, the epochs handed over hold no
+        more batches than `ahead` (what the loop takes before it asks again) plus the stream's own lead (its builders
+        run ahead). Asked where every rank has taken the same batches: handing over is collective."""
+        last = max(self.sizes)
+        if self.sizes[last] is None:  # an epoch that could not be opened: its error stops the run where it begins
+            return False
+        epoch, cursor = stream.position
+        return sum(n for e, n in self.sizes.items() if e >= epoch) - cursor <= ahead + stream.lead
+
     def hand_over(self, stream: BatchStream, caches: dict[int, list]) -> None:
         """Open the next epoch's generation (the same on every rank) before this epoch's last batches are taken;
         `caches`: the generations each epoch in flight reads."""
-        number = stream.position[0] + 1
+        number = max(self.sizes) + 1
         try:
             nxt = self.open_all([None] * len(self.cfg.cache))
             for c in nxt:
                 check_cache_files(c, self.rank == 0, ("prompts",))
         except DamagedCache as e:  # every rank checks the same generation: all stop where the epoch begins
+            self.sizes[number] = None
             stream.add_epoch(Epoch(number, None, None, error=e))
             return
         caches[number] = nxt
@@ -363,13 +384,21 @@ def save(state: TrainState, progress, metrics: Metrics, group: list, run_config:
     state.save(progress, group, run_config)
 
 
+def damage(ahead: StepAhead) -> DamagedCache:
+    """The error a rank stops with when a batch of the next step is damaged: its own (naming the file and its repair), or
+    the other rank's."""
+    if isinstance(ahead.failed, DamagedCache):
+        return ahead.failed
+    return DamagedCache("another rank read a damaged sample (its error names the shard).")
+
+
 def finite_weights(params, device: torch.device) -> bool:
     """Whether every trained parameter is finite, on every rank (one read of the device)."""
     bad = torch.zeros((), dtype=torch.bool, device=device)
     for p in params:
         local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP rank checks its shard
         bad |= ~torch.isfinite(local.detach()).all().to(device)
-    return not distributed.any_across(bool(bad), device)
+    return not distributed.any_across(bad, device)
 
 
 def resume_hint(cfg: TrainConfig) -> str:

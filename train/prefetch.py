@@ -1,12 +1,68 @@
-"""The step's batches on the device ahead of time: batch k+1 is copied while step k runs."""
+"""The step's batches on the device ahead of time: batch k+1 is copied while step k runs; and the next optimizer step's
+batches taken from the data stream (in host memory) before the current step ends, so that whether one of them is
+damaged is known in time to ride the step's one read (`StepAhead`)."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
+from shards import DamagedCache
 from train.data import batch_tensors, to_device
+
+
+class StepAhead:
+    """The stream's batches in order, with a whole optimizer step's taken ahead of need (`take_step`).
+
+    Under torchrun a rank whose batch is damaged must stop where the others do, before any collective it would not
+    join: the micro-batches of a step each run collectives (DDP's buffers and gradients, FSDP's gathers). So every
+    step's `size` batches are taken from the stream before the step before it ends, and whether one of them is damaged
+    rides that step's one read of the device (`TrainStep.report`), instead of an all-reduce and a read per
+    micro-batch. The batches wait in host memory (the prefetcher copies one at a time to the device), in the order
+    taken. A failure to take one is kept and raised when its batch is due; nothing is taken after it.
+    """
+
+    def __init__(self, batches, size: int):
+        self.batches, self.size = batches, size
+        self.ahead: deque = deque()  # taken, not yet handed on: batches, or the error taking one raised
+        self.taken = 0  # batches taken from the stream (a failed take included)
+        self.planned = 0  # batches that `take_step` calls asked for in all
+        self.failed: BaseException | None = None
+        self.wait_s = 0.0  # time spent taking batches ahead (the training loop waits for it)
+
+    def take_step(self) -> bool:
+        """Take the next step's batches from the stream now; returns whether one of them is damaged (a damaged cache
+        file or sample: the caller stops before that step)."""
+        self.planned += self.size
+        t0 = time.perf_counter()
+        while self.taken < self.planned and self.failed is None:
+            self.ahead.append(self._take())
+        self.wait_s += time.perf_counter() - t0
+        return isinstance(self.failed, DamagedCache)
+
+    def _take(self):
+        self.taken += 1
+        try:
+            return next(self.batches)
+        except Exception as e:  # noqa: BLE001 (raised when its batch is due)
+            self.failed = e
+            return e
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self.ahead:
+            item = self.ahead.popleft()
+        elif self.failed is not None:
+            raise StopIteration
+        else:
+            item = self._take()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
 
 class Prefetcher:

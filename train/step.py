@@ -34,6 +34,18 @@ class Diverged(RuntimeError):
 
 
 @dataclass
+class Update:
+    """What `TrainStep.update` did: the step's gradient norm, its micro-batches, whether it was skipped (non-finite), and
+    the flags `TrainStep.report` raised for it as every rank agreed on them (true on all when true on any)."""
+
+    grad_norm: float
+    micros: list[MicroBatch]
+    skipped: bool = False
+    stop: bool = False  # a rank was told to stop (a signal): every rank stops after this step
+    damaged: bool = False  # a rank's batches of the next step are damaged: every rank stops before it
+
+
+@dataclass
 class MicroBatch:
     loss: torch.Tensor  # this rank's mean loss, on the device (read when metrics are logged)
     per_sample: torch.Tensor  # this rank's samples' losses
@@ -49,7 +61,8 @@ class TrainStep:
     Nothing here waits for the device but the one decision that needs a value: whether the step's gradient
     norm is finite. A non-finite loss makes the gradients non-finite (DDP and FSDP reduce them, so every
     rank sees it alike): the step is skipped on every rank, logged with its sample keys, and
-    `max_bad_steps` of them in a row stop the run."""
+    `max_bad_steps` of them in a row stop the run. The same read brings the loop's flags (`report`) agreed across
+    ranks, so a step waits for the device once, micro-batches never."""
 
     def __init__(self, cfg: TrainConfig, model: Model, objective, optimizer: torch.optim.Optimizer, scheduler,
                  scaler: torch.amp.GradScaler, ema: EMA | None, *, parallel: str, rank: int, world: int, device: torch.device):
@@ -61,6 +74,7 @@ class TrainStep:
         self.keys: list[str] = []  # their samples, named when the step is skipped
         self.bad_in_row = 0
         self.bad_keys: list[list[str]] = []  # the samples of each skipped batch in a row
+        self.flags = {"stop": False, "damaged": False}  # this rank's, for the next update (`report`)
         self.base_forward = None  # output preservation's target: the transformer with its adapters off, no gradients
         if cfg.preservation == "output":
             assert model.adapter is not None, "--preservation output is refused without LoRA adapters (config)"
@@ -104,30 +118,46 @@ class TrainStep:
         self.keys += batch["keys"]
         return self.ready
 
-    def update(self, step: int) -> tuple[float, list[MicroBatch]] | None:
-        """Clip and step the optimizer, the schedule and the EMA; returns the gradient norm and the step's
-        micro-batches, or None when the gradients were non-finite (skipped; with fp16 the scaler skips
-        overflowing steps itself)."""
+    def report(self, *, stop: bool = False, damaged: bool = False) -> None:
+        """This rank's flags for the coming `update`, which agrees them with every rank's in its one read: `stop` (a
+        signal came), `damaged` (a batch of the next step could not be read)."""
+        self.flags = {"stop": stop, "damaged": damaged}
+
+    def update(self, step: int) -> Update:
+        """Clip and step the optimizer, the schedule and the EMA; returns the gradient norm, the step's micro-batches
+        and the flags of every rank, skipped when the gradients were non-finite (with fp16 the scaler's overflowing
+        steps are skipped as the scaler skips them, and not counted as bad)."""
         micros, keys, self.micros, self.keys = self.micros, self.keys, [], []
+        flags, self.flags = self.flags, {"stop": False, "damaged": False}
         self.scaler.unscale_(self.optimizer)
         clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(distributed.full_value(torch.nn.utils.clip_grad_norm_(self.model.params, clip)))  # the one read
+        norm = distributed.full_value(torch.nn.utils.clip_grad_norm_(self.model.params, clip))
+        losses = torch.stack([m.loss for m in micros])
+        overflow = (torch.stack([f.to(self.device) for f in self.scaler._found_inf_per_device(self.optimizer).values()]).sum() > 0
+                    if self.scaler.is_enabled() else False)
+        # the one read of the step: the norm (the same on every rank: the gradients are reduced) and the flags, true on
+        # every rank when true on any (one small all-reduce beside the gradients')
+        grad_norm, agreed = distributed.read_step(norm, {"bad_loss": ~torch.isfinite(losses).all(), "overflow": overflow,
+                                                         **flags}, self.device)
+        done = Update(grad_norm, micros, stop=agreed["stop"], damaged=agreed["damaged"])
         if not math.isfinite(grad_norm) and not self.scaler.is_enabled():
-            what = "loss" if any(not math.isfinite(float(m.loss)) for m in micros) else "gradients"  # read only here
+            what = "loss" if agreed["bad_loss"] else "gradients"
             self._skip(f"step {step}: non-finite {what}, skipped; samples {keys}", step, keys)
-            return None
+            done.skipped = True
+            return done
         # Whatever draws from the global RNG in the step (stochastic rounding) is fixed by the step
         # number, so a resumed run rounds exactly as an uninterrupted one.
         # The same seed on every rank: DDP replicas must round alike; FSDP ranks round different shards.
         torch.manual_seed(derived_seed(self.cfg.seed, 2_000_003, step))
-        self.scaler.step(self.optimizer)
+        if not agreed["overflow"]:  # as GradScaler.step decides, from the flag already read (it would read it again)
+            self.optimizer.step()
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.bad_in_row, self.bad_keys = 0, []
         if self.ema is not None and (step + 1) % self.cfg.ema_every == 0:
             self.ema.step(self.model.params)  # on the EMA's device
-        return grad_norm, micros
+        return done
 
     def rewind(self) -> int:
         """Drop the micro-batches of an unfinished step (a stop between them); returns how many."""
