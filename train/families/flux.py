@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from shards import Bucket
-from train.families.base import (ATTENTION, TEXT_STREAM, Family, ModelPreset, TextInput, TokenRoute, group_of, indices,
-                                 reference_groups)
+from train.families.base import ATTENTION, TEXT_STREAM, Family, ModelPreset, TextInput, TokenRoute, group_of, indices, reference_groups
 
 # Flux.1-dev's features at CPU size: double- and single-stream blocks, 3-axis RoPE (the axes sum to the head width),
 # the guidance embedding; the text and pooled widths of tiny-sd3's encoders.
