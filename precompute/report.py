@@ -75,7 +75,8 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         loop_s: the pass's wall time (the longest rank's).
         shares: where the passes' time went (`encoder_s`, `encoder_busy_fraction`, `data_wait_fraction`,
             `writer_wait_fraction`, `writer_busy_fraction`), added to the summary and printed as one line; the stage
-            that bounds the run (`bound_by`) is added as `bound_by` and said with its advice on the next.
+            that bounds the run (`bound_by`) is added as `bound_by` and said with its advice on the next (when the run
+            encoded anything).
     """
     manifest = Cache(cache).manifest
     in_cache = manifest.datasets()
