@@ -59,19 +59,20 @@ def pass_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name in ("encoder", "shard-writer")]
 
 
-def test_the_overlapped_pass_writes_the_serial_pass_cache(tmp_path, monkeypatch):
-    """Two sources, one with flipped latents, captions stored once, batches of 4 over several buckets: the encoder on
-    its own thread writes the same shards, byte for byte, as the encoder called between the pass's steps."""
+@pytest.mark.parametrize("dedup_texts", [True, False], ids=["texts-stored-once", "texts-with-samples"])
+def test_the_overlapped_pass_writes_the_serial_pass_cache(tmp_path, monkeypatch, dedup_texts):
+    """Two sources, one with flipped latents, batches of 3 over several buckets (full and partial ones): the encoder
+    on its own thread writes the same shards, byte for byte, as the encoder called between the pass's steps."""
     flipped = make_folder(tmp_path / "flipped", count=6, seed=3)
     file = tmp_path / "data.toml"
     file.write_text(f'[[source]]\nname = "plain"\npath = "{make_folder(tmp_path / "plain", count=6)}"\n\n'
                     f'[[source]]\nname = "flipped"\npath = "{flipped}"\nflip = true\n')
-    options = dict(batch_size=4, max_shard_mb=1, storage_dtype="bf16")
+    options = dict(batch_size=3, max_shard_mb=1, storage_dtype="bf16", dedup_texts=dedup_texts)
     overlapped = run(file, tmp_path / "overlapped", **options)
     serial = run(file, tmp_path / "serial", overlap=False, monkeypatch=monkeypatch, **options)
     assert overlapped["new"] == serial["new"] == 12
     ours, theirs = shard_bytes(tmp_path / "overlapped"), shard_bytes(tmp_path / "serial")
-    assert any(name.startswith(TEXT_DIR) for name in ours) and len(ours) > 2
+    assert any(name.startswith(TEXT_DIR) for name in ours) == dedup_texts and len(ours) > 2
     assert ours.keys() == theirs.keys() and all(ours[k] == theirs[k] for k in ours)
     assert list(Cache(tmp_path / "overlapped").manifest.samples()) == list(Cache(tmp_path / "serial").manifest.samples())
 
