@@ -203,6 +203,12 @@ class MemoryOptions:
                                         "CPUOffloadPolicy; CUDA only).")
     ema_device: Literal["device", "cpu"] = opt("device", "Keep the EMA on the training device, or on the CPU (pinned; each update "
                                                          "copies the weights there first).")
+    host_memory: str | None = opt(None, "Host memory (system RAM) of one node for the run's ranks, e.g. 64GB (GB counted as "
+                                        "GiB, as RAM is sold; a bare number is GiB). Default: this machine's physical memory "
+                                        "(MemTotal in /proc/meminfo). python -m train plan, and the trainer before it loads "
+                                        "any weights, refuse a setup whose planned host memory per node (a rank's peak times "
+                                        "the ranks on the node) is over it, naming its largest part and what to change; give "
+                                        "a larger value to go ahead anyway.")
 
     def check(self) -> None:
         if self.weights_dtype == "bf16" and self.precision != "bf16":
@@ -214,6 +220,10 @@ class MemoryOptions:
                              "state beside the tensor, which the swap does not carry; use --base-quant int8 or fp8 with "
                              "block swapping, or nf4 alone")
         self.checkpoint_every_k()  # validates the spelling
+        if self.host_memory is not None:
+            from train.host_memory import parse_size
+
+            parse_size(self.host_memory)  # refuses a malformed size before anything loads
 
     def checkpoint_every_k(self) -> int:
         """0: no gradient checkpointing; 1: every block; K: every K-th block."""

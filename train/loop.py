@@ -18,11 +18,11 @@ from tqdm import tqdm
 
 from shards import CorruptSample, DamagedCache
 from shards.options import DTYPES
-from train import checkpoint, controlnet, distributed, trackers
+from train import checkpoint, controlnet, distributed, host_memory, trackers
 from train.cache import check_cache, check_cache_files, check_same_caches, check_same_encoders, open_generation, saved_generations
 from train.config import TrainConfig
 from train.data import BatchStream, CacheSamples, Epoch, TrainingSamples, check_masks, check_references, has_references
-from train.dryrun import dry_run, startup_plan
+from train.dryrun import check_host_memory, dry_run, startup_plan
 from train.evaluate import build_evaluator, eval_due, evaluate
 from train.families import get_family, get_preset
 from train.families.base import ModelPreset
@@ -98,6 +98,12 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
             say(f"applied on resume: {change} from step {saved['step']}")
         check_same_caches(resume_from, saved, group)  # the data cursor continues over the samples it counted
 
+    # the memory plan (rank 0's; every rank's for a dry run), made before any weights load: a run whose host memory
+    # per node is over --host-memory stops here, on every rank, with what to change
+    host_memory.return_freed_memory()  # from here on the process's memory is its tensors' (what the plan counts)
+    planned = startup_plan(cfg, cache, device, world, parallel, objective) if is_main or cfg.dry_run else None
+    check_host_memory(planned)
+
     # 2. the transformer and only it, then what trains it; resumed from the checkpoint when there is one
     model = build_model(cfg, preset, parallel, world, device, resume_from=resume_from, state=saved, say=say, latent=cache.spec.latent)
     # validation samples with the training weights themselves: the ControlNet unwrapped, no copy of either model
@@ -139,8 +145,10 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
     if evaluator is not None:
         say(evaluator.describe())
     if is_main or cfg.dry_run:
-        planned = startup_plan(cfg, cache, device, world, parallel, objective,
-                               model.controlnet.config.num_layers if model.controlnet is not None else None)
+        if model.controlnet is not None and model.controlnet.config.num_layers != planned.get("controlnet_layers"):
+            # a pretrained or resumed ControlNet has its own depth: planned again, from the same baseline
+            planned = startup_plan(cfg, cache, device, world, parallel, objective, model.controlnet.config.num_layers,
+                                   baseline=planned["host"]["baseline"])
         say(format_plan(planned))
         if "preservation_forward" in planned and first.plan.classes:  # its time over an epoch: the class batches' share
             plan_ = first.plan

@@ -20,6 +20,7 @@ import torch
 from shards import ASPECT_RATIO_TABLES, Bucket, bucket_table, resolution_table
 from shards.options import DTYPE_BYTES, DTYPES
 from shards.references import unpack as unpack_references
+from train import host_memory
 from train.config import TrainConfig
 from train.data import has_references
 from train.families import get_family, get_preset
@@ -29,7 +30,7 @@ from train.lora import TITLES
 from train.model import build_run_objective
 from train.plan_config import GiB, PlanConfig, card_memory
 from train.plan_costs import cpu_peak, frozen_bytes, objective_bytes, optimizer_state_bytes
-from train.plan_trace import trace_activations, trace_base_forward, trace_flops
+from train.plan_trace import example_inputs, trace_activations, trace_base_forward, trace_flops
 from train.presets import transformer_blocks
 
 CARDS = (16, 24, 32, 40, 48, 80)  # the cards of `largest_batch_by_card`, by their memory as sold (GB)
@@ -63,12 +64,15 @@ class _Budget:
 
 
 def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda message: None,
-         buckets: list[Bucket] | None = None) -> dict:
-    """Bytes per component on one rank's device, the predicted peak, the verdict and the largest batch.
+         buckets: list[Bucket] | None = None, batch: list[int] | None = None, baseline: int | None = None) -> dict:
+    """Bytes per component on one rank's device, the predicted peak, the verdict and the largest batch; and the host
+    memory of a rank and a node by part (`train.host_memory`).
 
     `objective`: the run's (its memory is traced); default: the preset's with the trainer's default options. `say`
     hears what the planner is doing (tracing a real-size model takes a while). `buckets`: the buckets to give the
-    largest batch of (a cache's); default: the preset's base table."""
+    largest batch of (a cache's); default: the preset's base table. `batch`: the bytes of each tensor of one batch
+    as the loader builds it (a cache's, `cached_batch`); default: the family's example batch at the traced bucket.
+    `baseline`: the process's memory before any weights; default: this process's, measured once planned."""
     t0 = time.perf_counter()
     preset = get_preset(pc.model, pc.expert)  # --expert both: the two experts
     say(f"planning {pc.model}: building it on the meta device (no memory) ...")
@@ -149,6 +153,8 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
     by_bucket = {b.name: budget.largest_batch_at(pc.gpu_memory, size(b) / size(pc.traced)) for b in table}
     # What a trainer without a cache adds: the VAE and text encoder(s) resident, frozen, in bf16.
     encoders = {name: 2 * n for name, n in preset.encoder_parameters.items()}
+    host = host_costs(pc, preset, family, config, built, components, peak, refs, tb, fb, sum(swapped), frozen + sum(swapped),
+                      batch, baseline)
     return {
         "config": {**asdict(pc), "bucket": pc.traced.name, "ema": pc.ema_placement()},
         "tokens_per_sample": tokens,
@@ -157,6 +163,7 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
         "peak_with_encoders_resident": peak + sum(encoders.values()),
         "parameters": n_params,
         "host_bytes": sum(swapped),
+        "host": host,
         "trainable_parameters": n_trainable,
         **({"controlnet_layers": built.controlnet.config.num_layers} if built.controlnet is not None else {}),
         "buffers": n_buffers,
@@ -172,6 +179,57 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
         "activation_bytes_per_sample": per_sample,
         **({"preservation_forward": preservation} if preservation else {}),
     }
+
+
+def host_costs(pc: PlanConfig, preset, family, config, built, components: dict, peak: float, refs, tb: int, fb: int,
+               swapped: float, frozen: float, batch: list[int] | None, baseline: int | None) -> dict:
+    """The host memory of the setup (`train.host_memory.host_plan`) from the device plan's figures: `frozen` the frozen
+    weights' bytes (swapped ones included), `swapped` those of the swapped blocks."""
+    model = built.transformer
+    shard = pc.world_size if pc.parallel == "fsdp" else 1
+    trained = [p for m in ([model] + ([built.controlnet] if built.controlnet is not None else [])) for p in m.parameters()
+               if p.requires_grad]
+    sizes = [p.numel() for p in trained]
+    file_params = sum(p.numel() for p in model.parameters() if not (pc.frozen_base and p.requires_grad))
+    buffers = sum(b.numel() for b in model.buffers()) * fb
+    base = frozen if pc.frozen_base else sum(sizes) * tb
+    weights, mapped, how = host_memory.loaded_weights(pc, preset, file_params, base, sum(sizes) * tb if pc.frozen_base else 0,
+                                                      buffers)
+    if pc.device != "cpu" and weights < base:  # used from the mapped file: the swapped blocks' pinned copies are new
+        weights += swapped
+    hm = host_memory.HostModel(weights=weights, mapped=mapped, trainable_sizes=sizes, trainable_bytes=sum(sizes) * tb,
+                               swapped=swapped if pc.device != "cpu" else 0.0, shard=shard,
+                               optimizer_states=components["optimizer states"] or optimizer_state_bytes(trained, pc.optimizer, tb) / shard,
+                               gradients=sum(sizes) * tb / shard,
+                               saved=0.0 if pc.parallel == "fsdp" or pc.device == "cpu" else sum(sizes) * tb, weights_how=how)
+    if batch is None:  # the preset's shapes, in the cache's default bf16
+        example = example_inputs(family, model, preset, pc.traced, pc.batch_size, pc.text_tokens or preset.text_tokens,
+                                 torch.bfloat16, refs)
+        batch = host_memory.batch_sizes(example)
+    loader = host_memory.loader_parts(batch, pc.workers, pc.prefetch, pc.readahead, pin=pc.device != "cpu")
+    static = sum(v for k, v in components.items() if k not in ("activations", "gradients"))
+    limit, where = host_memory.host_limit(pc.host_memory)
+    return host_memory.host_plan(pc, hm, loader, peak, static, host_memory.process_memory() if baseline is None else baseline,
+                                 pc.node_ranks, limit, where)
+
+
+def cached_batch(cache, pc: PlanConfig, bucket: Bucket | None = None) -> list[int]:
+    """Bytes of each tensor of a batch of `cache` as the trainer's loader builds it (`train.data.TrainingSamples`): its
+    first samples of `bucket` (default: its largest, the dry run's), batch size `pc.batch_size`."""
+    import itertools
+
+    from train.cache import largest_bucket
+    from train.data import TrainingSamples
+
+    preset = get_preset(pc.model, pc.expert)
+    family = get_family(preset.family)
+    bucket = bucket or largest_bucket(cache)
+    samples = TrainingSamples(cache, 0, 0.0, check_digests=False, control=pc.controlnet,
+                              conditioning=family.conditioning_fields(cache.spec), conditioning_dtype=DTYPES[pc.precision],
+                              max_references=preset.references)
+    first = list(itertools.islice(itertools.chain.from_iterable(cache.ranges_by_bucket()[bucket]), pc.batch_size))
+    indices = (first * pc.batch_size)[: pc.batch_size]
+    return host_memory.batch_sizes(samples.collate([samples[(0, i)] for i in indices]))
 
 
 def cached_references(cache, bucket: Bucket | None = None) -> dict:
@@ -263,8 +321,6 @@ def format_plan(result: dict) -> str:
         lines.append(f"  output preservation adds {preservation['added_compute']:.0%} to a class batch's compute "
                      f"({preservation['flops'] / 1e12:.3g} TFLOP on top of the step's {preservation['step_flops'] / 1e12:.3g}: "
                      f"forward, backward and recomputations); instance batches are unchanged")
-    if result["host_bytes"]:
-        lines.append(f"  {'in pinned CPU memory':<24} {result['host_bytes'] / GiB:9.2f} GiB (the swapped blocks' frozen weights)")
     verdict = "fits" if result["fits"] else "does NOT fit"
     lines.append(f"  {verdict} in {cfg['gpu_memory'] / GiB:.2f} GiB for tensors; largest batch at {cfg['bucket']}: "
                  f"{result['largest_batch']}")
@@ -280,6 +336,7 @@ def format_plan(result: dict) -> str:
         lines.append(f"  with the encoders resident in bf16, as trainers without a cache run ({names}): "
                      f"{result['peak_with_encoders_resident'] / GiB:.2f} GiB, largest batch "
                      f"{result['largest_batch_with_encoders_resident']}; the cache saves {resident / GiB:.2f} GiB per device")
+    lines += host_memory.format_host(result["host"])
     lines.append("  (activations traced at one forward on the meta device, and with checkpointing its backward's recomputations "
                  "too; backward frees activations as it makes gradients, so the peak counts the larger of the two)")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from train.plan_config import GPU_MEMORY_HELP, PlanConfig, card_memory
 OPTIONS = ("batch_size", "precision", "weights_dtype", "optimizer", "grad_checkpointing", "ema_decay", "ema_device",
            "world_size", "parallel", "fsdp_cpu_offload", "text_tokens", "lora_rank", "lora_targets", "adapter", "lokr_factor",
            "lokr_decompose_both", "controlnet", "controlnet_layers", "base_quant", "blocks_to_swap", "preservation", "expert",
-           "references", "reference_size")
+           "references", "reference_size", "workers", "prefetch", "readahead", "device", "ranks_per_node", "host_memory")
 EXIT_INPUT = 2  # as `python -m train`: bad options
 
 
@@ -27,8 +27,10 @@ def plan_command(model: str, *, resolution: int | None = None, bucket: str | Non
     like the trainer's mean the same and default the same."""
     from shards import FormatError, open_cache
     from train.families import get_preset
-    from train.plan import cached_references, format_plan, plan
+    from train.host_memory import refusal, return_freed_memory
+    from train.plan import cached_batch, cached_references, format_plan, plan
 
+    return_freed_memory()  # as the trainer: its baseline is measured the same way
     try:
         opened = open_cache(cache) if cache else None
         size = traced_bucket(model, resolution, bucket, frames, opened)
@@ -37,12 +39,17 @@ def plan_command(model: str, *, resolution: int | None = None, bucket: str | Non
                 and options.get("reference_size") is None:  # an edit cache's own references, unless given
             options.update(cached_references(opened, size))
         # what it is doing goes to stderr: the plan (or its JSON) alone on stdout
-        result = plan(PlanConfig(model, bucket=tuple(size) if size.frames else size[:2], gpu_memory=card_memory(gpu_memory), **options),
-                      say=lambda message: typer.echo(message, err=True), buckets=buckets)
+        pc = PlanConfig(model, bucket=tuple(size) if size.frames else size[:2], gpu_memory=card_memory(gpu_memory), **options)
+        # the loader's batches from the cache's own samples at the traced bucket (its largest unless told)
+        batch = cached_batch(opened, pc, size if size in opened.manifest.buckets() else None) if opened is not None else None
+        result = plan(pc, say=lambda message: typer.echo(message, err=True), buckets=buckets, batch=batch)
     except (ValueError, FormatError, FileNotFoundError) as e:  # the message says what to do; no traceback
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(EXIT_INPUT) from None
     print(json.dumps(result, indent=1) if as_json else format_plan(result))
+    if not result["host"]["fits"]:  # the plan is printed, then refused: the same words as the trainer's
+        typer.echo(f"error: {refusal(result['host'])}", err=True)
+        raise typer.Exit(EXIT_INPUT)
 
 
 def traced_bucket(model: str, resolution: int | None, bucket: str | None, frames: int | None, cache=None):

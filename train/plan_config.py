@@ -55,6 +55,13 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
     references: int | None = opt(None, "Edit presets: reference images per sample, their tokens concatenated to the "
                                        "target's (default: 1; at most the preset's limit; 0: a text-to-image sample of a "
                                        "model that takes both).", at_least=0)
+    device: Literal["cuda", "cpu"] = opt("cuda", "Where the run trains: cuda (a card of --gpu-memory), or cpu (what the plan "
+                                                 "counts as device memory is host memory too, in the host figures).")
+    ranks_per_node: int | None = opt(None, "Ranks (processes, one per GPU) on each node: a node's host memory holds this "
+                                           "many ranks' (default: --world-size, all on one node).", at_least=1)
+    workers: int = shared(DataOptions, "workers")
+    prefetch: int = shared(DataOptions, "prefetch")
+    readahead: int = shared(DataOptions, "readahead")
     reference_size: str | None = opt(None, "Edit presets: each reference image's size HxW in pixels, e.g. 1024x1024 "
                                            "(default: the traced bucket's aspect ratio at the preset's reference area, as "
                                            "its pipeline prepares an input image, sides multiples of one image token).")
@@ -68,6 +75,8 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
             concern.check(self)
         check_preservation(self)
         self.check_references()
+        if self.ranks_per_node is not None and self.ranks_per_node > self.world_size:
+            raise ValueError(f"--ranks-per-node {self.ranks_per_node}: more than the --world-size {self.world_size} ranks")
 
     @classmethod
     def of_run(cls, cfg: TrainConfig, **plan_only) -> PlanConfig:
@@ -110,6 +119,11 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
     def traced(self) -> Bucket:
         """The bucket traced, as a `shards.Bucket` (frames 0: an image)."""
         return Bucket(*self.bucket)
+
+    @property
+    def node_ranks(self) -> int:
+        """Ranks whose host memory one node holds."""
+        return self.ranks_per_node or self.world_size
 
     def ema_placement(self) -> str:
         """Where the EMA's shadow weights are: "off", "device" or "cpu"."""
