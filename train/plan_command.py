@@ -47,8 +47,9 @@ def plan_command(model: str, *, resolution: int | None = None, bucket: str | Non
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(EXIT_INPUT) from None
     print(json.dumps(result, indent=1) if as_json else format_plan(result))
-    if not result["host"]["fits"]:  # the plan is printed, then refused: the same words as the trainer's
-        typer.echo(f"error: {refusal(result['host'])}", err=True)
+    host = result.get("host")
+    if host is not None and not host["fits"]:  # the plan is printed, then refused: the same words as the trainer's
+        typer.echo(f"error: {refusal(host)}", err=True)
         raise typer.Exit(EXIT_INPUT)
 
 
