@@ -26,6 +26,8 @@ Default run: every tiny preset, 3 steps of 2 micro-batches, and (b): about a min
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -48,23 +50,24 @@ GOAL = 1  # synchronisations per optimizer step
 THE_READ = "train/distributed.py"  # where the step's one read is made (`train.distributed.read_step`)
 
 
-def step_batch(name: str, grad_accum: int = 2) -> tuple:
-    """A tiny preset's model and trainer (`TrainStep`, fp32, AdamW) and a batch of two samples as the data path gives it:
-    random latents, two captions of 8 and 5 tokens collated by the family's layout (masked where it masks), one reference
-    for an edit preset, 5 frames for a video family."""
+def step_batch(name: str, grad_accum: int = 2, **options) -> tuple:
+    """A tiny preset's model and trainer (`TrainStep`, fp32, AdamW, or the `TrainConfig` `options` given) and a batch of
+    two samples as the data path gives it: random latents, two captions of 8 and 5 tokens collated by the family's layout
+    (masked where it masks), one reference for an edit preset, 5 frames for a video family."""
     from train.config import TrainConfig
-    from train.model import build_model, build_optimizer, build_run_objective, build_schedule
+    from train.model import build_ema, build_model, build_optimizer, build_run_objective, build_schedule
     from train.step import TrainStep
 
     torch.manual_seed(0)
     preset = get_preset(name)
     family, config = get_family(preset.family), preset.transformer_config()
-    cfg = TrainConfig(model=name, batch_size=2, precision="fp32", grad_accum=grad_accum)
+    cfg = TrainConfig(**{"model": name, "batch_size": 2, "precision": "fp32", "grad_accum": grad_accum, **options})
     cpu = torch.device("cpu")
     net = build_model(cfg, preset, "none", 1, cpu, resume_from=None, state={}, say=lambda *a: None)
     optimizer = build_optimizer(cfg, net.params, cpu)
     trainer = TrainStep(cfg, net, build_run_objective(cfg, preset, config), optimizer, build_schedule(cfg, optimizer),
-                        torch.amp.GradScaler("cpu", enabled=False), None, parallel="none", rank=0, world=1, device=cpu)
+                        torch.amp.GradScaler("cpu", enabled=cfg.precision == "fp16"), build_ema(cfg, net.params, cpu),
+                        parallel="none", rank=0, world=1, device=cpu)
     bucket = Bucket(64, 64, 5 if family.temporal_downsample else 0)
     batch = family.example_batch(config, preset, bucket, 2, 8, torch.float32, "cpu",
                                  **({"references": 1} if preset.references else {}))
@@ -144,14 +147,17 @@ def loop_syncs(work: Path, steps: int, grad_accum: int) -> list[list[str]]:
     from precompute.run import main as precompute
     from precompute.sample_data import make_folder
 
-    data = make_folder(work / "data", count=8)
-    precompute(str(data), "tiny-sana", work / "cache", workers=0, progress=False)
-    argv = sys.argv
+    argv, said = sys.argv, io.StringIO()
     sys.argv = ["train", "--cache", str(work / "cache"), "--run-dir", str(work / "run"), "--model", "tiny-sana", "--precision",
                 "fp32", "--no-validate", "--no-progress", "--steps", str(steps), "--grad-accum", str(grad_accum),
                 "--batch-size", "2", "--log-every", str(steps + 1), "--checkpoint-every", "0", "--workers", "1"]
     try:
-        counted_main()
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):  # stage one's and the trainer's reports
+            precompute(str(make_folder(work / "data", count=8)), "tiny-sana", work / "cache", workers=0, progress=False)
+            counted_main()
+    except BaseException:
+        print(said.getvalue(), file=sys.stderr)
+        raise
     finally:
         sys.argv = argv
     return json.loads((work / "run" / "syncs-rank0.json").read_text())
@@ -193,7 +199,7 @@ def main(
     if loop:
         work = Path(tempfile.mkdtemp(prefix="syncs-", dir=workdir))
         try:
-            ok &= row(f"(b) loop, tiny-sana, {steps + 1} steps", loop_syncs(work, steps + 1, grad_accum))
+            ok &= row(f"(b) loop, tiny-sana, steps 2-{steps + 1}", loop_syncs(work, steps + 1, grad_accum))
         finally:
             shutil.rmtree(work, ignore_errors=True)
     print("step time with / without the syncs: not measurable on a CPU (its device is the host: a read waits for "

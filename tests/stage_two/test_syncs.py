@@ -85,6 +85,19 @@ def test_a_step_of_every_family_reads_the_device_once(name):
     assert len(per_step[0]) <= 3, f"{name}: the first step: {per_step[0]}"
 
 
+@pytest.mark.parametrize("name, options", [
+    ("tiny-flux", {"lora_rank": 4}), ("tiny-sana", {"ema_decay": 0.9}), ("tiny-flux", {"precision": "bf16"}),
+    ("tiny-sana", {"precision": "fp16"}), ("tiny-pixart", {"grad_checkpointing": "all"}), ("tiny-flux", {"tread": "0.5:1:-1"}),
+    ("tiny-wan", {"tread": "0.5:0:-1"}),
+], ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
+def test_a_step_reads_the_device_once_with_the_options_that_change_it(name, options):
+    """LoRA, the EMA on the device, autocast, fp16's loss scaler (its overflow flag rides the same read), gradient
+    checkpointing, token routing."""
+    per_step, _ = syncs_per_step(*step_batch(name, **options))
+    for syncs in per_step[1:]:
+        assert len(syncs) == 1 and THE_READ in syncs[0], f"{name} {options}: {syncs}"
+
+
 def test_the_qwen_image_text_lengths_are_the_transformers_own():
     """The Qwen-Image transformer's text-length helper, without its unused per-sample lengths, answers as diffusers' own,
     which its forward is still the one caller of (a new diffusers that used them would fail here)."""
