@@ -83,9 +83,13 @@ fuzz: install
 
 bench: install
 	$(PY) bench/shards_read.py
+	$(PY) bench/writer.py
 	$(PY) bench/data_path.py
 	$(PY) bench/precompute.py
+	$(PY) bench/encoder_busy.py
 	$(PY) bench/train_step.py
+	$(PY) bench/syncs.py
+	$(PY) bench/tread.py
 	$(PY) bench/scale.py --sizes $(SCALE_SIZES)
 	$(PY) bench/video.py
 
