@@ -56,9 +56,15 @@ def check_stamp(key: str, stamp: int) -> None:
 
 def finite(t: torch.Tensor) -> bool:
     """Whether a floating tensor holds no NaN or Inf. One sum, no boolean copy of the tensor: a NaN or an Inf makes the
-    sum NaN or Inf, so a finite sum proves every value finite; a sum that is not finite (finite values can overflow
-    it) is settled value by value."""
-    return math.isfinite(t.sum()) or bool(torch.isfinite(t).all())
+    sum NaN or Inf (whatever it is accumulated in), so a finite sum proves every value finite; a sum that is not
+    finite (finite values can overflow it) is settled value by value.
+
+    The sum must not overflow for ordinary values, or every field pays both: float16 (largest value 65504; a latent of
+    values near 1 sums past it) is summed into a float32 result. bfloat16 has float32's range and torch accumulates it
+    in float32, so its own sum overflows only where a float32 one would, at 2-3x less cost than asking for a float32
+    result; float32 and float64 sum in their own dtype (a float64 sum of float32 costs ~10x and is needed only for
+    sums beyond 3e38)."""
+    return math.isfinite(t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()) or bool(torch.isfinite(t).all())
 
 
 def check_sample(key: str, bucket: Bucket, sample: Mapping[str, torch.Tensor], schema: Schema,

@@ -183,6 +183,48 @@ def test_finite_values_whose_sum_overflows_are_kept(tmp_path, dtype, big):
     assert torch.equal(Cache(tmp_path)[0].fields["latent"], values)
 
 
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("bad", [[float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")],
+                                 [float("-inf"), float("inf"), float("nan")]])
+def test_finite_catches_every_nan_and_inf_among_ordinary_and_extreme_values(dtype, bad):
+    """NaN, +Inf, -Inf and an +Inf/-Inf pair (whose sum is NaN) are caught in ordinary values and beside values whose
+    sum overflows (the check then goes value by value)."""
+    top = torch.finfo(dtype).max
+    for fill in (1.0, top):
+        values = torch.full((16, 128, 128), fill, dtype=dtype)
+        values[1::2] *= -1 if fill == top else 1
+        for i, b in enumerate(bad):
+            values[i, 5 + i, 7] = b
+        assert not shards.encode.finite(values), (dtype, bad, fill)
+        assert not shards.encode.finite(values.transpose(0, 2)), (dtype, bad, fill)  # any layout
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_finite_keeps_values_near_the_dtypes_limits(dtype):
+    info = torch.finfo(dtype)
+    for values in (torch.tensor([info.max, info.max, -info.max, info.max], dtype=dtype),
+                   torch.full((64, 8), info.max, dtype=dtype), torch.full((64, 8), -info.max, dtype=dtype),
+                   torch.tensor([info.tiny, -info.tiny, info.eps, info.smallest_normal / 4, 0.0, -0.0], dtype=dtype)):
+        assert shards.encode.finite(values), (dtype, values)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_ordinary_values_are_settled_by_the_sum_alone(dtype, monkeypatch):
+    """Values of ordinary magnitude never take the value-by-value check: a float16 latent of values near 1 overflows a
+    float16 sum, so it is summed into a float32 result."""
+    values = (torch.rand(16, 128, 128, generator=torch.Generator().manual_seed(0)) + 0.5).to(dtype)
+
+    def isfinite(_):
+        raise AssertionError("the value-by-value check ran")
+
+    monkeypatch.setattr(torch, "isfinite", isfinite)
+    assert shards.encode.finite(values)
+    assert shards.encode.finite(torch.randn(300, 2304, generator=torch.Generator().manual_seed(1)).to(dtype) * 4)
+
+
 def test_a_text_with_nan_is_refused_and_check_finite_off_keeps_it(tmp_path):
     texts = {"text": Field(torch.bfloat16, ragged=True)}
     schema = {"latent": Field(torch.bfloat16), TEXT_KEYS: Field(torch.uint8, ragged=True)}
