@@ -19,20 +19,26 @@ memory, and written by each row into a fresh directory in the same round, one ro
       has no bfloat16), int32 ones as `ndarray:int32`, the source path as `bytes`; no compression, no hashes, no fsync.
 
 Every row starts after `os.sync()` (no writeback of an earlier row runs during it) and its files are deleted after it.
-The order of the rows rotates from round to round. Reported: MB/s of sample field bytes (10^6 bytes a second, the
-same bytes for every row; median and range over the rounds), the process's CPU seconds (all its threads; the
-kernel's writeback threads not counted) and the ratio of (ii) to (i) and to (i') in the same round (median). Goal: (ii) / (i) >= 1.00, the writer at least as fast as MDS's sequential write while it checks,
-hashes and fsyncs. Writes go to the page cache; fsync is said per row.
+In each round (ii) runs back to back with (i) and with (iii), in the order (i), (ii), (iii), (i') or its reverse (every
+other round). Reported: MB/s of sample field bytes (10^6 bytes a second, the same bytes for every row; median and range
+over the rounds), the process's CPU seconds (all its threads; the kernel's writeback threads not counted), and the
+paired ratios: each round's (ii) / (i), (ii) / (iii) and (ii) / (i'), their median and min-max over the rounds. Goals:
+(ii) / (i) >= 1.00, the writer at least as fast as MDS's sequential write while it checks, hashes and fsyncs, and
+(ii) / (iii) >= 1.00 against the real MDSWriter. A goal PASSes when every round's ratio reaches it, MISSes when none
+does, and is INCONCLUSIVE when the rounds straddle it or the machine is loaded by other processes: its 1-minute load
+average before the run, or after it less this benchmark's own CPU use, above the machine's cores (both printed).
+Writes go to the page cache; fsync is said per row.
 
 The breakdown (`--breakdown`) times one shard's parts one at a time (so they add up; the writer overlaps some): the
 writer before this version (each field's `torch.isfinite(t).all()`; the fields stacked and concatenated; the tensors
 copied into bytes by `safetensors.torch.save`; the header made canonical, another copy of the file; a blake2b digest
 per sample; the file's sha256; the file written and fsynced) against this one (one sum per field, a NaN or an Inf
-makes it non-finite; no copy: the file is written from views of the samples' tensors; digests on two hashing threads;
-the file's sha256 on a third, beside the write and the fsync), then the whole shard through `ShardWriter`.
+makes it non-finite; no copy: the file is laid out as views of the samples' tensors; the same per-sample digests, on the
+writer's hashing threads, timed from their start to the last one's end and nothing else; the file's sha256 on a third
+thread, beside the write and the fsync), then the whole shard through `ShardWriter`.
 
 Threads are pinned (`--threads`, torch intra- and inter-op; the writer's hashing threads are its own). Default run:
-1 GiB (~1,030 samples, 1.07 GB), 3 rounds, about a minute and a half on 2 cores.
+1 GiB (~1,030 samples, 1.07 GB), 3 rounds, about a minute and a half on 2 cores (two with row (iii)).
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ from bench.common import SANA_BUCKETS, SANA_TOKENS, SHARD_BYTES, Stats, pin_thre
 from shards import Field, ShardWriter  # noqa: E402
 from shards.atomic import atomic_write_bytes  # noqa: E402
 from shards.buckets import Bucket  # noqa: E402
-from shards.encode import HASH_THREADS, check_sample, encode_shard, finite  # noqa: E402
+from shards.encode import HASH_THREADS, _digests, check_sample, encode_shard, finite, hash_threads  # noqa: E402
 from shards.schema import sample_digest  # noqa: E402
 
 SCHEMA = {  # stage one's for Sana (`bench.common.write_sana_cache`)
@@ -169,7 +175,19 @@ def one_shard(samples: list[Sample], shard_bytes: int) -> list[Sample]:
     return out
 
 
+MDS_STYLE, MDS_STYLE_FSYNC = "(i) MDS-style write, no fsync", "(i') MDS-style write + fsync"  # the rows' names
+OURS, REAL_MDS = "(ii) ShardWriter, all guarantees", "(iii) MDSWriter (streaming)"
 Cost = tuple[float, float]  # (wall seconds, CPU seconds of the process: every thread)
+
+
+def verdict(ratio: Stats, goal: float, others_load: float, cores: int) -> str:
+    """PASS when every round's ratio reaches `goal`, MISS when none does; INCONCLUSIVE when other processes loaded the
+    machine (their load average above its cores: the rows then measure the scheduler) or the rounds disagree."""
+    if others_load > cores:
+        return f"INCONCLUSIVE (machine loaded: load average {others_load:.1f} on {cores} cores)"
+    if ratio.best < goal <= ratio.worst:
+        return f"INCONCLUSIVE (the rounds' ratios {ratio.best:.2f}-{ratio.worst:.2f} straddle {goal:.2f})"
+    return "PASS" if ratio.best >= goal else "MISS"
 
 
 def breakdown(samples: list[Sample], workdir: Path) -> list[tuple[str, Cost | None, Cost | None]]:
@@ -206,10 +224,13 @@ def breakdown(samples: list[Sample], workdir: Path) -> list[tuple[str, Cost | No
     rows.append(("safetensors save (a copy into bytes)", old, None))
     data, old = timed(reheader)
     rows.append(("canonical header (another copy)", old, None))
-    _, old = timed(lambda: [sample_digest(k, f) for k, f, _, _ in items])
     encoded, new = timed(lambda: encode_shard(bucket, items, SCHEMA, shapes, "0" * 64, 0)[0])
-    _, digests = timed(lambda: list(encoded.buffers()))  # waits for the hashing threads' digests
-    rows.append((f"blake2b per sample (1 thread -> {HASH_THREADS} hashing threads)", old, plus(new, digests)))
+    list(encoded.buffers())  # its digests, started by `encode_shard`, done before the next part is timed
+    rows.append(("lay out the file: header + views (starts the digests)", None, new))
+    _, old = timed(lambda: [sample_digest(k, f) for k, f, _, _ in items])
+    threads = hash_threads(sum(t.nbytes for _, f, _, _ in items for t in f.values()))
+    _, new = timed(lambda: (lambda d: d if isinstance(d, bytes) else d.result())(_digests(items, threads)))  # as the writer
+    rows.append((f"blake2b per sample (1 thread -> {threads or 'no'} hashing threads)", old, new))
     _, old = timed(lambda: hashlib.sha256(data).hexdigest())
     rows.append(("sha256 of the file (now beside the write, next row)", old, None))
     path = workdir / "breakdown.safetensors"
@@ -234,8 +255,8 @@ def breakdown(samples: list[Sample], workdir: Path) -> list[tuple[str, Cost | No
 def main(
     gib: float = typer.Option(1.0, help="Bytes of samples to write per row, in GiB (~1,030 Sana-size samples per GiB); "
                                         "they are held in memory."),
-    rounds: int = typer.Option(3, help="Rounds; each runs every row once, in an order rotating from round to round. "
-                                       "Reported: medians."),
+    rounds: int = typer.Option(3, help="Rounds; each runs every row once, (ii) beside (i) and (iii), the order reversed "
+                                       "every other round. Reported: medians and the rounds' paired ratios."),
     shard_mib: int = typer.Option(SHARD_BYTES >> 20, help="Shard size limit of every row, in MiB (stage one's "
                                                           "--max-shard-mb by default)."),
     threads: int = typer.Option(1, help="torch intra-op and inter-op threads (the writer's hashing threads are its own)."),
@@ -250,7 +271,8 @@ def main(
                                             "Its device is the one fsync waits for."),
 ) -> None:
     threads_line = pin_threads(threads)
-    load_before = os.getloadavg()[0]
+    load_before, cores = os.getloadavg()[0], os.cpu_count() or 1
+    wall0, cpu0 = time.perf_counter(), time.process_time()
     shard_bytes = shard_mib << 20
     n = sana_samples_for(gib)
     t0 = time.perf_counter()
@@ -259,23 +281,26 @@ def main(
     made_s = time.perf_counter() - t0
     mds_writer, why_not = import_mds(mds_path)
     rows: dict[str, Callable[[Path], None]] = {
-        "(i) MDS-style write, no fsync": lambda out: mds_style(samples, out, shard_bytes, fsync=False),
-        "(i') MDS-style write + fsync": lambda out: mds_style(samples, out, shard_bytes, fsync=True),
-        "(ii) ShardWriter, all guarantees": lambda out: ours(samples, out, shard_bytes),
+        MDS_STYLE: lambda out: mds_style(samples, out, shard_bytes, fsync=False),
+        MDS_STYLE_FSYNC: lambda out: mds_style(samples, out, shard_bytes, fsync=True),
+        OURS: lambda out: ours(samples, out, shard_bytes),
     }
-    fsyncs = {"(i) MDS-style write, no fsync": "no", "(i') MDS-style write + fsync": "yes", "(ii) ShardWriter, all guarantees": "yes"}
+    fsyncs = {MDS_STYLE: "no", MDS_STYLE_FSYNC: "yes", OURS: "yes"}
     if mds_writer is not None:
-        rows["(iii) MDSWriter (streaming)"] = lambda out: real_mds(mds_writer, samples, out, shard_bytes)
-        fsyncs["(iii) MDSWriter (streaming)"] = "no"
+        rows[REAL_MDS] = lambda out: real_mds(mds_writer, samples, out, shard_bytes)
+        fsyncs[REAL_MDS] = "no"
     root = Path(tempfile.mkdtemp(prefix="bench-writer-", dir=workdir))
     try:
         names = list(rows)
+        # (ii) runs back to back with (i) and with (iii) in every round, so each round's ratios compare rows that met the
+        # same machine; the order reverses from round to round
+        order = [name for name in (MDS_STYLE, OURS, REAL_MDS, MDS_STYLE_FSYNC) if name in rows]
         ours(samples[: len(SANA_BUCKETS)], root / "warm-up", shard_bytes)  # imports and first touches, unmeasured
         shutil.rmtree(root / "warm-up")
         seconds: dict[str, list[float]] = {name: [] for name in names}
         cpu: dict[str, list[float]] = {name: [] for name in names}
         for k in range(rounds):
-            for name in names[k % len(names):] + names[: k % len(names)]:
+            for name in order if k % 2 == 0 else order[::-1]:
                 out = root / f"round{k}-{names.index(name)}"
                 os.sync()  # no writeback of an earlier row during this one
                 t, c = time.perf_counter(), time.process_time()
@@ -286,30 +311,38 @@ def main(
         parts = breakdown(one_shard(samples, shard_bytes), root) if show_breakdown else []
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    load_after = os.getloadavg()[0]
+    own = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+    others_load = max(load_before, load_after - own)  # the load before the run is others' alone
 
     print(f"shard writer: {n} Sana-size samples, {size / 2**30:.2f} GiB of fields ({size / n / 1e6:.2f} MB/sample: bf16 "
           f"latent (32, H/32, W/32) + bf16 text (120-300, 2304)), made in {made_s:.0f} s; shards of {shard_mib} MiB")
-    print(f"{threads_line}; the writer's hashing threads: {HASH_THREADS}; {rounds} rounds, rotating order; files in {root} "
+    print(f"{threads_line}; the writer's hashing threads: {HASH_THREADS}; {rounds} rounds; files in {root} "
           f"(page cache, then the device where fsync is yes)")
-    print(f"the machine's load average (1 min): {load_before:.1f} before, {os.getloadavg()[0]:.1f} after (other processes "
-          f"take the cores the hashing threads would use: with none free, the writer pays its two hashes in full)")
+    print(f"the machine's load average (1 min): {load_before:.1f} before, {load_after:.1f} after, of which this benchmark "
+          f"~{own:.1f} (its CPU seconds per second); {cores} cores. Other processes take the cores the hashing threads "
+          f"would use (with none free, the writer pays its two hashes in full); above {cores}, a verdict is INCONCLUSIVE")
     if mds_writer is None:
         print(f"row (iii) left out: {why_not}")
+    print("rows (i), (ii) and (iii) run back to back in each round (order reversed every other round); a ratio is the "
+          "median of the rounds' own ratios, with their min-max")
     print(f"{'row':36s} {'fsync':>5s} {'MB/s':>7s} {'range':>11s} {'s':>6s} {'CPU s':>6s}")
     rate = {name: [size / s / 1e6 for s in seconds[name]] for name in names}
     for name in names:
         r = Stats.of(rate[name])
         print(f"{name:36s} {fsyncs[name]:>5s} {r.median:7.0f} {r.best:5.0f}-{r.worst:<5.0f} {Stats.of(seconds[name]).median:6.2f} "
               f"{Stats.of(cpu[name]).median:6.2f}")
-    ii, i, i_sync = "(ii) ShardWriter, all guarantees", "(i) MDS-style write, no fsync", "(i') MDS-style write + fsync"
-    ratio = Stats.of(a / b for a, b in zip(rate[ii], rate[i]))
-    ratio_sync = Stats.of(a / b for a, b in zip(rate[ii], rate[i_sync]))
-    print(f"(ii) / (i)  = {ratio.median:.2f} (range {ratio.best:.2f}-{ratio.worst:.2f})   GOAL writer >= MDS-style sequential "
-          f"write (ratio >= 1.00): {'PASS' if ratio.median >= 1.0 else 'MISS'}")
-    print(f"(ii) / (i') = {ratio_sync.median:.2f} (range {ratio_sync.best:.2f}-{ratio_sync.worst:.2f})   (both fsync)")
-    if "(iii) MDSWriter (streaming)" in rate:
-        real = Stats.of(a / b for a, b in zip(rate[ii], rate["(iii) MDSWriter (streaming)"]))
-        print(f"(ii) / (iii) = {real.median:.2f} (range {real.best:.2f}-{real.worst:.2f})")
+    def paired(other: str) -> Stats:
+        return Stats.of(a / b for a, b in zip(rate[OURS], rate[other]))
+
+    ratio, ratio_sync = paired(MDS_STYLE), paired(MDS_STYLE_FSYNC)
+    print(f"(ii) / (i)   = {ratio.median:.2f} (rounds {ratio.best:.2f}-{ratio.worst:.2f})   GOAL writer >= MDS-style sequential "
+          f"write (ratio >= 1.00): {verdict(ratio, 1.0, others_load, cores)}")
+    if REAL_MDS in rate:
+        real = paired(REAL_MDS)
+        print(f"(ii) / (iii) = {real.median:.2f} (rounds {real.best:.2f}-{real.worst:.2f})   GOAL writer >= the real MDSWriter "
+              f"(ratio >= 1.00): {verdict(real, 1.0, others_load, cores)}")
+    print(f"(ii) / (i')  = {ratio_sync.median:.2f} (rounds {ratio_sync.best:.2f}-{ratio_sync.worst:.2f})   (both fsync)")
     if parts:
         shard = sum(t.nbytes for _, _, f in one_shard(samples, shard_bytes) for t in f.values())
         print(f"one shard's parts, each timed alone ({shard / 2**20:.0f} MiB of fields; GB/s = 10^9 field bytes a wall "
