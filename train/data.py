@@ -24,7 +24,7 @@ from shards import CONTROL_PREFIX, FLIP_PREFIX, MASK, Cache, DamagedCache, TextS
 from shards.references import REFERENCE_FIELDS
 from shards.references import unpack as unpack_references
 from train.families import text_input
-from train.families.base import ModelPreset
+from train.families.base import LOSS_MASKS, ModelPreset
 from train.order import BatchPlan, PlannedBatch, seeded_generator
 
 log = logging.getLogger("train")
@@ -166,11 +166,14 @@ class TrainingSamples(torch.utils.data.Dataset):
         """Stack latents (B, C, h, w) (a clip's (B, C, T, h, w)) and control latents as `control` (B, C, h, w); the
         conditioning fields under their names (B, ...) in the compute dtype; the text as `TextLayout.collate` builds it;
         an edit cache's references as `references`, B lists of (C, h, w) latents in the compute dtype (not stacked: a
-        reference has the size its pipeline prepares it at, not the bucket's)."""
+        reference has the size its pipeline prepares it at, not the bucket's); with loss masks, `mask` (B, 1, h, w) and
+        the same masks left in host memory (`LOSS_MASKS`, a list: the device copy leaves it), which token routing counts
+        on without waiting for the device."""
         return {
             "latents": torch.stack([s["latent"] for s in samples]),
             **({"control": torch.stack([s["control"] for s in samples])} if "control" in samples[0] else {}),
-            **({"mask": torch.stack([s["mask"] for s in samples])} if "mask" in samples[0] else {}),
+            **({"mask": torch.stack([s["mask"] for s in samples]), LOSS_MASKS: [s["mask"] for s in samples]}
+               if "mask" in samples[0] else {}),
             **{name: torch.stack([s["conditioning"][name] for s in samples]).to(self.conditioning_dtype)
                for name in self.conditioning},
             **({REFERENCES: [[r.to(self.conditioning_dtype) for r in s[REFERENCES]] for s in samples]}

@@ -18,7 +18,10 @@ With --masked-loss, the tokens the loss weights (a patch of the loss mask with a
 they are kept first, and random others among the rest are routed until RATIO of all image tokens are; where a sample's
 weighted tokens outnumber the 1 - RATIO kept share, fewer are routed (the same count for every sample of a call: the
 most any sample must keep). A family whose selection is one for the whole call (`TokenRoute.shared`: one rotary table
-per call) keeps the tokens any sample of the call weights.
+per call) keeps the tokens any sample of the call weights. That count is a size the host must know: it is counted on the
+batch's loss masks in host memory (`LOSS_MASKS`, which the loader's collate carries beside the masks it copies to the
+device), so routing waits for the device no more than a step without it does. A batch built without them (not by the
+loader) reads the count from the device instead, once per routed call.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from train.families.base import LOSS_MASKS
 from train.order import seeded_generator
 
 SALT = 3_000_017  # the routing draws' seed part, apart from the objective's (1_000_003) and the optimizer's (2_000_003)
@@ -101,13 +105,25 @@ def token_mask(mask: torch.Tensor, patch: int) -> torch.Tensor:
     return pooled.flatten(1) > 0
 
 
-def select(scores: torch.Tensor, keep: torch.Tensor | None, ratio: float) -> torch.Tensor:
+def host_token_mask(batch: Mapping, patch: int) -> torch.Tensor | None:
+    """`token_mask` of the batch's loss masks in host memory (`LOSS_MASKS`, one (1, h, w) per sample), computed on the
+    host; None for a batch without them."""
+    masks = batch.get(LOSS_MASKS)
+    if masks is None:
+        return None
+    return token_mask(torch.stack(list(masks)), patch)
+
+
+def select(scores: torch.Tensor, keep: torch.Tensor | None, ratio: float, least: int | None = None) -> torch.Tensor:
     """Positions of the kept tokens, ascending: (rows, K) of `scores` (rows, N) uniform draws, the K lowest kept, K =
-    N - round(N x ratio) or, with `keep` (rows, N) (tokens never routed), at least the most any row must keep."""
+    N - round(N x ratio) or, with `keep` (rows, N) (tokens never routed), at least `least`, the most any row must keep
+    (counted on the host; None: read from `keep`, which waits for the device)."""
     n = scores.shape[1]
     count = n - round(n * ratio)
     if keep is not None:
-        count = max(count, int(keep.sum(dim=1).max()))  # a data-dependent size: read once per routed call
+        if least is None:
+            least = int(keep.sum(dim=1).max())  # a data-dependent size read from the device
+        count = max(count, least)
         scores = scores.masked_fill(keep, -1.0)  # below every draw: kept first
     return scores.topk(count, dim=1, largest=False).indices.sort(dim=1).values
 
@@ -134,12 +150,14 @@ class Router:
         tokens: (noisy latents) -> how many tokens at the front of the blocks' image sequence may be routed (None:
             all; an edit's reference tokens follow the target's).
         keep: (batch) -> (B, tokens) bool, the tokens never routed (None: any may be).
+        keep_host: (batch) -> the same on the host, or None when the batch has no host copy of what `keep` reads
+            (the count of kept tokens is then read from the device).
     """
 
     def __init__(self, routes: list[tuple[float, int, int]], *, seed: int, rank: int, modules: list[torch.nn.Module],
-                 tokens: Callable | None = None, keep: Callable | None = None):
+                 tokens: Callable | None = None, keep: Callable | None = None, keep_host: Callable | None = None):
         self.routes, self.seed, self.rank, self.modules = routes, seed, rank, modules
-        self.tokens_of, self.keep_of = tokens, keep
+        self.tokens_of, self.keep_of, self.keep_host_of = tokens, keep, keep_host
         self.generator: torch.Generator | None = None
         self.call: dict | None = None  # the current transformer call's: routable tokens, keep mask; None: not inside one
         self.open: dict[int, _Open] = {}  # route index -> its state within the current call
@@ -164,8 +182,9 @@ class Router:
     @contextlib.contextmanager
     def calling(self, xt: torch.Tensor, batch: Mapping):
         """Inside it, the blocks route the tokens of this call (noisy latents `xt`, the run's `batch`)."""
-        self.call = {"tokens": self.tokens_of(xt) if self.tokens_of else None,
-                     "keep": self.keep_of(batch) if self.keep_of else None}
+        keep = self.keep_of(batch) if self.keep_of else None
+        self.call = {"tokens": self.tokens_of(xt) if self.tokens_of else None, "keep": keep,
+                     "host": self.keep_host_of(batch) if keep is not None and self.keep_host_of else None}
         try:
             yield
         finally:
@@ -176,7 +195,7 @@ class Router:
         ones, then every token after them (an edit's reference tokens)."""
         b, s = hidden.shape[:2]
         n = self.call["tokens"] or s
-        keep = self.call["keep"]
+        keep, host, least = self.call["keep"], self.call["host"], None
         if keep is not None:
             keep = keep.to(hidden.device)
             if keep.shape != (b, n):
@@ -184,12 +203,17 @@ class Router:
                     raise ValueError(f"--tread with --masked-loss: the loss mask covers {keep.shape[1]} tokens, the "
                                      f"transformer's blocks route {n}")
                 shared = True  # a call on some of the batch's samples: keep what any of them weights
+            if host is not None and host.shape != keep.shape:
+                raise ValueError(f"--tread with --masked-loss: the batch's loss masks in host memory cover "
+                                 f"{tuple(host.shape)} tokens, those on the device {tuple(keep.shape)}")
             if shared:
                 keep = keep.any(dim=0, keepdim=True)
+            if host is not None:  # the most any row keeps, counted on the host: no wait for the device
+                least = int((host.any(dim=0, keepdim=True) if shared else host).sum(dim=1).max())
         rows = 1 if shared else b
         gen = self.generator
         scores = torch.rand(rows, n, generator=gen, device=gen.device).to(hidden.device)
-        kept = select(scores, keep, ratio)
+        kept = select(scores, keep, ratio, least)
         if n < s:
             rest = torch.arange(n, s, device=hidden.device).expand(rows, s - n)
             kept = torch.cat([kept, rest], dim=1)
@@ -257,7 +281,8 @@ def install(cfg, model: torch.nn.Module, family, *, say: Callable = print) -> Ro
     config = modules[0].config
     patch = family.latent_patch(config)
     router = Router([], seed=cfg.seed, rank=rank, modules=modules, tokens=lambda xt: family.tread_tokens(config, xt),
-                    keep=(lambda batch: token_mask(batch["mask"], patch)) if cfg.masked_loss else None)
+                    keep=(lambda batch: token_mask(batch["mask"], patch)) if cfg.masked_loss else None,
+                    keep_host=lambda batch: host_token_mask(batch, patch))
     for module in modules:
         spec = family.tread_route(module)
         depth = len(spec.blocks)

@@ -11,6 +11,7 @@ import torch
 from conftest import assert_same_checkpoints, losses, stage_one_cache
 
 from train import tread
+from train.families.base import LOSS_MASKS
 from train.config import TrainConfig
 from train.families import get_family, get_preset
 from train.loop import train
@@ -314,6 +315,10 @@ def test_a_masked_run_keeps_the_weighted_tokens_of_each_sample(name):
         assert set(row.nonzero().flatten().tolist()) <= set(positions.tolist())
     n = weighted.shape[1]
     assert kept[0].shape[1] == max(n - round(n * 0.5), int(rows.sum(1).max()))
+    # the loader's batch also carries its masks in host memory: the count is taken there, the selection the same
+    router.at(7, 0, CPU)
+    forward(xt, t, {**batch, LOSS_MASKS: list(mask)})
+    assert torch.equal(kept[1], kept[0])
     with pytest.raises(KeyError):  # --masked-loss needs the batch's mask
         forward(xt, t, {k: v for k, v in batch.items() if k != "mask"})
 
@@ -364,6 +369,7 @@ def test_a_masked_loss_run_never_routes_the_weighted_tokens(tmp_path, monkeypatc
 
     def spy(self, hidden, ratio, shared):
         kept = draw(self, hidden, ratio, shared)
+        assert self.call["host"] is not None  # the loader's batch carries its loss masks in host memory
         seen.append((self.call["keep"], kept, hidden.shape[1]))
         return kept
     monkeypatch.setattr(tread.Router, "draw", spy)
@@ -375,6 +381,29 @@ def test_a_masked_loss_run_never_routes_the_weighted_tokens(tmp_path, monkeypatc
         for row in range(keep.shape[0]):
             assert set(keep[row].nonzero().flatten().tolist()) <= set(kept[row].tolist())
         assert kept.shape[1] < n
+
+
+@pytest.mark.parametrize("name", ["tiny-pixart", "tiny-flux"])
+def test_a_masked_loss_routed_step_reads_the_device_once(name):
+    """Counted as CUDA's sync debug mode would (`bench.sync_counter`): with --masked-loss, the count of tokens a routed
+    call keeps comes from the batch's loss masks in host memory, so an optimizer step of two micro-batches still waits
+    for the device once, the gradient norm's read. A batch without the host copy reads the count from the device once
+    per routed call (what the host copy saves)."""
+    from bench.syncs import THE_READ, step_batch, syncs_per_step
+
+    net, trainer, batch = step_batch(name, tread="0.5:0:-1", masked_loss=True)
+    h, w = batch["latents"].shape[-2:]
+    mask = torch.zeros(2, 1, h, w, dtype=torch.uint8)
+    mask[0, :, : h * 3 // 4] = 255  # more than the kept half: the count is the data's, not the ratio's
+    mask[1, :, :, :2] = 77
+    masks = [m.clone() for m in mask]  # the collate's host copies, apart from the tensor copied to the device
+    per_step, _ = syncs_per_step(net, trainer, {**batch, "mask": mask, LOSS_MASKS: masks})
+    for syncs in per_step[1:]:
+        assert len(syncs) == 1 and THE_READ in syncs[0], syncs
+    per_step, _ = syncs_per_step(net, trainer, {**batch, "mask": mask})
+    for syncs in per_step[1:]:
+        assert len(syncs) == 3 and sum(THE_READ in s for s in syncs) == 1, syncs
+        assert sum("train/tread.py" in s for s in syncs) == 2, syncs
 
 
 def test_two_experts_are_routed_each():

@@ -35,6 +35,9 @@ TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 # a collated batch's valid tokens per caption, as host ints (`TextInput.collate`): what a forward that needs the captions'
 # lengths as sizes reads, rather than the mask on the device (a read that would wait for it)
 TEXT_TOKENS = "text_tokens"
+# a collated batch's loss masks (--masked-loss) in host memory, one (1, h, w) uint8 per sample, beside `mask` (which goes to
+# the device): what --tread counts the tokens it keeps on (`train.tread`), rather than the mask on the device
+LOSS_MASKS = "loss_masks"
 
 
 def reference_groups(batch: dict) -> list[list[int]]:
@@ -50,11 +53,11 @@ def reference_groups(batch: dict) -> list[list[int]]:
 
 def group_of(batch: dict, rows: list[int]) -> dict:
     """The batch restricted to samples `rows`: tensors with a batch dimension indexed, the references and the captions'
-    token counts picked, other entries as they are."""
+    token counts and the host loss masks picked, other entries as they are."""
     b = len(batch["references"])
     out = {}
     for name, value in batch.items():
-        if name in ("references", TEXT_TOKENS):
+        if name in ("references", TEXT_TOKENS, LOSS_MASKS):
             out[name] = type(value)(value[i] for i in rows)
         elif isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == b:
             out[name] = value[indices(rows, value.device)]
