@@ -16,6 +16,7 @@ references is two texts."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from collections import Counter, defaultdict, deque
@@ -31,6 +32,7 @@ from precompute.background import BackgroundCalls, BackgroundWrites, held_bytes
 from precompute.clips import CLIP
 from precompute.encode import Encoders, TextBatch
 from shards import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, Cache, FormatError, ShardWriter
+from shards.encode import finite
 from shards.references import REFERENCE_LATENT, pack
 from shards.texts import TEXT_KEYS, key_rows, text_key
 
@@ -476,21 +478,21 @@ class EncodingPass:
         kept in it. Latent fields leave the encoders in the storage dtype, on the host: the device's memory is the
         next batch's."""
         enc = self.enc
-        if enc.device.type == "cuda":  # the thread's current device, for what the encoders allocate without naming one
-            torch.cuda.set_device(enc.device)
-        if batch.pixels is not None:
-            batch.latents = self.on_host(self.encoded(enc.encode_videos if batch.video else enc.encode_images, batch.pixels))
-            if batch.mirrored_pixels is not None:
-                batch.mirrored = self.on_host(self.encoded(enc.encode_images, batch.mirrored_pixels))
-            if batch.control_pixels is not None:
-                batch.controls = self.on_host(self.encoded(enc.encode_images, batch.control_pixels))
-        for where, x in batch.reference_groups:
-            batch.reference_latents.append((where, self.on_host(self.encoded(enc.encode_references, x))))
-        captions = [batch.captions[i] for i in batch.encode_texts]
-        for i in range(0, len(captions), self.text_batch_size):
-            part = slice(i, i + self.text_batch_size)
-            refs = None if batch.text_references is None else batch.text_references[part]
-            batch.texts.append(self.encoded(enc.encode_text, captions[part], True, refs))
+        # the thread's current device, for what the encoders allocate without naming one ("cuda" alone: the current one)
+        with torch.cuda.device(enc.device) if enc.device.type == "cuda" else contextlib.nullcontext():
+            if batch.pixels is not None:
+                batch.latents = self.on_host(self.encoded(enc.encode_videos if batch.video else enc.encode_images, batch.pixels))
+                if batch.mirrored_pixels is not None:
+                    batch.mirrored = self.on_host(self.encoded(enc.encode_images, batch.mirrored_pixels))
+                if batch.control_pixels is not None:
+                    batch.controls = self.on_host(self.encoded(enc.encode_images, batch.control_pixels))
+            for where, x in batch.reference_groups:
+                batch.reference_latents.append((where, self.on_host(self.encoded(enc.encode_references, x))))
+            captions = [batch.captions[i] for i in batch.encode_texts]
+            for i in range(0, len(captions), self.text_batch_size):
+                part = slice(i, i + self.text_batch_size)
+                refs = None if batch.text_references is None else batch.text_references[part]
+                batch.texts.append(self.encoded(enc.encode_text, captions[part], True, refs))
 
     def finish(self, batch: Batch) -> None:
         """On the pass's thread, once the batch is encoded: its texts kept, each sample's fields built and checked
@@ -514,7 +516,7 @@ class EncodingPass:
             mine = texts[at : at + len(it["captions"])]  # this image's captions, back to back per field (or their keys)
             at += len(it["captions"])
             fields = self.sample_fields(it, images[j], None if stored_once else mine, mine if stored_once else None)
-            bad_fields = [n for n, t in fields.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+            bad_fields = [n for n, t in fields.items() if t.is_floating_point() and not finite(t)]
             bad_fields += [f"text of caption {k}" for k, key in enumerate(mine) if stored_once and key in self.bad_texts]
             if bad_fields:
                 tally.fail({"source": it["source"], "reason": "non_finite", "detail": f"fields {bad_fields}", "dataset": it["dataset"]})
@@ -610,10 +612,10 @@ class EncodingPass:
         for i, fields in zip(batch.encode_texts, texts):
             key = batch.keys[i]
             fields = {name: t.to(self.storage).cpu() for name, t in fields.items()}
-            finite = all(bool(torch.isfinite(t).all()) for t in fields.values() if t.is_floating_point())
-            if key in self.rebuild_texts and finite:
+            ok = all(finite(t) for t in fields.values() if t.is_floating_point())
+            if key in self.rebuild_texts and ok:
                 self.tally.repaired_texts[key] = fields
-            elif finite:
+            elif ok:
                 writes.append((partial(self.writer.write_text, batch.captions[i], fields, batch.contexts[i]), fields))
             else:
                 self.bad_texts.add(key)

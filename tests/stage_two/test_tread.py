@@ -11,9 +11,9 @@ import torch
 from conftest import assert_same_checkpoints, losses, stage_one_cache
 
 from train import tread
-from train.families.base import LOSS_MASKS
 from train.config import TrainConfig
 from train.families import get_family, get_preset
+from train.families.base import LOSS_MASKS
 from train.loop import train
 from train.presets import build_transformer, model_forward
 
