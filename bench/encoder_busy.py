@@ -3,8 +3,9 @@
 Everything but the encoders is the real thing: the loader with its worker processes decoding generated PNG images,
 the pass sorting and batching them per bucket, the background writer writing a real cache (fsync at commit). The
 encoders are the preset's (tiny, real shapes) with their calls replaced (`SimulatedEncoders`): an image call takes
-batch / `--rate` seconds of wall time, sleeping with the GIL released as a call waiting on its device does, and
-returns the real tiny VAE's latents for its bucket, computed once; a text call returns the real tiny text encoder's
+batch / `--rate` seconds of wall time, the first `--gil-share` of it holding the GIL (a busy Python loop: a CUDA encoder
+launching its kernels from Python holds it, contending with the pass's thread), the rest asleep with the GIL released
+as a call waiting on its device does, and returns the real tiny VAE's latents for its bucket, computed once; a text call returns the real tiny text encoder's
 fields of its captions, computed once before the run (a sample's whole encoding is in its image call).
 
 Rows, measured side by side in each round: the pass as it runs (the encoder on its own thread) and the serial pass
@@ -51,13 +52,15 @@ class SimulatedEncoders(Encoders):
     """The preset's encoders, their calls taking the time of an encoder of `rate` samples/s.
 
     Args:
-        rate: samples per second of the simulated device: an image call of B images takes B / rate seconds, asleep.
+        rate: samples per second of the simulated device: an image call of B images takes B / rate seconds.
+        gil_share: the share of each image call spent holding the GIL (launching kernels from Python), first; the rest
+            asleep with the GIL released (waiting on the device).
         *args, **kwargs: `Encoders`'.
     """
 
-    def __init__(self, *args, rate: float, **kwargs):
+    def __init__(self, *args, rate: float, gil_share: float = 0.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.rate = rate
+        self.rate, self.gil_share = rate, gil_share
         self.latents: dict[tuple[int, ...], dict[str, torch.Tensor]] = {}  # an image's shape -> its latent fields
         self.texts: dict[tuple[str, bool], tuple[dict[str, torch.Tensor], bool]] = {}  # (caption, instruction) -> fields
 
@@ -82,7 +85,11 @@ class SimulatedEncoders(Encoders):
             self.texts.update({(c, instruction): (f, t) for c, f, t in zip(part, batch.fields, batch.truncated)})
 
     def encode_images(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
-        deadline = time.perf_counter() + len(pixels) / self.rate
+        start = time.perf_counter()
+        seconds = len(pixels) / self.rate
+        launched, deadline = start + seconds * self.gil_share, start + seconds
+        while time.perf_counter() < launched:  # the GIL held, as Python launching the encoder's kernels
+            pass
         out = {name: t.expand(len(pixels), *t.shape[1:]).clone() for name, t in self.latent_of(pixels).items()}
         time.sleep(max(0.0, deadline - time.perf_counter()))  # the GIL released, as a call waiting on its device
         return out
@@ -136,6 +143,10 @@ def main(
     workers: int = typer.Option(2, help="Stage one's loader worker processes (--workers), each decoding images."),
     repeats: int = typer.Option(2, help="Rounds; each runs the overlapped and the serial pass back to back (figures: "
                                         "the median over rounds)."),
+    gil_share: float = typer.Option(0.08, min=0.0, max=1.0, help="Share of each simulated encoder call spent holding "
+                                    "the GIL (a busy Python loop), as a CUDA encoder does while Python launches its "
+                                    "kernels; the rest of the call sleeps with the GIL released (waiting on the device). "
+                                    "0: the whole call asleep."),
     model: str = typer.Option("tiny-sana", help="Preset whose shapes the simulated encoder returns."),
     threads: int = typer.Option(1, help="torch threads of the run's own process (the loader's workers use 1 each)."),
 ) -> None:
@@ -144,7 +155,7 @@ def main(
     try:
         data = make_folder(work / "data", count)
         config = PrecomputeConfig(str(data), model)
-        enc = SimulatedEncoders(config.preset(), torch.device("cpu"), rate=rate)
+        enc = SimulatedEncoders(config.preset(), torch.device("cpu"), rate=rate, gil_share=gil_share)
         enc.warm([(b.height, b.width) for b in config.policy().buckets],
                  [p.read_text(encoding="utf-8").strip() for p in sorted(data.glob("*.txt"))])
         run = partial(one_run, data, work / "cache", enc, model, workers=workers, batch_size=batch_size)
@@ -164,7 +175,7 @@ def main(
                        statistics.mode(r[name][k] for r in rounds) for k in rounds[0][name]} for name in rounds[0]}
 
         print(f"stage one's pass, simulated encoder ({model}'s shapes): {count} generated images, batch {batch_size}, "
-              f"{workers} loader worker(s), bf16 cache; {threads_line}; load average {load:.1f} at the end; {repeats} rounds: median")
+              f"{workers} loader worker(s), bf16 cache; {gil_share:.0%} of each encoder call holding the GIL; {threads_line}; load average {load:.1f} at the end; {repeats} rounds: median")
         print(f"{'row':44s} {'busy':>6s} {'samples/s':>16s} {'data wait':>9s} {'writer wait':>11s} {'bound by':>9s}   goal")
 
         def line(label: str, row: dict, at: float, goal: str) -> None:

@@ -16,10 +16,11 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_encoder_busy_bench_runs_at_a_tiny_size():
     run = subprocess.run([sys.executable, str(REPO / "bench" / "encoder_busy.py"), "--count", "48", "--repeats", "1",
-                          "--rate", "200", "--high-rate", "2000", "--batch-size", "8", "--workers", "1"],
+                          "--rate", "200", "--high-rate", "2000", "--batch-size", "8", "--workers", "1", "--gil-share", "0.1"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
+    assert "10% of each encoder call holding the GIL" in out, out
     figures = r"\s+(\d+\.\d)%\s+(\d+) of\s+(\d+)\s+(\d+\.\d)%\s+(\d+\.\d)%\s+(encoder|decoding|writer|pass)\s"
     rows = {}
     for label in ("encoder on its own thread, 200/s", "serial pass (before), 200/s", "inputs decoded before: own thread, 200/s",
