@@ -200,3 +200,34 @@ def test_a_slow_encoder_makes_the_summary_say_the_encoder_bounds(folder, tmp_pat
 ])
 def test_the_bound_is_what_the_encoder_idled_for_most(shares, bound):
     assert bound_by(shares) == bound
+
+
+def test_the_encoder_thread_takes_a_cuda_device_without_an_index(monkeypatch):
+    """Encoders on `torch.device("cuda")` (the current card, no index): the encoder's calls run inside
+    `torch.cuda.device` of it, which takes such a device (`torch.cuda.set_device` refuses it), and only there."""
+    import contextlib
+    import types
+
+    inside = []
+
+    @contextlib.contextmanager
+    def device(d):
+        inside.append(d)
+        yield
+        inside.append(None)
+
+    def set_device(d):
+        raise ValueError(f"Expected a cuda device with a specified index or an integer, but got:{d}")
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    calls = []
+    run_pass = types.SimpleNamespace(enc=types.SimpleNamespace(device=torch.device("cuda"), encode_text="encode_text"),
+                                     text_batch_size=2, encoded=lambda fn, *args: calls.append((fn, list(inside))) or fn)
+    batch = types.SimpleNamespace(pixels=None, reference_groups=[], captions=["a", "b", "c"], encode_texts=[0, 2],
+                                  text_references=None, texts=[])
+    EncodingPass.encode(run_pass, batch)
+    assert calls == [("encode_text", [torch.device("cuda")])] and inside == [torch.device("cuda"), None]
+    run_pass.enc.device, inside[:], calls[:] = torch.device("cpu"), [], []
+    EncodingPass.encode(run_pass, batch)
+    assert calls == [("encode_text", [])] and inside == []
