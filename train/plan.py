@@ -224,7 +224,8 @@ def cached_batch(cache, pc: PlanConfig, bucket: Bucket | None = None) -> list[in
     preset = get_preset(pc.model, pc.expert)
     family = get_family(preset.family)
     bucket = bucket or largest_bucket(cache)
-    samples = TrainingSamples(cache, 0, 0.0, check_digests=False, control=pc.controlnet,
+    # the cache's own digest setting: this must not change what the run's later reads check
+    samples = TrainingSamples(cache, 0, 0.0, check_digests=cache.check_digests, control=pc.controlnet,
                               conditioning=family.conditioning_fields(cache.spec), conditioning_dtype=DTYPES[pc.precision],
                               max_references=preset.references)
     first = list(itertools.islice(itertools.chain.from_iterable(cache.ranges_by_bucket()[bucket]), pc.batch_size))
