@@ -12,11 +12,12 @@ The parts, and where in a run they are alive (the peak of a rank is its baseline
   loading weights   the transformer built in CPU memory before it moves to the device: a dtype conversion, a
                     quantized base, fresh weights (built in fp32) or, on a CPU run, the weights' own copy; the
                     trained adapters or ControlNet (fp32).
-  resuming          a checkpoint's optimizer states (and EMA), loaded to CPU memory before they move to the device.
   training          block swap's pinned weights, the EMA kept in CPU memory (and its pinned staging copy of the
-                    weights), FSDP's CPU offload (each rank's shard of the weights, gradients and optimizer states),
-                    the data loader's batches (queued, being built, in use) and its read-ahead buffer; on a CPU run also
-                    everything the plan counts as device memory (weights, gradients, optimizer states, activations).
+                    weights), FSDP's CPU offload (each rank's shard of the weights, gradients and optimizer states):
+                    these three from loading to the end, in every later phase; the data loader's batches (queued, being
+                    built, in use) and its read-ahead buffer; on a CPU run also everything the plan counts as device
+                    memory (weights, gradients, optimizer states, activations).
+  resuming          a checkpoint's optimizer states (and EMA), loaded to CPU memory before they move to the device.
   saving            a checkpoint's weights, copied to CPU memory whole per file before safetensors writes them.
 The product has no optimizer-state offload apart from FSDP's CPU offload (which moves the states with the shards).
 """
@@ -146,7 +147,6 @@ class HostModel:
     weights: float
     mapped: float
     trainable_sizes: list[int]
-    trainable_bytes: float
     swapped: float
     shard: int
     optimizer_states: float
@@ -160,11 +160,11 @@ def loaded_weights(pc, preset, file_params: int, base: float, adapters: float, b
 
     `file_params`: the transformer's parameters as its file holds them; `base`: their bytes as the run keeps them
     (quantized layers at their kind's size); `adapters`: the trained modules built beside it (LoRA, a ControlNet).
-    Fresh weights are built in fp32 and converted parameter by parameter; released ones are a safetensors file in the
-    preset's released dtype (`ModelPreset.released_dtype`; unknown: taken as a conversion), memory-mapped by
-    diffusers: used as they are when --weights-dtype is that dtype on an accelerator (page cache; a CPU run copies
-    them into memory of its own, `train.model.own_memory`), else converted into new memory; a quantized base is new
-    memory at its quantized size."""
+    Fresh weights are built in fp32 and converted parameter by parameter; released ones are safetensors files in the
+    dtype their headers give (`file_dtype`; files not on this machine: the preset's `released_dtype`; unknown: taken
+    as a conversion), memory-mapped by diffusers: used as they are when --weights-dtype is that dtype on an
+    accelerator (page cache; a CPU run copies them into memory of its own, `train.model.own_memory`), else converted
+    into new memory; a quantized base is new memory at its quantized size."""
     from shards.options import DTYPE_BYTES
 
     fresh = getattr(pc, "from_scratch", False) or (preset.repo is None and not getattr(pc, "pretrained", None))

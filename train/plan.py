@@ -197,7 +197,7 @@ def host_costs(pc: PlanConfig, preset, family, config, built, components: dict, 
                                                       buffers)
     if pc.device != "cpu" and weights < base:  # used from the mapped file: the swapped blocks' pinned copies are new
         weights += swapped
-    hm = host_memory.HostModel(weights=weights, mapped=mapped, trainable_sizes=sizes, trainable_bytes=sum(sizes) * tb,
+    hm = host_memory.HostModel(weights=weights, mapped=mapped, trainable_sizes=sizes,
                                swapped=swapped if pc.device != "cpu" else 0.0, shard=shard,
                                optimizer_states=components["optimizer states"] or optimizer_state_bytes(trained, pc.optimizer, tb) / shard,
                                gradients=sum(sizes) * tb / shard,
