@@ -90,7 +90,7 @@ def measure_decide(root: str, n: int, budget_s: float = 0.0) -> dict:
     if (dataset.positions < 0).any():
         manifest.shards.sample_index().lookup("keys")  # as open_source builds it before the loader's workers fork
     index_s = time.perf_counter() - t0 - load_s
-    writer = ShardWriter(root, manifest.fingerprint, manifest.schema, text_schema=manifest.text_schema)
+    writer = ShardWriter(root, manifest.fingerprint, manifest.schema, text_schema=manifest.text_schema, manifest=manifest.copy())
     tally = Tally(by_source={"": Counter()}, seen=Seen(manifest.shards))
     sorter = EncodingPass.__new__(EncodingPass)  # its sorting alone: no encoder exists
     sorter.tally, sorter.stamps, sorter.previous, sorter.needed = tally, stamps, previous, None
@@ -106,7 +106,7 @@ def measure_decide(root: str, n: int, budget_s: float = 0.0) -> dict:
     inputs = SimpleNamespace(sources=[SimpleNamespace(name="", path="images", from_file=False)], previous=previous, dropped={})
     config = SimpleNamespace(allow_removal=False, max_removal_fraction=0.5)
     stale, refused = decide_removals(config, inputs, Seen.merged([tally.seen.part()]), [], {"": True}, manifest, by_source)
-    final = ShardWriter(root, manifest.fingerprint, manifest.schema, text_schema=manifest.text_schema)
+    final = ShardWriter(root, manifest.fingerprint, manifest.schema, text_schema=manifest.text_schema, manifest=manifest.copy())
     final.remove(stale)
     final.close()
     finish_s = time.perf_counter() - t2

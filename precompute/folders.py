@@ -545,6 +545,14 @@ def _paired_in_folder(entries: list[FolderEntry], folder: str | os.PathLike) -> 
     return out
 
 
+def stamp_or_zero(entry: FolderEntry) -> int:
+    """`entry_stamp`, or 0 when the files cannot be stat'ed (never a stamp an entry has)."""
+    try:
+        return entry_stamp(entry)
+    except OSError:
+        return 0
+
+
 def entry_stamp(entry: FolderEntry) -> int:
     """What an incremental run compares instead of reading an entry's files.
 
@@ -650,22 +658,14 @@ class FolderDataset(torch.utils.data.Dataset):
             for i in indices:
                 yield from self.items(i)
             return
-        found, stamps, rest = [], [], []
-        for i in indices:
-            p = int(self.positions[i])
-            if p < 0:
-                rest.append(i)
-                continue
-            try:
-                stamps.append(entry_stamp(self.entries[i]))
-            except OSError:
-                rest.append(i)  # its own item says why
-                continue
-            found.append((i, p))
-        positions = np.array([p for _, p in found], dtype=np.int64)
-        same = self.known.stamps_at(positions) == np.array(stamps, dtype=np.int64)  # a stamp of 0 is never an entry's
-        rest += [i for (i, _), s in zip(found, same.tolist()) if not s]
-        for i in sorted(rest):
+        indices = np.asarray(indices, dtype=np.int64)
+        positions = self.positions[indices].astype(np.int64)
+        cached = np.flatnonzero(positions >= 0)
+        entries = self.entries
+        stamps = np.fromiter((stamp_or_zero(entries[i]) for i in indices[cached].tolist()), dtype=np.int64, count=len(cached))
+        same = np.zeros(len(indices), dtype=bool)  # a stamp of 0 (stat failed: its own item says why) is never a cached one
+        same[cached] = (stamps != 0) & (self.known.stamps_at(positions[cached]) == stamps)
+        for i in indices[~same].tolist():
             yield from self.items(i)
         if same.any():
             yield {"status": "unchanged", "index": self.known.index.global_index(positions[same]), "inputs": int(same.sum())}

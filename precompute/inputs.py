@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from precompute.clip_options import clip_policy
@@ -207,7 +208,8 @@ class SourcesDataset(torch.utils.data.IterableDataset):
                 items = iter(part)
             elif hasattr(part, "block"):  # a folder: its unchanged inputs come back as one item per block
                 mine = range(worker, len(part), workers)
-                items = (item for a in range(0, len(mine), BLOCK) for item in part.block(mine[a : a + BLOCK]))
+                blocks = (mine[a : a + BLOCK] for a in range(0, len(mine), BLOCK))
+                items = (item for r in blocks for item in part.block(np.arange(r.start, r.stop, r.step)))
             else:
                 items = (item for i in range(worker, len(part), workers) for item in part.items(i))
             for item in items:

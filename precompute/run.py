@@ -156,7 +156,7 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     # 3. encode per bucket as images arrive, write shards
     storage = torch_dtype(config.storage_dtype)
     writer = ShardWriter(config.cache, fingerprint, schema, rank=rank, max_shard_bytes=config.max_shard_mb << 20,
-                         text_schema=text_schema)
+                         text_schema=text_schema, manifest=manifest.copy() if manifest is not None else None)
     tally = Tally(by_source={s.name: Counter() for s in inputs.sources}, seen=Seen(manifest.shards if manifest else None))
     for name, listing in inputs.listings.items():
         for failure in listing.failures:
@@ -370,7 +370,8 @@ def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: d
     complete = {s.name: all(p["complete"][s.name] for p in parts) for s in sources}
     stale, refused = decide_removals(config, inputs, Seen.merged([p["seen"] for p in parts]), failures, complete, manifest, by_source)
     storage = torch_dtype(config.storage_dtype)
-    with ShardWriter(cache, fingerprint, schema, text_schema=text_schema) as final:
+    # the manifest the run decided on, brought up to date with the pass's commits: the cache is not loaded again
+    with ShardWriter(cache, fingerprint, schema, text_schema=text_schema, manifest=manifest.copy() if manifest is not None else None) as final:
         final.remove(stale)
         final.drop_unreferenced_texts()  # texts of samples refused, or of a run killed between texts and samples
         store_prompts(final, enc, config.validation_prompt, storage)

@@ -106,8 +106,9 @@ def _snapshot_at_or_before(root: Path, generation: int | None) -> Manifest | Non
     raise FormatError(f"{root}: the snapshots under {SNAPSHOT_DIR}/ kept disappearing while loading; retry")
 
 
-def replay(root: Path, manifest: Manifest, upto: int | None = None, check_end: bool = True) -> list[dict]:
-    """Apply the commits after `manifest.generation` up to `upto` (default: every one there is); returns them.
+def replay(root: Path, manifest: Manifest, upto: int | None = None, check_end: bool = True) -> int:
+    """Apply the commits after `manifest.generation` up to `upto` (default: every one there is); returns how many
+    (each is let go once applied: a log tail of millions of samples is not held as JSON at once).
 
     The log ends at the first missing commit only when no later one exists (`check_end`: one listing of the log;
     a writer that checked it at its start passes False, since writers never leave a gap).
@@ -115,7 +116,7 @@ def replay(root: Path, manifest: Manifest, upto: int | None = None, check_end: b
     Raises:
         DamagedLog: a commit fails its checks or cannot follow the one before, or one is missing before later ones.
     """
-    applied = []
+    applied = 0
     while upto is None or manifest.generation < upto:
         path = root / LOG_DIR / LOG_NAME.format(manifest.generation + 1)
         commit = read_commit(path)
@@ -131,7 +132,7 @@ def replay(root: Path, manifest: Manifest, upto: int | None = None, check_end: b
             if isinstance(e, FingerprintMismatch):  # another cache's commit: not damage, said as it is
                 raise
             raise damaged_commit(path, str(e)) from None
-        applied.append(commit)
+        applied += 1
     return applied
 
 

@@ -11,6 +11,7 @@ and encoding it as a snapshot and reading it back. Beneath it: `shards.layout` (
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections import Counter
@@ -75,6 +76,16 @@ class Manifest:
             self.shards = ShardTable(sorted(self.schema))
         if self.text_schema is not None and self.texts is None:
             self.texts = ShardTable(sorted(self.text_schema), TEXT_TABLE)
+
+    def copy(self) -> Manifest:
+        """A manifest that changes apart from this one (a writer's, from the one a run decided on): the shard tables
+        copied, their sample index shared."""
+        m = copy.copy(self)
+        m.shapes, m.files, m.extra = copy.deepcopy(self.shapes), copy.deepcopy(self.files), copy.deepcopy(self.extra)
+        m.next_seq, m.replaced = dict(self.next_seq), dict(self.replaced)
+        m.shards = self.shards.copy()
+        m.texts = self.texts.copy() if self.texts is not None else None
+        return m
 
     @property
     def version(self) -> int:

@@ -290,18 +290,25 @@ class _HashLookup:
 
     def find_all(self, values: list[str]) -> np.ndarray:
         out = np.full(len(values), -1, dtype=np.int64)
+        if not len(self.sorted):
+            return out
         for a in range(0, len(values), _ASKED):
             part = values[a : a + _ASKED]
             packed = Strings.pack(part)
             h = packed.hashes(0, len(part))
-            lo = np.searchsorted(self.sorted, h, side="left")
-            hi = np.searchsorted(self.sorted, h, side="right")
-            one = np.flatnonzero(hi - lo == 1)  # the usual hit: one candidate, its string compared in bulk
+            asked = np.argsort(h)  # searched in order: each search starts near the last one (the cache stays warm)
+            lo = np.empty(len(h), dtype=np.int64)
+            lo[asked] = np.searchsorted(self.sorted, h[asked], side="left")
+            n = len(self.sorted)
+            hit = (lo < n) & (self.sorted[np.minimum(lo, n - 1)] == h)
+            alone = hit & ((lo + 1 >= n) | (self.sorted[np.minimum(lo + 1, n - 1)] != h))
+            one = np.flatnonzero(alone)  # the usual hit: one candidate, its string compared in bulk
             cand = self.order[lo[one]].astype(np.int64)
             same = self._equal(cand, packed, one)
             out[a + one[same]] = cand[same]
-            for i in np.flatnonzero(hi - lo > 1).tolist():  # a collision, or a value stored twice
-                out[a + i] = self._verify(int(lo[i]), int(hi[i]), bytes(packed.raw(i)))
+            for i in np.flatnonzero(hit & ~alone).tolist():  # a collision, or a value stored twice
+                hi = int(np.searchsorted(self.sorted, h[i], side="right"))
+                out[a + i] = self._verify(int(lo[i]), hi, bytes(packed.raw(i)))
         return out
 
     def _equal(self, positions: np.ndarray, queries: Strings, which: np.ndarray) -> np.ndarray:

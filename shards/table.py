@@ -128,6 +128,20 @@ class ShardTable:
         self._text_refs = array("q")  # per row: references to text rows, and the bytes they would take inline
         self._text_ref_bytes = array("q")
 
+    def copy(self) -> ShardTable:
+        """A table that changes apart from this one: the columns copied (per shard), the sample index shared (its
+        snapshot's columns and each committed shard's packed rows are never changed in place)."""
+        t = ShardTable.__new__(ShardTable)
+        t.__dict__.update(self.__dict__)
+        for name, value in self.__dict__.items():
+            if isinstance(value, (list, dict, bytearray)):
+                setattr(t, name, type(value)(value))
+            elif isinstance(value, array):
+                setattr(t, name, array(value.typecode, value))
+        t._alive_rows = None
+        t.__dict__.pop("_starts_of", None)
+        return t
+
     # -- building --------------------------------------------------------------------------------
     def append(self, e: ShardEntry) -> None:
         if self._row is not None:

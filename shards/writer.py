@@ -61,6 +61,9 @@ class ShardWriter:
         text_schema: store each text once (`shards.texts`): the fields of one caption's text row. Samples then hold
             `text_keys` (ragged uint8 (n, 32)) and their texts are written with `write_text`. The layout is chosen when a
             cache starts: for an existing cache, None means its own, and another one is refused.
+        manifest: this cache's manifest as the caller loaded it (a `Manifest.copy()`: the writer takes it over),
+            brought up to the newest generation here instead of loading the cache again: its sample index is shared,
+            not read a second time.
 
     Raises:
         CacheBusy: another writer of this rank holds the cache, or `python -m shards gc` is collecting it.
@@ -78,6 +81,7 @@ class ShardWriter:
         max_buffer_bytes: int = 1 << 30,
         check_finite: bool = True,
         text_schema: Schema | None = None,
+        manifest: Manifest | None = None,
     ):
         validate_schema(schema)
         if text_schema is not None:
@@ -107,7 +111,11 @@ class ShardWriter:
             self._lock.release()
             raise
         try:
-            if exists(self.root):
+            if manifest is not None:
+                self.manifest = manifest
+                replay(self.root, self.manifest)
+                self.manifest.check_compatible(fingerprint, schema, self.root, text_schema or self.manifest.text_schema)
+            elif exists(self.root):
                 self.manifest = load(self.root)
                 self.manifest.check_compatible(fingerprint, schema, self.root, text_schema or self.manifest.text_schema)
             else:
@@ -337,8 +345,7 @@ class ShardWriter:
         started the same cache). Their keys and texts are then the manifest's (texts another writer dropped are
         written again when referred to)."""
         with self._lookups:
-            for _ in replay(self.root, self.manifest, check_end=False):  # the log was checked whole at the start
-                pass
+            replay(self.root, self.manifest, check_end=False)  # the log was checked whole at the start
 
     def _forget_committed(self, commit: dict) -> None:
         """Keys of a commit this writer made are the manifest's now: only those still buffered stay in its sets."""
