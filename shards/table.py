@@ -478,7 +478,7 @@ class ShardTable:
         """The table a snapshot holds (`to_tensors`), its columns copied out of the memory map, its sample
         index left there until asked for, then checked against `samples_sha256` (the snapshot's metadata)."""
         t = cls(fields, names)
-        P, _ = names
+        P, prefix = names[0], names[1] + "."
         tensors = {name.replace(f"{P}.", "shards.", 1): v for name, v in tensors.items() if name.startswith(f"{P}.")} | {
             name.replace(f"{names[1]}.", "samples.", 1): v for name, v in tensors.items() if name.startswith(f"{names[1]}.")}
         paths = _Strings(tensors["shards.path"], tensors["shards.path.offsets"]).all()
@@ -504,7 +504,7 @@ class ShardTable:
         # absent: written before resolutions were recorded, or every shard is of the cache's base resolution
         t._resolution = array("i", tensors["shards.resolution"].numpy().astype(np.int32).tobytes()
                               if "shards.resolution" in tensors else bytes(4 * len(t._paths)))
-        t._snapshot_samples = _SnapshotSamples(tensors, tensors["shards.samples"].numpy(), where, samples_sha256, names[1] + ".")
+        t._snapshot_samples = _SnapshotSamples(tensors, tensors["shards.samples"].numpy(), where, samples_sha256, prefix)
         return t
 
 
