@@ -81,7 +81,7 @@ def return_freed_memory() -> bool:
     free: it serves allocations of 128 KiB and more with their own mappings, but by default raises that threshold to
     the size of each large block freed (up to 32 MiB), after which a training step's tensors come from its heap, which
     keeps their pages when they are freed: on a CPU run, about 40 % of a step's activations more than its tensors from
-    the second step on (a dry run of an 18.6 M-parameter Sana). Fixing the threshold at its default keeps the process's
+    the second step on (a dry run of an 18.6 M-parameter tiny preset). Fixing the threshold at its default keeps the process's
     memory its tensors' (what the plan counts); the page faults it adds cost no measurable CPU time per step there.
     Returns whether it applied (glibc only)."""
     import ctypes

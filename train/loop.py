@@ -84,6 +84,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device, t_star
         check_references(c, preset)  # an edit model's cache has reference images, another model's none
     check_same_encoders(group)
     check_class_sources(cfg, group)
+    epochs.check_samples(group)  # before the plan, which reads a batch of the largest bucket
     for c in group:  # every listed shard exists with its size; the empty caption and validation prompts are sound
         check_cache_files(c, is_main, ("prompts",))
     objective = build_run_objective(cfg, preset, config)
@@ -314,6 +315,14 @@ class Epochs:
         return [open_generation(c, cfg.run, self.rank == 0, g, local_cache=cfg.local_cache, local_cache_gb=cfg.local_cache_gb)
                 for c, g in zip(cfg.cache, generations)]
 
+    def check_samples(self, cs: list) -> None:
+        """Refuse caches that hold no sample at all, naming them and the command that fills them."""
+        if not sum(len(c) for c in cs):
+            where = ", ".join(f"{c.location} (generation {c.generation})" for c in cs)
+            raise ValueError(f"{where} holds no samples: nothing to train on. Encode a dataset into it with python -m "
+                             f"precompute DATA --model {self.cfg.model} --cache {cs[0].location}, or point --cache at a "
+                             f"cache that holds one")
+
     def epoch_of(self, number: int, cs: list, start: int = 0) -> Epoch:
         cfg, world = self.cfg, self.world
         plan = BatchPlan.of(cs, cfg.batch_size, seed=cfg.seed, rank=self.rank, world_size=world, remainder=cfg.remainder,
@@ -321,10 +330,7 @@ class Epochs:
                             resolution_weights=cfg.resolution_weights())
         if not plan.batches_per_epoch():
             where = ", ".join(f"{c.location} (generation {c.generation})" for c in cs)
-            if not sum(len(c) for c in cs):
-                raise ValueError(f"{where} holds no samples: nothing to train on. Encode a dataset into it with python -m "
-                                 f"precompute DATA --model {cfg.model} --cache {cs[0].location}, or point --cache at a "
-                                 f"cache that holds one")
+            self.check_samples(cs)
             if not plan.streams:
                 raise ValueError(f"every sample of {where} is held out (sources marked eval = true in the dataset file, "
                                  f"--eval-fraction {cfg.eval_fraction:g}): nothing to train on. Add a source to train on, "
