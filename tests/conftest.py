@@ -117,6 +117,16 @@ def train_processes(nproc: int, run, *args: str):
     return out
 
 
+def precompute_processes(nproc: int, data: Path, cache: Path, *args: str):
+    """`python -m precompute DATA --cache CACHE *args` in `nproc` processes under torchrun, one compute thread each (CPU
+    kernels split work by thread and round differently); returns the finished process, whatever its exit code."""
+    import subprocess
+
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                           "-m", "precompute", str(data), "--cache", str(cache), "--no-progress", *args],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+
+
 def stage_one_cache(root: Path, model: str, count: int = 8) -> Path:
     """ROOT/cache: stage one's cache of `count` sample images for `model`, with the validation prompts."""
     from precompute.run import main as precompute

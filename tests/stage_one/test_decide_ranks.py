@@ -5,12 +5,11 @@ and the removals decided on arrays agree with the sets they replace."""
 import os
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import precompute_processes
 
 from precompute.removal import removals
 from precompute.run import main as precompute
@@ -20,7 +19,6 @@ from shards import Cache, verify
 
 pytestmark = pytest.mark.model  # builds tiny diffusers / transformers models (left out of make test-fast)
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(data, cache, **kw):
@@ -69,13 +67,7 @@ def test_two_ranks_decide_as_one(tmp_path):
     (folder / "extra.txt").write_text("another caption\n")
     summary = run(folder, tmp_path / "one", batch_size=4)
     assert (summary["new"], summary["changed"], summary["removed"], summary["unchanged"]) == (1, 1, 2, 13)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "precompute", str(folder), "--model", "tiny-sana", "--cache", str(tmp_path / "two"), "--workers", "0",
-         "--batch-size", "4", "--no-progress"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
+    out = precompute_processes(2, folder, tmp_path / "two", "--model", "tiny-sana", "--workers", "0", "--batch-size", "4")
     assert out.returncode == 0, out.stderr[-3000:]
     one, two = index(tmp_path / "one"), index(tmp_path / "two")
     assert one == two and "00003.png" not in two and two["00007.png"] == one["00007.png"] and len(two) == 15

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import precompute_processes
 
 from precompute.run import main as precompute
 from precompute.sample_data import make_folder, make_tars
@@ -247,13 +248,7 @@ def test_kill_and_resume_with_a_dataset_file_of_two_sources(folder, tmp_path):
 def test_two_processes_equal_one(folder, tmp_path, clean_cache):
     # One compute thread, as the in-process build of `clean_cache` has (conftest): CPU kernels split work by
     # thread and round differently.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "precompute", str(folder), "--model", "tiny-sana", "--cache", str(tmp_path / "two"), "--workers", "0",
-         "--batch-size", "4", "--no-progress"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
+    out = precompute_processes(2, folder, tmp_path / "two", "--model", "tiny-sana", "--workers", "0", "--batch-size", "4")
     errors = [line for line in out.stderr.splitlines() if line.startswith("error")]
     aborts = [line for line in out.stderr.splitlines() if "terminate" in line or "what()" in line or "Exception" in line]
     assert out.returncode == 0, "\n".join(errors + aborts) + "\n" + out.stderr[-2000:]
