@@ -227,7 +227,8 @@ def test_tiny_flux_lora_trains_adapters_alone_resumes_exactly_and_loads_into_flu
 
 @pytest.mark.slow
 def test_plan_counts_flux_dev_and_its_encoders():
-    out = subprocess.run([sys.executable, "-m", "train", "plan", "flux-dev", "--batch-size", "1", "--json"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "train", "plan", "flux-dev", "--batch-size", "1", "--json",
+                          "--host-memory", "1024GB"], cwd=ROOT,  # a full fine-tune needs more RAM than this machine has
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
