@@ -47,8 +47,11 @@ PLAN_ARGS ?=
 option = $(if $(2),$(1) $(2))
 # Cache sizes of the scale benchmark (make bench); SCALE_SIZES=10000,100000,1000000 adds the 1M-sample cache (~9 min more).
 SCALE_SIZES ?= 10000,100000
+# Stage one's "nothing changed" decision over 10M inputs (make bench) reads a 10M-sample cache kept here: the first
+# `make bench-decide` builds it (about an hour, 13 GB), every later run measures it in about a minute.
+SCALE_DECIDE_DIR ?= .bench/scale
 
-.PHONY: install lint test test-fast test-slow fuzz bench precompute train plan demo demo-video clean
+.PHONY: install lint test test-fast test-slow fuzz bench bench-decide precompute train plan demo demo-video clean
 
 install: $(VENV)/.installed
 
@@ -91,7 +94,12 @@ bench: install
 	$(PY) bench/syncs.py
 	$(PY) bench/tread.py
 	$(PY) bench/scale.py --sizes $(SCALE_SIZES)
+	@if [ -d "$(SCALE_DECIDE_DIR)/cache-10000000-10000" ]; then $(MAKE) --no-print-directory bench-decide; \
+	else echo "10M-input decision: no cache in $(SCALE_DECIDE_DIR); 'make bench-decide' builds it once (about an hour) and measures"; fi
 	$(PY) bench/video.py
+
+bench-decide: install
+	$(PY) bench/scale.py --decide-only --sizes 10000000 --samples-per-shard 10000 --out $(SCALE_DECIDE_DIR) --keep
 
 precompute: install
 	@test -n "$(DATA)" || { echo "usage: make precompute DATA=<folder, metadata file or tars> [MODEL=tiny-sana] [CACHE=cache/MODEL] [NPROC=1]"; exit 2; }
