@@ -30,7 +30,7 @@ def plan_command(model: str, *, resolution: int | None = None, bucket: str | Non
     from train.host_memory import refusal, return_freed_memory
     from train.plan import cached_batch, cached_references, format_plan, plan
 
-    return_freed_memory()  # as the trainer: its baseline is measured the same way
+    return_freed_memory()  # as the trainer's dry run: its baseline is measured the same way
     try:
         opened = open_cache(cache) if cache else None
         size = traced_bucket(model, resolution, bucket, frames, opened)
