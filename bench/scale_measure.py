@@ -71,9 +71,10 @@ def measure_decide(root: str, n: int, budget_s: float = 0.0) -> dict:
 
     import precompute.folders as folders
     from precompute.config import PrecomputeConfig
-    from precompute.encoding import EncodingPass, Seen, Tally
+    from precompute.encoding import EncodingPass
     from precompute.inputs import SourcesDataset
     from precompute.run import SkipKeys, decide_removals
+    from precompute.tally import Seen, Tally
     from shards import ShardWriter
 
     listing = [Listed(source(i), stamp(i)) for i in range(n)]  # the run's listing of its inputs: not timed

@@ -17,9 +17,8 @@ references is two texts."""
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -31,7 +30,9 @@ from tqdm import tqdm
 from precompute.background import BackgroundCalls, BackgroundWrites, held_bytes
 from precompute.clips import CLIP
 from precompute.encode import Encoders, TextBatch
-from shards import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, Cache, FormatError, ShardWriter
+from precompute.progress import PlainProgress
+from precompute.tally import CachedLatents, Tally
+from shards import CONTROL_PREFIX, FLIP_PREFIX, LATENT_KEY, MASK, ShardWriter
 from shards.encode import finite
 from shards.references import REFERENCE_LATENT, pack
 from shards.texts import TEXT_KEYS, key_rows, text_key
@@ -40,172 +41,6 @@ from shards.texts import TEXT_KEYS, key_rows, text_key
 # encodes one, the pass finishes the one before and prepares the one after; more ahead would only hold memory.
 IN_FLIGHT = 2
 IN_FLIGHT_BYTES = 2 << 30  # their pixels' bytes (a batch larger than this is encoded alone)
-
-
-class Seen:
-    """The inputs a rank's pass read and kept (encoded or unchanged), without an object per cached sample: a cached
-    sample is marked in a boolean column over the run's manifest's global index; an input the manifest does not hold
-    (new, or changed: a new key) is kept by key with its source name and input.
-
-    Args:
-        table: the shard table of the manifest the run started with (None: a new cache); its key lookup finds the
-            cached sample of an input read by key.
-    """
-
-    def __init__(self, table=None):
-        self.table = table
-        self.cached = np.zeros(int(table.column("samples").sum()) if table is not None else 0, dtype=bool)
-        self.moved: dict[int, tuple[str, str]] = {}  # global index -> (source name, input), read from another input
-        self.new: dict[str, tuple[str, str]] = {}  # key -> (source name, input) of inputs the manifest does not hold
-
-    def cached_at(self, key: str) -> tuple[int, str] | None:
-        """(global index, dataset) of cached sample `key`, or None."""
-        found = self.table.find_key(key) if self.table is not None else None
-        return None if found is None else (self.table.global_index(*found), self.table.dataset_of(found[0]))
-
-    def __contains__(self, key: str) -> bool:
-        return self.contains(key)
-
-    def contains(self, key: str, index: int | None = None) -> bool:
-        """Whether `key` was kept; `index`: its global index when the caller knows it (from the stamp table)."""
-        if key in self.new:
-            return True
-        if index is None:
-            at = self.cached_at(key)
-            index = at[0] if at is not None else None
-        return index is not None and bool(self.cached[index])
-
-    def add(self, key: str, name: str, source: str, index: int | None = None) -> None:
-        """Keep `key`, read from `source` of source name `name` (`index`: its global index, from the stamp table: the
-        input is the one the index records)."""
-        if index is None:
-            at = self.cached_at(key)
-            if at is None:
-                self.new[key] = (name, source)
-                return
-            index = at[0]
-            if self.table.sample_index().source(index) != source:
-                self.moved[index] = (name, source)
-        self.cached[index] = True
-
-    def __len__(self) -> int:
-        return int(self.cached.sum()) + len(self.new)
-
-    def part(self) -> dict:
-        """What rank 0 gathers of it: the column packed to bits, and the inputs kept by key or moved."""
-        return {"cached": np.packbits(self.cached), "samples": len(self.cached), "moved": self.moved, "new": self.new}
-
-    @staticmethod
-    def merged(parts: list[dict]) -> dict:
-        """Every rank's `part` as one: the columns ORed, the dicts joined."""
-        n = parts[0]["samples"]
-        bits = np.zeros_like(parts[0]["cached"])
-        for p in parts:
-            bits |= p["cached"]
-        return {"cached": np.unpackbits(bits, count=n).astype(bool), "moved": {k: v for p in parts for k, v in p["moved"].items()},
-                "new": {k: v for p in parts for k, v in p["new"].items()}}
-
-
-@dataclass
-class Tally:
-    """What one rank's pass found: counts overall and per source, the failures, and the keys it saw.
-
-    Args:
-        counts: outcomes of the whole pass (new, changed, unchanged, duplicate, failed, captions_truncated, ...).
-        by_source: the same per source name.
-        failures: one record per failed input (source, reason, detail, dataset).
-        seen: every input read and kept (encoded or unchanged), `Seen`.
-        restamps: key -> stamp of unchanged inputs whose stamp moved (touched, same content).
-        repaired: key -> fields re-encoded for a damaged shard (`--repair`).
-        repaired_texts: text key -> fields re-encoded from its sample's inputs for a damaged text shard (`--repair`).
-        loop_s, wait_s: time in the pass, and of it the time the encoders idled waiting on the loader (the pass
-            blocked on it with no batch left for them to encode).
-        encoder_s: of the pass, the time inside the encoders' calls (VAE, image encoder, text encoder).
-        write_wait_s: of the pass, the time the encoders idled waiting on the background writer (its queue full, its
-            last batches).
-        write_s: the background writer's time writing (serialising, digests, fsync, commits), beside the pass.
-    """
-
-    counts: Counter = field(default_factory=Counter)
-    by_source: dict[str, Counter] = field(default_factory=dict)
-    failures: list[dict] = field(default_factory=list)
-    seen: Seen = field(default_factory=Seen)
-    restamps: dict[str, int] = field(default_factory=dict)
-    repaired: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    repaired_texts: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    loop_s: float = 0.0
-    wait_s: float = 0.0
-    encoder_s: float = 0.0
-    write_wait_s: float = 0.0
-    write_s: float = 0.0
-
-    def fail(self, record: dict, samples: int = 1) -> None:
-        self.failures.append(record)
-        self.counts["failed"] += samples
-        if "dataset" in record:
-            self.by_source[record["dataset"]]["failed"] += samples
-
-    def count(self, outcome: str, source: str) -> None:
-        self.counts[outcome] += 1
-        self.by_source[source][outcome] += 1
-
-
-class CachedLatents:
-    """The latent fields of the samples a cache held when the run started, found by the input they came from.
-
-    An input that changed but whose image did not (a new loss mask, edited captions) gets a new key; its old sample,
-    found through the input's entry in the stamp table, holds the latent fields the VAE would compute again, which its
-    `shards.LATENT_KEY` proves (the same image bytes, flip, control image and reference images). They are read with
-    the shards reader from the generation the run started with (its shards are not retired before the run ends),
-    digests checked; a sample that cannot be read is encoded again.
-
-    Args:
-        root: the cache.
-        generation: the generation the run's manifest is.
-        fields: the latent fields to copy (the image's, its flipped view's, its control image's, its references').
-    """
-
-    def __init__(self, root, generation: int, fields: list[str]):
-        self.root, self.generation, self.fields = root, generation, fields
-        self._cache: Cache | None = None
-
-    def find_any(self, dataset: str, keys: list[str], latent_key: bytes) -> dict[str, torch.Tensor] | None:
-        """`find` of the first of cached samples `keys` whose latent key is `latent_key` (a video's clips: the old clip
-        that is this one), each candidate's latent key read alone, without the digest check a read makes."""
-        try:
-            for key in keys:
-                i = self._indexed(dataset, key)
-                if i is not None:
-                    j, row = self._cache.locate(i)
-                    if bytes(self._cache.shard(j).fields(row)[LATENT_KEY].numpy()) == latent_key:
-                        return self.find(dataset, key, latent_key)
-        except (FormatError, OSError, KeyError):
-            pass
-        return None
-
-    def find(self, dataset: str, key: str, latent_key: bytes) -> dict[str, torch.Tensor] | None:
-        """The latent fields of cached sample `key` of `dataset` if its latent key is `latent_key`, else None."""
-        try:
-            i = self._indexed(dataset, key)
-            if i is None:
-                return None
-            fields = self._cache[i].fields
-            if LATENT_KEY not in fields or bytes(fields[LATENT_KEY].numpy()) != latent_key:
-                return None
-            return {name: fields[name].clone() for name in self.fields}
-        except (FormatError, OSError, KeyError):  # damaged or gone: the VAE computes them again
-            return None
-
-    def _indexed(self, dataset: str, key: str) -> int | None:
-        """The global index of cached sample `key` of `dataset` (None: not one of its samples), the cache opened on
-        first use; found by the manifest's key lookup (`ShardTable.find_key`)."""
-        if self._cache is None:
-            self._cache = Cache(self.root, self.generation, check_digests=True)
-        table = self._cache.manifest.shards
-        found = table.find_key(key)
-        if found is None or table.dataset_of(found[0]) != dataset:
-            return None
-        return table.global_index(*found)
 
 
 @dataclass
@@ -713,37 +548,3 @@ class EncodingPass:
         fields["crop"] = torch.tensor(it["crop"], dtype=torch.int32)
         fields["source"] = torch.frombuffer(bytearray(it["source"].encode("utf-8", "surrogateescape")), dtype=torch.uint8)
         return fields
-
-
-class PlainProgress:
-    """The progress bar's part `EncodingPass.run` uses, for a log file or a pipe: a plain line on stderr every
-    `every_s` seconds (0: every input), and one at the end."""
-
-    def __init__(self, total: int | None, every_s: float, desc: str = "precompute"):
-        self.total, self.every_s, self.desc = total, every_s, desc
-        self.n, self.shown, self.postfix = 0, 0, {}
-        self.t0 = self.last = time.perf_counter()
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-
-    def set_postfix(self, refresh: bool = False, **counts) -> None:
-        self.postfix = counts
-        if time.perf_counter() - self.last >= self.every_s:
-            self.show()
-
-    def close(self) -> None:
-        if self.n != self.shown:
-            self.show()
-
-    def show(self) -> None:
-        self.last = now = time.perf_counter()
-        self.shown = self.n
-        rate = self.n / max(now - self.t0, 1e-9)
-        done = f"{self.n:,}/{self.total:,} inputs ({self.n / max(self.total, 1):.0%})" if self.total else f"{self.n:,} inputs"
-        counts = ", ".join(f"{k} {v:,}" for k, v in self.postfix.items())
-        eta = ""
-        if self.total:
-            left = int(max(self.total - self.n, 0) / max(rate, 1e-9))
-            eta = f"  ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"
-        print(f"{self.desc}: {done}  {rate:.1f} inputs/s" + (f"  {counts}" if counts else "") + eta, file=sys.stderr, flush=True)

@@ -29,10 +29,11 @@ from precompute.clips import CLIP, cached_clips, unsalted_clips
 from precompute.config import DEFAULT_BATCH, PrecomputeConfig
 from precompute.distributed import gather_to_main, lock_cache, setup_distributed
 from precompute.encode import Encoders, best_device
-from precompute.encoding import CachedLatents, EncodingPass, PlainProgress, Seen, Tally
+from precompute.encoding import EncodingPass
 from precompute.families.base import Preset
 from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalted, where
 from precompute.presets import weights_sources
+from precompute.progress import PlainProgress
 from precompute.removal import (
     RemovalRefused,
     cached_inputs,
@@ -47,6 +48,7 @@ from precompute.removal import (
     warn_damaged,
 )
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
+from precompute.tally import CachedLatents, Seen, Tally
 from shards import LATENT_KEY, MASK, CacheSpec, Field, Prompt, ShardWriter, exists, load, prompt_key
 from shards.atomic import atomic_write_bytes
 from shards.options import torch_dtype

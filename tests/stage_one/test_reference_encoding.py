@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from precompute.encode import Encoders
-from precompute.encoding import EncodingPass, PlainProgress, Tally
+from precompute.encoding import EncodingPass
 from precompute.presets import get_preset
+from precompute.progress import PlainProgress
 from precompute.run import texts_stored_once
+from precompute.tally import Tally
 from shards import Bucket, Cache, ShardWriter
 from shards.references import REFERENCE_LATENT, REFERENCE_SHAPE, references_digest, unpack
 from shards.texts import TEXT_KEYS, keys_of, text_key
