@@ -33,10 +33,13 @@ Cached = tuple[tuple[str, int], ...]
 
 def clip_choice(policy) -> bytes:
     """What of a `ClipPolicy` chooses a video's clips (and is no part of the fingerprint): the extraction, the number
-    of clips of "uniform" and the frame buckets, with the frame rate they count frames at."""
+    of clips of "uniform", the stride of "slide", the lengths when "each", and the frame buckets, with the frame rate
+    they count frames at (a choice without stride or lengths is written as before they existed)."""
     clips = f"\0{policy.clips}" if policy.extraction == "uniform" else ""
+    stride = f"\0stride {policy.stride}" if policy.extraction == "slide" else ""
+    lengths = f"\0{policy.lengths}" if policy.lengths != "longest" else ""
     buckets = ",".join(str(b) for b in policy.frame_buckets)
-    return f"{policy.extraction}{clips}\0{buckets}\0{policy.frame_rate!r}".encode()
+    return f"{policy.extraction}{clips}{stride}{lengths}\0{buckets}\0{policy.frame_rate!r}".encode()
 
 
 def clip_key(base: str, choice: bytes, index: int, count: int) -> str:

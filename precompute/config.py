@@ -168,13 +168,26 @@ class PrecomputeConfig:
                                           "family's (1,17,33,49,81) up to --frames, and --frames itself. The cache "
                                           "records them: a run with others is refused. A dataset file's source may "
                                           "keep fewer (frames, frame_buckets).")
-    clip_extraction: Literal["head", "uniform", "chunk", "full"] = opt(
-        "head", "Video models: which clips of each video become samples (musubi-tuner's frame_extraction). head: one "
-                "clip from the start, the longest bucket the video holds; uniform: --clips clips of that length, evenly "
-                "spaced from the start to the end; chunk: every whole clip of that length, one after the other; full: "
-                "the whole video as one clip, the longest bucket not longer than it. A dataset file's source may set its "
-                "own (clip_extraction); changing it cuts that source's videos again (their samples are replaced).")
+    clip_extraction: Literal["head", "uniform", "chunk", "full", "slide"] = opt(
+        "head", "Video models: which clips of each video become samples (musubi-tuner's frame_extraction), of the "
+                "lengths --clip-lengths takes. head: one clip from the start; uniform: --clips clips evenly spaced from "
+                "the start to the end; chunk: every whole clip, one after the other; slide: a clip every --clip-stride "
+                "frames, as many as fit; full: the whole video as one clip, the longest bucket not longer than it. A "
+                "dataset file's source may set its own (clip_extraction); changing it cuts that source's videos again "
+                "(their samples are replaced).")
     clips: int = opt(1, "Video models, --clip-extraction uniform: clips per video (a source's clips = N).", at_least=1)
+    clip_stride: int | None = opt(None, "Video models, --clip-extraction slide (which needs it): frames from one clip's "
+                                        "start to the next, at the model's frame rate (musubi-tuner's frame_stride; e.g. 8 "
+                                        "at 16 fps: a clip every half second). A source's clip_stride = N; changing it "
+                                        "cuts that source's videos again.", at_least=1)
+    clip_lengths: Literal["longest", "each"] = opt(
+        "longest", "Video models: the lengths of a video's clips. longest: the longest frame bucket the video holds, one "
+                   "length per video; each: every frame bucket the video holds, one set of clips per length, as "
+                   "musubi-tuner cuts target_frames. With each, the one-frame bucket (1 in --frame-buckets) cuts one-frame "
+                   "samples from videos too: head takes the first frame, uniform --clips frames, slide a frame every "
+                   "--clip-stride (chunk refuses it: every frame would be one); a video shorter than every longer bucket "
+                   "is still too_short. Not with full. A source's clip_lengths; changing it cuts that source's videos "
+                   "again.")
     decode_timeout: float = opt(60.0, "Video models: seconds a video may take to decode its clips; one that takes longer "
                                       "(a file that hangs the decoder) is skipped (decode_timeout).", above=0)
     validation_prompt: list[str] = opt([], "A prompt to encode for validation images (repeatable).")

@@ -107,7 +107,7 @@ def clips_fingerprint(policy) -> dict:
     and how frames are extracted at them. Which clips of a video are taken (the extraction mode, the number of
     clips, a source's own frame buckets) is not here but in each clip's key, so a source may change it: its videos
     are cut again."""
-    return {k: v for k, v in policy.fingerprint().items() if k not in ("extraction", "clips")}
+    return {k: v for k, v in policy.fingerprint().items() if k not in ("extraction", "clips", "stride", "lengths")}
 
 
 @dataclass

@@ -15,8 +15,10 @@ tag_dropout = 0.1          # ... and each other tag dropped with this probabilit
 # eval = true              # held out of training: a run reports its loss (the held-out loss), never trains on it
 resolution = [512, 1024]   # cache its images at these resolutions (default: the run's --resolution)
 # a video model's cache (every sample a clip; an image is a one-frame clip):
-clip_extraction = "uniform"  # which clips of each video: head, uniform, chunk or full (default: --clip-extraction)
+clip_extraction = "uniform"  # which clips of each video: head, uniform, chunk, slide or full (default: --clip-extraction)
 clips = 3                  # uniform: this many clips, evenly spaced (default: --clips)
+# clip_stride = 8          # slide: a clip every 8 frames (default: --clip-stride)
+# clip_lengths = "each"    # clips of every frame bucket a video holds, not only the longest (default: --clip-lengths)
 frames = 49                # the longest clip, in frames at the model's frame rate (default: --frames)
 frame_buckets = [1, 17, 33, 49]  # the clip lengths (default: --frame-buckets, cut at frames)
 # with --control (ControlNet caches), where a folder's control images are, when not beside the images:
@@ -59,7 +61,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from urllib.parse import urlsplit
 
 from precompute.captions import TagOptions
-from precompute.video import EXTRACTIONS
+from precompute.video import EXTRACTIONS, LENGTHS
 
 try:
     import tomllib
@@ -116,9 +118,9 @@ class Source:
         resolution: the resolutions its images are cached at, each on its own bucket table (None: the run's).
         video_column: a video model's input column of a Hugging Face dataset (default: `video` where the dataset has
             one, else `image_column`).
-        clip_extraction, clips, frames, frame_buckets: a video model's cache: which clips of its videos become samples
-            (`precompute.video.ClipPolicy`); None: the run's (`PrecomputeConfig.sources` fills them in, and they join
-            the keys of the source's clips and its salt).
+        clip_extraction, clips, clip_stride, clip_lengths, frames, frame_buckets: a video model's cache: which clips of
+            its videos become samples (`precompute.video.ClipPolicy`); None: the run's (`PrecomputeConfig.sources`
+            fills them in, and they join the keys of the source's clips and its salt).
     """
 
     name: str
@@ -153,6 +155,8 @@ class Source:
     video_column: str | None = None
     clip_extraction: str | None = None
     clips: int | None = None
+    clip_stride: int | None = None
+    clip_lengths: str | None = None
     frames: int | None = None
     frame_buckets: tuple[int, ...] | None = None
     from_file: bool = False  # listed by a dataset file (messages name it), rather than DATA itself
@@ -200,6 +204,10 @@ class Source:
             text += f"\0mask\0{self.mask_mode}\0{self.mask}\0{self.mask_column}"
         if self.clip_extraction is not None:  # a video model's source: which clips its videos are cut into
             text += f"\0clips\0{self.clip_extraction}\0{self.clips}\0{self.frame_buckets}\0{self.video_column}"
+            if self.clip_stride is not None:  # a stride or lengths only where they are chosen: older salts stay
+                text += f"\0stride\0{self.clip_stride}"
+            if self.clip_lengths not in (None, "longest"):
+                text += f"\0lengths\0{self.clip_lengths}"
         if self.takes_references:  # likewise: where its reference images are found
             text += f"\0references\0{self.reference_folder}\0{self.reference_column}"
         return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "big") >> 1 or 1
@@ -223,6 +231,10 @@ class Source:
             optional["clip_extraction"] = self.clip_extraction
             if self.clip_extraction == "uniform":
                 optional["clips"] = self.clips
+            if self.clip_stride is not None:
+                optional["clip_stride"] = self.clip_stride
+            if self.clip_lengths not in (None, "longest"):
+                optional["clip_lengths"] = self.clip_lengths
             optional["frame_buckets"] = list(self.frame_buckets or ())
         if self.video_column is not None:
             optional["video_column"] = self.video_column
@@ -298,9 +310,15 @@ KEY_HELP = {  # `python -m precompute --help` lists these
     "video_column": "a video model's column of videos in a Hugging Face dataset (default: video where the dataset has "
                     "one, else image_column; its cells may also hold images, cached as one-frame clips)",
     "clip_extraction": "a video model's: which clips of each video become samples: head (one, from the start), uniform "
-                       "(clips of them, evenly spaced), chunk (every whole clip, one after the other) or full (the whole "
-                       "video as one clip); default --clip-extraction. Changing it cuts the source's videos again",
+                       "(clips of them, evenly spaced), chunk (every whole clip, one after the other), slide (a clip every "
+                       "clip_stride frames) or full (the whole video as one clip); default --clip-extraction. Changing it "
+                       "cuts the source's videos again",
     "clips": "a video model's, with clip_extraction = \"uniform\": how many clips of each video (default --clips)",
+    "clip_stride": "a video model's, with clip_extraction = \"slide\": frames from one clip's start to the next, at the "
+                   "model's frame rate (default --clip-stride; musubi-tuner's frame_stride)",
+    "clip_lengths": "a video model's: \"longest\" (clips of the longest frame bucket a video holds) or \"each\" (one set "
+                    "of clips per frame bucket it holds, the one-frame bucket included, as musubi-tuner cuts "
+                    "target_frames); default --clip-lengths",
     "frames": "a video model's: the source's longest clip, in frames at the model's frame rate (4k+1 for a temporal "
               "factor of 4; default --frames); its frame buckets are the run's up to it",
     "frame_buckets": "a video model's: the source's clip lengths, ascending, each one of the run's --frame-buckets "
@@ -482,7 +500,9 @@ def _check(key: str, value) -> str | None:
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a whole number ≥ 1"
     if key == "clip_extraction":
         return None if value in EXTRACTIONS else f"must be one of {', '.join(EXTRACTIONS)}"
-    if key in ("clips", "frames"):
+    if key == "clip_lengths":
+        return None if value in LENGTHS else f"must be one of {', '.join(LENGTHS)}"
+    if key in ("clips", "frames", "clip_stride"):
         return None if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else "must be a whole number ≥ 1"
     if key == "frame_buckets":
         ok = (isinstance(value, list) and value and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)

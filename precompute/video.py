@@ -31,7 +31,8 @@ VIDEO_PREPROCESSING_VERSION = 1  # bump when anything below changes the frames p
 VIDEO_SUFFIXES = (".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi", ".mpg", ".mpeg", ".ts", ".m2ts", ".flv", ".wmv",
                   ".3gp", ".ogv", ".gif", ".webp")
 
-EXTRACTIONS = ("head", "uniform", "chunk", "full")
+EXTRACTIONS = ("head", "uniform", "chunk", "full", "slide")
+LENGTHS = ("longest", "each")  # which frame buckets a video's clips are cut at
 
 # Reasons a video is skipped (merged into precompute.inputs.REASONS; the two shared with images mean the same).
 VIDEO_REASONS = {
@@ -59,11 +60,15 @@ class ClipPolicy:
             seconds after the clip's start, whatever the source's rate (variable rates included).
         frame_buckets: clip lengths in frames, ascending (4k+1 for a VAE that compresses time by 4, e.g. (1, 17, 33,
             49, 81)); the last is the longest clip.
-        extraction: "head": one clip from the start, the longest bucket that fits; "uniform": `clips` clips of the
-            longest bucket that fits, evenly spaced from the start to the end; "chunk": consecutive clips of the
-            longest bucket that fits, as many as fit; "full": the whole video as one clip, the longest bucket not
-            longer than it.
+        extraction: where clips start, for each length `lengths` takes: "head": one clip from the start; "uniform":
+            `clips` clips evenly spaced from the start to the end; "chunk": consecutive clips, as many as fit;
+            "slide": a clip every `stride` frames, as many as fit; "full": the whole video as one clip, the longest
+            bucket not longer than it.
         clips: the number of clips of "uniform".
+        stride: frames from one clip's start to the next of "slide" (at `frame_rate`).
+        lengths: "longest": the clips are of the longest bucket the video holds; "each": of every bucket it holds
+            (musubi-tuner's target_frames), the one-frame bucket included (a video's first frame with "head") beside
+            clips of at least one longer bucket. Not for "full", which takes one clip.
         timeout_s: a video whose decoding takes longer is a failure ("decode_timeout").
     """
 
@@ -72,6 +77,8 @@ class ClipPolicy:
     extraction: str = "head"
     clips: int = 1
     timeout_s: float = 60.0
+    stride: int = 1
+    lengths: str = "longest"
 
     def __post_init__(self):
         if not self.frame_rate > 0:
@@ -82,15 +89,25 @@ class ClipPolicy:
             raise ValueError(f"extraction must be one of {', '.join(EXTRACTIONS)}, not {self.extraction!r}")
         if self.clips < 1:
             raise ValueError(f"clips must be at least 1, not {self.clips}")
+        if self.stride < 1:
+            raise ValueError(f"stride must be at least 1, not {self.stride}")
+        if self.lengths not in LENGTHS:
+            raise ValueError(f"lengths must be one of {', '.join(LENGTHS)}, not {self.lengths!r}")
+        if self.lengths == "each" and self.extraction == "full":
+            raise ValueError("lengths 'each' does not apply to extraction 'full', which takes one clip of a video")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, not {self.timeout_s}")
 
     def fingerprint(self) -> dict:
+        """What the policy is, as a manifest records it; the stride and lengths only where they choose clips, so the
+        fingerprints of policies without them stay as they were."""
         return {
             "frame_rate": self.frame_rate,
             "frame_buckets": list(self.frame_buckets),
             "extraction": self.extraction,
             **({"clips": self.clips} if self.extraction == "uniform" else {}),
+            **({"stride": self.stride} if self.extraction == "slide" else {}),
+            **({"lengths": self.lengths} if self.lengths != "longest" else {}),
             "resample": "frame shown at each time, by presentation timestamp",
             "rotation": "display matrix applied",
             "pixel_aspect": "square",
@@ -99,21 +116,25 @@ class ClipPolicy:
         }
 
     def plan(self, length: int) -> list[tuple[int, int]]:
-        """(start, frames) of the clips of a video `length` frames long at `frame_rate`, by start; [] when it is
-        shorter than the shortest bucket. The one-frame bucket holds still images: a video's clips are of the longer
-        buckets, unless one frame is the only bucket (a run that trains on first frames)."""
+        """(start, frames) of the clips of a video `length` frames long at `frame_rate`, by start and then length;
+        [] when it is shorter than the shortest bucket. The one-frame bucket holds still images: a video's clips are
+        of the longer buckets, unless one frame is the only bucket (a run that trains on first frames) or `lengths`
+        is "each" and the video holds a longer bucket too."""
         moving = [b for b in self.frame_buckets if b > 1] if length > 1 else []
         fits = [b for b in moving or self.frame_buckets if b <= length]
         if not fits:
             return []
-        n = fits[-1]
+        if self.lengths == "each" and moving and self.frame_buckets[0] == 1:
+            fits = [1, *fits]
+        return sorted((s, n) for n in (fits if self.lengths == "each" else fits[-1:]) for s in self.starts(length, n))
+
+    def starts(self, length: int, n: int) -> list[int]:
+        """The first frames of the clips of `n` frames of a video `length` frames long (n <= length)."""
         if self.extraction == "uniform":
-            starts = sorted({int(s) for s in np.linspace(0, length - n, self.clips)})
-        elif self.extraction == "chunk":
-            starts = list(range(0, length - n + 1, n))
-        else:
-            starts = [0]
-        return [(s, n) for s in starts]
+            return sorted({int(s) for s in np.linspace(0, length - n, self.clips)})
+        if self.extraction in ("chunk", "slide"):
+            return list(range(0, length - n + 1, n if self.extraction == "chunk" else self.stride))
+        return [0]
 
 
 @dataclass
@@ -168,7 +189,7 @@ def read_clips(data: bytes, policy: ClipPolicy, max_pixels: int, stats: dict | N
 
 def _extract(r: AVReader | ImageReader, policy: ClipPolicy, stats: dict) -> tuple[list[Clip], str | None, str]:
     fps = Fraction(policy.frame_rate)
-    if policy.extraction == "head" and not r.still:  # the longest bucket from the start: its length is not needed
+    if policy.extraction == "head" and policy.lengths == "longest" and not r.still:  # its length is not needed
         plan = [(0, policy.frame_buckets[-1])]
     else:
         if r.still:

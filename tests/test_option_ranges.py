@@ -90,12 +90,14 @@ PRECOMPUTE = {
     "log_seconds": ([-1.0, NAN, INF], [0.0, 60.0]),  # 0: a line per input
     "frames": ([0, -1], [17, 81]),  # a video model's longest clip (4k+1 frames, checked against the family)
     "clips": ([0, -1], [1, 3]),
+    "clip_stride": ([0, -1], [1, 8]),  # frames between a sliding clip's starts
     "decode_timeout": ([0.0, -1.0, NAN, INF], [0.5, 60.0]),
 }
 # what an accepted value needs beside it
 PRECOMPUTE_CONTEXT = {"caption_variants": dict(shuffle_tags=True), "keep_tokens": dict(shuffle_tags=True, caption_variants=2),
                       "tag_dropout": dict(caption_variants=2), "frames": dict(model="tiny-wan"),
-                      "clips": dict(model="tiny-wan", clip_extraction="uniform")}
+                      "clips": dict(model="tiny-wan", clip_extraction="uniform"),
+                      "clip_stride": dict(model="tiny-wan", clip_extraction="slide")}
 
 
 def numeric_fields(cls) -> set[str]:
