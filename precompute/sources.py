@@ -61,6 +61,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from urllib.parse import urlsplit
 
 from precompute.captions import TagOptions
+from precompute.musubi_keys import ours as musubi_equivalent
 from precompute.video import EXTRACTIONS, LENGTHS
 
 try:
@@ -248,6 +249,7 @@ KEYS = {f.name for f in fields(Source)} - {"from_file"}  # what a [[source]] tab
 # keys of other trainers' dataset files (musubi-tuner's, kohya's) that a user may bring, and the key that does their job
 # here: the hint names it where a spelling match would mislead (target_frames is not frames)
 THEIR_NAMES = {"target_frames": "frame_buckets", "frame_extraction": "clip_extraction", "frame_sample": "clips",
+               "frame_stride": "clip_stride", "max_frames": "frames",
                "video_directory": "path", "image_directory": "path", "num_repeats": "repeats"}
 KEY_HELP = {  # `python -m precompute --help` lists these
     "name": "the source's name in the cache (default: the path's last component)",
@@ -375,8 +377,10 @@ def read_dataset_file(file: str | Path) -> list[Source]:
 
     extra = sorted(set(doc) - {"source"})
     if extra:
+        theirs = (" (musubi-tuner's [[datasets]] are [[source]] tables here, each with path = its video_directory or "
+                  "image_directory, and its [general] keys written in each)") if extra[0] in ("datasets", "general") else ""
         raise ValueError(f"{file}:{_top_level_line(lines, extra[0])}: unknown table or key {extra[0]!r}; a dataset file "
-                         f"lists [[source]] tables only")
+                         f"lists [[source]] tables only{theirs}")
     tables = doc.get("source")
     if isinstance(tables, dict):
         raise ValueError(f"{file}:{_top_level_line(lines, 'source')}: [source] is one table; write each source as "
@@ -393,7 +397,8 @@ def read_dataset_file(file: str | Path) -> list[Source]:
             if key not in KEYS:
                 close = [THEIR_NAMES[key]] if key in THEIR_NAMES else difflib.get_close_matches(key, sorted(KEYS), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else f"; known keys: {', '.join(sorted(KEYS))}"
-                raise ValueError(f"{where(i, key)}: unknown key {key!r} in [[source]]{hint}")
+                theirs = musubi_equivalent(table)  # the whole of a musubi-tuner clip setting, in one step
+                raise ValueError(f"{where(i, key)}: unknown key {key!r} in [[source]]{hint}" + (f"; {theirs}" if theirs else ""))
         if "path" not in table:
             raise ValueError(f"{where(i)}: this [[source]] has no path")
         for key, value in table.items():
