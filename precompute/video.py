@@ -116,17 +116,19 @@ class ClipPolicy:
         }
 
     def plan(self, length: int) -> list[tuple[int, int]]:
-        """(start, frames) of the clips of a video `length` frames long at `frame_rate`, by start and then length;
-        [] when it is shorter than the shortest bucket. The one-frame bucket holds still images: a video's clips are
-        of the longer buckets, unless one frame is the only bucket (a run that trains on first frames) or `lengths`
-        is "each" and the video holds a longer bucket too."""
+        """(start, frames) of the clips of a video `length` frames long at `frame_rate`, by where they end and then
+        start (the order their frames are complete in: a video that ends sooner than its stated length loses the
+        clips from the first that runs past its end on); [] when it is shorter than the shortest bucket. The
+        one-frame bucket holds still images: a video's clips are of the longer buckets, unless one frame is the only
+        bucket (a run that trains on first frames) or `lengths` is "each" and the video holds a longer bucket too."""
         moving = [b for b in self.frame_buckets if b > 1] if length > 1 else []
         fits = [b for b in moving or self.frame_buckets if b <= length]
         if not fits:
             return []
         if self.lengths == "each" and moving and self.frame_buckets[0] == 1:
             fits = [1, *fits]
-        return sorted((s, n) for n in (fits if self.lengths == "each" else fits[-1:]) for s in self.starts(length, n))
+        clips = [(s, n) for n in (fits if self.lengths == "each" else fits[-1:]) for s in self.starts(length, n)]
+        return sorted(clips, key=lambda clip: (clip[0] + clip[1], clip[0]))
 
     def starts(self, length: int, n: int) -> list[int]:
         """The first frames of the clips of `n` frames of a video `length` frames long (n <= length)."""
@@ -215,7 +217,7 @@ def _extract(r: AVReader | ImageReader, policy: ClipPolicy, stats: dict) -> tupl
                 return [], "truncated_video", (f"the data ends at {float(r.end_seen):.3f} s, the container states "
                                                f"{float(stated):.3f} s")
             fits = [b for b in policy.frame_buckets if b <= len(frames)]
-            if not fits:
+            if not fits or policy.lengths == "each":  # each: its shorter lengths are clips of the plan, not trimmed ones
                 return ([], *_short(start + len(frames), policy)) if not clips else (clips, None, "")
             frames = frames[:fits[-1]]
         clips.append(Clip(index, start, frames, r.size))

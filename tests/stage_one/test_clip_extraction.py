@@ -18,6 +18,12 @@ def config(data="data", **kw):
     return PrecomputeConfig(data, **{"model": "tiny-wan", **kw})
 
 
+def by_end(clip: tuple[int, int]) -> tuple[int, int]:
+    """The order of a plan's clips: where they end, then where they start."""
+    start, frames = clip
+    return start + frames, start
+
+
 def x_rows(plan, length=40) -> set[str]:
     """A plan drawn as musubi-tuner's documentation draws it: a row per clip, x for a frame of it, o for the others."""
     return {"o" * s + "x" * n + "o" * (length - s - n) for s, n in plan}
@@ -66,7 +72,7 @@ def test_each_length_cuts_a_40_frame_video_as_musubi_tuners_documentation_draws_
     policy = ClipPolicy(16.0, buckets, mode, clips=4, stride=10, lengths="each")
     plan = policy.plan(40)
     assert x_rows(plan) == {row.strip() for row in MUSUBI_DIAGRAMS[mode, buckets].strip().splitlines()}
-    assert len(plan) == len(set(plan)) and plan == sorted(plan)  # by start, then length: the clips' indices
+    assert len(plan) == len(set(plan)) and plan == sorted(plan, key=by_end)  # the clips' indices
 
 
 def test_the_longest_length_stays_the_default_and_slide_takes_it_too():
@@ -170,7 +176,7 @@ def test_the_run_and_its_sources_take_stride_and_lengths(tmp_path):
 
     # a 40-frame video: one frame every 4 up to 36, 17 frames every 4 up to 23, 33 frames every 4 up to 7
     assert clip_policy(config(str(toml), clip_lengths="each"), a).plan(40) == sorted(
-        [(s, 1) for s in range(0, 40, 4)] + [(s, 17) for s in range(0, 24, 4)] + [(0, 33), (4, 33)])
+        [(s, 1) for s in range(0, 40, 4)] + [(s, 17) for s in range(0, 24, 4)] + [(0, 33), (4, 33)], key=by_end)
     # without the new options, sources are filled in as before
     (plain,) = config().sources()
     assert (plain.clip_stride, plain.clip_lengths) == (None, "longest") and "clip_lengths" not in plain.record()
@@ -225,15 +231,22 @@ def test_a_bad_stride_or_lengths_key_is_refused_with_its_line(tmp_path, source, 
         read_dataset_file(toml)
 
 
-def test_every_clip_of_every_length_holds_the_frames_it_names(tmp_path):
-    """Decoded, not only planned: with each length and a slide, clip k of a clip starting at s is frame s + k."""
-    make_video(tmp_path / "v.mp4", "index", 40, 16.0, (64, 64))
-    data = (tmp_path / "v.mp4").read_bytes()
-    for policy in (ClipPolicy(16.0, (1, 17, 33), "slide", stride=10, lengths="each"),
-                   ClipPolicy(16.0, (1, 17, 33), "head", lengths="each"),
-                   ClipPolicy(16.0, (1, 17, 33), "uniform", clips=3, lengths="each")):
-        clips, reason, _ = read_clips(data, policy, 10**9)
-        assert reason is None
+@pytest.mark.parametrize("suffix", [".mp4", ".webm"])
+def test_every_clip_of_every_length_holds_the_frames_it_names(tmp_path, suffix):
+    """Decoded, not only planned: with each length, frame k of a clip starting at s is the video's frame s + k. This
+    WebM's container states 41 frames (its millisecond timestamps round 2.5 s up) and holds 40: the clips that would
+    run past its end are left out, not cut short into copies of the shorter clips at their start."""
+    make_video(tmp_path / f"v{suffix}", "index", 40, 16.0, (64, 64))
+    data = (tmp_path / f"v{suffix}").read_bytes()
+    policies = [ClipPolicy(16.0, (1, 17, 33), "slide", stride=8, lengths="each"),
+                ClipPolicy(16.0, (1, 17, 33), "head", lengths="each"),
+                ClipPolicy(16.0, (17, 33), "chunk", lengths="each")]
+    if suffix == ".mp4":  # uniform's starts depend on the length: the WebM's last clip of each length is left out
+        policies.append(ClipPolicy(16.0, (1, 17, 33), "uniform", clips=3, lengths="each"))
+    for policy in policies:
+        stats = {}
+        clips, reason, _ = read_clips(data, policy, 10**9, stats)
+        assert reason is None and stats.get("length", 40) == (41 if suffix == ".webm" else 40)
         assert [(c.index, c.start, len(c.frames)) for c in clips] == [(i, s, n) for i, (s, n) in enumerate(policy.plan(40))]
         for c in clips:
             assert [frame_index(f[40, 40]) for f in c.frames] == list(range(c.start, c.start + len(c.frames)))

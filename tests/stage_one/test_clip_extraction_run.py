@@ -53,8 +53,8 @@ def test_slide_over_each_length_caches_every_clip_once_and_a_new_stride_cuts_aga
 
     write(10)
     first = run()
-    # one frame from 0, 10, 20, 30; 17 frames from 0, 10, 20; 33 frames from 0; indexed by start, then length
-    expected = [(0, 0, 1), (1, 0, 17), (2, 0, 33), (3, 10, 1), (4, 10, 17), (5, 20, 1), (6, 20, 17), (7, 30, 1)]
+    # one frame from 0, 10, 20, 30; 17 frames from 0, 10, 20; 33 frames from 0; indexed by where they end, then start
+    expected = [(0, 0, 1), (1, 10, 1), (2, 0, 17), (3, 20, 1), (4, 10, 17), (5, 30, 1), (6, 0, 33), (7, 20, 17)]
     assert first["failed"] == 0 and first["new"] == len(expected) + 1 and len(decodes) == 2
     cached = samples_by_source(tmp_path / "cache")
     assert sorted(cached["slide"]) == expected and sorted(cached["head"]) == [(0, 0, 17)]
@@ -76,7 +76,7 @@ def test_slide_over_each_length_caches_every_clip_once_and_a_new_stride_cuts_aga
     changed = run()
     assert len(decodes) == 1 and changed["sources"]["head"]["unchanged"] == 1
     cached = samples_by_source(tmp_path / "cache")
-    assert sorted(cached["slide"]) == [(0, 0, 1), (1, 0, 17), (2, 0, 33), (3, 20, 1), (4, 20, 17)]
+    assert sorted(cached["slide"]) == [(0, 0, 1), (1, 0, 17), (2, 20, 1), (3, 0, 33), (4, 20, 17)]
     assert changed["sources"]["slide"]["changed"] + changed["sources"]["slide"]["new"] == 5
     decodes.clear()
     assert run()["unchanged"] == 5 + 1 and not decodes
