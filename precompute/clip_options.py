@@ -22,8 +22,8 @@ SOURCE_KEYS = ("frames", "frame_buckets", "clip_extraction", "clips", "clip_stri
 
 def check_clip_options(config, preset) -> list[Source]:
     """The run's sources, each with its clip choices filled in (`Source.clip_extraction`, `clips`, `clip_stride`,
-    `clip_lengths`, `frame_buckets`) for a video model; after checking the run's and the sources' clip options (`config.frames` and
-    `config.frame_buckets` are set to what applies: the longest clip, and the buckets as "1,17,33").
+    `clip_lengths`, `frame_buckets`) for a video model; after checking the run's and the sources' clip options
+    (`config.frames` and `config.frame_buckets` are set to what applies: the longest clip, and the buckets as "1,17,33").
 
     Raises:
         ValueError: an option an image model does not take, or a value the family refuses; naming the option or the

@@ -165,8 +165,8 @@ class PrecomputeConfig:
     frame_buckets: str | None = opt(None, "Video models: the clip lengths a cache holds, comma-separated and ascending, "
                                           "each 4k+1 and at most --frames (e.g. 1,17,33,49,81). A video's clip is the "
                                           "longest of them it holds (--clip-lengths each: a clip of every one); 1 is an "
-                                          "image's (a one-frame clip). Default: the "
-                                          "family's (1,17,33,49,81) up to --frames, and --frames itself. The cache "
+                                          "image's (a one-frame clip). Default: the family's (1,17,33,49,81) up to "
+                                          "--frames, and --frames itself. The cache "
                                           "records them: a run with others is refused. A dataset file's source may "
                                           "keep fewer (frames, frame_buckets).")
     clip_extraction: Literal["head", "uniform", "chunk", "full", "slide"] = opt(

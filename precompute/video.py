@@ -99,8 +99,8 @@ class ClipPolicy:
             raise ValueError(f"timeout_s must be positive, not {self.timeout_s}")
 
     def fingerprint(self) -> dict:
-        """What the policy is, as a manifest records it; the stride and lengths only where they choose clips, so the
-        fingerprints of policies without them stay as they were."""
+        """What the policy is (a cache's fingerprint keeps the part that makes frames, `images.clips_fingerprint`);
+        the stride and lengths only where they choose clips, so a policy without them is described as before."""
         return {
             "frame_rate": self.frame_rate,
             "frame_buckets": list(self.frame_buckets),
