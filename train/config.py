@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from shards.options import SEED_MAX, Dtype, check_options, opt
-from train.families import DEFAULT_PRESET, FAMILIES
+from train.families import DEFAULT_PRESET, FAMILIES, PRESETS, get_family
 
 Optimizer = Literal["adamw", "adamw-bf16", "came", "adafactor", "adamw-8bit"]
 # what class batches (of `is_reg` sources) train towards: their data, or the base model's prediction
@@ -36,6 +36,12 @@ def shared(cls, name: str, help: str | None = None, **changes) -> dataclasses.Fi
     if f.default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=f.default_factory, metadata=metadata, **changes)
     return dataclasses.field(default=f.default, metadata=metadata, **changes)
+
+
+def first_frame_presets() -> list[str]:
+    """The presets whose models also generate a clip from an image given as its clean first latent frame
+    (`Family.first_frame_conditioning`: what --i2v-probability trains)."""
+    return [name for name, make in PRESETS.items() if get_family((preset := make()).family).first_frame_conditioning(preset)]
 
 
 def frozen_base_rule(what: str) -> str:
@@ -412,6 +418,15 @@ class ObjectiveOptions:
                                    "masks, so a few kept pixels would take a whole image's step). Flow and DDPM objectives, "
                                    "every family (packed latents are unpacked before the loss). A cache without masks is "
                                    "refused.")
+    i2v_probability: float = opt(
+        0.0, "Models that generate a clip from text or from an image given as its clean first latent frame (presets: "
+             f"{', '.join(first_frame_presets())}): the share of clips trained as image-to-video, drawn per clip and step. Such a clip keeps its first "
+             "latent frame clean (its own latent, which the pipeline's image latent equals), that frame's tokens get "
+             "timestep 0 and the rest the sample's, and the loss is over the other frames, as the image-to-video "
+             "pipeline samples. 0: text-to-video only; 1: image-to-video only, as DiffSynth-Studio's input_image and "
+             "ai-toolkit's do_i2v train; between: both, as the model was released for both. Validation then samples "
+             "image-to-video from the first latent frame of a cached clip, and the held-out loss is image-to-video. "
+             "One-frame clips (images) always train text-to-image.", at_least=0, at_most=1)
     tread: str | None = opt(
         None, "TREAD token routing (faster steps): in training forwards, a random share of the image tokens skips a range "
               "of transformer blocks and rejoins the sequence after it, at its place, as it was. The value: "
@@ -429,6 +444,7 @@ class ObjectiveOptions:
         check_tread(self)
         from train.families import get_preset
 
+        check_first_frame(self)
         preset = get_preset(self.model)
         if preset.experts and self.expert is None:
             raise ValueError(f"{self.model} is two experts, a high-noise and a low-noise transformer split at timestep "
@@ -560,6 +576,17 @@ def check_preservation(cfg) -> None:
                          "(--lora-rank, any --adapter) the frozen base is that model, the adapters turned off for one forward. "
                          "A full fine-tune would have to keep a second, frozen copy of every weight (twice the weights' "
                          "memory): train LoRA adapters, or use --preservation prior")
+
+
+def check_first_frame(cfg) -> None:
+    """The rule of --i2v-probability, for the trainer's config and the planner's: a model that takes a clean first frame."""
+    from train.families import get_preset
+
+    preset = get_preset(cfg.model)
+    if cfg.i2v_probability and not get_family(preset.family).first_frame_conditioning(preset):
+        raise ValueError(f"--i2v-probability {cfg.i2v_probability:g}: {cfg.model} does not generate a clip from an image "
+                         f"given as its clean first latent frame (presets that do: {', '.join(first_frame_presets())}; an "
+                         f"image-to-video preset takes its first frame from the cache anyway); leave it out")
 
 
 def check_tread(cfg) -> None:

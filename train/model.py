@@ -359,6 +359,7 @@ def build_run_objective(cfg: TrainConfig, preset: ModelPreset, config: dict):
                                shift=cfg.flow_shift or preset.flow_shift, resolution_shift=cfg.resolution_shift,
                                base_resolution=preset.base_resolution, masked_loss=cfg.masked_loss,
                                timestep_range=preset.expert_range(getattr(cfg, "expert", None)),
+                               clean_first_frame=cfg.i2v_probability,
                                **flow_shift_kind(cfg.flow_shift, cfg.resolution_shift, preset))
     variance_channels = config.get("out_channels", config["in_channels"]) == 2 * config["in_channels"]
     learned = cfg.learned_variance if cfg.learned_variance is not None else (variance_channels and not cfg.lora_rank)

@@ -17,7 +17,11 @@ Every family's prediction is unpacked to (B, C, h, w) before the loss, so the ma
 with packed families' latents as it does with the others'.
 
 A clip's latents have a frame axis, (B, C, T, h, w): the noise is drawn for every element, a sample's timestep holds for
-all its frames, and the loss is the mean over every element (loss masks are cached for images only).
+all its frames, and the loss is the mean over every element (loss masks are cached for images only). A model that also
+generates a clip from an image given as its clean first latent frame (`Family.first_frame_conditioning`) trains that
+with `clean_first_frame`: a drawn share of the clips keep their first latent frame clean in the noisy latents, are
+marked in the batch (`CLEAN_FIRST_FRAME`, for the family's forward: timestep 0 on that frame's tokens) and take the
+loss over their other frames only.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ from diffusers.training_utils import compute_density_for_timestep_sampling
 # (noisy latents, timesteps, batch) -> prediction with the latents' channels first
 ModelFn = Callable[[torch.Tensor, torch.Tensor, dict], torch.Tensor]
 TIMESTEP_BINS = 10  # loss is also reported per tenth of the timestep range
+# image-to-video by a clean first latent frame (`Family.first_frame_conditioning`): in a batch, (B,) bool, true for the
+# samples whose first latent frame is the clean condition (the objective keeps it out of the noise and the loss; the
+# family's `forward` gives its tokens timestep 0); in a validation batch, `FIRST_FRAME` holds that frame's latent
+# (B, C, 1, h, w), which the family's `denoise` keeps in place of the noise at every step, as its pipeline keeps it
+CLEAN_FIRST_FRAME = "clean_first_frame"
+FIRST_FRAME = "first_frame"
 # what each weighting scheme draws timesteps from (diffusers' compute_density_for_timestep_sampling)
 DENSITY = {"logit_normal": "logit_normal", "mode": "mode", "sigma_sqrt": "uniform", "cosmap": "uniform", "none": "uniform"}
 
@@ -88,6 +98,10 @@ class FlowMatching:
         timestep_range: the noise levels [low, high) drawn (one expert of a two-expert model trains on its own range;
             high 1 includes 1): the training density, shift included, cut to the range and renormalised, drawn by its
             inverse CDF (`quantile`), so the two experts' ranges together are the whole model's density.
+        clean_first_frame: the share of clips (of more than one latent frame) trained as image-to-video: their first
+            latent frame stays clean, as the pipeline keeps the image's latent, and only the other frames are noised
+            and count in the loss (their mean). Drawn per clip after the noise, so a run without it draws what it did.
+            The held-out loss (`loss_at` without draws) takes every clip so when it is above 0.
     """
 
     weighting_scheme: str = "logit_normal"
@@ -103,6 +117,7 @@ class FlowMatching:
     mu_of: Callable[[int], float] | None = None
     masked_loss: bool = False
     timestep_range: tuple[float, float] = (0.0, 1.0)
+    clean_first_frame: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dynamic_shift and self.mu_of is None:
@@ -158,15 +173,30 @@ class FlowMatching:
         pixels = batch["bucket"][0] * batch["bucket"][1]  # of one frame
         s = global_slice(self.sigmas(n * part[1], pixels, generator, x0.device), n, part)
         noise = global_slice(torch.randn((n * part[1], *x0.shape[1:]), generator=generator, device=x0.device), n, part)
-        return self.loss_at(model_fn, batch, s, noise, target_fn), s
+        clean = None
+        if self.first_frames(x0):  # which clips train image-to-video: drawn after the noise, from the same generator
+            clean = global_slice(torch.rand(n * part[1], generator=generator, device=x0.device), n, part) < self.clean_first_frame
+        return self.loss_at(model_fn, batch, s, noise, target_fn, clean), s
+
+    def first_frames(self, x0: torch.Tensor) -> bool:
+        """Whether clips of these latents may train image-to-video: clips of more than one latent frame, in a run that
+        trains it."""
+        return self.clean_first_frame > 0 and x0.dim() == 5 and x0.shape[2] > 1
 
     def loss_at(self, model_fn: ModelFn, batch: dict, s: torch.Tensor, noise: torch.Tensor,
-                target_fn: ModelFn | None = None) -> torch.Tensor:
+                target_fn: ModelFn | None = None, clean: torch.Tensor | None = None) -> torch.Tensor:
         """Per-sample losses (B,) at noise levels `s` (B,) with this `noise` (the latents' shape): the training loss,
-        given its draws (`target_fn`: as `__call__`'s)."""
+        given its draws (`target_fn`: as `__call__`'s; `clean`: (B,) bool, the clips whose first latent frame stays
+        clean, by default every clip when `clean_first_frame` is above 0)."""
         x0 = batch["latents"]
         s4 = per_sample(s, x0)
         xt = (1 - s4) * x0 + s4 * noise
+        if clean is None and self.first_frames(x0):
+            clean = torch.ones(x0.shape[0], dtype=torch.bool, device=x0.device)
+        if clean is not None:  # (B, 1, T, 1, 1): the first frame of each clean clip, its latent as it is
+            first = clean.reshape(-1, 1, 1, 1, 1) & (torch.arange(x0.shape[2], device=x0.device) == 0).reshape(1, 1, -1, 1, 1)
+            xt = torch.where(first, x0, xt)
+            batch = {**batch, CLEAN_FIRST_FRAME: clean}
         # the target's forward first: its memory is freed before the trained forward saves its activations
         base = target_fn(xt, s * 1000, batch).float() if target_fn is not None else None
         pred = model_fn(xt, s * 1000, batch).float()
@@ -175,7 +205,10 @@ class FlowMatching:
         else:
             target = (noise - x0).float() if base is None else base
         err = F.mse_loss(pred, target, reduction="none")
-        return masked_mean(err, loss_mask(batch, self.masked_loss)) * self.weights(s)
+        loss = masked_mean(err, loss_mask(batch, self.masked_loss))
+        if clean is not None:  # a clean first frame is the condition, not a prediction: the mean over the other frames
+            loss = torch.where(clean, masked_mean(err[:, :, 1:], None), loss)
+        return loss * self.weights(s)
 
     def fixed_times(self, n: int, pixels: int) -> torch.Tensor:
         """`n` fixed noise levels for a bucket of `pixels`: the quantiles (k + 1/2) / n of the training density,

@@ -113,7 +113,8 @@ def plan(pc: PlanConfig, objective=None, say: Callable[[str], None] = lambda mes
     if objective is None:
         # a two-expert model's experts share one architecture: the high-noise one's plan, unless --expert names one
         expert = pc.expert or (EXPERT_NAMES[0] if preset.experts else None)
-        objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank, expert=expert), preset, config)
+        objective = build_run_objective(TrainConfig(model=pc.model, lora_rank=pc.lora_rank, expert=expert,
+                                                    i2v_probability=pc.i2v_probability), preset, config)
     per_element = objective_bytes(objective, family.latent_channels(config), family.output_channels(config))
     passes = "forward/backward" if pc.checkpoint_every_k() or pc.blocks_to_swap else "forward"
     if pc.traced.frames:  # a clip the family's VAE encodes, refused before the trace otherwise
@@ -270,7 +271,8 @@ def activations(pc: PlanConfig, preset, batch: int, per_element: tuple[float, fl
         net = built.controlnet.to(compute) if built.controlnet is not None else None
     every = pc.checkpoint_every_k()
     traced = trace_activations(built.transformer, preset, batch, pc.traced, pc.text_tokens or preset.text_tokens, compute,
-                               every, per_element, controlnet=net, swapped=pc.blocks_to_swap, references=references)
+                               every, per_element, controlnet=net, swapped=pc.blocks_to_swap, references=references,
+                               first_frame=pc.i2v_probability > 0)
     return traced["checkpointed"] if every or pc.blocks_to_swap else traced["full"]
 
 

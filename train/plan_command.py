@@ -16,8 +16,8 @@ from train.plan_config import GPU_MEMORY_HELP, PlanConfig, card_memory
 # the options of `PlanConfig` the command takes, in --help's order (the rest do not change the plan)
 OPTIONS = ("batch_size", "precision", "weights_dtype", "optimizer", "grad_checkpointing", "ema_decay", "ema_device",
            "world_size", "parallel", "fsdp_cpu_offload", "text_tokens", "lora_rank", "lora_targets", "adapter", "lokr_factor",
-           "lokr_decompose_both", "controlnet", "controlnet_layers", "base_quant", "blocks_to_swap", "preservation", "expert",
-           "references", "reference_size", "workers", "prefetch", "readahead", "device", "ranks_per_node", "host_memory")
+           "lokr_decompose_both", "controlnet", "controlnet_layers", "base_quant", "blocks_to_swap", "preservation",
+           "i2v_probability", "expert", "references", "reference_size", "workers", "prefetch", "readahead", "device", "ranks_per_node", "host_memory")
 EXIT_INPUT = 2  # as `python -m train`: bad options
 
 

@@ -20,6 +20,7 @@ from train.config import (
     ParallelOptions,
     Preservation,
     TrainConfig,
+    check_first_frame,
     check_preservation,
     shared,
 )
@@ -52,6 +53,7 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
     gpu_memory: float = opt(80 * GiB - CARD_RESERVED, "Bytes tensors may take on one device: a card's memory less what the "
                                                       "CUDA context and workspaces take (`card_memory`).", above=0)
     preservation: Preservation = shared(ObjectiveOptions, "preservation")
+    i2v_probability: float = shared(ObjectiveOptions, "i2v_probability")  # above 0: traced with a timestep per token
     references: int | None = opt(None, "Edit presets: reference images per sample, their tokens concatenated to the "
                                        "target's (default: 1; at most the preset's limit; 0: a text-to-image sample of a "
                                        "model that takes both).", at_least=0)
@@ -74,6 +76,7 @@ class PlanConfig(ParallelOptions, MemoryOptions, ModelOptions):
         for concern in (ModelOptions, MemoryOptions, ParallelOptions):
             concern.check(self)
         check_preservation(self)
+        check_first_frame(self)
         self.check_references()
         if self.ranks_per_node is not None and self.ranks_per_node > self.world_size:
             raise ValueError(f"--ranks-per-node {self.ranks_per_node}: more than the --world-size {self.world_size} ranks")

@@ -14,13 +14,15 @@ from torch.utils._pytree import tree_leaves, tree_map
 from train.data import batch_tensors
 from train.families import get_family
 from train.frozen import recomputed_blocks
+from train.objectives import CLEAN_FIRST_FRAME
 from train.presets import transformer_blocks
 from train.swap import checkpointed_forward, inner_tensors
 
 
 def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_tokens: int, dtype: torch.dtype,
                       every: int = 0, objective_per_element: tuple[float, float] | None = None, controlnet=None,
-                      swapped: int = 0, references: tuple[int, tuple[int, int]] | None = None) -> dict:
+                      swapped: int = 0, references: tuple[int, tuple[int, int]] | None = None,
+                      first_frame: bool = False) -> dict:
     """Bytes autograd saves for backward in one forward pass (meta tensors, no memory used), and with checkpointing
     the peak of the backward pass that recomputes the checkpointed blocks, run on the meta device too.
 
@@ -30,10 +32,13 @@ def trace_activations(model, preset, batch: int, bucket: tuple[int, int], text_t
     beside the (frozen) transformer, as `train.controlnet.controlled_forward` runs them; its blocks count as blocks too.
     `swapped`: the transformer's last blocks are swapped, which recomputes them in backward whatever `every` says.
     `references`: an edit preset's (count, (height, width) pixels) of each sample's references (`example_inputs`).
+    `first_frame`: a batch of clips whose first latent frame is clean (`CLEAN_FIRST_FRAME`: image-to-video by it).
     Below fp32, matrix products run in `dtype` and LoRA layers copy their inputs as under the trainer's autocast."""
     family = get_family(preset.family)
     inputs = example_inputs(family, model, preset, bucket, batch, text_tokens, dtype, references)  # zeros, meta device
     x = inputs["latents"]  # (B, C, h, w)
+    if first_frame and x.dim() == 5 and x.shape[2] > 1:
+        inputs[CLEAN_FIRST_FRAME] = torch.ones(batch, dtype=torch.bool, device=x.device)
     if controlnet is not None:
         inputs["control"] = torch.zeros_like(x)  # the control latent, the latent's shape
     t = torch.full((batch,), 500.0, device="meta")

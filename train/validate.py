@@ -25,6 +25,7 @@ from train.data import REFERENCES, TextLayout, has_references
 from train.decode import Decoder, decoder_recipe
 from train.families import get_family
 from train.families.base import ModelPreset
+from train.objectives import FIRST_FRAME
 from train.order import derived_seed
 from train.presets import model_forward
 from train.video import SHEET
@@ -255,6 +256,11 @@ class Validator:
         # bucket samples with those of its first cached sample, the dataset clip shown beside the samples
         names = get_family(preset.family).conditioning_fields(cache.spec)
         self.conditioning = {b: first_fields(cache, b, names) for b in self.buckets} if names else {}
+        # a run training image-to-video by a clean first latent frame samples so: from that of the bucket's first clip
+        self.first_frame = bool(getattr(objective, "clean_first_frame", 0)) and bool(self.fps)
+        if self.first_frame:
+            for b in self.buckets:
+                self.conditioning.setdefault(b, {})[FIRST_FRAME] = first_latent_frame(cache, b)
         self.recipe = decoder_recipe(cache)
         self.decode_device = None if decode_device == "cpu" else torch.device(decode_device)
         self.decoder: Decoder | None = None  # started at the first grid
@@ -357,7 +363,8 @@ class Validator:
     def clip_rows(self, latents: dict) -> tuple[list[tuple[str, list[torch.Tensor]]], list[str]]:
         """The rows of a contact sheet of clips (label, [latent]) and their videos' file names: every prompt at every
         bucket, then the dataset clip."""
-        rows = [(f"{p.text} ({b.name})", [latents[p.text, b]]) for p in self.prompts for b in self.buckets]
+        given = ", from the first frame of the bucket's first dataset clip" if self.first_frame else ""
+        rows = [(f"{p.text} ({b.name}{given})", [latents[p.text, b]]) for p in self.prompts for b in self.buckets]
         names = [f"{k:02d}-{slug(p.text)}-{b.name}" for k, (p, b) in enumerate((p, b) for p in self.prompts for b in self.buckets)]
         for name, z in self.references:
             rows.append((f"dataset clip, decoded: {name}", [z]))
@@ -397,6 +404,19 @@ def first_fields(cache: Cache, bucket: Bucket, names: tuple[str, ...]) -> dict[s
                          f"{', '.join(b.name for b in ranges)}")
     sample = cache[ranges[bucket][0].start]
     return {name: sample.fields[name].clone() for name in names}
+
+
+def first_latent_frame(cache: Cache, bucket: Bucket) -> torch.Tensor:
+    """The first latent frame (C, 1, h, w) of the first cached clip of `bucket`: its posterior's mean, which is the latent
+    an image-to-video pipeline encodes of that frame as an image (the VAE is causal)."""
+    ranges = cache.ranges_by_bucket()
+    if bucket not in ranges or bucket.frames < 2:
+        held = ", ".join(b.name for b in ranges if b.frames > 1)
+        raise ValueError(f"image-to-video validation at {bucket.name} starts from the first frame of a cached clip of that "
+                         f"bucket, and {cache.location} holds none; choose a --validation-bucket (and --validation-frames) "
+                         f"it holds: {held}")
+    sample, latent = cache[ranges[bucket][0].start], cache.spec.latent
+    return sample.fields[latent.fields[0]].float().reshape(latent.shape(*bucket))[:, :1].clone()
 
 
 def reference_latents(cache: Cache, buckets: list[Bucket], n: int = 4) -> list[tuple[str, torch.Tensor]]:

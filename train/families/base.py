@@ -397,6 +397,13 @@ class Family(ABC):
         """What the transformer's config calls its latent channels, for messages."""
         return "in_channels"
 
+    def first_frame_conditioning(self, preset: ModelPreset) -> bool:
+        """Whether `preset`'s model also generates a clip from an image given as its clean first latent frame: that
+        frame's latent in place of the noise at every step, its tokens at timestep 0, the other frames denoised; what
+        --i2v-probability trains. Its `forward` then takes the batch's `train.objectives.CLEAN_FIRST_FRAME` flags, and
+        its `denoise` a validation batch's `FIRST_FRAME` latent. False by default."""
+        return False
+
     def conditioning_fields(self, spec: CacheSpec) -> tuple[str, ...]:
         """The per-sample fields of a cache (beside the latents and the text) the transformer's call takes: stage two
         stacks them into every batch under the same names, (B, ...) on the device in the compute dtype, for `forward`

@@ -3,7 +3,10 @@ the caption zero-filled to 512 (no mask); image-to-video models take the cached 
 on the channels and, for Wan 2.1, the CLIP embedding of the first frame. Flow matching with a fixed shift; sampled as
 WanPipeline / WanImageToVideoPipeline sample: UniPC in flow sigmas, classifier-free guidance against the empty caption,
 one transformer pass per caption. Wan 2.2 A14B is two experts of one shape: `transformer` (high noise) at and above the
-boundary timestep and `transformer_2` (low noise) below it (`--expert`). Adapters in diffusers' layout or musubi-tuner's."""
+boundary timestep and `transformer_2` (low noise) below it (`--expert`). Wan 2.2 TI2V-5B generates from text, or from an
+image given as the clip's clean first latent frame (its pipelines' `expand_timesteps`: that frame's latent in place of
+the noise at every step and a timestep per token, 0 on its tokens); `--i2v-probability` trains the latter. Adapters in
+diffusers' layout or musubi-tuner's."""
 
 from __future__ import annotations
 
@@ -48,10 +51,12 @@ CLIP_H = {"CLIP ViT-H/14 vision (CLIPVisionModel)": 630_766_080}
 @dataclass(frozen=True)
 class WanPreset(ModelPreset):
     """A Wan preset: which stock pipeline samples it (`image_to_video`: WanImageToVideoPipeline, with cached first-frame
-    conditions) and its validation guidance of the low-noise expert (`guidance_scale_2`, the pipeline's)."""
+    conditions), its validation guidance of the low-noise expert (`guidance_scale_2`, the pipeline's), and whether its
+    pipelines run with `expand_timesteps` (TI2V-5B: an image is the clip's clean first latent frame, at timestep 0)."""
 
     image_to_video: bool = False
     guidance_scale_2: float | None = None
+    expand_timesteps: bool = False
 
     def expert(self, which):
         """The low-noise expert validates at its own guidance (the pipelines' guidance_scale_2)."""
@@ -143,7 +148,8 @@ class Wan(Family):
                                               expert_boundary=0.9, guidance_scale=3.5, guidance_scale_2=3.5,
                                               image_to_video=True),
             "wan2.2-ti2v-5b": lambda: preset("wan2.2-ti2v-5b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
-                                             "wan22_ti2v_5b_transformer.json", 5.0, 720, VAE22, latent_downsample=16),
+                                             "wan22_ti2v_5b_transformer.json", 5.0, 720, VAE22, latent_downsample=16,
+                                             expand_timesteps=True),
             # stage one's tiny umT5 limits: 64 tokens (zero-filled to 512 as the pipelines do), 512 for the I2V preset
             "tiny-wan": lambda: WanPreset("tiny-wan", self.name, None, TINY, "flow", "flow", flow_shift=3.0,
                                           base_resolution=64, text_tokens=64, validation_steps=4, guidance_scale=5.0),
@@ -154,6 +160,10 @@ class Wan(Family):
 
     def pipeline_of(self, preset):
         return "WanImageToVideoPipeline" if getattr(preset, "image_to_video", False) else self.pipeline
+
+    def first_frame_conditioning(self, preset):
+        """TI2V-5B: its pipelines' `expand_timesteps`."""
+        return getattr(preset, "expand_timesteps", False)
 
     def blocks(self, model):
         return list(model.blocks)
@@ -215,8 +225,15 @@ class Wan(Family):
     def forward(self, model, config, xt, t, batch, guidance):
         """As WanPipeline / WanImageToVideoPipeline call it: the noisy latents (B, C, T, h, w), with an I2V model's cached
         `condition` (B, 4 + C, T, h, w) concatenated on the channels, the timestep (B,) in [0, 1000], the caption's tokens
-        zero-filled to 512 and, for Wan 2.1 I2V, the cached CLIP `image_embeds` (B, 257, 1280)."""
+        zero-filled to 512 and, for Wan 2.1 I2V, the cached CLIP `image_embeds` (B, 257, 1280). A batch marking clips
+        whose first latent frame is clean (`CLEAN_FIRST_FRAME`, TI2V image-to-video) gives a timestep per token
+        (`token_timesteps`), as the pipelines with `expand_timesteps` pass it."""
+        from train.objectives import CLEAN_FIRST_FRAME  # (the objective's module imports diffusers: not at start-up)
+
         x = xt
+        clean = batch.get(CLEAN_FIRST_FRAME)
+        if clean is not None:
+            t = token_timesteps(config, xt, t, clean)
         if self.condition_channels(config):
             if "condition" not in batch:
                 raise ValueError("this Wan transformer is image-to-video: it takes the first-frame condition stage one "
@@ -266,19 +283,32 @@ class Wan(Family):
         """The pipelines' loop: one pass on the caption and, when `guidance` > 1, one on the null caption, combined by
         `combine`. Two experts: `forward` (high noise) at timesteps >= `boundary` x 1000 and `low` with `guidance_2` after
         (default: `guidance`), as the pipelines switch at `boundary_ratio`. `text` holds the null caption's fields, then
-        the prompt's (an I2V model's condition and image embedding too)."""
-        null, caption = (single(text, j) for j in (0, 1))
+        the prompt's (an I2V model's condition and image embedding too). With a clean first frame's latent
+        (`FIRST_FRAME`, TI2V image-to-video) the transformer sees it in place of the first latent frame at every step,
+        its tokens at timestep 0, and it replaces that frame at the end, as WanImageToVideoPipeline with
+        `expand_timesteps` samples (the scheduler steps the latents beside it, as there)."""
+        from train.objectives import CLEAN_FIRST_FRAME, FIRST_FRAME
+
+        first = text.get(FIRST_FRAME)
+        null, caption = (single({k: v for k, v in text.items() if k != FIRST_FRAME}, j) for j in (0, 1))
+        if first is not None:
+            condition = first[:1].float()  # (1, C, 1, h, w)
+            keep = torch.ones(1, 1, *latents.shape[2:], device=latents.device)  # the pipeline's first_frame_mask
+            keep[:, :, 0] = 0
+            flags = {CLEAN_FIRST_FRAME: torch.ones(1, dtype=torch.bool, device=latents.device)}
+            null, caption = {**null, **flags}, {**caption, **flags}
         switch = None if boundary is None else boundary * scheduler.config.num_train_timesteps
         for t in scheduler.timesteps:
             model, scale = forward, guidance
             if switch is not None and t < switch:
                 model, scale = low, guidance if guidance_2 is None else guidance_2
+            x = latents if first is None else (1 - keep) * condition + keep * latents
             with autocast:
-                pred = model(latents, t.expand(1), caption).float()
+                pred = model(x, t.expand(1), caption).float()
                 if scale > 1:
-                    pred = self.combine(model(latents, t.expand(1), null).float(), pred, scale)
+                    pred = self.combine(model(x, t.expand(1), null).float(), pred, scale)
             latents = scheduler.step(pred, t, latents).prev_sample
-        return latents
+        return latents if first is None else (1 - keep) * condition + keep * latents
 
     # --- LoRA and export ---
 
@@ -301,6 +331,17 @@ class Wan(Family):
         loads = ", load_image" if first else ""
         return [f"from diffusers.utils import export_to_video{loads}"], [
             f'frames = pipe("a prompt"{first}, num_frames=81{extra}).frames[0]', 'export_to_video(frames, "video.mp4", fps=16)']
+
+
+def token_timesteps(config: Mapping, xt: torch.Tensor, t: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
+    """(B, S): every token's timestep as the pipelines pass them with `expand_timesteps` (`first_frame_mask`, one value per
+    1 x 2 x 2 patch, frame by frame): the sample's `t` (B,), 0 on the first latent frame's tokens of the `clean` (B,)
+    ones."""
+    p_t, p_h, p_w = config.get("patch_size", (1, 2, 2))
+    b, _, frames, height, width = xt.shape
+    mask = torch.ones(b, frames // p_t, height // p_h, width // p_w, device=xt.device)
+    mask[:, 0] = torch.where(clean.reshape(-1, 1, 1), 0.0, 1.0)
+    return (mask * t.reshape(-1, 1, 1, 1)).flatten(1)
 
 
 def wan_token_rows(arguments: dict, kept: torch.Tensor) -> dict:
