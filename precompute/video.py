@@ -6,8 +6,8 @@ pixel format; and how a clip's frames are resized and cropped to their bucket as
 GIF, WebP, PNG (APNG) and other image formats are read with Pillow, as images are: an animated one is a video timed
 by its frame durations, a still one a one-frame clip.
 
-`read_clips` turns a file's bytes into clips or a failure with a named reason (`VIDEO_REASONS`); nothing raises
-for bad data.
+`read_clips` turns a file's bytes (or the file, where it lies) into clips or a failure with a named reason
+(`VIDEO_REASONS`), decoding in a helper process that is killed at the time limit; nothing raises for bad data.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from precompute import video_helper
 from precompute.video_images import DEFAULT_DELAY_MS, ImageReader
-from precompute.video_readers import AVReader, DecodeTimeout, SizeChange, TooManyPixels, fit_frame
+from precompute.video_readers import AVReader, DecodeTimeout, SizeChange, TooManyPixels, VideoFile, fit_frame
 
 VIDEO_PREPROCESSING_VERSION = 1  # bump when anything below changes the frames produced
 
@@ -149,33 +150,51 @@ class Clip:
     size: tuple[int, int] = (0, 0)  # (height, width) of the video's frames as shown, before `read_clips`' fit
 
 
-def read_clips(data: bytes, policy: ClipPolicy, max_pixels: int, stats: dict | None = None,
+def read_clips(data: bytes | VideoFile, policy: ClipPolicy, max_pixels: int, stats: dict | None = None,
                fit: Callable[[int, int], tuple[int, int]] | None = None) -> tuple[list[Clip], str | None, str]:
-    """A video's clips as `policy` extracts them.
+    """A video's clips as `policy` extracts them, decoded in a helper process (`precompute.video_helper`) that is
+    killed when it overruns `policy.timeout_s`: a decoder stuck inside one FFmpeg call, or one that crashes, costs
+    the video (`decode_timeout`, `corrupt_video`), never the run.
 
     Args:
-        data: the file's bytes (any container PyAV reads, or an image Pillow reads).
-        policy: the frame rate, frame buckets and extraction.
+        data: the file's bytes (any container PyAV reads, or an image Pillow reads), or the file where it lies.
+        policy: the frame rate, frame buckets, extraction and time limit.
         max_pixels: a video whose frames have more pixels is refused before any frame is decoded.
         stats: when given, filled with what decoding took: "packets" read, "frames" decoded, "seeks" made,
             "length" (the video's length in frames at the policy's frame rate, when it was needed).
         fit: (height, width) of the frames as shown -> the (height, width) to resize and crop them to, as
             `fit_frames` does, frame by frame as they are decoded (a clip of a 4K video is never held at 4K);
-            None: the frames as shown.
+            None: the frames as shown. Called in this process.
 
     Returns:
         (clips, None, "") or ([], reason, detail) with a reason of `VIDEO_REASONS`.
     """
     stats = {} if stats is None else stats
     stats.update(packets=0, frames=0, seeks=0)
-    if not data:
+    if not len(data):
         return [], "empty_file", ""
-    deadline = time.monotonic() + policy.timeout_s
-    reader = ImageReader if data.startswith(_IMAGE_MAGIC) or (data[:4] == b"RIFF" and data[8:12] == b"WEBP") else AVReader
+    return video_helper.read_clips(data, policy, max_pixels, stats, fit)
+
+
+def read_clips_here(data: bytes | VideoFile, policy: ClipPolicy, max_pixels: int, stats: dict | None = None,
+                    fit: Callable[[int, int], tuple[int, int]] | None = None, deadline: float | None = None,
+                    alloc: Callable | None = None) -> tuple[list[Clip], str | None, str]:
+    """`read_clips` in this process, the time limit checked between packets and frames only (what the helper process
+    runs). `deadline`: the `time.monotonic()` the limit ends at (default: `policy.timeout_s` from now); `alloc`:
+    (shape, dtype) -> the array a clip's frames are decoded into (default `np.empty`)."""
+    stats = {} if stats is None else stats
+    stats.update(packets=0, frames=0, seeks=0)
+    if not len(data):
+        return [], "empty_file", ""
+    deadline = time.monotonic() + policy.timeout_s if deadline is None else deadline
+    head = data.head(12) if isinstance(data, VideoFile) else bytes(data[:12])
+    reader = ImageReader if head.startswith(_IMAGE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP") else AVReader
     try:
         with reader(data, max_pixels, deadline, stats, fit) as r:
             if r.failure:
                 return [], *r.failure
+            if alloc is not None:
+                r.alloc = alloc
             return _extract(r, policy, stats)
     except DecodeTimeout:
         return [], "decode_timeout", f"over {policy.timeout_s:g} s ({stats['frames']} frames decoded)"

@@ -4,7 +4,6 @@ WebP or APNG is a video timed by its frame delays, a still image a one-frame cli
 from __future__ import annotations
 
 import contextlib
-import io
 import struct
 import warnings
 from fractions import Fraction
@@ -13,7 +12,7 @@ import numpy as np
 from PIL import Image
 
 from precompute.images import allow_pixels, to_rgb
-from precompute.video_readers import Frame, Reader, TooManyPixels
+from precompute.video_readers import Frame, Reader, VideoFile, open_source
 
 # A GIF or WebP frame without a usable delay is shown for 100 ms, as browsers do (they also stretch delays of
 # 10 ms or less, which ancient encoders wrote for "as fast as possible", to 100 ms).
@@ -32,25 +31,29 @@ def _pillow_errors():
 class ImageReader(Reader):
     """A GIF, WebP, APNG or still image through Pillow, timed by its frame durations."""
 
-    def __init__(self, data: bytes, max_pixels: int, deadline: float, stats: dict, fit=None):
+    def __init__(self, data: bytes | VideoFile, max_pixels: int, deadline: float, stats: dict, fit=None):
         super().__init__(max_pixels, deadline, stats, fit)
         allow_pixels(max_pixels)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the header's size is checked below
-            self.img = Image.open(io.BytesIO(data))
+        self.file = open_source(data)  # Pillow leaves a file it was given open: closed with the reader
+        self.img = None
         try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the header's size is checked below
+                self.img = Image.open(self.file)
             self.guard(*self.img.size)
-        except TooManyPixels:
-            self.img.close()
+            with _pillow_errors():
+                self.count = getattr(self.img, "n_frames", 1)  # GIF: read through every frame's header
+        except BaseException:
+            self.close()
             raise
-        with _pillow_errors():
-            self.count = getattr(self.img, "n_frames", 1)  # GIF: read through every frame's header
         self.still = self.count == 1
         self.index = 0
         self.t = Fraction(0)
 
     def close(self):
-        self.img.close()
+        if self.img is not None:
+            self.img.close()
+        self.file.close()
 
     def stated_end(self) -> Fraction | None:
         return None

@@ -3,13 +3,15 @@ time limit, the pixel limit, the fit to a bucket as frames are decoded) and a vi
 (`AVReader`: probe, seek to the keyframe before a clip, decode forward, frames as shown: rotated, square pixels, 8-bit
 RGB); image files are `precompute.video_images`'.
 
-They raise `DecodeTimeout`, `TooManyPixels` and `SizeChange`, which `read_clips` turns into named failures.
+They raise `DecodeTimeout`, `TooManyPixels` and `SizeChange`, which `read_clips` turns into named failures. They read
+a file's bytes, or a `VideoFile` where it lies (only what the decoder asks for is read).
 """
 
 from __future__ import annotations
 
 import io
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -24,9 +26,61 @@ _OPEN_OPTIONS = {"metadata_errors": "replace"} if int(av.__version__.split(".")[
 _SEEK_GAP = 2
 
 
-
 class DecodeTimeout(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class VideoFile:
+    """A video file on disk, open: decoded where it lies, so that a clip of a long video holds in memory only what the
+    decoder reads (a head clip, its first seconds), never the whole file. `len()` is its size in bytes."""
+
+    path: str  # for messages
+    fd: int  # open for reading; the VideoFile does not own it
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+    def head(self, n: int) -> bytes:
+        return os.pread(self.fd, n, 0)
+
+
+def open_source(data: bytes | VideoFile):
+    """A file object over a video's bytes, with a position of its own (the descriptor's offset is left alone)."""
+    return _FileAt(data.fd, data.size) if isinstance(data, VideoFile) else io.BytesIO(data)
+
+
+class _FileAt(io.RawIOBase):
+    """A file object that reads a descriptor at its own position (`pread`), without owning it."""
+
+    def __init__(self, fd: int, size: int):
+        super().__init__()
+        self.fd, self.size, self.pos = fd, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = os.preadv(self.fd, [b], self.pos) if hasattr(os, "preadv") else _pread_into(self.fd, b, self.pos)
+        self.pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, offset + (0, self.pos, self.size)[whence])
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
+def _pread_into(fd: int, b, pos: int) -> int:
+    chunk = os.pread(fd, len(b), pos)
+    memoryview(b).cast("B")[: len(chunk)] = chunk
+    return len(chunk)
 
 
 @dataclass
@@ -58,6 +112,7 @@ class Reader:
 
     def __init__(self, max_pixels: int, deadline: float, stats: dict, fit=None):
         self.max_pixels, self.deadline, self.stats, self.fit = max_pixels, deadline, stats, fit
+        self.alloc = np.empty  # (shape, dtype) -> the array a clip's frames are decoded into
         self.size: tuple[int, int] | None = None  # (height, width) of the frames as shown
         self.target: tuple[int, int] | None = None  # what `fit` made of it
         self.prev: Frame | None = None  # the last frame taken: the one shown until `pending` is due
@@ -112,7 +167,7 @@ class Reader:
                 break  # past the last frame's display time
             pixels = self.pixels(self.prev)  # (H, W, 3)
             if out is None:  # filled in place: a long clip of large frames is held once
-                out = np.empty((len(targets), *pixels.shape), np.uint8)
+                out = self.alloc((len(targets), *pixels.shape), np.uint8)
             elif pixels.shape != out.shape[1:]:
                 raise SizeChange(f"the frame size changes within a clip, from {out.shape[2]}x{out.shape[1]} to "
                                   f"{pixels.shape[1]}x{pixels.shape[0]}")
@@ -140,10 +195,10 @@ class Reader:
 class AVReader(Reader):
     """A video container through PyAV."""
 
-    def __init__(self, data: bytes, max_pixels: int, deadline: float, stats: dict, fit=None):
+    def __init__(self, data: bytes | VideoFile, max_pixels: int, deadline: float, stats: dict, fit=None):
         super().__init__(max_pixels, deadline, stats, fit)
         self.data = data
-        self.container = None
+        self.container = self.file = None
         try:
             self.probe()
         except BaseException:
@@ -175,9 +230,9 @@ class AVReader(Reader):
         self.slack = 2 * self.interval
 
     def open(self):
-        if self.container is not None:
-            self.container.close()
-        self.container = av.open(io.BytesIO(self.data), mode="r", **_OPEN_OPTIONS)
+        self.close()
+        self.file = open_source(self.data)
+        self.container = av.open(self.file, mode="r", **_OPEN_OPTIONS)
         if self.container.streams.video:
             self.stream = self.container.streams.video[0]
         # AVI has no presentation timestamps (what it stores are decoding positions, out of order with B-frames):
@@ -191,6 +246,10 @@ class AVReader(Reader):
     def close(self):
         if self.container is not None:
             self.container.close()
+            self.container = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
     def stated_end(self) -> Fraction | None:
         """When the video's last frame ends, as its container states (per stream: mp4's duration, Matroska's

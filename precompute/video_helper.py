@@ -1,0 +1,383 @@
+"""Videos decoded in a helper process that is killed when it overruns the time limit (`precompute.video.read_clips`).
+
+The limit checked between packets and frames (`Reader.check`) cannot stop a decoder stuck inside one FFmpeg call,
+and a crash of FFmpeg (a segfault on hostile data) would take the process with it: the loader's worker, or with
+`--workers 0` the run. So every video is decoded by a helper process, and the caller waits for it with the limit:
+
+- **One long-lived helper per decoding thread**, replaced when it is killed. Forking a process per video costs the
+  copy of a worker's page tables (a worker that imported torch maps hundreds of MB) on every video; a helper serves
+  every video of its thread, and its start is paid once a worker, and again only after a video that was killed.
+  Per thread, because the kernel's parent-death signal follows the thread that started the helper, and so that
+  threads never wait for each other's videos.
+- **Forked when this process runs one Python thread, else started fresh.** A loader's worker runs one: the fork is
+  cheap (a few ms), starts decoding at once with every module imported, and no lock another thread held is copied
+  half-taken. The main process (`--workers 0`) runs the encoder's and the writer's threads: there the helper is a
+  new interpreter (`subprocess`, fork + exec: safe with threads), whose start costs its imports (~2 s, once).
+- **Frames come back without a copy.** The helper decodes each clip straight into a memfd (anonymous shared memory,
+  `os.memfd_create`) and passes its descriptor over the socket; the caller maps it, and its arrays are the helper's
+  frames (an 81x480x832 clip is 97 MB: a pipe would copy it twice). A memfd has no name: a helper killed at any point
+  leaves nothing in /dev/shm, and the kernel frees the memory with its last descriptor or mapping. The request (the
+  policy, a file's bytes or its descriptor), the fit's question and the answer go through the same socket.
+- **Deaths are named failures.** Killed at the limit: `decode_timeout`. Died of a signal (FFmpeg's segfault) or
+  exited: `corrupt_video`, naming the signal. Either way it is reaped (no zombie) and the next video gets a new
+  helper. A bug in the decoding code raises in the caller, as it did in-process.
+- **The helper dies with its parent**: `PR_SET_PDEATHSIG` (SIGKILL, sent by the kernel, so a helper stuck in a C call
+  dies too; `precompute.distributed.die_with_parent`, as the loader's workers do), and when the socket reaches its
+  end. It ignores SIGINT: Ctrl-C is the run's to handle, not a failure of the video being decoded.
+
+The helper checks the limit itself too (`Reader.check`, the same deadline, the system's monotonic clock): a video
+that is merely slow is answered by the helper at the limit, without a new helper; the caller kills it only after
+`GRACE_S` more.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import mmap
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from precompute.video_readers import VideoFile
+
+# How long after the limit the caller waits for the helper's own answer before it kills it.
+GRACE_S = 0.5
+_PAGE = mmap.ALLOCATIONGRANULARITY
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once: cheaper than a fault per page of a clip
+
+
+class Arena:
+    """Memory a helper decodes clips into: a memfd that grows by one page-aligned block per clip."""
+
+    def __init__(self):
+        self.fd = os.memfd_create("clips", os.MFD_CLOEXEC) if hasattr(os, "memfd_create") else _unnamed_file()
+        self.size = 0
+        self.blocks: list[tuple[int, int, int]] = []  # (address, bytes, offset) of each block
+
+    def alloc(self, shape, dtype=np.uint8) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if not nbytes:
+            return np.empty(shape, dtype)
+        offset = self.size
+        self.size += -(-nbytes // _PAGE) * _PAGE
+        os.ftruncate(self.fd, self.size)
+        block = np.ndarray(shape, dtype, buffer=mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE, offset=offset))
+        self.blocks.append((block.ctypes.data, nbytes, offset))
+        return block
+
+    def offset(self, a: np.ndarray) -> int | None:
+        """Where a contiguous array lies in the memfd; None when it is not in it."""
+        address = a.ctypes.data
+        for start, nbytes, offset in self.blocks:
+            if start <= address and address + a.nbytes <= start + nbytes:
+                return offset + address - start
+        return None
+
+    def close(self):
+        os.close(self.fd)
+
+
+def _unnamed_file() -> int:
+    """A file with no name, where there is no memfd (macOS)."""
+    import tempfile
+
+    with tempfile.TemporaryFile() as f:
+        return os.dup(f.fileno())
+
+
+def read_clips(data: bytes | VideoFile, policy, max_pixels: int, stats: dict, fit=None):
+    """`precompute.video.read_clips_here` in this thread's helper, killed `GRACE_S` after `policy.timeout_s`."""
+    deadline = time.monotonic() + policy.timeout_s
+    for attempt in range(2):
+        helper = _helper()
+        try:
+            return helper.read(data, policy, max_pixels, stats, fit, deadline)
+        except _Gone:  # it had died before it was asked (killed while idle): a new one reads the video
+            helper.close()
+            if attempt:
+                raise RuntimeError("the video decoding helper process died twice before it read a request") from None
+        except BaseException:  # a bug, Ctrl-C: the helper's state is unknown
+            helper.close()
+            raise
+
+
+class _Gone(Exception):
+    pass
+
+
+class Helper:
+    """A decoding process and the socket to it (`read` one video at a time)."""
+
+    def __init__(self):
+        self.owner = os.getpid()
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.proc = _fork(theirs, self.sock) if _single_threaded() else _spawn(theirs)
+        finally:
+            theirs.close()
+        self.dead = False
+        self._end = weakref.finalize(self, _end, self.proc, self.sock, self.owner)  # also when its thread's helper is dropped
+        _HELPERS.add(self)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return not self.dead and self.owner == os.getpid() and self.proc.poll() is None
+
+    def read(self, data, policy, max_pixels: int, stats: dict, fit, deadline: float):
+        from precompute.video import Clip
+
+        try:
+            if isinstance(data, VideoFile):
+                _send(self.sock, (policy, max_pixels, deadline, fit is not None, "file", data.path, data.size))
+                socket.send_fds(self.sock, [b"F"], [data.fd])
+            else:
+                _send(self.sock, (policy, max_pixels, deadline, fit is not None, "bytes", "", len(data)))
+                self.sock.sendall(data)
+        except OSError:
+            if self.proc.poll() is not None:
+                raise _Gone() from None
+            raise
+        while True:
+            if not _readable(self.sock, deadline + GRACE_S):
+                self.close()
+                return [], "decode_timeout", (f"over {policy.timeout_s:g} s: the decoder did not return (stopped, "
+                                              f"its process killed)")
+            try:
+                message = _recv(self.sock)
+            except (EOFError, ConnectionError):
+                return [], "corrupt_video", self.death()
+            if message[0] == "fit":
+                _send(self.sock, fit(*message[1:]))
+                continue
+            if message[0] == "raised":
+                raise RuntimeError(f"decoding a video failed in the helper process:\n{message[1]}")
+            _, reason, detail, their_stats, parts, size = message
+            stats.update(their_stats)
+            if not parts:
+                return [], reason, detail
+            _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
+            try:
+                memory = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | _POPULATE)
+            finally:
+                os.close(fds[0])
+            return [Clip(index, start, np.ndarray(shape, np.uint8, buffer=memory, offset=offset), size)
+                    for index, start, offset, shape, size in parts], reason, detail
+
+    def death(self) -> str:
+        """Why the helper ended (it is reaped)."""
+        code = self.proc.wait()
+        self.close()
+        if code < 0:
+            name = signal.Signals(-code).name
+            if -code == signal.SIGKILL:
+                return f"the decoding process was killed ({name}; out of memory?)"
+            return f"the decoder crashed on this file's data: its process died of {name}"
+        return f"the decoding process exited with status {code}"
+
+    def close(self):
+        """Kill and reap the helper (an idle one holds nothing)."""
+        self.dead = True
+        self._end()
+
+
+def _end(proc, sock: socket.socket, owner: int):
+    sock.close()
+    if owner == os.getpid():  # a forked child's copy of its parent's helper is not its own to end
+        proc.kill()
+        proc.wait()
+
+
+class _Forked:
+    """A forked child, with `subprocess.Popen`'s poll / wait / kill."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _fork(theirs: socket.socket, ours: socket.socket) -> _Forked:
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ours.close()
+            gc.freeze()  # the parent's objects are never scanned (or copied) by the helper's collections
+            serve(theirs.fileno(), parent)
+        finally:
+            os._exit(70)
+    return _Forked(pid)
+
+
+def _spawn(theirs: socket.socket) -> subprocess.Popen:
+    root = str(Path(__file__).resolve().parents[1])  # the repository: `precompute` imports as it does here
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "from precompute.video_helper import serve; serve(int(sys.argv[1]), int(sys.argv[2]))")
+    return subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid())],
+                            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+
+
+def serve(fd: int, parent: int):
+    """The helper's loop: a request, the video decoded (`read_clips_here`), its answer; until the socket ends."""
+    from precompute.distributed import die_with_parent
+    from precompute.video import read_clips_here
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    faulthandler.disable()  # a crash is the caller's named failure, not a traceback on the run's terminal
+    die_with_parent(parent)
+    sock = socket.socket(fileno=fd)
+    while True:
+        try:
+            policy, max_pixels, deadline, asks, kind, path, size = _recv(sock)
+        except (EOFError, ConnectionError):
+            os._exit(0)
+        if kind == "file":
+            _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+            data = VideoFile(path, fds[0], size)
+        else:
+            data = bytearray(size)
+            view = memoryview(data)
+            got = 0
+            while got < size:
+                n = sock.recv_into(view[got:])
+                if not n:
+                    os._exit(0)
+                got += n
+        arena = Arena()
+        try:
+            stats: dict = {}
+            fit = (lambda h, w: _ask(sock, h, w)) if asks else None
+            try:
+                clips, reason, detail = read_clips_here(data, policy, max_pixels, stats, fit, deadline, arena.alloc)
+                parts = [(c.index, c.start, _place(arena, c), c.frames.shape, c.size) for c in clips]
+            except Exception:
+                _send(sock, ("raised", traceback.format_exc()))
+                continue
+            _send(sock, ("done", reason, detail, stats, parts, arena.size))
+            if parts:
+                socket.send_fds(sock, [b"F"], [arena.fd])
+        finally:
+            arena.close()
+            if isinstance(data, VideoFile):
+                os.close(data.fd)
+            clips = None  # the clips' mappings go with them
+
+
+def _place(arena: Arena, clip) -> int:
+    """The clip's frames' offset in the arena (copied into it when they are not there)."""
+    offset = arena.offset(clip.frames) if clip.frames.flags.c_contiguous else None
+    if offset is None:
+        frames = arena.alloc(clip.frames.shape)
+        frames[...] = clip.frames
+        clip.frames = frames
+        offset = arena.offset(frames)
+    return offset
+
+
+def _ask(sock: socket.socket, h: int, w: int):
+    _send(sock, ("fit", h, w))
+    return _recv(sock)
+
+
+def _send(sock: socket.socket, obj):
+    data = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    sock.sendall(len(data).to_bytes(8, "little") + data)
+
+
+def _recv(sock: socket.socket):
+    return pickle.loads(_exactly(sock, int.from_bytes(_exactly(sock, 8), "little")))
+
+
+def _exactly(sock: socket.socket, n: int) -> bytearray:
+    out = bytearray(n)
+    view, got = memoryview(out), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise EOFError("the socket ended")
+        got += k
+    return out
+
+
+def _readable(sock: socket.socket, until: float) -> bool:
+    poller = select.poll()  # not select.select: a descriptor over 1023 is common in a busy process
+    poller.register(sock, select.POLLIN)
+    while True:
+        if poller.poll(max(0, int((until - time.monotonic()) * 1000) + 1)):
+            return True
+        if time.monotonic() >= until:
+            return False
+
+
+def _single_threaded() -> bool:
+    """Whether this process runs one Python thread (Linux; elsewhere the helper is never forked). Native pools
+    (OpenBLAS's, OpenMP's) are not counted: the helper never calls into them, and nothing else it uses (malloc, the
+    interpreter's own locks) is left half-taken by a fork."""
+    return sys.platform == "linux" and threading.active_count() == 1
+
+
+_local = threading.local()
+_HELPERS: weakref.WeakSet[Helper] = weakref.WeakSet()  # this process's helpers
+
+
+def _helper() -> Helper:
+    helper = getattr(_local, "helper", None)
+    if helper is None or not helper.alive():
+        if helper is not None:
+            helper.close()
+        helper = _local.helper = Helper()
+    return helper
+
+
+def stop():
+    """Kill this thread's helper (the next video starts another)."""
+    helper = getattr(_local, "helper", None)
+    if helper is not None:
+        helper.close()
+        _local.helper = None
+
+
+def _forget_in_child():
+    """A forked child (a loader's worker, a helper) neither uses nor keeps its parent's helpers: it closes its copies of
+    their sockets, so that only the parent's end keeps a helper's socket open."""
+    global _local
+    for helper in list(_HELPERS):
+        helper.dead = True
+        helper._end.detach()
+        helper.sock.close()
+    _HELPERS.clear()
+    _local = threading.local()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
