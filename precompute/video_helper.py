@@ -35,6 +35,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import mmap
+import multiprocessing.util
 import os
 import pickle
 import select
@@ -130,6 +131,7 @@ class Helper:
         self.dead = False
         self._end = weakref.finalize(self, _end, self.proc, self.sock, self.owner)  # also when its thread's helper is dropped
         _HELPERS.add(self)
+        _stop_at_exit()
 
     @property
     def pid(self) -> int:
@@ -378,6 +380,23 @@ def _forget_in_child():
         helper.sock.close()
     _HELPERS.clear()
     _local = threading.local()
+
+
+_exit_registered: int | None = None
+
+
+def _stop_at_exit():
+    """Kill and reap this process's helpers when it exits: `weakref.finalize` does at the interpreter's exit, and a
+    loader's worker (a multiprocessing child, which leaves by `os._exit`) runs multiprocessing's finalizers instead."""
+    global _exit_registered
+    if _exit_registered != os.getpid():
+        _exit_registered = os.getpid()
+        multiprocessing.util.Finalize(None, _stop_all, exitpriority=0)
+
+
+def _stop_all():
+    for helper in list(_HELPERS):
+        helper.close()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
