@@ -15,9 +15,11 @@ and a crash of FFmpeg (a segfault on hostile data) would take the process with i
   new interpreter (`subprocess`, fork + exec: safe with threads), whose start costs its imports (~2 s, once).
 - **Frames come back without a copy.** The helper decodes each clip straight into a memfd (anonymous shared memory,
   `os.memfd_create`) and passes its descriptor over the socket; the caller maps it, and its arrays are the helper's
-  frames (an 81x480x832 clip is 97 MB: a pipe would copy it twice). A memfd has no name: a helper killed at any point
-  leaves nothing in /dev/shm, and the kernel frees the memory with its last descriptor or mapping. The request (the
-  policy, a file's bytes or its descriptor), the fit's question and the answer go through the same socket.
+  frames (an 81x480x832 clip is 97 MB: a pipe would copy it twice). The memfd and both mappings of it are used again
+  for later videos once the caller's arrays of it are gone (it says which with its next request): fresh shared pages
+  would cost more than the copy (`Slab`). A memfd has no name: a helper killed at any point leaves nothing in /dev/shm,
+  and the kernel frees the memory with its last descriptor or mapping. The request (the policy, a file's bytes or
+  its descriptor), the fit's question and the answer go through the same socket.
 - **Deaths are named failures.** Killed at the limit: `decode_timeout`. Died of a signal (FFmpeg's segfault) or
   exited: `corrupt_video`, naming the signal. Either way it is reaped (no zombie) and the next video gets a new
   helper. A bug in the decoding code raises in the caller, as it did in-process.
@@ -56,27 +58,40 @@ from precompute.video_readers import VideoFile
 # How long after the limit the caller waits for the helper's own answer before it kills it.
 GRACE_S = 0.5
 _PAGE = mmap.ALLOCATIONGRANULARITY
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once: cheaper than a fault per page of a clip
 
 
-class Arena:
-    """Memory a helper decodes clips into: a memfd that grows by one page-aligned block per clip."""
+class Slab:
+    """Memory a helper decodes a video's clips into: a memfd, one page-aligned block per clip, mapped once by the helper
+    and once by the caller and used again for later videos once the caller has let go of the clips it holds. Fresh
+    shared memory would cost a page fault, a zeroed page and its freeing per 4 KiB in both processes (1.3 ms a MB:
+    more than the copy it saves); pages used again through the same mappings cost nothing."""
 
-    def __init__(self):
+    def __init__(self, ident: int):
+        self.ident = ident
         self.fd = os.memfd_create("clips", os.MFD_CLOEXEC) if hasattr(os, "memfd_create") else _unnamed_file()
-        self.size = 0
-        self.blocks: list[tuple[int, int, int]] = []  # (address, bytes, offset) of each block
+        self.capacity = self.used = 0
+        self.memory: mmap.mmap | None = None  # the whole memfd; a video's arrays keep the mapping they were made in
+        self.blocks: list[tuple[int, int, int]] = []  # (address, bytes, offset) of each block of this video's
+
+    def start(self):
+        self.used, self.blocks = 0, []
 
     def alloc(self, shape, dtype=np.uint8) -> np.ndarray:
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
         if not nbytes:
             return np.empty(shape, dtype)
-        offset = self.size
-        self.size += -(-nbytes // _PAGE) * _PAGE
-        os.ftruncate(self.fd, self.size)
-        block = np.ndarray(shape, dtype, buffer=mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE, offset=offset))
+        offset = self.used
+        self.used += -(-nbytes // _PAGE) * _PAGE
+        if self.used > self.capacity:
+            self.resize(max(self.used, -(-self.capacity * 3 // 2 // _PAGE) * _PAGE))
+        block = np.ndarray(shape, dtype, buffer=self.memory, offset=offset)
         self.blocks.append((block.ctypes.data, nbytes, offset))
         return block
+
+    def resize(self, capacity: int):
+        os.ftruncate(self.fd, capacity)
+        self.capacity = capacity
+        self.memory = mmap.mmap(self.fd, capacity, flags=mmap.MAP_SHARED) if capacity else None
 
     def offset(self, a: np.ndarray) -> int | None:
         """Where a contiguous array lies in the memfd; None when it is not in it."""
@@ -88,6 +103,50 @@ class Arena:
 
     def close(self):
         os.close(self.fd)
+
+
+class Slabs:
+    """A helper's slabs: one per video whose clips the caller still holds, and a few free ones kept for the next."""
+
+    KEEP_FREE = 2
+    KEEP_BYTES = 256 << 20  # a free slab's memory kept beyond this is given back (a 720p x 81-frame clip is 224 MB)
+
+    def __init__(self):
+        self.slabs: dict[int, Slab] = {}
+        self.free: list[int] = []
+        self.made = 0
+
+    def take(self, released: list[int]) -> Slab:
+        for ident in released:
+            self.put(ident)
+        if self.free:
+            slab = self.slabs[self.free.pop()]
+        else:
+            self.made += 1
+            slab = self.slabs[self.made] = Slab(self.made)
+        slab.start()
+        return slab
+
+    def put(self, ident: int):
+        slab = self.slabs[ident]
+        if slab.capacity > self.KEEP_BYTES:  # (the caller maps it anew: the slab's capacity changed)
+            slab.resize(self.KEEP_BYTES)
+        self.free.append(ident)
+        while len(self.free) > self.KEEP_FREE:
+            self.slabs.pop(self.free.pop(0)).close()
+
+
+class _Frames:
+    """A clip's frames in the caller's mapping of a slab, as numpy takes them (`__array_interface__`): the arrays made
+    of it keep it alive, and with it the mapping and its video's token, whose end frees the slab."""
+
+    def __init__(self, memory: mmap.mmap, address: int, shape: tuple, token: object):
+        self.memory, self.token = memory, token
+        self.__array_interface__ = {"version": 3, "shape": tuple(shape), "typestr": "|u1", "data": (address, False)}
+
+
+class _Token:
+    pass
 
 
 def _unnamed_file() -> int:
@@ -129,6 +188,8 @@ class Helper:
         finally:
             theirs.close()
         self.dead = False
+        self.released: list[int] = []  # slabs whose clips the caller let go of, told with the next request
+        self.maps: dict[int, tuple[int, mmap.mmap, int]] = {}  # slab -> (capacity, this process's mapping, address)
         self._end = weakref.finalize(self, _end, self.proc, self.sock, self.owner)  # also when its thread's helper is dropped
         _HELPERS.add(self)
         _stop_at_exit()
@@ -143,12 +204,15 @@ class Helper:
     def read(self, data, policy, max_pixels: int, stats: dict, fit, deadline: float):
         from precompute.video import Clip
 
+        released = []
+        while self.released:  # (appended to by the collector, from any thread)
+            released.append(self.released.pop())
         try:
             if isinstance(data, VideoFile):
-                _send(self.sock, (policy, max_pixels, deadline, fit is not None, "file", data.path, data.size))
+                _send(self.sock, (policy, max_pixels, deadline, fit is not None, released, "file", data.path, data.size))
                 socket.send_fds(self.sock, [b"F"], [data.fd])
             else:
-                _send(self.sock, (policy, max_pixels, deadline, fit is not None, "bytes", "", len(data)))
+                _send(self.sock, (policy, max_pixels, deadline, fit is not None, released, "bytes", "", len(data)))
                 self.sock.sendall(data)
         except OSError:
             if self.proc.poll() is not None:
@@ -168,16 +232,23 @@ class Helper:
                 continue
             if message[0] == "raised":
                 raise RuntimeError(f"decoding a video failed in the helper process:\n{message[1]}")
-            _, reason, detail, their_stats, parts, size = message
+            _, reason, detail, their_stats, parts, slab, capacity, slabs = message
             stats.update(their_stats)
+            for ident in set(self.maps) - set(slabs):  # closed by the helper: let go of its memory
+                del self.maps[ident]
             if not parts:
                 return [], reason, detail
             _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
             try:
-                memory = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | _POPULATE)
+                if self.maps.get(slab, (None,))[0] != capacity:  # new, or resized: mapped anew (the old mapping lives
+                    memory = mmap.mmap(fds[0], capacity, flags=mmap.MAP_SHARED)  # on with the arrays made of it)
+                    self.maps[slab] = (capacity, memory, np.frombuffer(memory, np.uint8).ctypes.data)
             finally:
                 os.close(fds[0])
-            return [Clip(index, start, np.ndarray(shape, np.uint8, buffer=memory, offset=offset), size)
+            _, memory, address = self.maps[slab]
+            token = _Token()
+            weakref.finalize(token, self.released.append, slab)  # the clips' last array gone: the slab is free
+            return [Clip(index, start, np.asarray(_Frames(memory, address + offset, shape, token)), size)
                     for index, start, offset, shape, size in parts], reason, detail
 
     def death(self) -> str:
@@ -194,6 +265,7 @@ class Helper:
     def close(self):
         """Kill and reap the helper (an idle one holds nothing)."""
         self.dead = True
+        self.maps.clear()  # clips still held keep their mappings
         self._end()
 
 
@@ -259,9 +331,10 @@ def serve(fd: int, parent: int):
     faulthandler.disable()  # a crash is the caller's named failure, not a traceback on the run's terminal
     die_with_parent(parent)
     sock = socket.socket(fileno=fd)
+    slabs = Slabs()
     while True:
         try:
-            policy, max_pixels, deadline, asks, kind, path, size = _recv(sock)
+            policy, max_pixels, deadline, asks, released, kind, path, size = _recv(sock)
         except (EOFError, ConnectionError):
             os._exit(0)
         if kind == "file":
@@ -276,34 +349,37 @@ def serve(fd: int, parent: int):
                 if not n:
                     os._exit(0)
                 got += n
-        arena = Arena()
+        slab = slabs.take(released)
+        parts = []
         try:
             stats: dict = {}
             fit = (lambda h, w: _ask(sock, h, w)) if asks else None
             try:
-                clips, reason, detail = read_clips_here(data, policy, max_pixels, stats, fit, deadline, arena.alloc)
-                parts = [(c.index, c.start, _place(arena, c), c.frames.shape, c.size) for c in clips]
+                clips, reason, detail = read_clips_here(data, policy, max_pixels, stats, fit, deadline, slab.alloc)
+                parts = [(c.index, c.start, _place(slab, c), c.frames.shape, c.size) for c in clips]
             except Exception:
                 _send(sock, ("raised", traceback.format_exc()))
                 continue
-            _send(sock, ("done", reason, detail, stats, parts, arena.size))
+            _send(sock, ("done", reason, detail, stats, parts, slab.ident, slab.capacity, list(slabs.slabs)))
             if parts:
-                socket.send_fds(sock, [b"F"], [arena.fd])
+                socket.send_fds(sock, [b"F"], [slab.fd])
         finally:
-            arena.close()
             if isinstance(data, VideoFile):
                 os.close(data.fd)
-            clips = None  # the clips' mappings go with them
+            clips = None  # this process's mappings of the clips go with them
+            slab.start()
+            if not parts:
+                slabs.put(slab.ident)
 
 
-def _place(arena: Arena, clip) -> int:
-    """The clip's frames' offset in the arena (copied into it when they are not there)."""
-    offset = arena.offset(clip.frames) if clip.frames.flags.c_contiguous else None
+def _place(slab: Slab, clip) -> int:
+    """The clip's frames' offset in the slab (copied into it when they are not there)."""
+    offset = slab.offset(clip.frames) if clip.frames.flags.c_contiguous else None
     if offset is None:
-        frames = arena.alloc(clip.frames.shape)
+        frames = slab.alloc(clip.frames.shape)
         frames[...] = clip.frames
         clip.frames = frames
-        offset = arena.offset(frames)
+        offset = slab.offset(frames)
     return offset
 
 
