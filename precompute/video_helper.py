@@ -360,13 +360,14 @@ def serve(fd: int, parent: int):
             except Exception:
                 _send(sock, ("raised", traceback.format_exc()))
                 continue
+            finally:
+                if isinstance(data, VideoFile):  # closed before the answer: the caller may close or change the file then
+                    os.close(data.fd)
             _send(sock, ("done", reason, detail, stats, parts, slab.ident, slab.capacity, list(slabs.slabs)))
             if parts:
                 socket.send_fds(sock, [b"F"], [slab.fd])
         finally:
-            if isinstance(data, VideoFile):
-                os.close(data.fd)
-            clips = None  # this process's mappings of the clips go with them
+            clips = None  # the arrays of this process's mapping (the slab's memory stays, for the next video)
             slab.start()
             if not parts:
                 slabs.put(slab.ident)
