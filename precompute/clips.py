@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 from collections.abc import Iterator
 
 from PIL import Image
@@ -21,9 +22,13 @@ from PIL import Image
 from precompute import video
 from precompute.captions import caption_variants
 from precompute.images import ImagePolicy, Record, choose_bucket, content_key, crop_box, prepare, read_captions
+from precompute.paths import os_reason, stat_regular
+from precompute.video_readers import VideoFile, open_source
 
 # Marks the clip part of a key or latent key; a change of how clips are cut changes it.
 CLIP_MARKER = b"\x00\x00clip1\x00"
+
+HASH_CHUNK = 1 << 20  # a video file is hashed in reads of this many bytes, never held whole
 
 CLIP = "clip"  # a clip sample's field: (index, first frame, frames), frames counted at the family's frame rate
 
@@ -50,10 +55,11 @@ def clip_key(base: str, choice: bytes, index: int, count: int) -> str:
     return h.hexdigest()
 
 
-def clip_latent_key(data: bytes, choice: bytes, index: int, count: int, resolution: int = 0) -> bytes:
-    """What a clip's latent fields are computed from besides the fingerprint (`shards.LATENT_KEY`): the video's bytes,
-    the clip choice, which clip, and the resolution unless it is the base one."""
-    h = hashlib.blake2b(data, digest_size=16)
+def clip_latent_key(data, choice: bytes, index: int, count: int, resolution: int = 0) -> bytes:
+    """What a clip's latent fields are computed from besides the fingerprint (`shards.LATENT_KEY`): the video's bytes
+    (or a 16-byte blake2b that has hashed them, not changed here), the clip choice, which clip, and the resolution
+    unless it is the base one."""
+    h = hashlib.blake2b(data, digest_size=16) if isinstance(data, (bytes, bytearray, memoryview)) else data.copy()
     h.update(CLIP_MARKER + choice + b"\0%d\0%d" % (index, count))
     if resolution:
         h.update(b"\x00resolution\x00%d" % resolution)
@@ -145,6 +151,17 @@ def _prepare_clips(record: Record, policy: ImagePolicy, skip_keys: frozenset[str
     if record.missing:
         yield failed(record.missing, record.detail)
         return
+    if record.path is not None:  # a video file, read where it lies
+        try:
+            file, before = open_video(record.path)
+        except OSError as e:
+            yield failed(os_reason(e), f"{type(e).__name__}: {e}")
+            return
+        try:
+            yield from _video_clips(record, file, policy, skip_keys, stamp, old, before)
+        finally:
+            os.close(file.fd)
+        return
     if not record.image:
         yield failed("empty_file")
         return
@@ -156,20 +173,66 @@ def _prepare_clips(record: Record, policy: ImagePolicy, skip_keys: frozenset[str
             item["touched"] = True
         yield {**item, "stamp": stamp}
         return
+    yield from _video_clips(record, record.image, policy, skip_keys, stamp, old)
+
+
+def open_video(path: str) -> tuple[VideoFile, os.stat_result]:
+    """A regular file opened for `read_clips` (and its stat then); anything else raises SpecialFileError unopened."""
+    stat_regular(path)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = stat_regular(path, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return VideoFile(path, fd, st.st_size), st
+
+
+def hash_file(file: VideoFile) -> tuple:
+    """(sha256, 16-byte blake2b) of a file's bytes, read once in chunks: what `content_key` and `clip_latent_key`
+    compute from the bytes held whole."""
+    sha, blake = hashlib.sha256(), hashlib.blake2b(digest_size=16)
+    chunk = bytearray(HASH_CHUNK)
+    view = memoryview(chunk)
+    with open_source(file) as f:
+        while n := f.readinto(chunk):
+            sha.update(view[:n])
+            blake.update(view[:n])
+    return sha, blake
+
+
+def _video_clips(record: Record, data, policy: ImagePolicy, skip_keys, stamp: int, old: dict,
+                 before: os.stat_result | None = None) -> Iterator[dict]:
+    """A video's items (`_prepare_clips`); `data` its bytes, or its file (`VideoFile`, stat'ed `before`)."""
+    def failed(reason: str, detail: str = "") -> dict:
+        return {"status": "failed", "source": record.source, "reason": reason, "detail": detail, "stamp": stamp}
+
+    if not len(data):
+        yield failed("empty_file")
+        return
     captions, reason, fallback = read_captions(record.captions)
     if reason in ("missing_caption", "empty_caption") and policy.default_caption:
         captions, reason = [policy.default_caption], None
     if reason:
         yield failed(reason)
         return
-    digest = hashlib.sha256(record.image)
+    if isinstance(data, VideoFile):
+        digest, content = hash_file(data)
+    else:
+        digest, content = hashlib.sha256(data), data
     captions = caption_variants(captions, policy.tags, policy.caption_prefix, digest.digest())
     base, choice = content_key(digest, captions, resolution=policy.resolution), clip_choice(policy.clip)
     if old and set(old) == {clip_key(base, choice, i, len(old)) for i in range(len(old))}:
         new = clip_stamp(stamp, len(old))  # the same bytes, captions and choice: the same clips, not decoded again
         yield from (unchanged(record.source, key, new, touched=s != new) for key, s in old.items())
         return
-    clips, reason, detail = video.read_clips(record.image, policy.clip, policy.max_pixels)
+    clips, reason, detail = video.read_clips(data, policy.clip, policy.max_pixels)
+    if before is not None:
+        after = os.fstat(data.fd)
+        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
+            # its key and its frames may be of different bytes: none of it is cached, and the next run reads it again
+            yield failed("unreadable", f"the file changed while it was read (size {before.st_size} -> {after.st_size})")
+            return
     if reason:
         yield failed(reason, detail)
         return
@@ -196,7 +259,7 @@ def _prepare_clips(record: Record, policy: ImagePolicy, skip_keys: frozenset[str
             "original_size": (h, w),
             "crop": (top, left, bucket.height, bucket.width),
             "clip": (clip.index, clip.start, len(frames)),
-            "latent_key": clip_latent_key(record.image, choice, clip.index, count, policy.resolution),
+            "latent_key": clip_latent_key(content, choice, clip.index, count, policy.resolution),
             **({"replaces": tuple(old)} if old else {}),  # the input's cached clips: one may hold this clip's latents
             "stamp": new,
             **({"caption_fallback": fallback} if fallback else {}),

@@ -595,14 +595,19 @@ def is_video_name(path: str) -> bool:
 def read_folder_entry(entry: FolderEntry) -> Record:
     """An entry's image bytes, raw captions, control image, loss mask and reference images; a file that cannot be read
     makes a Record with its reason (a control image: `missing_control` or `unreadable_control`, a mask `missing_mask` or
-    `unreadable_mask`, a reference `missing_reference` or `unreadable_reference`, left for `prepare` to report)."""
+    `unreadable_mask`, a reference `missing_reference` or `unreadable_reference`, left for `prepare` to report). A file
+    named as a video is not read but named (`Record.path`), for `prepare_clips` to read where it lies."""
+    by_path = False
     try:
-        image = read_regular(entry.image)
+        if is_video_name(entry.image) and stat_regular(entry.image).st_size:
+            image, by_path = None, True
+        else:
+            image = read_regular(entry.image)
         captions = list(entry.captions) if entry.captions is not None else [read_regular(p) for p in entry.caption_files]
     except OSError as e:
         return Record(entry.source, None, missing=os_reason(e), detail=f"{type(e).__name__}: {e}")
     record = Record(entry.source, image, captions, control_detail=entry.control_looked, mask_detail=entry.mask_looked,
-                    video=is_video_name(entry.image))
+                    video=is_video_name(entry.image), path=entry.image if by_path else None)
     for kind, path in (("control", entry.control), ("mask", entry.mask)):  # its control image, its loss mask
         if path is not None:
             try:

@@ -130,6 +130,7 @@ class Record:
     references_missing: str = "missing_reference"  # why `references` is None: missing_, unreadable_ or ambiguous_reference
     references_detail: str = ""  # what went wrong, or where the references were looked for
     reference_names: list[str] = field(default_factory=list)  # where each reference came from, for messages
+    path: str | None = None  # a video file read where it lies (`precompute.clips`), `image` None: never held whole
 
 
 # Marks the references' part of a key (content and latent keys); a sample without references has none.
@@ -360,7 +361,7 @@ def prepare(record: Record, policy: ImagePolicy, skip_keys: frozenset[str] | set
 
     if record.missing:
         return failed(record.missing, record.detail)
-    if not record.image:
+    if not record.image and record.path is None:
         return failed("empty_file")
     if record.video or looks_like_video(record.image):
         return failed("video_input", video_refused())

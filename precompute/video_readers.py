@@ -46,9 +46,12 @@ class VideoFile:
         return os.pread(self.fd, n, 0)
 
 
-def open_source(data: bytes | VideoFile):
-    """A file object over a video's bytes, with a position of its own (the descriptor's offset is left alone)."""
-    return _FileAt(data.fd, data.size) if isinstance(data, VideoFile) else io.BytesIO(data)
+def open_source(data: bytes | bytearray | VideoFile):
+    """A file object over a video's bytes, with a position of its own (the descriptor's offset is left alone), never a
+    copy of them (`io.BytesIO` copies all but `bytes`)."""
+    if isinstance(data, VideoFile):
+        return _FileAt(data.fd, data.size)
+    return io.BytesIO(data) if isinstance(data, bytes) else _BufferAt(data)
 
 
 class _FileAt(io.RawIOBase):
@@ -75,6 +78,24 @@ class _FileAt(io.RawIOBase):
 
     def tell(self) -> int:
         return self.pos
+
+
+class _BufferAt(_FileAt):
+    """A file object that reads a buffer in place."""
+
+    def __init__(self, data):
+        self.view = memoryview(data).cast("B")
+        super().__init__(-1, len(self.view))
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self.size - self.pos))
+        memoryview(b).cast("B")[:n] = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+    def close(self):
+        self.view.release()
+        super().close()
 
 
 def _pread_into(fd: int, b, pos: int) -> int:
