@@ -210,6 +210,7 @@ class EncodingPass:
         elif status == "unchanged":
             tally.seen.add(item["key"], name, item["source"], item.get("index"))
             tally.count("unchanged", name)
+            tally.counts["later_clips"] += item.get("inputs", 1) == 0  # the failure share counts inputs, not clips
             # an input found by its stamp (`index`) has that stamp: only one read again may have moved
             cached = self.stamps[(name, item.get("resolution", 0))].get(item["source"]) if item.get("index") is None else None
             if item.get("touched") or cached and cached[0] == item["key"] and item.get("stamp") and cached[1] != item["stamp"]:
@@ -218,6 +219,7 @@ class EncodingPass:
             tally.counts["changed_since"] += 1  # the input changed after it was cached: a plain re-run updates it
         else:
             tally.seen.add(item["key"], name, item["source"])
+            tally.counts["later_clips"] += item.get("inputs", 1) == 0
             if item.get("caption_fallback"):  # not UTF-8: read in the encoding named, reported in the summary
                 tally.counts[f"caption_fallback:{item['caption_fallback']}"] += 1
             self.pending[item["bucket"]].append(item)

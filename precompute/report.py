@@ -101,7 +101,8 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         "latents_reused": counts["latents_reused"],
         # captions that were not UTF-8 and were read as cp1252 / latin-1 instead (their images are cached)
         "caption_fallbacks": {k.split(":", 1)[1]: n for k, n in sorted(counts.items()) if k.startswith("caption_fallback:")},
-        "failure_fraction": counts["failed"] / max(considered, 1),
+        # of the inputs (a video's clips after its first are no input; a failed video is one)
+        "failure_fraction": counts["failed"] / max(considered - counts["later_clips"], 1),
         "cache_samples": manifest.num_samples,
         "cache_bytes": manifest.num_bytes + (manifest.text_stats() or {}).get("bytes", 0),  # text shards too
         "generation": manifest.generation,

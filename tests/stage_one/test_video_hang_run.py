@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from precompute.run import main as precompute
-from precompute.sample_video import make_video
+from precompute.sample_video import make_video, write_bad
 from precompute.video_readers import AVReader
 from shards import Cache
 
@@ -57,3 +57,18 @@ def test_a_worker_whose_decoder_hangs_on_one_video_finishes_the_run(tmp_path, mo
     helpers = {int(line) for line in pids.read_text().split()}
     assert helpers and os.getpid() not in helpers  # decoded in helper processes
     assert not [pid for pid in helpers if Path(f"/proc/{pid}").exists()]  # ended, and reaped
+
+
+def test_the_failure_share_counts_videos_not_clips(tmp_path):
+    """One video of two fails: half the inputs, whatever number of clips the other gives (here four)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    make_video(data / "long.mp4", "shapes", 108, 24.0, (64, 96))  # 72 frames at 16 fps: four chunks of 17
+    write_bad(data / "bad.mp4", "garbage")
+    for name in ("long", "bad"):
+        (data / f"{name}.txt").write_text("a video", encoding="utf-8")
+    run = dict(workers=0, progress=False, check_disk=False, frame_buckets="17", clip_extraction="chunk", max_failure_fraction=1.0)
+    summary = precompute(str(data), "tiny-wan", tmp_path / "cache", **run)
+    assert summary["new"] == 4 and summary["failed"] == 1 and summary["failure_fraction"] == 0.5
+    again = precompute(str(data), "tiny-wan", tmp_path / "cache", **run)  # its clips unchanged: still half
+    assert again["unchanged"] == 4 and again["failure_fraction"] == 0.5
