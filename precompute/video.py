@@ -235,7 +235,9 @@ def _extract(r: AVReader | ImageReader, policy: ClipPolicy, stats: dict) -> tupl
             if stated is not None and r.start + (start + len(frames)) / fps < stated - r.slack:
                 return [], "truncated_video", (f"the data ends at {float(r.end_seen):.3f} s, the container states "
                                                f"{float(stated):.3f} s")
-            fits = [b for b in policy.frame_buckets if b <= len(frames)]
+            # the one-frame bucket holds still images, as in `ClipPolicy.plan`: a video's clip is of a longer bucket
+            moving = [b for b in policy.frame_buckets if b > 1] if start + len(frames) > 1 else []
+            fits = [b for b in moving or policy.frame_buckets if b <= len(frames)]
             if not fits or policy.lengths == "each":  # each: its shorter lengths are clips of the plan, not trimmed ones
                 return ([], *_short(start + len(frames), policy)) if not clips else (clips, None, "")
             frames = frames[:fits[-1]]

@@ -1,0 +1,45 @@
+"""A video shorter than the shortest clip a video gives is too_short with the default frame buckets (the one-frame
+bucket is for still images), whatever the extraction, through `read_clips` and through stage one."""
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from precompute.run import main as precompute
+from precompute.sample_video import make_video, write_bad
+from precompute.video import ClipPolicy, read_clips
+
+pytestmark = pytest.mark.model  # stage one builds the tiny Wan VAE and umT5
+
+WAN = (1, 17, 33, 49, 81)
+
+
+@pytest.mark.parametrize("extraction", ["head", "uniform", "chunk", "full"])
+def test_a_too_short_video_is_too_short_with_the_one_frame_bucket(tmp_path, extraction):
+    data = write_bad(tmp_path / "short.mp4", "too_short").read_bytes()  # 6 frames at 24 fps: 4 at 16 fps
+    clips, reason, detail = read_clips(data, ClipPolicy(16.0, WAN, extraction=extraction), 10**8)
+    assert (clips, reason) == ([], "too_short"), detail
+    assert "shortest clip a video gives is 17 frames" in detail
+
+
+def test_one_frame_is_the_only_bucket_still_takes_a_videos_first_frame(tmp_path):
+    data = write_bad(tmp_path / "short.mp4", "too_short").read_bytes()
+    clips, reason, _ = read_clips(data, ClipPolicy(16.0, (1,)), 10**8)
+    assert reason is None and [c.frames.shape[0] for c in clips] == [1]
+
+
+def test_stage_one_counts_a_too_short_video_with_the_default_buckets(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    make_video(data / "good.mp4", "shapes", 30, 24.0, (64, 64))
+    write_bad(data / "short.mp4", "too_short")
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(data / "still.png")  # an image: a one-frame clip all the same
+    for stem in ("good", "short", "still"):
+        (data / f"{stem}.txt").write_text("a caption", encoding="utf-8")
+    summary = precompute(str(data), "tiny-wan", Path(tmp_path / "cache"), workers=0, progress=False, check_disk=False,
+                         max_failure_fraction=1.0)
+    assert summary["new"] == 2 and summary["failed_by_reason"] == {"too_short": 1}
+    (failure,) = [json.loads(line) for line in (tmp_path / "cache" / "failures.jsonl").read_text().splitlines()]
+    assert failure["source"] == "short.mp4" and failure["reason"] == "too_short"
