@@ -42,6 +42,21 @@ EDIT_PRESETS = ", ".join(name for name in preset_names() if get_preset(name).ref
 RESOLUTION_LIMITS = "; ".join(f"{largest} ({step} px): {', '.join(names)}" for (largest, step), names in sorted(_LIMITS.items()))
 
 
+def _valid_examples(preset: Preset, problem_of, value: object) -> tuple[int, str]:
+    """Resolutions to suggest for a refused `value`: the valid one nearest to it (the preset's base one for a value
+    that is no number), and two valid ones for several ("256,384"), as the model's family accepts them."""
+    top = max(preset.max_resolution, preset.base_resolution, 720)
+    valid = [r for r in range(16, top + 1, 16) if problem_of(preset, r) is None]
+    if not valid:
+        return preset.base_resolution, str(preset.base_resolution)
+    near = preset.base_resolution
+    if isinstance(value, int) and not isinstance(value, bool):
+        near = min(valid, key=lambda r: (abs(r - value), -r))
+    other = preset.base_resolution if preset.base_resolution != near and preset.base_resolution in valid else next(
+        (r for r in reversed(valid) if r < near), None) or next((r for r in valid if r > near), near)
+    return near, ",".join(map(str, sorted({near, other})))
+
+
 @dataclass
 class PrecomputeConfig:
     """Every option of a stage-one run; the CLI is built from it (see `python -m precompute --help`)."""
@@ -330,8 +345,9 @@ class PrecomputeConfig:
         problem_of = family(preset.family).resolution_problem
         for value in wanted:
             if problem := problem_of(preset, value):
-                raise ValueError(f"--resolution {given}: {problem} for {preset.name}; e.g. --resolution 512 or "
-                                 f"--resolution 512,1024")
+                one, several = _valid_examples(preset, problem_of, value)
+                raise ValueError(f"--resolution {given}: {problem} for {preset.name}; e.g. --resolution {one} or "
+                                 f"--resolution {several}")
         for source in self.sources():
             for value in source.resolution or ():
                 if problem := problem_of(preset, value):
