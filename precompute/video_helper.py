@@ -283,15 +283,19 @@ class _Forked:
         self.pid, self.returncode = pid, None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
+        return self._wait(os.WNOHANG)
 
     def wait(self) -> int:
+        return self._wait(0)
+
+    def _wait(self, options: int) -> int | None:
         if self.returncode is None:
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            try:
+                pid, status = os.waitpid(self.pid, options)
+            except ChildProcessError:  # reaped by someone else's waitpid(-1): its status is lost
+                pid, status = self.pid, 255 << 8
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
     def kill(self):
