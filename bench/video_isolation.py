@@ -137,7 +137,7 @@ def main(
             make_video(path, "shapes", 72, 30.0, (64, 96), seed=i)
             tiny.append(path.read_bytes())
         print(f"{real_videos} videos 480x832 at 30 fps ({statistics.mean(map(len, real)) / 1e6:.2f} MB each), "
-              f"{tiny_videos} videos 64x96; {rounds} rounds; ratio = isolated / in-process (median of rounds)")
+              f"{tiny_videos} videos 64x96; {rounds} rounds; ratios isolated / in-process")
         print(f"{'row':40s} {'wall ratio (quartiles)':>22s} {'CPU ratio':>9s} {'in-process':>11s} {'isolated':>11s}")
         for name, datas, policy in (("81x480x832 clip", real, ClipPolicy(16.0, (1, 81))),
                                     ("33x64x96 clip", tiny, ClipPolicy(16.0, (1, 33)))):

@@ -7,6 +7,7 @@ import ctypes
 import os
 import select
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +21,8 @@ from precompute.video import ClipPolicy, read_clips, read_clips_here
 from precompute.video_readers import AVReader, VideoFile
 
 WAN = (1, 17, 33)
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the helper is forked and watched through Linux's /proc")
 
 
 @pytest.fixture
@@ -93,7 +96,6 @@ def zombies() -> list[int]:
     return out
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="the hard limit needs processes")
 def test_a_hang_inside_a_decoder_call_is_stopped_at_the_limit(helpers, clip_video, monkeypatch):
     data = clip_video.read_bytes()
     assert not shared_memory()
