@@ -205,8 +205,8 @@ class PrecomputeConfig:
                    "is still too_short. Not with full. A source's clip_lengths; changing it cuts that source's videos "
                    "again.")
     decode_timeout: float = opt(60.0, "Video models: seconds a video may take to decode its clips; one that takes longer "
-                                      "(a file that hangs the decoder) is skipped (decode_timeout): its decoding process is killed, even inside a "
-                                      "stuck FFmpeg call.", above=0)
+                                      "(a file that hangs the decoder) is skipped (decode_timeout): its decoding process "
+                                      "is killed, even inside a stuck FFmpeg call.", above=0)
     validation_prompt: list[str] = opt([], "A prompt to encode for validation images (repeatable).")
     validation_file: Path | None = opt(None, "A file of validation prompts, one per line (added to --validation-prompt).")
     allow_pipe: bool = opt(False, "Allow pipe: URLs, which run a shell command (checked on every URL a brace pattern expands to).")
