@@ -417,7 +417,7 @@ def _readable(sock: socket.socket, until: float) -> bool:
     poller = select.poll()  # not select.select: a descriptor over 1023 is common in a busy process
     poller.register(sock, select.POLLIN)
     while True:
-        if poller.poll(max(0, int((until - time.monotonic()) * 1000) + 1)):
+        if poller.poll(min(max(0, int((until - time.monotonic()) * 1000) + 1), 60_000)):  # (a C int of ms)
             return True
         if time.monotonic() >= until:
             return False
