@@ -40,7 +40,7 @@ import mmap
 import multiprocessing.util
 import os
 import pickle
-import select
+import selectors
 import signal
 import socket
 import subprocess
@@ -414,13 +414,14 @@ def _exactly(sock: socket.socket, n: int) -> bytearray:
 
 
 def _readable(sock: socket.socket, until: float) -> bool:
-    poller = select.poll()  # not select.select: a descriptor over 1023 is common in a busy process
-    poller.register(sock, select.POLLIN)
-    while True:
-        if poller.poll(min(max(0, int((until - time.monotonic()) * 1000) + 1), 60_000)):  # (a C int of ms)
-            return True
-        if time.monotonic() >= until:
-            return False
+    """Whether the helper has answered (or ended) before `until` (monotonic)."""
+    with selectors.DefaultSelector() as selector:  # epoll / kqueue: no limit on the descriptor's number
+        selector.register(sock, selectors.EVENT_READ)
+        while True:
+            if selector.select(min(max(0.0, until - time.monotonic()), 60.0)):
+                return True
+            if time.monotonic() >= until:
+                return False
 
 
 def _single_threaded() -> bool:
