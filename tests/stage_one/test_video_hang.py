@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precompute import video_helper
+from precompute import video, video_helper
 from precompute.sample_video import make_video
 from precompute.video import ClipPolicy, read_clips, read_clips_here
 from precompute.video_readers import AVReader, VideoFile
@@ -249,3 +249,26 @@ def test_clips_held_by_the_caller_are_never_written_over(helpers, tmp_path):
     slabs = {os.stat(f"/proc/{pid}/fd/{fd}").st_ino for fd in os.listdir(f"/proc/{pid}/fd")
              if "memfd:clips" in os.readlink(f"/proc/{pid}/fd/{fd}")}
     assert len(slabs) <= video_helper.Slabs.KEEP_FREE + 1  # the one in use and the free ones kept
+
+
+def test_a_bug_raises_in_the_caller_and_ctrl_c_ends_the_helper(helpers, clip_video, monkeypatch):
+    """Not a bad video: an exception of the decoding code is raised by `read_clips`, with the helper's traceback,
+    as it was in-process; Ctrl-C while a video is being read kills the helper (a new one reads the next)."""
+    data = clip_video.read_bytes()
+
+    with monkeypatch.context() as m:
+        m.setattr(video, "_extract", lambda *a: 1 / 0)
+        with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+            read_clips(data, ClipPolicy(16.0, WAN), 10**8)
+    assert not zombies()
+
+    def interrupted(h, w):
+        raise KeyboardInterrupt
+
+    read_clips(data, ClipPolicy(16.0, WAN), 10**8)
+    pid = video_helper._local.helper.pid
+    with pytest.raises(KeyboardInterrupt):
+        read_clips(data, ClipPolicy(16.0, WAN), 10**8, fit=interrupted)  # asked while the helper waits for the answer
+    assert not Path(f"/proc/{pid}").exists() and not zombies()
+    clips, reason, _ = read_clips(data, ClipPolicy(16.0, WAN), 10**8)
+    assert reason is None and video_helper._local.helper.pid != pid
