@@ -70,11 +70,13 @@ TRAIN = {
     "blocks_to_swap": ([-1], [0]),
     "controlnet_conditioning_scale": ([-1.0, NAN], [0.0, 1.0]),
     "i2v_probability": ([1.5, -0.1, NAN], [0.0, 0.5, 1.0]),  # a share of the clips
+    "guidance_scale_2": ([-1.0, NAN], [0.0, 3.0]),
 }
 # what an accepted value needs beside it
 TRAIN_CONTEXT = {"cache_weight": dict(cache=["a", "b"]), "controlnet_layers": dict(model="tiny-sd3", controlnet=True),
                  "lora_alpha": dict(lora_rank=4), "lora_dropout": dict(lora_rank=4),
-                 "lokr_factor": dict(lora_rank=4, adapter="lokr"), "i2v_probability": dict(model="wan2.2-ti2v-5b")}
+                 "lokr_factor": dict(lora_rank=4, adapter="lokr"), "i2v_probability": dict(model="wan2.2-ti2v-5b"),
+                 "guidance_scale_2": dict(model="wan2.2-t2v-a14b", expert="both")}
 PRECOMPUTE = {
     "max_length": ([0, -1], [1, 77]),
     "batch_size": ([0], [1]),

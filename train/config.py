@@ -472,6 +472,11 @@ class ValidationOptions:
                                              "input); default: the preset's. A guidance-distilled model samples without "
                                              "classifier-free guidance: this is the value fed to its guidance embedding, as its "
                                              "pipeline's guidance_scale; a model without one takes none.", at_least=0)
+    guidance_scale_2: float | None = opt(
+        None, "Two-expert models trained together (--expert both): the low-noise expert's guidance scale, below the "
+              "boundary timestep, as the pipelines' guidance_scale_2 (--guidance-scale is the high-noise expert's); "
+              "default: the preset's low-noise guidance (its released inference setting). An --expert low run "
+              "validates at --guidance-scale, which defaults to that.", at_least=0)
     validation_seed: int = opt(0, "Seed of the validation noise (fixed per prompt and bucket).",
                                   at_least=0, at_most=SEED_MAX)
     validation_items: int = opt(4, "ControlNet and edit runs: validate on this many cached dataset items, spread evenly over "
@@ -488,6 +493,14 @@ class ValidationOptions:
             preset = get_preset(self.model, self.expert)  # one expert of two: its own guidance
             self.validation_steps = preset.validation_steps if self.validation_steps is None else self.validation_steps
             self.guidance_scale = preset.guidance_scale if self.guidance_scale is None else self.guidance_scale
+        from train.families import get_preset
+
+        preset = get_preset(self.model, self.expert)
+        if self.guidance_scale_2 is not None and not preset.paired:
+            raise ValueError("--guidance-scale-2 is the low-noise expert's guidance of a run of both experts (--expert "
+                             "both); this run samples with one transformer at --guidance-scale: leave it out")
+        if self.guidance_scale_2 is None and preset.paired:
+            self.guidance_scale_2 = get_preset(self.model, "low").guidance_scale
         if self.controlnet and (self.validation_prompt or self.validation_bucket):
             raise ValueError("a ControlNet run validates on cached dataset items (--validation-items: their control images, "
                              "captions and buckets), not on --validation-prompt / --validation-bucket: leave those out")

@@ -364,6 +364,7 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
     precision = precision or cfg["precision"]
     objective = build_objective(preset.objective, preset.prediction, shift=cfg.get("flow_shift") or preset.flow_shift,
                                 resolution_shift=cfg.get("resolution_shift", False), base_resolution=preset.base_resolution,
+                                clean_first_frame=cfg.get("i2v_probability", 0.0),  # samples image-to-video as it validated
                                 **flow_shift_kind(cfg.get("flow_shift"), cfg.get("resolution_shift", False), preset))
     # a run's checkpoints are rotated (--keep-checkpoints): samples go beside them, named by the checkpoint's step
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
@@ -372,7 +373,8 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
     items = cfg.get("validation_items", 4) if has_references(cache) else 0
     validator = Validator(cache, preset, objective, prompts=list(prompts), buckets=list(buckets), steps=steps, guidance=guidance,
                           seed=seed, decode_device="cpu", out=out, model_name=preset.name, items=items,
-                          frames=frames if frames is not None else cfg.get("validation_frames"))
+                          frames=frames if frames is not None else cfg.get("validation_frames"),
+                          guidance_2=cfg.get("guidance_scale_2"))
     if not validator:
         if has_references(cache):
             raise ValueError(f"the run validated on --validation-items 0 dataset items of {cache.location}: nothing to edit")

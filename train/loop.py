@@ -456,7 +456,8 @@ def build_validator(cfg: TrainConfig, cache, preset, objective, device: torch.de
     validator = Validator(cache, preset, objective, prompts=cfg.validation_prompt, buckets=cfg.validation_bucket,
                           steps=cfg.validation_steps, guidance=cfg.guidance_scale, seed=cfg.validation_seed,
                           decode_device="cpu" if cfg.decode_device == "cpu" else str(device), out=cfg.run, model_name=cfg.model,
-                          items=cfg.validation_items if on_items else 0, frames=cfg.validation_frames)
+                          items=cfg.validation_items if on_items else 0, frames=cfg.validation_frames,
+                          guidance_2=cfg.guidance_scale_2)
     if validator:
         return validator
     say(f"no validation prompts cached in {cache.location} (add some with {add_prompts_command(cache, [])}); not validating")

@@ -117,7 +117,7 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
              pixels: int, *, steps: int, guidance: float, seed: int, precision: torch.dtype,
              layout: TextLayout | None = None, forward: Callable | None = None,
              control: torch.Tensor | None = None, conditioning: dict[str, torch.Tensor] | None = None,
-             references: list[torch.Tensor] | None = None) -> torch.Tensor:
+             references: list[torch.Tensor] | None = None, guidance_2: float | None = None) -> torch.Tensor:
     """One sample (C, h, w), a clip's (C, T, h, w), at the cache's latent scale, guided as the family's pipeline guides
     (`Family.denoise`); `pixels` of its bucket (of one frame).
     `cond` and `null` are one caption's cached text fields each. `forward` (default: the model's own) is called as
@@ -126,7 +126,9 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
     fields of one cached sample (`Family.conditioning_fields`: an image-to-video model's first frame). `references`: an
     edit sample's reference latents (C, h, w) each, as the cache stores them: the batch's `references` for both halves
     (an edit pipeline conditions its negative prompt on the same images), in `precision` on the device, as training
-    passes them (`train.data.TrainingSamples`)."""
+    passes them (`train.data.TrainingSamples`). Both experts of a two-expert model (`preset.paired`, `model` routing each
+    timestep to its expert) guide at `guidance` from the start and at `guidance_2` (default: `guidance`) below the
+    boundary, as the pipelines' guidance_scale and guidance_scale_2."""
     device = next(model.parameters()).device
     c = latent_shape[0]
     family = get_family(preset.family)
@@ -145,7 +147,8 @@ def generate(model, preset: ModelPreset, objective, cond: dict, null: dict, late
         text[REFERENCES] = [refs, list(refs)]
     forward = forward or model_forward(model, preset.family, guidance=guidance)
     autocast = torch.autocast(device.type, dtype=precision, enabled=precision != torch.float32)
-    return family.denoise(forward, scheduler, latents, text, guidance=guidance, channels=c, autocast=autocast)[0]
+    experts = {"boundary": preset.expert_boundary, "guidance_2": guidance_2} if preset.paired else {}
+    return family.denoise(forward, scheduler, latents, text, guidance=guidance, channels=c, autocast=autocast, **experts)[0]
 
 
 @dataclass
@@ -213,7 +216,7 @@ class Validator:
 
     def __init__(self, cache: Cache, preset: ModelPreset, objective, *, prompts: list[str], buckets: list[str], steps: int,
                  guidance: float, seed: int, decode_device: str, out: Path, model_name: str, items: int = 0,
-                 frames: int | None = None):
+                 frames: int | None = None, guidance_2: float | None = None):
         if items < 0:
             raise ValueError(f"--validation-items {items}: give 0 (no grids) or more")
         self.items = validation_items(cache, items) if items else []
@@ -249,6 +252,7 @@ class Validator:
         self.shapes = [latent.shape(*b) for b in self.buckets]
         self.preset, self.objective = preset, objective
         self.steps, self.guidance, self.seed = steps, guidance, seed
+        self.guidance_2 = guidance_2 if preset.paired else None  # both experts: the low-noise one's
         self.out = out
         # one dataset clip (decoding a video costs many images'), or a few dataset images
         self.references = [] if self.items else reference_latents(cache, self.buckets, 1 if self.fps else 4)
@@ -295,6 +299,7 @@ class Validator:
                 shape = tuple(item.target.shape)
                 latents[i] = generate(model, self.preset, self.objective, item.cond, self.null, shape,
                                       item.bucket.height * item.bucket.width, steps=self.steps, guidance=self.guidance,
+                                      guidance_2=self.guidance_2,
                                       seed=derived_seed(self.seed, i, *shape), precision=precision, layout=self.layout,
                                       forward=forward, control=item.control,
                                       references=item.references if self.edit else None)
@@ -304,6 +309,7 @@ class Validator:
                     progress(f"sampling {k + 1}/{len(jobs)}: {prompt.text!r} at {b.name}, {self.steps} steps ...")
                 latents[prompt.text, b] = generate(model, self.preset, self.objective, prompt.cond, self.null, shape,
                                                    b.height * b.width, steps=self.steps, guidance=self.guidance,
+                                                   guidance_2=self.guidance_2,
                                                    seed=derived_seed(self.seed, i, *shape), precision=precision,
                                                    layout=self.layout, conditioning=self.conditioning.get(b))
             return latents
@@ -329,7 +335,7 @@ class Validator:
             self.decoder = Decoder(self.recipe, self.decode_device)
         if self.fps:  # a video per prompt and bucket, and the dataset clip, beside their contact sheet
             rows, names = self.clip_rows(latents)
-            self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance} · {self.fps:g} fps", rows, path,
+            self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance_text()} · {self.fps:g} fps", rows, path,
                                 names=names, fps=self.fps, kept=tuple(names[len(names) - len(self.references):]))
             return path
         rows = self.item_rows(latents)
@@ -338,8 +344,12 @@ class Validator:
             rows.append(("dataset latents, decoded: " + ", ".join(name for name, _ in self.references),
                          [z for _, z in self.references]))
         buckets = ", ".join([*(["each item's own"] if self.items else []), *(b.name for b in self.buckets)])
-        self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance} · buckets {buckets}", rows, path)
+        self.decoder.submit(f"step {step} · {self.steps} steps, guidance {self.guidance_text()} · buckets {buckets}", rows, path)
         return path
+
+    def guidance_text(self) -> str:
+        """The guidance as a grid's title says it: both experts' (high-noise, then low-noise) of a run of both."""
+        return f"{self.guidance} / {self.guidance_2}" if self.guidance_2 is not None else f"{self.guidance}"
 
     def item_rows(self, latents: dict) -> list[tuple[str, list[torch.Tensor]]]:
         """The grid's rows of the items (`item_row`), from `sample`'s latents."""

@@ -118,6 +118,9 @@ class ModelPreset:
         expert_boundary: where they split, a fraction of the timestep range: the high-noise expert denoises timesteps
             at or above boundary x 1000, the low-noise one those below (the pipeline's `boundary_ratio`).
         paired: both experts of a two-expert model, as one `train.experts.Experts` (`--expert both`).
+        guidance_scale_2: a two-expert model's validation guidance of its low-noise expert (the pipelines'
+            `guidance_scale_2`; None: `guidance_scale`): `--expert low` validates at it, and `--expert both` past the
+            boundary (the family's `denoise` then takes the `boundary` and this `guidance_2`).
         references: an edit model's most reference images (its pipeline's limit); 0 for a model that takes none. An
             edit preset trains from a cache whose samples have references (`shards.references`) and its forward
             concatenates their tokens to the target's.
@@ -149,6 +152,7 @@ class ModelPreset:
     experts: tuple[str, ...] = ()
     expert_boundary: float | None = None
     paired: bool = False
+    guidance_scale_2: float | None = None
     references: int = 0
     reference_pixels: int = 1024 * 1024
     requires_references: bool = True
@@ -168,7 +172,10 @@ class ModelPreset:
             return replace(self, subfolder=self.experts[0], paired=True)
         if which not in EXPERT_NAMES:
             raise ValueError(f"--expert {which!r}: choose {', '.join(EXPERT_NAMES)} or {BOTH}")
-        return replace(self, subfolder=self.experts[EXPERT_NAMES.index(which)])
+        chosen = replace(self, subfolder=self.experts[EXPERT_NAMES.index(which)])
+        if which == EXPERT_NAMES[1] and self.guidance_scale_2 is not None:  # the low-noise expert at its own guidance
+            chosen = replace(chosen, guidance_scale=self.guidance_scale_2)
+        return chosen
 
     def expert_range(self, which: str | None) -> tuple[float, float]:
         """The noise levels (sigma = timestep / 1000) expert `which` trains on: [boundary, 1] for "high", [0, boundary)

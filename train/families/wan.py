@@ -11,7 +11,7 @@ diffusers' layout or musubi-tuner's."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,17 +51,11 @@ CLIP_H = {"CLIP ViT-H/14 vision (CLIPVisionModel)": 630_766_080}
 @dataclass(frozen=True)
 class WanPreset(ModelPreset):
     """A Wan preset: which stock pipeline samples it (`image_to_video`: WanImageToVideoPipeline, with cached first-frame
-    conditions), its validation guidance of the low-noise expert (`guidance_scale_2`, the pipeline's), and whether its
-    pipelines run with `expand_timesteps` (TI2V-5B: an image is the clip's clean first latent frame, at timestep 0)."""
+    conditions), and whether its pipelines run with `expand_timesteps` (TI2V-5B: an image is the clip's clean first
+    latent frame, at timestep 0)."""
 
     image_to_video: bool = False
-    guidance_scale_2: float | None = None
     expand_timesteps: bool = False
-
-    def expert(self, which):
-        """The low-noise expert validates at its own guidance (the pipelines' guidance_scale_2)."""
-        chosen = super().expert(which)
-        return replace(chosen, guidance_scale=self.guidance_scale_2) if which == "low" and self.guidance_scale_2 else chosen
 
 
 def preset(name: str, repo: str, config: str, shift: float, resolution: int, encoders: dict, **kwargs) -> WanPreset:
@@ -282,7 +276,8 @@ class Wan(Family):
                 boundary: float | None = None, guidance_2: float | None = None):
         """The pipelines' loop: one pass on the caption and, when `guidance` > 1, one on the null caption, combined by
         `combine`. Two experts: `forward` (high noise) at timesteps >= `boundary` x 1000 and `low` with `guidance_2` after
-        (default: `guidance`), as the pipelines switch at `boundary_ratio`. `text` holds the null caption's fields, then
+        (default: `guidance`), as the pipelines switch at `boundary_ratio` (`low` None: `forward` is both, as
+        `train.experts.Experts`, and only the guidance changes there). `text` holds the null caption's fields, then
         the prompt's (an I2V model's condition and image embedding too). With a clean first frame's latent
         (`FIRST_FRAME`, TI2V image-to-video) the transformer sees it in place of the first latent frame at every step,
         its tokens at timestep 0, and it replaces that frame at the end, as WanImageToVideoPipeline with
@@ -300,8 +295,8 @@ class Wan(Family):
         switch = None if boundary is None else boundary * scheduler.config.num_train_timesteps
         for t in scheduler.timesteps:
             model, scale = forward, guidance
-            if switch is not None and t < switch:
-                model, scale = low, guidance if guidance_2 is None else guidance_2
+            if switch is not None and t < switch:  # `forward` of both experts routes by the timestep itself
+                model, scale = low or forward, guidance if guidance_2 is None else guidance_2
             x = latents if first is None else (1 - keep) * condition + keep * latents
             with autocast:
                 pred = model(x, t.expand(1), caption).float()
