@@ -328,6 +328,12 @@ def test_ti2v_trains_image_to_video_resumes_exactly_and_exports_what_the_stock_p
                       width=64, num_frames=9, num_inference_steps=2, output_type="np",
                       generator=torch.Generator().manual_seed(0)).frames[0]
     assert frames.shape == (9, 64, 64, 3) and np.isfinite(frames).all()
+    if not adapters:  # `python -m train sample` of the run samples as it validated: image-to-video
+        from train.export import sample
+
+        seen.clear()
+        written = sample(tmp_path / "straight", out=tmp_path / "sampled", steps=2)
+        assert any(p.suffix == ".mp4" for p in written) and seen and all(bool(clean.all()) for _, clean, _ in seen)
 
 
 def test_a_mixed_run_trains_both_and_resumes_exactly(cache, tmp_path, monkeypatch):
