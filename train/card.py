@@ -82,6 +82,9 @@ def write_card(directory: Path, ckpt: Path, state: dict, kind: Kind, *, ema: boo
 
     directory = Path(directory)
     preset, cfg, base = get_preset(state["model"]), state["config"], Base.of(state)
+    sampled = get_preset(state["model"], cfg.get("expert"))
+    if cfg.get("i2v_probability"):  # trained image-to-video by a clean first frame: the card samples so
+        sampled = get_family(preset.family).first_frame_preset(sampled)
     summary, prompts = describe_caches(state)
     grid = copy_grid(ckpt, state["step"], directory)
     url = grid.relative_to(directory).as_posix() if grid else None
@@ -96,7 +99,7 @@ def write_card(directory: Path, ckpt: Path, state: dict, kind: Kind, *, ema: boo
         f"The run's last validation grid (step {grid_step(grid)}): ![validation samples]({url})" if grid
         else "The run left no validation grid at or before this step.", "",
         "## How to use", "", "```python", usage(preset.family, kind, base, location, weight_name, cfg.get("adapter", "lora"),
-                                                 preset=get_preset(state["model"], cfg.get("expert"))),
+                                                 preset=sampled),
         "```", "", *comfyui_note(kind, weight_name),
         "## License", "",
         f"Not set by cachedit: choose one, compatible with the base model's license{licence_of_base}, and add it to this "

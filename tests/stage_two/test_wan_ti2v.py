@@ -314,6 +314,9 @@ def test_ti2v_trains_image_to_video_resumes_exactly_and_exports_what_the_stock_p
     with torch.no_grad():
         expected = model_forward(trained.eval(), "wan")(x, t, batch)
     out = export(tmp_path / "straight", tmp_path / "export")
+    card = (tmp_path / "export" / "README.md").read_text()  # its code samples from an image, at the clips' 24 fps
+    assert "WanImageToVideoPipeline.from_pretrained" in card and 'image=load_image("first_frame.png")' in card
+    assert 'export_to_video(frames, "video.mp4", fps=24)' in card
     if adapters:
         pipe = stock(build_transformer(preset, None, 0).eval())
         pipe.load_lora_weights(out.parent, weight_name=out.name)
@@ -358,6 +361,21 @@ def test_a_mixed_run_trains_both_and_resumes_exactly(cache, tmp_path, monkeypatc
     train(run_cfg(cache, tmp_path / "resumed", **options))
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
     assert_same_checkpoints(tmp_path / "straight", tmp_path / "resumed")
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_the_export_card_samples_as_the_run_trained(kind):
+    """A TI2V-5B run's card: WanPipeline from a caption; trained image-to-video, WanImageToVideoPipeline from an image."""
+    from train.card import Base, usage
+
+    base, preset = Base("hub", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"), get_preset("wan2.2-ti2v-5b")
+    t2v = usage("wan", kind, base, "owner/export", preset=preset)
+    i2v = usage("wan", kind, base, "owner/export", preset=FAMILY.first_frame_preset(preset))
+    assert "WanPipeline.from_pretrained" in t2v and "load_image" not in t2v
+    assert "WanImageToVideoPipeline.from_pretrained" in i2v and 'image=load_image("first_frame.png")' in i2v
+    assert all('fps=24' in code for code in (t2v, i2v))
+    assert FAMILY.first_frame_preset(get_preset("tiny-wan")) == get_preset("tiny-wan")
+    compile(t2v, "card", "exec"), compile(i2v, "card", "exec")
 
 
 def test_the_planner_plans_the_per_token_timesteps(monkeypatch):

@@ -411,6 +411,11 @@ class Family(ABC):
         its `denoise` a validation batch's `FIRST_FRAME` latent. False by default."""
         return False
 
+    def first_frame_preset(self, preset: ModelPreset) -> ModelPreset:
+        """`preset` as a run that trained it image-to-video by a clean first frame (--i2v-probability) is sampled: what
+        its export card's pipeline and usage name (`pipeline_of`, `usage_generate`). The preset itself by default."""
+        return preset
+
     def conditioning_fields(self, spec: CacheSpec) -> tuple[str, ...]:
         """The per-sample fields of a cache (beside the latents and the text) the transformer's call takes: stage two
         stacks them into every batch under the same names, (B, ...) on the device in the compute dtype, for `forward`

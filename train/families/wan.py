@@ -11,7 +11,7 @@ diffusers' layout or musubi-tuner's."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -158,6 +158,11 @@ class Wan(Family):
     def first_frame_conditioning(self, preset):
         """TI2V-5B: its pipelines' `expand_timesteps`."""
         return getattr(preset, "expand_timesteps", False)
+
+    def first_frame_preset(self, preset):
+        """TI2V-5B trained image-to-video: sampled by WanImageToVideoPipeline from an image (its repository's config sets
+        `expand_timesteps`)."""
+        return replace(preset, image_to_video=True) if self.first_frame_conditioning(preset) else preset
 
     def blocks(self, model):
         return list(model.blocks)
@@ -324,8 +329,9 @@ class Wan(Family):
     def usage_generate(self, preset, extra):
         first = ', image=load_image("first_frame.png")' if getattr(preset, "image_to_video", False) else ""
         loads = ", load_image" if first else ""
+        fps = 24 if self.first_frame_conditioning(preset) else 16  # TI2V-5B's clips are 24 fps, the others' 16
         return [f"from diffusers.utils import export_to_video{loads}"], [
-            f'frames = pipe("a prompt"{first}, num_frames=81{extra}).frames[0]', 'export_to_video(frames, "video.mp4", fps=16)']
+            f'frames = pipe("a prompt"{first}, num_frames=81{extra}).frames[0]', f'export_to_video(frames, "video.mp4", fps={fps})']
 
 
 def token_timesteps(config: Mapping, xt: torch.Tensor, t: torch.Tensor, clean: torch.Tensor) -> torch.Tensor:
