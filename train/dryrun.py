@@ -18,6 +18,7 @@ from train.data import REFERENCES, TrainingSamples, to_device
 from train.families import get_family
 from train.host_memory import batch_sizes, loader_parts, peak_memory, refusal, with_loader
 from train.metrics import device_memory
+from train.objectives import FIRST_FRAME
 from train.plan import cached_batch, cached_references, measure_peak, plan
 from train.plan_config import CARD_RESERVED, PlanConfig
 from train.step import TrainStep
@@ -75,11 +76,14 @@ def dry_run(cfg: TrainConfig, cache: Cache, dataset: TrainingSamples, step: Trai
             cond = validator.items[0].cond if validator.items else validator.prompts[0].cond
             control = batch["control"][0] if "control" in batch else None
             conditioning = {name: batch[name][0] for name in get_family(preset.family).conditioning_fields(cache.spec)}
+            if validator.first_frame and largest.frames > 1:  # image-to-video from a clip's first latent frame
+                conditioning[FIRST_FRAME] = batch["latents"][0][:, :1]
             generate(step.model.module, preset, step.objective, cond, validator.null,
                      cache.spec.latent.shape(*largest), largest.pixels, steps=2,
                      guidance=cfg.guidance_scale, seed=0, precision=DTYPES[cfg.precision], layout=validator.layout,
                      forward=step.model.forward if control is not None else None, control=control,
-                     conditioning=conditioning, references=batch[REFERENCES][0] if REFERENCES in batch else None)
+                     conditioning=conditioning, references=batch[REFERENCES][0] if REFERENCES in batch else None,
+                     guidance_2=validator.guidance_2)
 
     # Two steps with nothing else running, the process's peak host memory (VmHWM) read after them: the optimizer makes
     # its states at the end of the first, so the second is the first to hold them through its forward and backward, as

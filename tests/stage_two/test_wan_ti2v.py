@@ -392,3 +392,16 @@ def test_the_planner_plans_the_per_token_timesteps(monkeypatch):
     assert i2v["bytes"]["activations"] > t2v["bytes"]["activations"] > 0
     with pytest.raises(ValueError, match="--i2v-probability 0.5: tiny-wan does not generate a clip from an image"):
         PlanConfig(model="tiny-wan", bucket=(64, 64, 17), i2v_probability=0.5)
+
+
+def test_a_dry_run_measures_what_the_plan_predicts(cache, tmp_path, monkeypatch):
+    """--dry-run of an image-to-video run (a step and an image-to-video validation sample): the measured peak is the
+    predicted one, which is above a text-to-video run's."""
+    from train.loop import train
+
+    tiny_ti2v(monkeypatch)
+    runs = {p: train(run_cfg(cache, tmp_path / str(p), dry_run=True, validate=True, validation_steps=2, i2v_probability=p))
+            for p in (0.0, 1.0)}
+    for result in runs.values():
+        assert result["bucket"] == "17x64x64" and abs(result["predicted_peak"] / result["measured_peak"] - 1) <= 0.15, result
+    assert runs[1.0]["predicted_peak"] > runs[0.0]["predicted_peak"]
