@@ -285,7 +285,7 @@ APPLIED_ON_RESUME = ("steps", "lr", "warmup_steps", "lr_schedule", "weight_decay
                      "ema_every", "caption_dropout", "caption_dropout_embedding", "weighting_scheme", "logit_mean", "logit_std",
                      "mode_scale", "precondition_outputs", "flow_shift", "resolution_shift", "learned_variance", "lora_dropout",
                      "controlnet_conditioning_scale", "train_guidance", "base_quant", "blocks_to_swap", "lr_cycles", "lr_power", "lr_end",
-                     "prior_loss_weight", "preservation", "masked_loss")
+                     "prior_loss_weight", "preservation", "masked_loss", "i2v_probability")
 REFUSED_ON_RESUME = {
     "model": "the checkpoint holds another preset's weights",
     "optimizer": "its moments do not carry over to another optimizer",

@@ -339,6 +339,17 @@ def test_ti2v_trains_image_to_video_resumes_exactly_and_exports_what_the_stock_p
         assert any(p.suffix == ".mp4" for p in written) and seen and all(bool(clean.all()) for _, clean, _ in seen)
 
 
+def test_a_text_to_video_run_goes_on_as_image_to_video(cache, tmp_path, monkeypatch, capsys):
+    """The share may change on resume (a text-to-video LoRA continued as image-to-video): the start-up log says so."""
+    from train.loop import train
+
+    tiny_ti2v(monkeypatch)
+    train(run_cfg(cache, tmp_path / "run", steps=2, i2v_probability=0.0, lora_rank=4))
+    capsys.readouterr()
+    train(run_cfg(cache, tmp_path / "run", steps=4, i2v_probability=1.0, lora_rank=4))
+    assert "applied on resume: i2v-probability 0.0 -> 1.0 from step 2" in capsys.readouterr().out
+
+
 def test_a_mixed_run_trains_both_and_resumes_exactly(cache, tmp_path, monkeypatch):
     """--i2v-probability 0.5 with LoRA: batches mix image-to-video and text-to-video clips (per-token timesteps for the
     batch, the text-to-video clips' all at their timestep), and the run resumes bit for bit."""
