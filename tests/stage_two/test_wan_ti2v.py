@@ -416,3 +416,24 @@ def test_a_dry_run_measures_what_the_plan_predicts(cache, tmp_path, monkeypatch)
     for result in runs.values():
         assert result["bucket"] == "17x64x64" and abs(result["predicted_peak"] / result["measured_peak"] - 1) <= 0.15, result
     assert runs[1.0]["predicted_peak"] > runs[0.0]["predicted_peak"]
+
+
+def test_token_routing_takes_the_per_token_timesteps_along(cache, tmp_path, monkeypatch):
+    """--tread with image-to-video clips: the routed blocks get the kept tokens' rows of the per-token timestep
+    embedding (`wan_token_rows`), and the run trains."""
+    from train.families import wan
+    from train.loop import train
+
+    tiny_ti2v(monkeypatch)
+    rows = wan.wan_token_rows
+    seen = []
+
+    def recorded(arguments, kept):
+        out = rows(arguments, kept)
+        seen.append((tuple(arguments["temb"].shape), tuple(out.get("temb", arguments["temb"]).shape), tuple(kept.shape)))
+        return out
+    monkeypatch.setattr(wan, "wan_token_rows", recorded)
+    result = train(run_cfg(cache, tmp_path / "run", tread="0.5:1:1", lora_rank=4, steps=2))
+    assert math.isfinite(result["last_loss"])
+    clips = [s for s in seen if len(s[0]) == 4]  # (B, S, 6, D): a clip batch's per-token embedding
+    assert clips and all(after[:2] == kept and kept[1] < before[1] for before, after, kept in clips)
