@@ -164,6 +164,30 @@ def test_validation_samples_image_to_video_as_the_pipeline_samples(monkeypatch, 
     assert not torch.allclose(t2v[:, 1:], ours[:, 1:], atol=1e-4)
 
 
+def test_text_to_video_validation_samples_what_wanpipeline_with_expand_timesteps_samples(monkeypatch):
+    """Without a first frame the sampler gives the transformer one timestep per sample; WanPipeline with
+    expand_timesteps (the published TI2V-5B pipeline) passes the same value per token: the same samples up to float
+    rounding of the per-token embedding (the per-token one would cost a (tokens, 6, width) modulation per block)."""
+    import diffusers
+
+    from train.validate import generate
+
+    preset = tiny_ti2v(monkeypatch)
+    transformer = build_transformer(preset, None, 0).eval()
+    objective = build_run_objective(TrainConfig(model="tiny-wan-ti2v"), preset, preset.transformer_config())
+    cond, null = captions()
+    ours = generate(transformer, preset, objective, cond, null, (CHANNELS, 5, 4, 4), 64 * 64, steps=4, guidance=5.0, seed=3,
+                    precision=torch.float32, layout=TextLayout(TextSpec("padded", WIDTH, 64)))
+    noise = torch.randn(1, CHANNELS, 5, 4, 4, generator=torch.Generator().manual_seed(3))
+    pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=tiny_vae(), transformer=transformer,
+                                 scheduler=diffusers.UniPCMultistepScheduler(**SCHEDULER, flow_shift=objective.shift_at(64 * 64)),
+                                 expand_timesteps=True)
+    with torch.no_grad():
+        out = pipe(prompt_embeds=padded(cond), negative_prompt_embeds=padded(null), latents=noise, height=64, width=64,
+                   num_frames=17, num_inference_steps=4, guidance_scale=5.0, output_type="latent").frames[0]
+    assert torch.allclose(ours, out, atol=1e-5) and not torch.allclose(ours, noise[0], atol=1e-2)
+
+
 def test_training_keeps_the_first_frame_clean_and_takes_the_loss_over_the_other_frames(monkeypatch):
     """The objective's inputs at a noise level and noise: the first latent frame of an image-to-video clip is its clean
     latent (the pipeline's condition), the others (1 - s) x0 + s n, the transformer gets the pipeline's per-token timestep,
