@@ -97,6 +97,7 @@ bench: install
 	@if [ -d "$(SCALE_DECIDE_DIR)/cache-10000000-10000" ]; then $(MAKE) --no-print-directory bench-decide; \
 	else echo "10M-input decision: no cache in $(SCALE_DECIDE_DIR); 'make bench-decide' builds it once (about an hour) and measures"; fi
 	$(PY) bench/video.py
+	$(PY) bench/video_isolation.py
 
 bench-decide: install
 	$(PY) bench/scale.py --decide-only --sizes 10000000 --samples-per-shard 10000 --out $(SCALE_DECIDE_DIR) --keep
