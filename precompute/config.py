@@ -21,7 +21,7 @@ from precompute.images import ImagePolicy
 from precompute.presets import get_preset, get_text_encoder, preset_names, text_encoder_names
 from precompute.sources import MAX_VARIANTS, TAG_KEYS, Source, check_tags, is_dataset_file, sources_of
 from shards import Bucket
-from shards.options import Dtype, check_options, default_of, flag, opt
+from shards.options import Dtype, check_options, flag, opt
 
 # Images per VAE batch. Large batches pay on GPUs; on CPUs a batch's activations fall out of the caches
 # and every image costs more (make bench, its default tiny preset: 42 img/s at batch 1, 31 at 4, 21 at 8).
@@ -117,25 +117,32 @@ class PrecomputeConfig:
     caption_column: str = opt(CAPTION_COLUMN, "Caption column of metadata.jsonl/.csv (a string or a list of captions).")
     caption_key: list[str] = opt(["caption", "text", "prompt"], "Keys of a tar sample's .json whose values are captions "
                                                                 "(repeatable); all found are encoded.")
-    caption_variants: int = opt(1, "DATA as one source: cache up to N versions of each caption, drawn uniformly by "
-                                   "training (1: the caption as written). Variant 0 is the caption's tags in written "
-                                   "order; the others are shuffled (--shuffle-tags) and thinned (--tag-dropout), never "
-                                   "the caption prefix or the kept tags. Each variant stores the caption's text "
-                                   "embeddings again. A dataset file sets caption_variants per [[source]].",
-                                at_least=1, at_most=MAX_VARIANTS)
-    shuffle_tags: bool = opt(False, "DATA as one source: the caption variants shuffle the caption's tags (kohya's "
-                                    "--shuffle_caption, precomputed: needs --caption-variants 2 or more).")
-    keep_tokens: int = opt(0, "DATA as one source: the first N tags of a caption stay in place and are never dropped "
-                              "(kohya's --keep_tokens).", at_least=0)
-    tag_separator: str = opt(",", "DATA as one source: what separates a caption's tags (kohya's --caption_separator); "
-                                  "variants join them as the caption does (its first separator, with the spaces "
-                                  "around it).")
+    caption_variants: int | None = opt(None, "DATA as one source: cache up to N versions of each caption, drawn "
+                                             "uniformly by training (1: the caption as written). Variant 0 is the "
+                                             "caption's tags in written order; the others are shuffled (--shuffle-tags) "
+                                             "and thinned (--tag-dropout), never the caption prefix or the kept tags. "
+                                             "Each variant stores the caption's text embeddings again. A dataset file "
+                                             "sets caption_variants per [[source]]. Default: what the cache records for "
+                                             "the source (a re-run keeps its variants and their tag options unless one "
+                                             "of these options is given: then they state them all), else 1.",
+                                       at_least=1, at_most=MAX_VARIANTS)
+    shuffle_tags: bool | None = opt(None, "DATA as one source: the caption variants shuffle the caption's tags (kohya's "
+                                          "--shuffle_caption, precomputed: needs --caption-variants 2 or more). Default: "
+                                          "as --caption-variants says.")
+    keep_tokens: int | None = opt(None, "DATA as one source: the first N tags of a caption stay in place and are never "
+                                        "dropped (kohya's --keep_tokens). Default: as --caption-variants says, else 0.",
+                                  at_least=0)
+    tag_separator: str | None = opt(None, "DATA as one source: what separates a caption's tags (kohya's "
+                                          "--caption_separator); variants join them as the caption does (its first "
+                                          "separator, with the spaces around it). Default: as --caption-variants says, "
+                                          "else ','.")
     keep_tokens_separator: str | None = opt(None, "DATA as one source: kohya's --keep_tokens_separator (e.g. '|||'): in "
                                                   "a caption holding it, the text before it stays in place (instead of "
                                                   "--keep-tokens) and the text after a second one stays at the end.")
-    tag_dropout: float = opt(0.0, "DATA as one source: the probability of leaving out each tag that is not kept, per "
-                                  "variant (kohya's --caption_tag_dropout_rate; needs --caption-variants 2 or more).",
-                             at_least=0, below=1)
+    tag_dropout: float | None = opt(None, "DATA as one source: the probability of leaving out each tag that is not "
+                                          "kept, per variant (kohya's --caption_tag_dropout_rate; needs "
+                                          "--caption-variants 2 or more). Default: as --caption-variants says, else 0.",
+                                    at_least=0, below=1)
     control: bool = opt(False, "ControlNet training: every image pairs with a control image whose latent is cached beside "
                                "its own, encoded by the same VAE after the image's bucket, resize and crop (a control "
                                "image of another size but the same aspect ratio, within 1 %, is resized to match). Found "
@@ -145,7 +152,7 @@ class PrecomputeConfig:
                                "dataset file's source, under the images' relative names in its control = \"DIR\" folder "
                                "(control_column renames the column). An image without one is skipped (missing_control). A "
                                "cache is built with or without control latents; the other kind of run is refused.")
-    masks: bool = opt(False, "Masked training (stage two's --masked-loss): cache a loss mask per image beside its latent, a "
+    masks: bool | None = opt(None, "Masked training (stage two's --masked-loss): cache a loss mask per image beside its latent, a "
                              "grayscale image of the image's size (white: trained, black: ignored), resized and cropped as "
                              "the image and area-averaged to latent resolution (a latent cell's weight is the fraction of "
                              "its pixels kept), never encoded by the VAE. Found as x.mask.png (any image extension) beside "
@@ -154,10 +161,13 @@ class PrecomputeConfig:
                              "mask column of a Hugging Face dataset; or, for a dataset file's source, under the images' "
                              "relative names in its mask = \"DIR\" folder (a source may also set masks = true alone). An "
                              "image without one (missing_mask) or with one of another size (mask_size) is skipped. Changing "
-                             "only masks or captions re-encodes no latent: the cached one is copied.")
-    alpha_mask: bool = opt(False, "Like --masks, with every image's loss mask taken from its own alpha channel (opaque: "
-                                  "trained, transparent: ignored; the image itself is still composited on white). An image "
-                                  "without an alpha channel is skipped (missing_mask).")
+                             "only masks or captions re-encodes no latent: the cached one is copied. Not given, DATA "
+                             "as one source keeps what the cache records for it (a re-run keeps its masks; --no-masks "
+                             "drops them); a dataset file's sources say it themselves.")
+    alpha_mask: bool | None = opt(None, "Like --masks, with every image's loss mask taken from its own alpha channel "
+                                        "(opaque: trained, transparent: ignored; the image itself is still composited on "
+                                        "white). An image without an alpha channel is skipped (missing_mask). Not with "
+                                        "--masks (masks come from one place). Not given: as --masks says.")
     references: bool = opt(False, f"Edit models ({EDIT_PRESETS}): every image is an edit's target and pairs with 1..N "
                                   "reference images (the images the edit starts from), each prepared as the model's "
                                   "pipeline prepares an input image and cached as a latent of its own size beside the "
@@ -318,17 +328,46 @@ class PrecomputeConfig:
                              f"reference_column = \"NAME\") for every source of the dataset file")
 
     def check_tags(self) -> None:
-        """The caption-variant options: for DATA as one source, valid together; a dataset file sets them per source."""
-        given = {key for key in TAG_KEYS if getattr(self, key) != default_of(PrecomputeConfig, key)}
+        """The caption-variant options: for DATA as one source, valid together (those not given at their defaults);
+        a dataset file sets them per source. Masks come from one place: --masks or --alpha-mask."""
+        given = {key for key in TAG_KEYS if getattr(self, key) is not None}
         if given and is_dataset_file(self.data):
             key = min(given, key=TAG_KEYS.index)
             raise ValueError(f"{flag(key)}: DATA is a dataset file, whose sources set their own caption variants: write "
                              f"{key} = ... in the [[source]] tables it applies to")
-        problem = check_tags({key: getattr(self, key) for key in TAG_KEYS}, given, flag)
+        problem = check_tags(self._tag_values(), given, flag)
         if problem:
             key, message = problem
-            value = getattr(self, key)
+            value = self._tag_values()[key]
             raise ValueError(f"{flag(key)}{'' if isinstance(value, bool) else f' {value!r}'}: {message}")
+        if self.masks and self.alpha_mask:
+            raise ValueError("--masks and --alpha-mask: masks come from one place, mask images (--masks) or the images' "
+                             "alpha channel (--alpha-mask); give one of the two")
+
+    def _tag_values(self) -> dict:
+        """The caption-variant options as given, a default where not (`Source`'s)."""
+        return {key: getattr(Source, key) if getattr(self, key) is None else getattr(self, key) for key in TAG_KEYS}
+
+    def keep_recorded(self, manifest) -> list[str]:
+        """For DATA as one source, keep what the cache records for it (`manifest`, a `shards.Manifest`) where this run
+        does not say: its loss masks when neither --masks nor --alpha-mask is given (either way), its caption variants
+        and their tag options when no caption-variant option is given, as a re-run without --resolution keeps its
+        resolutions. A dataset file states its sources in full: nothing is kept. Returns the kept settings as flags
+        (["--masks", "--caption-variants 4 --shuffle-tags"]), for the run to say so."""
+        if is_dataset_file(self.data) or manifest is None:
+            return []
+        source = self.sources()[0]
+        record = manifest.extra.get("sources", {}).get(source.name) or {}
+        kept: dict = {}
+        if self.masks is None and self.alpha_mask is None and record.get("masks") and not source.mask_mode:
+            kept["alpha_mask" if record.get("alpha_mask") else "masks"] = True
+        if all(getattr(self, key) is None for key in TAG_KEYS) and record.get("caption_variants", 1) > 1:
+            kept.update({key: record[key] for key in TAG_KEYS if key in record})
+        if not kept:
+            return []
+        self._sources = [replace(source, **kept), *self._sources[1:]]
+        return [flag(key) + ("" if value is True else f" {value}") for key, value in kept.items()
+                if value != getattr(Source, key)]
 
     def _check_resolutions(self, preset: Preset) -> str | None:
         """--resolution as its canonical text ("512,1024"), every resolution (and every source's) checked against
@@ -391,11 +430,18 @@ class PrecomputeConfig:
         if not hasattr(self, "_sources"):
             self._sources = sources_of(self.data)
             if not is_dataset_file(self.data):
-                self._sources = [replace(self._sources[0], **{key: getattr(self, key) for key in TAG_KEYS})]
+                self._sources = [replace(self._sources[0], **self._tag_values())]
             # --masks / --alpha-mask / --references ask every source for masks or references, as a dataset file's
             # masks = true / references = true asks one
             asked = {k: True for k, on in (("masks", self.masks), ("alpha_mask", self.alpha_mask),
                                            ("references", self.references)) if on}
+            for source in self._sources:
+                other = (("--alpha-mask", "masks") if self.alpha_mask and source.masks else
+                         ("--masks", "alpha_mask") if self.masks and source.alpha_mask else None)
+                if other:
+                    raise ValueError(f"{other[0]}: source {source.name!r} of {self.data} sets {other[1]} = true; masks "
+                                     f"come from one place, mask images (masks) or the images' alpha channel "
+                                     f"(alpha_mask): drop {other[0]} or the source's {other[1]}")
             self._sources = [replace(s, **asked) if asked else s for s in self._sources]
         return self._sources
 

@@ -134,6 +134,9 @@ def _run(config: PrecomputeConfig, device: torch.device, rank: int, world: int, 
     check_control(config, manifest)
     if manifest is not None:
         config.keep_resolutions(manifest)
+        kept = config.keep_recorded(manifest)
+        if rank == 0:
+            say_recorded(config, manifest, kept)
     # 1. what the cache holds, from its manifest alone (no shard is opened), read under the lock; then the inputs of
     # every source, split disjointly by global rank. The loader's workers start reading images now, while the
     # encoders load.
@@ -543,6 +546,32 @@ def name_sources(config: PrecomputeConfig) -> None:
             moved = writer.rename_dataset("", sources[0].name)
             print(f"{config.cache}: the {moved} samples cached before sources were named now belong to source "
                   f"{sources[0].name!r}", file=sys.stderr)
+
+
+def say_recorded(config: PrecomputeConfig, manifest, kept: list[str]) -> None:
+    """Before anything is encoded: one line naming the recorded settings DATA as one source kept (`kept`, as flags),
+    and a warning for every source whose cached samples this run caches without the loss masks or caption variants
+    the cache records for it (a dataset file that no longer asks for them, or --no-masks / --caption-variants 1)."""
+    if kept:
+        source = config.sources()[0]
+        undo = [*(["--no-alpha-mask" if source.alpha_mask else "--no-masks"] if source.mask_mode else []),
+                *(["--caption-variants 1"] if source.caption_variants > 1 else [])]
+        print(f"{config.cache}: source {source.name!r} keeps the settings the cache records for it, which this run does "
+              f"not give: {' '.join(kept)} (to change them, give them; to drop them, {', '.join(undo)})", file=sys.stderr)
+    recorded, held = manifest.extra.get("sources", {}), manifest.datasets()
+    for source in config.sources():
+        record, samples = recorded.get(source.name) or {}, held.get(source.name, {}).get("samples", 0)
+        lost = []
+        if record.get("masks") and not source.mask_mode:
+            lost.append("their loss masks (" + ("alpha_mask" if record.get("alpha_mask") else "masks") + ")")
+        if record.get("caption_variants", 1) > source.caption_variants:
+            lost.append(f"{record['caption_variants'] - source.caption_variants} of their {record['caption_variants']} "
+                        f"caption variants")
+        if lost and samples:
+            how = (f"its [[source]] in {config.data} no longer asks for them" if source.from_file else
+                   "this run's options drop them")
+            print(f"warning: source {source.name!r}: its {samples} cached samples lose {' and '.join(lost)}: {how}; they "
+                  f"are cached again without (their latents reused)", file=sys.stderr)
 
 
 def record_sources(writer: ShardWriter, sources: list) -> None:

@@ -291,8 +291,9 @@ def test_a_new_mask_or_new_captions_reuse_the_cached_latents(tmp_path, monkeypat
     summary = precompute(str(data), "tiny-sana", cache, masks=True, **RUN)
     assert (summary["changed"], summary["latents_reused"]) == (1, 0) and calls == [1]
 
-    # turning masks off re-reads every input (new keys: no mask in them) and re-encodes no latent
-    summary = precompute(str(data), "tiny-sana", cache, **RUN)
+    # turning masks off (--no-masks: a run that does not say keeps them) re-reads every input (new keys: no mask in
+    # them) and re-encodes no latent
+    summary = precompute(str(data), "tiny-sana", cache, masks=False, **RUN)
     assert (summary["changed"], summary["latents_reused"]) == (4, 4) and calls == [1]
     assert all(len(s[MASK]) == 0 for s in by_source(cache).values())
 
