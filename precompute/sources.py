@@ -415,6 +415,10 @@ def read_dataset_file(file: str | Path) -> list[Source]:
         if "prior_loss_weight" in table and not table.get("is_reg"):
             raise ValueError(f"{where(i, 'prior_loss_weight')}: prior_loss_weight weights the loss of a class source's "
                              f"batches; add is_reg = true to this source, or drop prior_loss_weight")
+        if table.get("alpha_mask") and (both := [k for k in ("masks", "mask", "mask_column") if k in table
+                                                 and table[k] is not False]):
+            raise ValueError(f"{where(i, 'alpha_mask')}: {_label(table)}alpha_mask and {both[0]}: masks come from one "
+                             f"place, the images' alpha channel (alpha_mask) or mask images ({both[0]}); drop one of the two")
         if table.get("is_reg") and table.get("eval"):
             raise ValueError(f"{where(i, 'is_reg')}: {_label(table)}is_reg and eval: an eval source is held out of "
                              f"training, a class source trains; choose one")
