@@ -25,7 +25,7 @@ from PIL import Image
 
 from precompute import video_helper
 from precompute.video_images import DEFAULT_DELAY_MS, ImageReader
-from precompute.video_readers import AVReader, DecodeTimeout, SizeChange, TooManyPixels, VideoFile, fit_frame
+from precompute.video_readers import AVReader, Clip, DecodeTimeout, SizeChange, TooManyPixels, VideoFile, fit_frame
 
 VIDEO_PREPROCESSING_VERSION = 1  # bump when anything below changes the frames produced
 
@@ -140,16 +140,6 @@ class ClipPolicy:
         return [0]
 
 
-@dataclass
-class Clip:
-    """One clip of a video."""
-
-    index: int  # which clip of the input (0..), part of the sample key
-    start: int  # first frame, counted at the policy's frame rate
-    frames: np.ndarray  # (F, H, W, 3) uint8 RGB, F a member of frame_buckets, turned as shown (and fitted, with `fit`)
-    size: tuple[int, int] = (0, 0)  # (height, width) of the video's frames as shown, before `read_clips`' fit
-
-
 def read_clips(data: bytes | VideoFile, policy: ClipPolicy, max_pixels: int, stats: dict | None = None,
                fit: Callable[[int, int], tuple[int, int]] | None = None) -> tuple[list[Clip], str | None, str]:
     """A video's clips as `policy` extracts them, decoded in a helper process (`precompute.video_helper`) that is
@@ -173,7 +163,7 @@ def read_clips(data: bytes | VideoFile, policy: ClipPolicy, max_pixels: int, sta
     stats.update(packets=0, frames=0, seeks=0)
     if not len(data):
         return [], "empty_file", ""
-    return video_helper.read_clips(data, policy, max_pixels, stats, fit)
+    return video_helper.read_clips(data, policy, max_pixels, stats, fit, decode=read_clips_here)
 
 
 def read_clips_here(data: bytes | VideoFile, policy: ClipPolicy, max_pixels: int, stats: dict | None = None,

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from precompute.video_readers import VideoFile
+from precompute.video_readers import Clip, VideoFile
 
 # How long after the limit the caller waits for the helper's own answer before it kills it.
 GRACE_S = 0.5
@@ -157,11 +157,12 @@ def _unnamed_file() -> int:
         return os.dup(f.fileno())
 
 
-def read_clips(data: bytes | VideoFile, policy, max_pixels: int, stats: dict, fit=None):
-    """`precompute.video.read_clips_here` in this thread's helper, killed `GRACE_S` after `policy.timeout_s`."""
+def read_clips(data: bytes | VideoFile, policy, max_pixels: int, stats: dict, fit=None, *, decode):
+    """`decode` (`precompute.video.read_clips_here`, passed in: this module is below `precompute.video`) in this
+    thread's helper, killed `GRACE_S` after `policy.timeout_s`."""
     deadline = time.monotonic() + policy.timeout_s
     for attempt in range(2):
-        helper = _helper()
+        helper = _helper(decode)
         try:
             return helper.read(data, policy, max_pixels, stats, fit, deadline)
         except _Gone:  # it had died before it was asked (killed while idle): a new one reads the video
@@ -180,11 +181,11 @@ class _Gone(Exception):
 class Helper:
     """A decoding process and the socket to it (`read` one video at a time)."""
 
-    def __init__(self):
+    def __init__(self, decode):
         self.owner = os.getpid()
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.proc = _fork(theirs, self.sock) if _single_threaded() else _spawn(theirs)
+            self.proc = _fork(theirs, self.sock, decode) if _single_threaded() else _spawn(theirs, decode)
         finally:
             theirs.close()
         self.dead = False
@@ -202,8 +203,6 @@ class Helper:
         return not self.dead and self.owner == os.getpid() and self.proc.poll() is None
 
     def read(self, data, policy, max_pixels: int, stats: dict, fit, deadline: float):
-        from precompute.video import Clip
-
         released = []
         while self.released:  # (appended to by the collector, from any thread)
             released.append(self.released.pop())
@@ -303,32 +302,35 @@ class _Forked:
             os.kill(self.pid, signal.SIGKILL)
 
 
-def _fork(theirs: socket.socket, ours: socket.socket) -> _Forked:
+def _fork(theirs: socket.socket, ours: socket.socket, decode) -> _Forked:
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
             ours.close()
             gc.freeze()  # the parent's objects are never scanned (or copied) by the helper's collections
-            serve(theirs.fileno(), parent)
+            serve(theirs.fileno(), parent, decode)
         finally:
             os._exit(70)
     return _Forked(pid)
 
 
-def _spawn(theirs: socket.socket) -> subprocess.Popen:
+def _spawn(theirs: socket.socket, decode) -> subprocess.Popen:
     root = str(Path(__file__).resolve().parents[1])  # the repository: `precompute` imports as it does here
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-            "from precompute.video_helper import serve; serve(int(sys.argv[1]), int(sys.argv[2]))")
-    return subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid())],
+    # the fresh interpreter imports `decode` by its module and name, as pickle would
+    code = ("import importlib, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "from precompute.video_helper import serve; "
+            "serve(int(sys.argv[1]), int(sys.argv[2]), getattr(importlib.import_module(sys.argv[3]), sys.argv[4]))")
+    return subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno()), str(os.getpid()), decode.__module__,
+                             decode.__qualname__],
                             pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
 
 
-def serve(fd: int, parent: int):
-    """The helper's loop: a request, the video decoded (`read_clips_here`), its answer; until the socket ends."""
+def serve(fd: int, parent: int, decode):
+    """The helper's loop: a request, the video decoded (`decode`: `precompute.video.read_clips_here`), its answer;
+    until the socket ends."""
     from precompute.distributed import die_with_parent
-    from precompute.video import read_clips_here
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -359,7 +361,7 @@ def serve(fd: int, parent: int):
             stats: dict = {}
             fit = (lambda h, w: _ask(sock, h, w)) if asks else None
             try:
-                clips, reason, detail = read_clips_here(data, policy, max_pixels, stats, fit, deadline, slab.alloc)
+                clips, reason, detail = decode(data, policy, max_pixels, stats, fit, deadline, slab.alloc)
                 parts = [(c.index, c.start, _place(slab, c), c.frames.shape, c.size) for c in clips]
             except Exception:
                 _send(sock, ("raised", traceback.format_exc()))
@@ -435,12 +437,12 @@ _local = threading.local()
 _HELPERS: weakref.WeakSet[Helper] = weakref.WeakSet()  # this process's helpers
 
 
-def _helper() -> Helper:
+def _helper(decode) -> Helper:
     helper = getattr(_local, "helper", None)
     if helper is None or not helper.alive():
         if helper is not None:
             helper.close()
-        helper = _local.helper = Helper()
+        helper = _local.helper = Helper(decode)
     return helper
 
 

@@ -26,6 +26,16 @@ _OPEN_OPTIONS = {"metadata_errors": "replace"} if int(av.__version__.split(".")[
 _SEEK_GAP = 2
 
 
+@dataclass
+class Clip:
+    """One clip of a video."""
+
+    index: int  # which clip of the input (0..), part of the sample key
+    start: int  # first frame, counted at the policy's frame rate
+    frames: np.ndarray  # (F, H, W, 3) uint8 RGB, F a member of frame_buckets, turned as shown (and fitted, with `fit`)
+    size: tuple[int, int] = (0, 0)  # (height, width) of the video's frames as shown, before `read_clips`' fit
+
+
 class DecodeTimeout(Exception):
     pass
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precompute import video_helper
+from precompute import video, video_helper
 from precompute.clips import prepare_clips
 from precompute.folders import list_folder, read_folder_entry
 from precompute.images import ImagePolicy, Record, prepare
@@ -76,7 +76,7 @@ def rss(pid: int, field: str) -> int:
 def peak(record: Record, warm: bytes) -> tuple[int, int, list[dict]]:
     """(peak bytes this process allocated, the decoding process's peak resident growth, the items) of reading a
     record's clips, after the helper read `warm` (its decoder's code is paged in)."""
-    video_helper.read_clips(warm, POLICY.clip, 10**8, {})
+    video.read_clips(warm, POLICY.clip, 10**8, {})
     helper = video_helper._local.helper.pid
     Path(f"/proc/{helper}/clear_refs").write_text("5")  # its peak resident size starts again from here
     resident = rss(helper, "VmRSS")
