@@ -53,12 +53,22 @@ BOUND_ADVICE = {
     "pass": "bound by the pass's own thread (sorting inputs, batching, checking outputs) or a CPU the loader's workers "
             "fill: fewer --workers if every core is busy, or a larger --batch-size",
 }
+# a video model's inputs are clips: what decoding them costs (README, "What bounds a run" of the video section)
+CLIP_ADVICE = {**BOUND_ADVICE,
+               "decoding": "bound by decoding: the encoder waited for decoded clips; raise --workers if the machine has "
+                           "idle cores (each worker is a process that reads, seeks, decodes, resamples and resizes "
+                           "videos: about two 480p x 81-frame clips a second on one core)"}
+MOSTLY_REUSED = 0.5  # of the samples a run wrote, the share whose latents it copied: its encoder barely ran
 
 
-def bound_by(shares: dict[str, float]) -> str:
+def bound_by(shares: dict[str, float], reused: float = 0.0) -> str | None:
     """Which stage bounds a run, from where its passes' time went (`report`'s `shares`): `encoder` when it was busy at
     least `ENCODER_BOUND` of the pass; else what it idled for most: `decoding` (it waited for decoded inputs),
-    `writer` (it waited on writes) or `pass` (the rest: the pass's own work of sorting, batching and checking)."""
+    `writer` (it waited on writes) or `pass` (the rest: the pass's own work of sorting, batching and checking).
+    None when the encoder did not run for most of the run (`reused`: the share of the samples written whose cached
+    latents were copied instead, at least `MOSTLY_REUSED`): its idle time then says nothing of what bounds encoding."""
+    if reused >= MOSTLY_REUSED:
+        return None
     busy = shares["encoder_busy_fraction"]
     if busy >= ENCODER_BOUND:
         return "encoder"
@@ -81,7 +91,9 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
     manifest = Cache(cache).manifest
     in_cache = manifest.datasets()
     encoded = counts["new"] + counts["changed"]
-    considered = encoded + counts["unchanged"] + counts["failed"]
+    # each input is read once per resolution of its source: the share of inputs that failed is that of the reads
+    failed_reads = counts["failed"] + counts["failed_again"]
+    considered = encoded + counts["unchanged"] + failed_reads
     by_reason = Counter(f["reason"] for f in failures)
     field_bytes = dict(zip(manifest.shards.fields, (int(v) for v in manifest.shards.column("field_bytes").sum(0))))
     n = max(manifest.num_samples, 1)
@@ -102,7 +114,7 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         # captions that were not UTF-8 and were read as cp1252 / latin-1 instead (their images are cached)
         "caption_fallbacks": {k.split(":", 1)[1]: n for k, n in sorted(counts.items()) if k.startswith("caption_fallback:")},
         # of the inputs (a video's clips after its first are no input; a failed video is one)
-        "failure_fraction": counts["failed"] / max(considered - counts["later_clips"], 1),
+        "failure_fraction": failed_reads / max(considered - counts["later_clips"], 1),
         "cache_samples": manifest.num_samples,
         "cache_bytes": manifest.num_bytes + (manifest.text_stats() or {}).get("bytes", 0),  # text shards too
         "generation": manifest.generation,
@@ -139,8 +151,12 @@ def report(cache: Path, counts: Counter, failures: list[dict], elapsed: float, l
         print(f"  encoder busy {pct['encoder_busy_fraction']} of the pass; waiting on inputs {pct['data_wait_fraction']}, "
               f"on the writer {pct['writer_wait_fraction']} (the writer was busy {pct['writer_busy_fraction']} of it, in the "
               f"background)", file=out)
-        summary["bound_by"] = bound_by(shares)
-        print(f"  {BOUND_ADVICE[summary['bound_by']]}", file=out)
+        summary["bound_by"] = bound_by(shares, counts["latents_reused"] / encoded)
+        if summary["bound_by"] is None:
+            print(f"  no bound to tell: {counts['latents_reused']} of the {encoded} samples encoded took their cached "
+                  f"latents, so the encoder ran for few of them", file=out)
+        else:
+            print(f"  {(CLIP_ADVICE if clips else BOUND_ADVICE)[summary['bound_by']]}", file=out)
     if summary["latents_reused"]:
         print(f"  {summary['latents_reused']} of them changed only their mask or captions: their cached latents were "
               f"reused, not encoded again", file=out)

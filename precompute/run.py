@@ -48,7 +48,7 @@ from precompute.removal import (
     warn_damaged,
 )
 from precompute.report import check_disk_space, estimate_bytes_per_sample, report
-from precompute.tally import CachedLatents, Seen, Tally
+from precompute.tally import CachedLatents, Seen, Tally, once_per_input
 from shards import LATENT_KEY, MASK, CacheSpec, Field, Prompt, ShardWriter, exists, load, prompt_key
 from shards.atomic import atomic_write_bytes
 from shards.options import torch_dtype
@@ -372,6 +372,12 @@ def finish(config: PrecomputeConfig, enc: Encoders, fingerprint: dict, schema: d
     counts = sum((Counter(p["counts"]) for p in parts), Counter())
     by_source = {s.name: sum((Counter(p["by_source"][s.name]) for p in parts), Counter()) for s in sources}
     failures = sorted((f for p in parts for f in p["failures"]), key=lambda f: (f["dataset"], f["source"]))
+    # an input read at several resolutions fails at each: it is one failed input, listed and counted once
+    failures, again = once_per_input(failures, {s.name: config.resolutions(s) for s in sources})
+    for name, n in again.items():
+        by_source[name]["failed"] -= n
+    counts["failed"] -= sum(again.values())
+    counts["failed_again"] = sum(again.values())  # the reads that failed, for the share of inputs that failed
     complete = {s.name: all(p["complete"][s.name] for p in parts) for s in sources}
     stale, refused = decide_removals(config, inputs, Seen.merged([p["seen"] for p in parts]), failures, complete, manifest, by_source)
     storage = torch_dtype(config.storage_dtype)

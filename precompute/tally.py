@@ -121,6 +121,36 @@ class Tally:
         self.by_source[source][outcome] += 1
 
 
+def once_per_input(failures: list[dict], resolutions: dict[str, tuple[int, ...]]) -> tuple[list[dict], Counter]:
+    """`failures` with an input that failed at several of its source's resolutions (a source is read once per
+    resolution) listed once, its detail saying at how many, and the failures that repeat one per source, which the
+    counts of failed inputs leave out. `resolutions`: per source name, the resolutions it is read at. The order is
+    kept (the first record of each input stands for it)."""
+    first: dict[tuple[str, str], dict] = {}
+    seen: dict[tuple[str, str], list[dict]] = {}
+    for f in failures:
+        seen.setdefault((f.get("dataset", ""), f["source"]), []).append(f)
+    out, again = [], Counter()
+    for f in failures:
+        key = (f.get("dataset", ""), f["source"])
+        if key in first:
+            continue
+        records = seen[key]
+        first[key] = f
+        if len(records) == 1:
+            out.append(f)
+            continue
+        again[key[0]] += sum(r.get("samples", 1) for r in records[1:])
+        mine = resolutions.get(key[0], ())
+        where = (f"at each of the source's {len(mine)} resolutions ({', '.join(map(str, mine))})" if len(records) == len(mine)
+                 else f"at {len(records)} of the source's resolutions ({', '.join(map(str, mine))})")
+        others = list(dict.fromkeys(f"{r['reason']}: {r['detail']}" if r["reason"] != f["reason"] else r["detail"]
+                                    for r in records[1:] if r.get("detail") != f.get("detail") or r["reason"] != f["reason"]))
+        detail = "; ".join([d for d in (f.get("detail"), *others) if d])
+        out.append({**f, "detail": f"{detail} ({where})" if detail else where})
+    return out, again
+
+
 class CachedLatents:
     """The latent fields of the samples a cache held when the run started, found by the input they came from.
 

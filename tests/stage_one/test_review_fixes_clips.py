@@ -43,3 +43,27 @@ def test_stage_one_counts_a_too_short_video_with_the_default_buckets(tmp_path):
     assert summary["new"] == 2 and summary["failed_by_reason"] == {"too_short": 1}
     (failure,) = [json.loads(line) for line in (tmp_path / "cache" / "failures.jsonl").read_text().splitlines()]
     assert failure["source"] == "short.mp4" and failure["reason"] == "too_short"
+
+
+def test_a_clip_cache_bound_by_decoding_is_told_of_clips_and_one_of_reused_latents_is_told_nothing(tmp_path, capsys):
+    from collections import Counter
+
+    from precompute.report import BOUND_ADVICE, CLIP_ADVICE, report
+
+    data = tmp_path / "data"
+    data.mkdir()
+    make_video(data / "v.mp4", "shapes", 30, 24.0, (64, 64))
+    (data / "v.txt").write_text("a moving shape", encoding="utf-8")
+    cache = tmp_path / "cache"
+    precompute(str(data), "tiny-wan", cache, workers=0, progress=False, check_disk=False)
+    capsys.readouterr()
+    shares = {"encoder_s": 0.4, "encoder_busy_fraction": 0.4, "data_wait_fraction": 0.55, "writer_wait_fraction": 0.01,
+              "writer_busy_fraction": 0.01}
+    summary = report(cache, Counter(new=4), [], 10.0, 9.0, None, shares)
+    err = capsys.readouterr().err
+    assert summary["bound_by"] == "decoding" and f"  {CLIP_ADVICE['decoding']}\n" in err
+    assert "decoded clips" in err and "photos a second" not in err and BOUND_ADVICE["decoding"] != CLIP_ADVICE["decoding"]
+    summary = report(cache, Counter(changed=4, latents_reused=3), [], 10.0, 9.0, None, shares)
+    err = capsys.readouterr().err
+    assert summary["bound_by"] is None and "raise --workers" not in err
+    assert "no bound to tell: 3 of the 4 samples encoded took their cached latents" in err

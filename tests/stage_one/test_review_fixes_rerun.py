@@ -2,6 +2,7 @@
 it, and says so; an explicit value changes them, loudly; a dataset file states its sources in full, and a source that
 drops its masks or variants is warned about before anything is cached again."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,25 @@ def test_a_dataset_file_that_drops_masks_and_variants_changes_them_with_a_warnin
             f"variants: its [[source]] in {toml} no longer asks for them") in err
     assert err.index("warning: source 'photos'") < err.index("new 0 / changed 3")  # said before the run's report
     assert summary["changed"] == 3 and state(cache, "photos")[:2] == (False, 3)
+
+
+def test_a_run_whose_latents_were_all_reused_gives_no_advice_on_what_bounds_it(tmp_path, capsys):
+    data, cache = folder(tmp_path / "data"), tmp_path / "cache"
+    precompute(str(data), "tiny-sana", cache, masks=True, **RUN)
+    capsys.readouterr()
+    summary = precompute(str(data), "tiny-sana", cache, masks=False, **RUN)  # every sample changes its mask alone
+    err = capsys.readouterr().err
+    assert summary["latents_reused"] == 3 and summary["bound_by"] is None
+    assert "bound by" not in err and "raise --workers" not in err and "no bound to tell: 3 of the 3 samples" in err
+
+
+def test_a_bad_mask_read_at_two_resolutions_is_one_failed_input(tmp_path):
+    data, cache = folder(tmp_path / "data"), tmp_path / "cache"
+    Image.new("L", (128, 256), 255).save(data / "1.mask.png")  # another size than its image's
+    summary = precompute(str(data), "tiny-sana", cache, masks=True, resolution="256,320", max_failure_fraction=1.0, **RUN)
+    (failure,) = [json.loads(line) for line in (cache / "failures.jsonl").read_text().splitlines()]
+    assert failure["source"] == "1.png" and failure["reason"] == "mask_size"
+    assert failure["detail"].endswith("(at each of the source's 2 resolutions (256, 320))"), failure["detail"]
+    assert summary["failed"] == 1 and summary["failed_by_reason"] == {"mask_size": 1}
+    assert summary["sources"]["data"]["failed"] == 1 and summary["new"] == 4
+    assert summary["failure_fraction"] == pytest.approx(1 / 3)  # one input of three
