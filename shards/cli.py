@@ -170,6 +170,8 @@ def inspect(
         share = f"weight {src['weight']:g}" if src.get("weight") is not None else f"repeats {src.get('repeats', 1)}"
         if src.get("is_reg"):  # a class (regularisation) source and the loss weight of its batches
             share += f", class (is_reg), prior_loss_weight {src.get('prior_loss_weight', 1.0):g}"
+        if src.get("eval"):  # a held-out source: never trained on, its loss evaluated
+            share += ", eval (held out of training)"
         typer.echo(f"  {name or '(unnamed)':<24} {src['samples']:>9} samples {src['shards']:>7} shards {_human(src['bytes']):>10}"
                    f"  {share}  {src.get('path', '')}")
         if line := _caption_line(src):
