@@ -1,7 +1,7 @@
 """`--init-lora`: adapters a run starts from, read from any layout a user brings: diffusers' (LoRA, DoRA), peft's (any
-type), the LyCORIS layout (any type), or another trainer's that the family's pipeline converts (kohya's sd-scripts
-layouts, through diffusers' `lora_state_dict`), checked against the model's modules and loaded into the run's
-adapters at the file's deltas."""
+type), the LyCORIS layout (any type), the family's own (kohya's, as `--lora-format kohya` writes it; `Family.read_lora`),
+or another trainer's that the family's pipeline converts (kohya's sd-scripts layouts and others, through diffusers'
+`lora_state_dict`), checked against the model's modules and loaded into the run's adapters at the file's deltas."""
 
 from __future__ import annotations
 
@@ -38,8 +38,9 @@ class InitAdapter:
 def read_init(path: Path, preset) -> InitAdapter:
     """The adapters of `--init-lora PATH` for the transformer of `preset`, from any layout: diffusers' (a directory
     or `pytorch_lora_weights.safetensors`; DoRA too), peft's (a directory with `adapter_config.json`; any type), the
-    LyCORIS layout (any type) or another trainer's that the family's pipeline converts (`lora_state_dict`: kohya's
-    sd-scripts layouts and others, LoRA). Refuses a file with layers that name no module of the model, naming them."""
+    LyCORIS layout (any type), the family's own (kohya's, `Family.read_lora`) or another trainer's that the family's
+    pipeline converts (`lora_state_dict`: kohya's sd-scripts layouts and others, LoRA).
+    Refuses a file with layers that name no module of the model, naming them."""
     try:
         path = Path(path).expanduser().resolve()
         found = path.exists()
@@ -79,22 +80,64 @@ def _read_init(file: str, mtime: int, size: int, preset_name: str) -> InitAdapte
         elif any(lycoris.module_of(k.partition(".")[0], names) for k in keys):
             info, state = lycoris.read(path, names)
             init = InitAdapter(info["adapter"], info["r"], info["alpha"], info["factor"], info["decompose_both"], state)
-        else:  # another trainer's layout: diffusers' converters for the family's pipeline, alpha folded in
-            pipeline = get_family(preset.family).pipeline_class()
-            try:
-                converted = pipeline.lora_state_dict(load_file(path))
-            except Exception as e:  # diffusers' own words on what it could not convert
-                raise ValueError(f"--init-lora {path}: neither diffusers', peft's nor the LyCORIS layout, and "
-                                 f"{pipeline.__name__}.lora_state_dict does not convert it ({e}); its keys: "
-                                 f"{', '.join(keys[:4])}") from None
-            converted = converted[0] if isinstance(converted, tuple) else converted
-            init = _diffusers_init(path, converted, {})
+        else:
+            init = _other_init(path, load_file(path), header, get_family(preset.family), keys)
     known = set(names.values())
     unmatched = [m for m in init.modules if m not in known]
     if unmatched:
         raise ValueError(f"--init-lora {path}: {len(unmatched)} of its {len(init.modules)} adapted layers name no module of "
                          f"this {preset.name} transformer (e.g. {', '.join(unmatched[:4])}): it adapts another model")
     return init
+
+
+def _other_init(path: Path, tensors: dict[str, torch.Tensor], header: dict, family, keys: list[str]) -> InitAdapter:
+    """A LoRA file in another layout: the family's own (kohya's, as its export writes them: read as written, so a
+    round trip gives back the adapters bit for bit), else what diffusers' converters of the family's pipeline make of
+    it (kohya's and other trainers' layouts, alpha folded into the weights)."""
+    try:
+        own = family.read_lora(tensors, header)
+    except ValueError as e:
+        own, why = None, f"not {family.title}'s kohya layout: {e}"
+    else:
+        why = f"{family.title} writes no layout of its own"
+    if own is not None:
+        return _lora_init(path, *own)
+    pipeline = family.pipeline_class()
+    try:
+        converted = pipeline.lora_state_dict(tensors)
+    except Exception as e:  # diffusers' own words on what it could not convert
+        raise ValueError(f"--init-lora {path}: neither diffusers', peft's nor the LyCORIS layout; {why}; and "
+                         f"{pipeline.__name__}.lora_state_dict does not convert it ({cause(e)}). Its keys: "
+                         f"{', '.join(keys[:4])}") from None
+    converted = converted[0] if isinstance(converted, tuple) else converted
+    return _diffusers_init(path, converted, {})
+
+
+def cause(e: BaseException) -> str:
+    """An exception as a message can quote it: its type and words, or, raised without words (a bare assert), where
+    it was raised and the line that raised it."""
+    import traceback
+
+    if str(e):
+        return f"{type(e).__name__}: {e}"
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return f"{type(e).__name__} without a message"
+    last = frames[-1]
+    return f"{type(e).__name__} without a message at {Path(last.filename).name}:{last.lineno} in {last.name}: {last.line}"
+
+
+def _lora_init(path: Path, state: dict[str, torch.Tensor], alphas: dict[str, float]) -> InitAdapter:
+    """LoRA read from a family's own layout (peft's state by module path, each module's alpha): one rank and one alpha
+    for all its layers."""
+    ranks = {v.shape[0] for k, v in state.items() if k.endswith(".lora_A.weight")}
+    if len(ranks) != 1:
+        raise ValueError(f"--init-lora {path}: its layers have ranks {sorted(ranks)}; it takes adapters of one rank")
+    values = sorted(set(alphas.values()))
+    # a fused layer's alpha is its parts' alpha times their number, in float32: equal to theirs within rounding
+    if not values or values[-1] - values[0] > 1e-6 * abs(values[-1]):
+        raise ValueError(f"--init-lora {path}: its layers have alphas {values[:4]}; it takes adapters of one rank and alpha")
+    return InitAdapter("lora", ranks.pop(), max(values, key=list(alphas.values()).count), -1, False, state)
 
 
 def module_names(preset) -> dict[str, str]:

@@ -112,6 +112,21 @@ def adapted_modules(model: torch.nn.Module):
     return ((name, module) for name, module in model.named_modules() if isinstance(module, BaseTunerLayer))
 
 
+def layer_names(model: torch.nn.Module, blocks: list[torch.nn.Module], limit: int = 12) -> str:
+    """The adapted layers of `model` as `--lora-targets` names them, for a log line: each one's path inside its block
+    (one of `blocks`, the family's: `blocks.3.attn1.to_q` -> `attn1.to_q`), a layer outside them by its whole path;
+    sorted, the first `limit` of them and how many more. (peft rewrites a config's long list of target paths into the
+    shortest suffixes that pick the same layers, such as "2" for `ffn.net.2`: no names to show a user.)"""
+    inside = {id(block) for block in blocks}
+    prefixes = [name + "." for name, module in model.named_modules() if id(module) in inside]
+    names = set()
+    for name, _ in adapted_modules(model):
+        name = name.removeprefix(next((p for p in prefixes if name.startswith(p)), ""))
+        names.add(".".join(part for part in name.split(".") if not part.startswith("_")))  # wrappers' (_orig_mod)
+    names = sorted(names)
+    return ", ".join(names) if len(names) <= limit else f"{', '.join(names[:limit])} and {len(names) - limit} more"
+
+
 def state_key(parameter: str) -> str:
     """The `adapter_state` key of a trainable parameter's name (`<module>.lora_A.default.weight` -> `<module>.lora_A.weight`,
     `<module>.lokr_w1.default` -> `<module>.lokr_w1`, DoRA's `<module>.lora_magnitude_vector.default.weight` ->
@@ -222,6 +237,30 @@ def save_peft(directory: Path, state: dict[str, torch.Tensor], config) -> Path:
     config.save_pretrained(directory)
     save_file({PEFT_PREFIX + k: v for k, v in state.items()}, directory / PEFT_FILE, metadata={"format": "pt"})
     return directory / PEFT_FILE
+
+
+def kohya_layers(tensors: dict[str, torch.Tensor], header: dict[str, str]) -> tuple[dict[str, dict[str, torch.Tensor]], int | None]:
+    """kohya's LoRA keys (`lora_unet_<layer>.lora_down.weight`, `.lora_up.weight`, `.alpha`) by layer, the prefix
+    removed: ({layer: {"down": A, "up": B, "alpha": alpha}}, the rank the header records (`ss_network_dim`) or None). An
+    absent alpha is the layer's rank, as kohya's tools read it. Raises ValueError naming a key of another kind (another
+    prefix, DoRA's `dora_scale`, LoKr's or LoHa's weights)."""
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        layer, _, part = key.partition(".")
+        part = {"lora_down.weight": "down", "lora_up.weight": "up", "alpha": "alpha"}.get(part)
+        if not layer.startswith("lora_unet_") or part is None:
+            raise ValueError(f"{key} is no lora_unet_<layer>.lora_down.weight, .lora_up.weight or .alpha")
+        layers.setdefault(layer.removeprefix("lora_unet_"), {})[part] = value
+    for layer, parts in layers.items():
+        if "down" not in parts or "up" not in parts:
+            missing = "lora_down.weight" if "down" not in parts else "lora_up.weight"
+            raise ValueError(f"lora_unet_{layer} has no {missing}")
+        if parts["down"].dim() != 2 or parts["up"].dim() != 2 or parts["up"].shape[1] != parts["down"].shape[0]:
+            raise ValueError(f"lora_unet_{layer}: lora_down {tuple(parts['down'].shape)} and lora_up {tuple(parts['up'].shape)} "
+                             f"are not the factors of one Linear layer's LoRA")
+        parts.setdefault("alpha", torch.tensor(float(parts["down"].shape[0])))
+    rank = header.get("ss_network_dim", "")
+    return layers, int(rank) if rank.isdigit() else None
 
 
 def read_adapter(directory: Path) -> dict[str, torch.Tensor]:

@@ -542,6 +542,13 @@ class Family(ABC):
         `save_lora_weights` writes, which `train.lora.save_adapter` then writes (the default)."""
         return None
 
+    def read_lora(self, tensors: dict[str, torch.Tensor], header: dict[str, str]) -> tuple[dict, dict[str, float]] | None:
+        """The inverse of `save_adapter`'s own layouts (`--init-lora` reads diffusers', peft's and LyCORIS' itself): a
+        LoRA file's tensors (and its header) as (peft's state by module path, `<module>.lora_A.weight` and
+        `.lora_B.weight`; each module's alpha). None where the family writes no layout of its own; raises ValueError
+        saying why where the file is not in it."""
+        return None
+
     def lora_usage(self, location: str, weight_name: str | None, component: str = "transformer",
                    subfolder: str | None = None) -> tuple[list[str], list[str]]:
         """(imports, statements) that load exported adapters into `pipe`, the family's pipeline (into its `component`,

@@ -246,6 +246,11 @@ class Flux(Family):
             return flux_kohya.save(directory, state, config)
         return super().save_adapter(directory, state, config, lora_format, fold)
 
+    def read_lora(self, tensors, header):
+        from train.families import flux_kohya
+
+        return flux_kohya.read(tensors, header)
+
 
 def flux_rotary_rows(arguments: dict, kept: torch.Tensor) -> dict:
     """The rotary table (cos, sin), (text + image tokens, D) each, for the text tokens and the kept image tokens

@@ -83,3 +83,65 @@ def kohya_state(state: dict[str, torch.Tensor], rank: int, alpha: float) -> dict
         out |= {name + ".lora_down.weight": down, name + ".lora_up.weight": up,
                 name + ".alpha": torch.tensor(float(alpha) * len(parts))}
     return out
+
+
+def read(tensors: dict[str, torch.Tensor], header: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The inverse of `kohya_state`, at any width: adapters in kohya's Flux layout as peft's state by diffusers' module
+    path (`<module>.lora_A.weight`, `.lora_B.weight`) and each module's alpha. A fused layer (BFL's q, k, v; a single
+    block's linear1) is split as `kohya_state` writes it where its down has a rank per part and up is block-diagonal
+    (a part whose factors are all zero was not adapted); kohya's own fused layer (one rank for all its parts) gives each
+    part its rows of up beside the whole down, as diffusers' converter reads it. Raises ValueError saying which key
+    is not in the layout."""
+    from train.lora import kohya_layers
+
+    layers, rank = kohya_layers(tensors, header)
+    plain = {(prefix, name): f"{blocks}.{{}}.{path}" for blocks, (prefix, names) in KOHYA_FLUX.items() for path, name in names.items()}
+    fused = {(KOHYA_FLUX[blocks][0], group): (blocks, *shape) for blocks, groups in KOHYA_FLUX_FUSED.items()
+             for group, shape in groups.items()}
+    where = {}
+    for layer in layers:
+        prefix, _, rest = layer.partition("_blocks_")
+        index, _, name = rest.partition("_")
+        if not index.isdigit() or ((prefix + "_blocks", name) not in plain and (prefix + "_blocks", name) not in fused):
+            raise ValueError(f"lora_unet_{layer} names no layer of a double or single block of kohya's Flux layout")
+        where[layer] = (prefix + "_blocks", int(index), name)
+    if rank is None:  # without the header's: the rank of the layers kohya keeps unfused, where they agree
+        ranks = {layers[k]["down"].shape[0] for k, (p, _, n) in where.items() if (p, n) in plain}
+        rank = ranks.pop() if len(ranks) == 1 else None
+    state, alphas = {}, {}
+    for layer, (prefix, index, name) in where.items():
+        down, up, alpha = layers[layer]["down"], layers[layer]["up"], float(layers[layer]["alpha"])
+        if (prefix, name) in plain:
+            module = plain[prefix, name].format(index)
+            state |= {f"{module}.lora_A.weight": down, f"{module}.lora_B.weight": up}
+            alphas[module] = alpha
+            continue
+        blocks, parts, widths = fused[prefix, name]
+        if up.shape[0] % sum(widths):
+            raise ValueError(f"lora_unet_{layer}: lora_up has {up.shape[0]} rows, not a multiple of the {sum(widths)} "
+                             f"attention widths of {', '.join(parts)}")
+        width, rows, n = up.shape[0] // sum(widths), down.shape[0], len(parts)
+        bounds = [0]
+        for w in widths:  # each part's rows of up
+            bounds.append(bounds[-1] + w * width)
+        split = rows == n * rank if rank is not None else rows % n == 0 and _block_diagonal(up, bounds, rows // n)
+        for i, part in enumerate(parts):
+            module = f"{blocks}.{index}.{part}"
+            if split:
+                a, b = down[i * rows // n:(i + 1) * rows // n], up[bounds[i]:bounds[i + 1], i * rows // n:(i + 1) * rows // n]
+                if not a.any() and not b.any():  # a part `kohya_state` wrote as zeros: not adapted
+                    continue
+                state |= {f"{module}.lora_A.weight": a.contiguous(), f"{module}.lora_B.weight": b.contiguous()}
+                alphas[module] = alpha / n
+            else:
+                state |= {f"{module}.lora_A.weight": down, f"{module}.lora_B.weight": up[bounds[i]:bounds[i + 1]].contiguous()}
+                alphas[module] = alpha
+    return state, alphas
+
+
+def _block_diagonal(up: torch.Tensor, bounds: list[int], rank: int) -> bool:
+    """`up` (out, n rank) is zero outside part i's rows bounds[i]:bounds[i + 1] by its columns i rank:(i + 1) rank."""
+    mask = torch.ones_like(up, dtype=torch.bool)
+    for i in range(len(bounds) - 1):
+        mask[bounds[i]:bounds[i + 1], i * rank:(i + 1) * rank] = False
+    return not up[mask].any()

@@ -51,3 +51,22 @@ def kohya_state(state: dict[str, torch.Tensor], alpha: float) -> dict[str, torch
         out[f"{name}.{part}"] = value
         out[f"{name}.alpha"] = torch.tensor(float(alpha))
     return out
+
+
+def read(tensors: dict[str, torch.Tensor], header: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The inverse of `kohya_state`: adapters in musubi-tuner's Wan layout as peft's state by diffusers' module path
+    (`<module>.lora_A.weight`, `.lora_B.weight`) and each module's alpha, whichever of a block's layers it holds.
+    Raises ValueError saying which key is not in the layout."""
+    from train.lora import kohya_layers
+
+    layers, _ = kohya_layers(tensors, header)
+    paths = {name: path for path, name in BLOCK_LAYERS.items()}
+    state, alphas = {}, {}
+    for layer, parts in layers.items():
+        index, _, name = layer.removeprefix("blocks_").partition("_")
+        if not layer.startswith("blocks_") or not index.isdigit() or name not in paths:
+            raise ValueError(f"lora_unet_{layer} names no layer of a block of musubi-tuner's Wan layout")
+        module = f"blocks.{index}.{paths[name]}"
+        state |= {f"{module}.lora_A.weight": parts["down"], f"{module}.lora_B.weight": parts["up"]}
+        alphas[module] = float(parts["alpha"])
+    return state, alphas
