@@ -319,6 +319,11 @@ class Wan(Family):
             return wan_kohya.save(directory, state, config)
         return super().save_adapter(directory, state, config, lora_format, fold)
 
+    def read_lora(self, tensors, header):
+        from train.families import wan_kohya
+
+        return wan_kohya.read(tensors, header)
+
     def lora_usage(self, location, weight_name, component="transformer", subfolder=None):
         # diffusers loads Wan adapters into `transformer` (the high-noise expert of Wan 2.2 A14B) unless told otherwise
         into = ", load_into_transformer_2=True" if component == "transformer_2" else ""
