@@ -92,9 +92,8 @@ def build_model(cfg: TrainConfig, preset: ModelPreset, parallel: str, world: int
             fresh = init_lora.load_init(model, init_lora.read_init(Path(cfg.init_lora), preset), adapter, cfg.init_lora)
             say(f"adapters start from {cfg.init_lora}" + (f"; {fresh} layers it does not hold start new" if fresh else ""))
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        targets = sorted(adapter.target_modules)
-        targets = ", ".join(targets) if len(targets) <= 8 else f"{len(targets)} module names"
-        say(f"{lora.kind_title(adapter)} rank {cfg.lora_rank}, alpha {lora.alpha_of(adapter):g} on {layers} layers ({targets}): "
+        say(f"{lora.kind_title(adapter)} rank {cfg.lora_rank}, alpha {lora.alpha_of(adapter):g} on {layers} layers "
+            f"({lora.layer_names(model, transformer_blocks(model))}): "
             f"{trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,} parameters; base frozen "
             f"{frozen_base(cfg, model)}")
     elif resume_from and not checkpoint.is_sharded(resume_from):
