@@ -127,8 +127,10 @@ def sample_command(
     precision: Dtype | None = like_train("precision", help="Autocast precision of the transformer: fp32, bf16 or fp16." + RUNS_OWN),
     decode_device: Literal["cpu", "device"] | None = like_train(
         "decode_device", help="Decode on the cpu or on the device the transformer ran on (freed first)." + RUNS_OWN),
-    out: Path | None = typer.Option(None, help="Output directory (default: RUN/samples/STEP, e.g. runs/MODEL/samples/"
-                                    "step-00001000: beside the checkpoints, which the run rotates away)."),
+    out: Path | None = typer.Option(None, help="Output directory (default: RUN/samples/STEP/sample, with --ema "
+                                    "RUN/samples/STEP/sample-ema, e.g. runs/MODEL/samples/00001000/sample: in the folder of "
+                                    "the step, where a run of clips writes its validation videos, in a folder of its own "
+                                    "that no validation writes to; outside the checkpoints, which the run rotates away)."),
 ) -> None:
     """Images for cached prompts from any checkpoint: one PNG per prompt and bucket (from a cache of clips, an mp4 each
     and their contact sheet), their paths on stdout (what it is

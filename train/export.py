@@ -32,6 +32,9 @@ LoraFormat = Literal["diffusers", "kohya", "lycoris"]
 # Every export's own record of itself: an existing OUT is replaced only when it carries one. Not pushed to the Hub (a
 # downloaded copy is the user's, not an export this machine wrote).
 RECORD = ".cachedit-export.json"
+# `sample`'s folder in a step's RUN/samples/NNNNNNNN (the EMA weights' beside it): its own, so that neither a run's
+# validation of that step (its videos and contact sheet) nor a sample of the other weights is written over
+SAMPLE_DIR, SAMPLE_EMA_DIR = "sample", "sample-ema"
 log = logging.getLogger("train")
 
 
@@ -341,15 +344,17 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
            say: Callable[[str], None] = lambda message: None) -> list[Path]:
     """Images for cached prompts from a checkpoint: one PNG per prompt and bucket (a cache of clips: one mp4 each and
     their contact sheet; an edit cache: the edit of each of the run's `--validation-items` dataset items, and its row
-    beside its reference image(s) and target, `NAME-row.png`), in `out` (default: RUN/samples/STEP,
-    beside the checkpoints, which a run rotates away). The prompts come from `prompt_cache` (default: the run's own
+    beside its reference image(s) and target, `NAME-row.png`), in `out` (default: RUN/samples/NNNNNNNN/sample, or
+    sample-ema with `ema`: in the step's folder, beside the validation videos a run of clips writes there, and outside
+    the checkpoints, which a run rotates away). The prompts come from `prompt_cache` (default: the run's own
     first --cache). Sampler steps, guidance, seed, decode device and precision default to the run's own validation
     settings. `say` hears the progress: which image is being sampled, then decoded."""
     from train.decode import decode, grid, load_decoder, render_clips
     from train.video import SHEET
 
     ckpt = checkpoint.find(run)
-    cfg = checkpoint.load_state(ckpt)["config"]
+    saved = checkpoint.load_state(ckpt)
+    cfg = saved["config"]
     cache = open_prompt_cache(prompt_cache, cfg)  # checked before any weights load
     if damaged := damaged_files(cache, ("prompts", "decoder")):  # what sampling reads, against the manifest's digests
         raise DamagedCache(damaged)
@@ -366,9 +371,10 @@ def sample(run: Path, prompt_cache: Path | str | None = None, out: Path | None =
                                 resolution_shift=cfg.get("resolution_shift", False), base_resolution=preset.base_resolution,
                                 clean_first_frame=cfg.get("i2v_probability", 0.0),  # samples image-to-video as it validated
                                 **flow_shift_kind(cfg.get("flow_shift"), cfg.get("resolution_shift", False), preset))
-    # a run's checkpoints are rotated (--keep-checkpoints): samples go beside them, named by the checkpoint's step
+    # a run's checkpoints are rotated (--keep-checkpoints): samples go beside them, into the step's folder that a run's
+    # validation videos go to (RUN/samples/NNNNNNNN, `Validator.run`), in a folder of their own there, never over them
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-    out = Path(out) if out else run_dir / "samples" / ckpt.name
+    out = Path(out) if out else run_dir / "samples" / f"{saved['step']:08d}" / (SAMPLE_EMA_DIR if ema else SAMPLE_DIR)
     # an edit model edits cached dataset items (their references and captions), as its run validated
     items = cfg.get("validation_items", 4) if has_references(cache) else 0
     validator = Validator(cache, preset, objective, prompts=list(prompts), buckets=list(buckets), steps=steps, guidance=guidance,

@@ -113,7 +113,7 @@ def test_sample_reads_the_runs_own_cache_says_what_it_does_and_writes_beside_the
     result = CliRunner().invoke(tools, ["sample", str(tmp_path / "run"), "--validation-steps", "1", "--validation-bucket", "256x256"])
     assert result.exit_code == 0, result.output
     written = [Path(line) for line in result.stdout.splitlines()]  # stdout: the images alone
-    assert len(written) == 2 and all(p.parent == tmp_path / "run" / "samples" / "step-00000002" and p.stat().st_size for p in written)
+    assert len(written) == 2 and all(p.parent == tmp_path / "run" / "samples" / "00000002" / "sample" and p.stat().st_size for p in written)
     assert "sampling 1/2: 'a large red circle on a blue background' at 256x256, 1 steps ..." in result.stderr
     assert "sampling 2/2:" in result.stderr and "decoding 2 image(s) on cpu" in result.stderr
     run_to(3)  # the run goes on: step 2's checkpoint is rotated away, its samples stay
