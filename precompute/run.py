@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+import shutil
 import sys
 import time
 from collections import Counter
@@ -35,6 +36,7 @@ from precompute.inputs import SourcesDataset, build_loader, open_inputs, unsalte
 from precompute.presets import weights_sources
 from precompute.progress import PlainProgress
 from precompute.removal import (
+    LOCK_FILE,
     RemovalRefused,
     cached_inputs,
     damaged_shards,
@@ -87,6 +89,8 @@ def run(config: PrecomputeConfig) -> dict:
         if world > 1:
             dist.barrier()  # every rank scopes its inputs by the names rank 0 committed
         summary = _run(config, device, rank, world, t_start, sources)
+        if created and world == 1 and not config.repair and summary.get("cache_samples") == 0:
+            drop_empty_cache(config.cache, created)
     except BaseException:
         if lock is not None and created:
             forget_created(created)
@@ -97,6 +101,24 @@ def run(config: PrecomputeConfig) -> dict:
     if world > 1:  # after _run's last barrier: no rank exits while a peer's gloo/NCCL connection is still open
         dist.destroy_process_group()
     return summary
+
+
+def drop_empty_cache(cache: Path, created: list[Path]) -> None:
+    """A cache this run created and cached no sample into (every input failed) is not left behind: all of it goes but
+    failures.jsonl, which says why each input failed (and the directories, when nothing failed). `created`: the cache
+    directory and the parents the run made, deepest first; the caller holds the lock until it lets go."""
+    failures = cache / "failures.jsonl"
+    for entry in cache.iterdir():
+        if entry == failures and failures.stat().st_size:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        elif not LOCK_FILE.fullmatch(entry.name):  # the lock's files go with the directory, once it is let go
+            entry.unlink()
+    print(f"{cache}: no sample was cached, so no cache is kept" + (f"; {failures} lists why each input failed"
+                                                                    if failures.exists() else ""), file=sys.stderr)
+    if not failures.exists():
+        forget_created(created)
 
 
 @dataclass

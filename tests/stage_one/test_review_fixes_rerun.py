@@ -109,3 +109,19 @@ def test_a_bad_mask_read_at_two_resolutions_is_one_failed_input(tmp_path):
     assert summary["failed"] == 1 and summary["failed_by_reason"] == {"mask_size": 1}
     assert summary["sources"]["data"]["failed"] == 1 and summary["new"] == 4
     assert summary["failure_fraction"] == pytest.approx(1 / 3)  # one input of three
+
+
+def test_a_new_cache_whose_every_input_failed_is_not_left_behind(tmp_path, capsys):
+    from shards import exists
+
+    data, cache = folder(tmp_path / "data"), tmp_path / "new" / "cache"
+    summary = precompute(str(data), "tiny-sana", cache, alpha_mask=True, max_failure_fraction=1.0, **RUN)  # no alpha
+    assert summary["failed_by_reason"] == {"missing_mask": 3} and summary["cache_samples"] == 0
+    assert not exists(cache) and not (cache / "_log").exists() and not (cache / "vae").exists()
+    assert {p.name for p in cache.iterdir() if not p.name.startswith(".lock")} == {"failures.jsonl"}
+    assert len((cache / "failures.jsonl").read_text().splitlines()) == 3
+    assert f"{cache}: no sample was cached, so no cache is kept; {cache / 'failures.jsonl'} lists why" in capsys.readouterr().err
+    summary = precompute(str(data), "tiny-sana", cache, **RUN)  # the same directory takes the cache once inputs are good
+    assert summary["new"] == 3 and exists(cache)
+    summary = precompute(str(data), "tiny-sana", cache, alpha_mask=True, max_failure_fraction=1.0, **RUN)
+    assert summary["failed"] == 3 and exists(cache)  # a cache that was there stays
