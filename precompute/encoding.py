@@ -41,6 +41,8 @@ from shards.texts import TEXT_KEYS, key_rows, text_key
 # encodes one, the pass finishes the one before and prepares the one after; more ahead would only hold memory.
 IN_FLIGHT = 2
 IN_FLIGHT_BYTES = 2 << 30  # their pixels' bytes (a batch larger than this is encoded alone)
+# Texts taken for encoding remembered past the writer taking them (then `has_text` finds them): a bound, not a count
+QUEUED_TEXTS = 1 << 16
 
 
 @dataclass
@@ -130,7 +132,8 @@ class EncodingPass:
         self.pending: dict = defaultdict(list)
         self.truncated_texts: set[str] = set()  # text keys of the captions this run found truncated
         self.bad_texts: set[str] = set()  # text keys whose text held NaN/Inf: not stored
-        self.queued_texts: set[str] = set()  # text keys this pass took for encoding (then written, kept or bad)
+        self.queued_texts: set[str] = set()  # text keys this pass took for encoding, not yet held by the writer
+        self.queued_kept = 0  # of them, how many its last `forget_written_texts` kept
         self.late_duplicates: list[tuple[str, str]] = []  # (dataset, outcome counted) of samples another rank committed first
         self.writes: BackgroundWrites | None = None
         self.encoder: BackgroundCalls | None = None  # the encoder's thread (None: serial)
@@ -435,12 +438,25 @@ class EncodingPass:
         of `rebuild_texts`. A text taken is never encoded again (kept, written, or found holding NaN/Inf)."""
         first: dict[str, int] = {}  # each new text's key -> its first caption's index
         for i, k in enumerate(keys):
-            if k in first or k in self.queued_texts:
-                continue
-            if k in self.rebuild_texts or not self.writer.has_text(k):
+            if k not in first and k not in self.queued_texts:
                 first[k] = i
+        if first:  # the cache's texts searched in place, the batch's at once
+            for k, held in zip(list(first), self.writer.has_texts(list(first))):
+                if held and k not in self.rebuild_texts:
+                    del first[k]
         self.queued_texts.update(first)
+        if len(self.queued_texts) > max(QUEUED_TEXTS, 2 * self.queued_kept):
+            self.forget_written_texts()
         return list(first.values())
+
+    def forget_written_texts(self) -> None:
+        """Of the texts taken for encoding, forget those the writer holds now (buffered or committed: `has_text` finds
+        them): only those still on their way to it, never written (NaN/Inf) or to rebuild stay, so the set holds the
+        texts in flight, not every text of the run."""
+        queued = list(self.queued_texts)
+        held = self.writer.has_texts(queued)
+        self.queued_texts = {k for k, h in zip(queued, held) if not h or k in self.rebuild_texts}
+        self.queued_kept = len(self.queued_texts)
 
     def store_texts(self, batch: Batch, texts: list[dict[str, torch.Tensor]], writes: list[tuple[partial, dict]]) -> None:
         """A batch's encoded texts (one per `batch.encode_texts`) written once, appended to `writes` before the

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -26,7 +25,7 @@ from shards.buckets import Bucket
 from shards.fingerprint import fingerprint_hash, normalize
 from shards.layout import confined, parse_shard_name
 from shards.log import TEXT_INDEX, check_snapshot, damaged_commit, damaged_snapshot, sample_index_digest, snapshot_digest
-from shards.sample_index import SampleIndex, StampTable
+from shards.sample_index import SampleIndex, StampTable, Strings
 from shards.schema import (
     BASE_VERSION,
     FORMAT_NAME,
@@ -225,21 +224,24 @@ class Manifest:
         for path in commit.get("remove_texts", []):
             if path not in self.texts:
                 return f"{path} is no longer a text shard of the cache"
-        live = self.texts.key_index()
         added = {k for obj in commit.get("add_texts", []) for k in obj.get("keys") or []}
         removed = [self.texts.row_of(path) for path in commit.get("remove_texts", [])]
         gone = set()
-        if removed:  # keys whose every copy goes (several ranks may have stored one text at once)
-            copies = Counter(self.texts.keys_at(self.texts.rows))
-            copies.subtract(self.texts.keys_at(removed))
-            gone = {k for k in self.texts.keys_at(removed) if copies[k] <= 0} - added
+        if removed:  # keys whose every copy goes (several ranks may have stored one text at once): no copy elsewhere
+            leaving = sorted(set(self.texts.keys_at(removed)) - added)
+            others = np.setdiff1d(self.texts.rows, removed)
+            elsewhere = self.texts.index(others).find_all("keys", leaving) >= 0 if leaving else np.zeros(0, bool)
+            gone = {k for k, kept in zip(leaving, elsewhere) if not kept}
         for obj in commit.get("add", []) + [new for _, new in commit.get("replace", [])]:
-            missing = [k for k in obj.get("texts") or [] if k not in added and (k not in live or k in gone)]
+            refs = [k for k in obj.get("texts") or [] if k not in added]
+            held = self.texts.has_keys(refs)
+            missing = [k for k, h in zip(refs, held) if not h or k in gone]
             if missing:
                 return f"text {missing[0]}, which samples of {obj.get('path')} refer to, is no longer in the cache"
         if gone:
             retired = {self.shards.row_of(p) for p in commit.get("remove", []) if p in self.shards}
-            still = gone & self.shards.referenced_texts(retired)
+            hashes = np.unique(Strings.pack(sorted(gone)).hashes(0, len(gone)))
+            still = gone & self.shards.referenced_texts(retired, hashes)  # decoded where a hash matches only
             if still:
                 return f"text {sorted(still)[0]} is referred to by samples another writer added meanwhile"
         return None

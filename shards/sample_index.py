@@ -206,6 +206,11 @@ class SampleIndex:
         k = int(np.searchsorted(self._row_starts, i, side="right")) - 1
         return int(self._rows[k]), int(i - self._row_starts[k])
 
+    def rows_of(self, positions: np.ndarray) -> np.ndarray:
+        """The table row of the sample at each position (an index built with its rows), as `row_of` gives it (int64)."""
+        k = np.searchsorted(self._row_starts, np.asarray(positions, dtype=np.int64), side="right") - 1
+        return self._rows[k]
+
     def column(self, name: str, i: int) -> str:
         store, p = self._at(i)
         return getattr(store, name)[p]

@@ -19,7 +19,9 @@ from shards.sample_index import KeyIndex, SampleIndex, Store, Strings
 from shards.schema import FormatError
 
 # Keys of shards appended since a table's key lookup was built are kept in a dict (a writer's own, a log tail's) up to
-# this many, or an eighth of the table's samples; past that the lookup is built again over the whole table.
+# this many; past that the rows appended since the lookup was built get a lookup of their own (sorted hashes, as the
+# whole table's), and once those pass an eighth of the table's samples the lookup is built again over the whole table.
+# So the keys held as Python objects are bounded whatever the table's size.
 RECENT_KEYS = 1 << 18
 
 
@@ -120,11 +122,15 @@ class ShardTable:
         # `_snapshot_samples`
         self._samples_of: dict[int, Store] = {}
         self._snapshot_samples = None
-        # the key lookup: the sorted key hashes of the live rows when it was built, and the keys of rows appended since
+        # the key lookup: the sorted key hashes of the live rows when it was built (rows before `_key_end`), those of the
+        # rows appended after them until the recent keys last overflowed, and the keys of rows appended since
         self._key_base: SampleIndex | None = None
+        self._key_end = 0
+        self._key_mid: SampleIndex | None = None
         self._key_recent: dict[str, tuple[int, int]] = {}
-        # per row: the text keys its samples refer to (`ShardEntry.texts`), from commits; snapshot rows read theirs there
-        self._texts_of: dict[int, list[str]] = {}
+        # per row: the text keys its samples refer to (`ShardEntry.texts`), from commits, packed (no object per key);
+        # snapshot rows read theirs there
+        self._texts_of: dict[int, Strings] = {}
         self._text_refs = array("q")  # per row: references to text rows, and the bytes they would take inline
         self._text_ref_bytes = array("q")
 
@@ -162,15 +168,19 @@ class ShardTable:
         if e.keys is not None:
             self._samples_of[len(self._paths) - 1] = Store.pack(e.keys, e.sources or [""] * e.samples, e.stamps or [0] * e.samples)
         if e.texts is not None:
-            self._texts_of[len(self._paths) - 1] = list(e.texts)
+            self._texts_of[len(self._paths) - 1] = Strings.pack(e.texts)
         self._text_refs.append(e.text_refs)
         self._text_ref_bytes.append(e.text_ref_bytes)
         self._alive_rows = None
         if self._key_base is not None and e.keys is not None:  # kept up to date: a writer asks after every commit
             j = len(self._paths) - 1
             self._key_recent.update((k, (j, r)) for r, k in enumerate(e.keys))
-            if len(self._key_recent) > max(RECENT_KEYS, len(self._key_base) // 8):
-                self._forget_keys()
+            if len(self._key_recent) > RECENT_KEYS:
+                if len(self._key_recent) + len(self._key_mid or ()) > max(RECENT_KEYS, len(self._key_base) // 8):
+                    self._forget_keys()
+                else:  # the rows appended since the whole table's lookup, searched as it is
+                    rows = self.rows
+                    self._key_mid, self._key_recent = self.index(rows[rows >= self._key_end]), {}
         else:
             self._forget_keys()
 
@@ -212,7 +222,7 @@ class ShardTable:
             self._samples_of[j] = Store.pack(e.keys, e.sources or [""] * e.samples, e.stamps or [0] * e.samples)
             self._forget_keys()
         if e.texts is not None:  # a repaired copy refers to the texts its shard did (the same samples)
-            self._texts_of[j] = list(e.texts)
+            self._texts_of[j] = Strings.pack(e.texts)
 
     def _dataset_id(self, name: str) -> int:
         try:
@@ -244,11 +254,40 @@ class ShardTable:
         if recent is not None and self._live[recent[0]]:
             return recent
         base = self.sample_index()
+        if self._key_mid is not None and (p := self._key_mid.find("keys", key)) >= 0:
+            j, r = self._key_mid.row_of(p)
+            if self._live[j]:
+                return j, r
         p = base.find("keys", key)
         if p < 0:
             return None
         j, r = base.row_of(p)
         return (j, r) if self._live[j] else None
+
+    def has_keys(self, keys: list[str]) -> np.ndarray:
+        """(n,) bool: whether each key is a live sample's, as `find_key` tells it, looked up in bulk (the key hashes
+        of a block of them searched at once)."""
+        out = np.zeros(len(keys), dtype=bool)
+        if not keys:
+            return out
+        live = np.frombuffer(bytes(self._live), dtype=np.uint8)
+        recent, asked = self._key_recent, []
+        for i, k in enumerate(keys):
+            found = recent.get(k)
+            if found is not None and live[found[0]]:
+                out[i] = True
+            else:
+                asked.append(i)
+        base = self.sample_index()
+        for index in (self._key_mid, base):  # the rows appended since the whole table's lookup first
+            if index is None or not asked:
+                continue
+            positions = index.find_all("keys", [keys[i] for i in asked])
+            found = np.zeros(len(asked), dtype=bool)
+            found[positions >= 0] = live[index.rows_of(positions[positions >= 0])] == 1
+            out[np.asarray(asked, dtype=np.int64)[found]] = True
+            asked = [i for i, f in zip(asked, found) if not f]
+        return out
 
     def global_index(self, j: int, r: int) -> int:
         """The global index of the sample at position `r` of live table row `j`."""
@@ -265,11 +304,11 @@ class ShardTable:
         """The sample index of every live row as the table was when first asked (positions are global indices until a
         shard is appended): the one `find_key` searches (its key lookup built on the first search), once per change."""
         if self._key_base is None:
-            self._key_base, self._key_recent = self.index(), {}
+            self._key_base, self._key_end, self._key_mid, self._key_recent = self.index(), len(self._paths), None, {}
         return self._key_base
 
     def _forget_keys(self) -> None:
-        self._key_base, self._key_recent = None, {}
+        self._key_base, self._key_mid, self._key_recent = None, None, {}
 
     def restamp(self, key: str, stamp: int) -> None:
         found = self.find_key(key)
@@ -368,7 +407,8 @@ class ShardTable:
     def texts_of(self, j: int) -> list[str]:
         """The text keys the samples of table row `j` refer to (`ShardEntry.texts`; empty in a cache without texts)."""
         if j in self._texts_of:
-            return self._texts_of[j]
+            refs = self._texts_of[j]
+            return refs.slice(0, len(refs))
         if self._snapshot_samples is None:
             return []
         return self._snapshot_samples.texts(j)
@@ -403,7 +443,7 @@ class ShardTable:
                 continue
             if j in self._texts_of:
                 refs = self._texts_of[j]
-                spans.append([Strings.pack(refs), 0, len(refs)])
+                spans.append([refs, 0, len(refs)])
             elif snapshot is not None:
                 bounds, strings = snapshot
                 a, b = int(bounds[j]), int(bounds[j + 1])

@@ -24,6 +24,25 @@ TEXT_LENGTHS = "text_lengths"  # the per-sample layout's token count of each cap
 TEXT_DIR = "texts"  # the folder of the text shards
 TEXT_BUCKET = Bucket(0, 0)  # what the manifest lists as a text shard's bucket (its rows hold no image)
 TEXTS_KIND = "texts"  # a text shard's `kind` metadata: never read as a shard of samples
+# Records (`Manifest.extra`) that spare a run the scan for text rows no sample refers to. A writer that commits texts
+# no sample of its own refers to yet (texts committed ahead of their samples, or for samples then refused) sets
+# `ahead_marker(rank)` in that same commit, and takes it back when it finishes with every such text referred to; a
+# writer killed meanwhile leaves it set. `TEXTS_CHECKED`: set by a scan, so every text committed ahead since is marked
+# (a cache whose writers predate the markers has never been scanned: it is, once).
+TEXTS_CHECKED = "texts_checked"
+TEXTS_AHEAD = "texts_ahead_r"
+
+
+def ahead_marker(rank: int) -> str:
+    """The record a writer of `rank` sets while texts it committed may be referred to by no sample."""
+    return f"{TEXTS_AHEAD}{rank:05d}"
+
+
+def unsettled(extra: dict) -> tuple[bool, list[str]]:
+    """Whether a cache's texts were ever checked for rows no sample refers to (`TEXTS_CHECKED`), and the markers of
+    texts committed ahead of their samples its records hold (`ahead_marker`): the scan is needed unless checked and
+    no marker is set."""
+    return bool(extra.get(TEXTS_CHECKED)), sorted(k for k, v in extra.items() if k.startswith(TEXTS_AHEAD) and v)
 
 
 def text_key(caption: str, context: bytes = b"") -> str:

@@ -31,7 +31,22 @@ from shards.sample_index import Strings
 from shards.schema import BASE_VERSION, CacheBusy, Schema, schema_to_json, validate_schema
 from shards.shard_files import intact_rows, remove_leftovers, write_shard_file
 from shards.table import ShardEntry
-from shards.texts import TEXT_BUCKET, TEXT_DIR, TEXT_KEYS, TEXTS_KIND, check_text_schema, keys_of, text_key
+from shards.texts import (
+    TEXT_BUCKET,
+    TEXT_DIR,
+    TEXT_KEYS,
+    TEXTS_CHECKED,
+    TEXTS_KIND,
+    ahead_marker,
+    check_text_schema,
+    keys_of,
+    text_key,
+    unsettled,
+)
+
+# Bytes of the texts met (`_text_sizes`) kept past a commit, besides those still buffered: the texts of about one
+# shard's samples; others are read again from their text shard when a later sample refers to them.
+TEXT_SIZES_KEPT = 1 << 17
 
 
 class ShardWriter:
@@ -100,7 +115,10 @@ class ShardWriter:
         self._texts_buffer: list[Item] = []  # texts written, not committed yet: the next commit adds them
         self._texts_buffer_bytes = 0
         self._texts_uncounted: set[str] = set()  # buffered texts no buffered sample refers to yet
-        self._text_sizes: dict[str, int] = {}  # text key -> the bytes of its fields, of the texts met so far
+        self._text_sizes: dict[str, int] = {}  # text key -> the bytes of its fields: buffered texts, and recent ones
+        self._ahead: set[str] = set()  # texts this writer committed that none of its committed samples refers to yet
+        self._marked = False  # whether this writer set its `ahead_marker` (taken back at `finish` once none is ahead)
+        self._settled = -1  # the generation this writer last found no unreferenced text at (`drop_unreferenced_texts`)
         self._closed = False
         # One writer per rank and cache: a second one would delete this one's files as leftovers; and no gc
         # meanwhile, which would take a shard renamed but not yet committed for a leftover.
@@ -135,6 +153,8 @@ class ShardWriter:
             self._texts: set[str] = set()  # text keys buffered or in a commit being made
             # `has_text` is asked from another thread than the one writing: the manifest's tables change under this lock
             self._lookups = threading.RLock()
+            # a marker an earlier writer of this rank left (killed with texts ahead of their samples) stays for the scan
+            self._inherited = bool(self.manifest.extra.get(ahead_marker(rank)))
             remove_leftovers(self.root, self.rank, self.manifest.next_seq)
         except BaseException:
             self.close()
@@ -163,6 +183,15 @@ class ShardWriter:
             return True
         with self._lookups:
             return self.manifest.texts is not None and self.manifest.texts.find_key(key) is not None
+
+    def has_texts(self, keys: list[str]) -> np.ndarray:
+        """`has_text` of each key, looked up in bulk: (n,) bool."""
+        out = np.fromiter((k in self._texts for k in keys), dtype=bool, count=len(keys))
+        asked = [k for k, buffered in zip(keys, out) if not buffered]
+        if asked and self.manifest.texts is not None:
+            with self._lookups:
+                out[~out] = self.manifest.texts.has_keys(asked)
+        return out
 
     def write_text(self, caption: str, fields: Mapping[str, torch.Tensor], context: bytes = b"") -> str:
         """Store one caption's text fields once; samples refer to it by the returned text key (`shards.texts.text_key`).
@@ -275,16 +304,24 @@ class ShardWriter:
         if self.text_schema is not None and not texts:  # what its samples refer to, for removals and `inspect`
             refs = [k for _, fields, _, _ in items for k in keys_of(fields[TEXT_KEYS])]
             entry.texts, entry.text_refs = sorted(set(refs)), len(refs)
-            entry.text_ref_bytes = sum(self._text_size(k) for k in refs)
+            entry.text_ref_bytes = self._text_bytes(refs)
         return entry
 
-    def _text_size(self, key: str) -> int:
-        """The bytes of the fields of text `key` (read from its text shard when another run wrote it)."""
-        if key not in self._text_sizes:
-            j, row = self.manifest.texts.key_index()[key]
-            reader = ShardReader(self.root / self.manifest.texts.entry_at_row(j).path, TEXTS_KIND)
-            self._text_sizes[key] = sum(t.numel() * t.element_size() for t in reader.fields(row).values())
-        return self._text_sizes[key]
+    def _text_bytes(self, keys: list[str]) -> int:
+        """The bytes of the fields of the texts `keys` (each as often as listed): of texts met lately, known; of others,
+        read from their text shards (each opened once)."""
+        sizes, table = self._text_sizes, self.manifest.texts
+        by_shard: dict[int, list[tuple[str, int]]] = {}
+        for key in dict.fromkeys(k for k in keys if k not in sizes):
+            found = table.find_key(key)
+            if found is None:
+                raise ValueError(f"text {key} is neither in the cache at {self.root} nor written by this writer")
+            by_shard.setdefault(found[0], []).append((key, found[1]))
+        for j, wanted in by_shard.items():
+            reader = ShardReader(self.root / table.entry_at_row(j).path, TEXTS_KIND)
+            for key, row in wanted:
+                sizes[key] = sum(t.numel() * t.element_size() for t in reader.fields(row).values())
+        return sum(sizes[k] for k in keys)
 
     def _flush_texts(self) -> dict | None:
         """Write the buffered texts as one text shard: its entry for the next commit's `add_texts`, or None."""
@@ -308,9 +345,14 @@ class ShardWriter:
             CacheBusy: another writer removed what this commit changes; nothing was committed.
         """
         actions = {k: v for k, v in actions.items() if v}
+        flushed = []
         if (texts := self._flush_texts()) is not None:  # in the commit of the samples that may refer to them
             actions["add_texts"] = [*actions.get("add_texts", []), texts]
             actions["shapes"] = {**actions.get("shapes", {}), TEXT_BUCKET.name: self.manifest.shapes[TEXT_BUCKET]}
+            flushed = texts["keys"]
+        ahead = self._still_ahead(flushed, actions)
+        if ahead and not self._marked:  # in the commit of those texts: a kill after it leaves the mark for the scan
+            actions["extra"] = {**actions.get("extra", {}), ahead_marker(self.rank): True}
         for name in ("files", "extra"):
             if self._pending.get(name):
                 actions[name] = {**self._pending[name], **actions.get(name, {})}
@@ -331,6 +373,7 @@ class ShardWriter:
             if write_commit(self.root, commit, self.rank):
                 break
         self._pending.clear()
+        self._ahead, self._marked = ahead, self._marked or bool(ahead)
         with self._lookups:
             self.manifest.apply(commit)
             self._forget_committed(commit)
@@ -353,6 +396,18 @@ class ShardWriter:
             self._listed.difference_update(obj.get("keys") or [])
         for obj in commit.get("add_texts", []):
             self._texts.difference_update(obj.get("keys") or [])
+        if len(self._text_sizes) > TEXT_SIZES_KEPT:  # bounded: the buffered texts' and no more
+            self._text_sizes = {k: v for k, v in self._text_sizes.items() if k in self._texts}
+
+    def _still_ahead(self, flushed: list[str], actions: dict) -> set[str]:
+        """The texts this writer committed that none of its samples refers to, once `actions` (with the text keys
+        `flushed` from its buffer) are committed."""
+        if not flushed and not self._ahead:
+            return self._ahead
+        ahead = self._ahead | set(flushed)
+        for obj in actions.get("add", []) + [new for _, new in actions.get("replace", [])]:
+            ahead.difference_update(obj.get("texts") or [])
+        return ahead
 
     def add_prompts(self, prompts: dict[str, Prompt], schema: Schema) -> None:
         """Store prompt embeddings (the empty caption, validation prompts) beside the shards.
@@ -431,17 +486,29 @@ class ShardWriter:
 
     def drop_unreferenced_texts(self) -> int:
         """Drop the text rows no sample refers to (left by a writer killed between committing texts and the samples
-        referring to them, or stored for samples that were then refused), in one commit; returns how many. Reads the
-        sample index, O(samples); a removal does the same for the texts it leaves unreferenced."""
+        referring to them, or stored for samples that were then refused), in one commit; returns how many. The scan
+        (over the hashes of every text key and reference, O(texts)) runs only when some may be: a writer marks texts it
+        commits ahead of its samples (`shards.texts.ahead_marker`) and takes the mark back when all are referred to, so
+        a run whose writers all finished with their texts referred to (and no marker left by a killed one) skips it.
+        A removal drops the texts it leaves unreferenced itself."""
         if self.text_schema is None:
             return 0
         self.flush()
         self._catch_up()
+        checked, marks = unsettled(self.manifest.extra)
+        if checked and not marks and not self._ahead or self._settled == self.manifest.generation:
+            return 0  # every text committed since the last scan was committed with (or before) a sample referring to it
         actions = self._drop_texts([], [])
         dropped = sum(len(self.manifest.texts.samples_of(self.manifest.texts.row_of(p))[0]) for p in actions["remove_texts"])
         kept = sum(len(obj["keys"]) for obj in actions["add_texts"])
+        settled = {k: None for k in marks} | ({} if checked else {TEXTS_CHECKED: True})
+        self._ahead, self._marked, self._inherited = set(), False, False
         if actions["remove_texts"]:
-            self.commit(**actions)
+            self.commit(**actions, extra=settled)
+        else:  # recorded with the next commit (at the latest `finish`)
+            for name, value in settled.items():
+                self.set_extra(name, value)
+        self._settled = self.manifest.generation
         return dropped - kept
 
     def _drop_texts(self, retired: list[str], added: list[dict]) -> dict:
@@ -537,6 +604,8 @@ class ShardWriter:
         """Commit every buffered sample and pending record (an empty cache gets its first commit) and release."""
         if not self._closed:
             self.flush()
+            if self._marked and not self._ahead and not self._texts_buffer and not self._inherited:
+                self.set_extra(ahead_marker(self.rank), None)  # every text it committed is referred to: the mark goes
             if self._pending or self._texts_buffer or self.manifest.generation < 0:
                 self.commit()
             self.close()

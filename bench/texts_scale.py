@@ -1,0 +1,231 @@
+"""What texts stored once cost per text at scale: a cache of N samples, each with a caption of its own (the LAION
+case: N distinct texts), written and then decided on by stage one's own functions.
+
+The cache is built with `shards.ShardWriter` the way stage one writes it: per batch of 64 captions the text keys,
+`EncodingPass.texts_to_encode` (which texts to encode: not cached, not taken before in this run), `write_text` for
+each new one and `write` for each sample (a tiny latent and its `text_keys`), one bucket, S samples per shard, fsync
+off (the point is the number of texts, not the disk). Each measurement runs in a fresh process (VmHWM reset before
+it starts, one torch thread), against the code of a source tree (`--code`; this checkout by default), so the code
+of another checkout (e.g. a worktree of main before a change) is measured on the same cache:
+
+- build: the writer appending N distinct texts to an empty cache (then the end-of-run drop of unreferenced texts):
+  peak RSS growth per text and microseconds per text.
+- decide: a re-run in which every caption is asked (every input changed): the manifest loaded, the rank's writer
+  opened on a copy of it (as `precompute.run` does), `texts_to_encode` over all N text keys in batches of 64 (none
+  is encoded again), the writer finished; then rank 0's final writer dropping unreferenced texts
+  (`drop_unreferenced_texts`, timed apart as `drop`). Peak growth per cached text, microseconds per caption.
+- append: the same start, then A more samples with A new distinct captions written, finished and the end-of-run
+  drop: peak growth per cached text, microseconds per appended text (the appended texts are written to a copy of the
+  cache, which is deleted after).
+
+GOAL: no Python object per committed text: peak growth of `decide` and `append` well under 100 bytes per cached text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import typer
+
+HERE = Path(__file__).resolve().parents[1]
+BATCH = 64
+GOAL_BYTES = 100
+
+
+def caption(i: int) -> str:
+    return f"a photograph of subject number {i} standing in front of a plain wall, natural light"
+
+
+# -- in the measuring process (imports of shards/precompute come from the tree under test) ---------------------------
+def _memory(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak() -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _memory("VmRSS")
+
+
+def _schemas():
+    import torch
+
+    from shards import Field
+    from shards.texts import TEXT_KEYS
+
+    schema = {"latent": Field(torch.bfloat16), TEXT_KEYS: Field(torch.uint8, ragged=True)}
+    return schema, {"text": Field(torch.bfloat16, ragged=True)}
+
+
+FINGERPRINT = {"vae": {"id": "bench-vae"}, "text_encoder": {"id": "bench-t5", "max_length": 64}}
+
+
+def _sorter(writer):
+    """Stage one's text decision alone (`EncodingPass.texts_to_encode`): no encoder exists."""
+    from precompute.encoding import EncodingPass
+
+    sorter = EncodingPass.__new__(EncodingPass)
+    sorter.writer, sorter.queued_texts, sorter.rebuild_texts, sorter.queued_kept = writer, set(), set(), 0
+    return sorter
+
+
+def _write(writer, sorter, start: int, count: int) -> None:
+    """Samples start..start+count, each with its own caption, written as stage one writes them."""
+    import torch
+
+    from shards.texts import TEXT_KEYS, key_rows, text_key
+
+    latent = torch.zeros(4, 4, 4, dtype=torch.bfloat16)  # (4, h/8, w/8)
+    text = torch.ones(2, 16, dtype=torch.bfloat16)  # (L, D)
+    for a in range(start, start + count, BATCH):
+        ids = range(a, min(start + count, a + BATCH))
+        captions = [caption(i) for i in ids]
+        keys = [text_key(c) for c in captions]
+        for k in sorter.texts_to_encode(keys):
+            writer.write_text(captions[k], {"text": text})
+        for i, key in zip(ids, keys):
+            writer.write(f"{i * 0x9E3779B97F4A7C15 % 2**64:016x}", (32, 32), {"latent": latent, TEXT_KEYS: key_rows([key])})
+
+
+def _drop(root: str, manifest) -> float:
+    from shards import ShardWriter
+
+    t0 = time.perf_counter()
+    schema, _ = _schemas()
+    with ShardWriter(root, FINGERPRINT, schema, manifest=manifest.copy() if manifest is not None else None) as final:
+        final.drop_unreferenced_texts()
+    return time.perf_counter() - t0
+
+
+def measure(what: str, root: str, n: int, per_shard: int, appended: int) -> dict:
+    """One measurement (`build`, `decide` or `append`) in this process; see the module's docstring."""
+    import torch
+
+    import precompute.encoding  # noqa: F401  (imported before the peak is reset: its imports are no per-text cost)
+    import shards
+    from shards import ShardWriter
+    from shards.generations import compact
+    from shards.texts import text_key
+
+    torch.set_num_threads(1)
+    schema, text_schema = _schemas()
+    before, t0, c0 = _reset_peak(), time.perf_counter(), time.process_time()
+    if what == "build":
+        with ShardWriter(root, FINGERPRINT, schema, text_schema=text_schema, max_shard_samples=per_shard) as w:
+            _write(w, _sorter(w), 0, n)
+        write_s = time.perf_counter() - t0
+        drop_s = _drop(root, None)
+        compact(Path(root), shards.load(root), 0)  # a snapshot, as any cache past a few hundred commits has
+        out = {"texts": n, "write_s": write_s, "drop_s": drop_s}
+    else:
+        manifest = shards.load(root)
+        writer = ShardWriter(root, FINGERPRINT, schema, max_shard_samples=per_shard, manifest=manifest.copy())
+        open_s = time.perf_counter() - t0
+        sorter = _sorter(writer)
+        t1 = time.perf_counter()
+        if what == "decide":
+            for a in range(0, n, BATCH):
+                fresh = sorter.texts_to_encode([text_key(caption(i)) for i in range(a, min(n, a + BATCH))])
+                assert not fresh, f"caption {a + fresh[0]} was cached but would be encoded again"
+        else:
+            _write(writer, sorter, n, appended)
+        asked_s = time.perf_counter() - t1
+        writer.finish()
+        finish_s = time.perf_counter() - t1 - asked_s
+        drop_s = _drop(root, manifest)
+        out = {"texts": n, "open_s": open_s, "asked_s": asked_s, "finish_s": finish_s, "drop_s": drop_s}
+    out |= {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "peak_bytes": _memory("VmHWM") - before}
+    return out
+
+
+# -- the driver --------------------------------------------------------------------------------------------------------
+def in_child(code: Path, what: str, root: Path, n: int, per_shard: int, appended: int, timeout: float = 7200) -> dict:
+    """`measure(...)` in a fresh process whose `shards` and `precompute` are those of source tree `code`."""
+    program = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); import bench.texts_scale as m; "
+               f"sys.path.insert(0, {str(code)!r}); "
+               f"import shards; assert shards.__file__.startswith({str(code)!r}), shards.__file__; "
+               f"print(json.dumps(m.measure({what!r}, {str(root)!r}, {n}, {per_shard}, {appended})))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=str(code))
+    if done.returncode:
+        raise RuntimeError(f"{what} with the code of {code} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def row(label: str, r: dict, per: int, timed: str, judged: bool = True) -> str:
+    us = r[timed] / max(per, 1) * 1e6
+    b = r["peak_bytes"] / max(r["texts"], 1)
+    verdict = ("  PASS" if b < GOAL_BYTES else "  FAIL") if judged else ""
+    drop = f"drop {r['drop_s']:6.2f} s ({r['drop_s'] / max(r['texts'], 1) * 1e6:5.2f} us/text)"
+    return (f"{label:<28} {r['peak_bytes'] / 2**20:9.1f} MB {b:8.1f} B/text {us:8.2f} us/text  {drop}  "
+            f"wall {r['wall_s']:7.1f} s{verdict}")
+
+
+def main(
+    sizes: str = typer.Option("200000", help="Distinct captions in the cache (one per sample), comma-separated; one cache "
+                                             "each. 1000000 takes a few minutes per tree."),
+    appended: int = typer.Option(20_000, help="Samples with new distinct captions the append row writes."),
+    samples_per_shard: int = typer.Option(10_000, help="Samples (and texts) per shard."),
+    code: list[Path] = typer.Option(None, help="Source trees to measure, each on the same cache (e.g. a worktree of main "
+                                               "for the figures before a change); default: this checkout. The cache is "
+                                               "built by the first."),
+    out: Path = typer.Option(None, help="Directory for the caches (default: a temporary one, deleted at the end)."),
+    keep: bool = typer.Option(False, help="Keep each cache in --out as texts-N-S and measure an existing one there "
+                                          "instead of building it again (its build row is then skipped)."),
+    json_out: bool = typer.Option(False, "--json", help="Also print every result as one JSON object (the last line)."),
+) -> None:
+    """Peak memory and time per text of stage one's text decisions, a writer appending texts, and the end-of-run drop
+    of unreferenced texts, over a cache of N distinct captions, for one or more source trees side by side."""
+    sys.path.insert(0, str(HERE))
+    from bench.common import pin_threads
+
+    print(pin_threads(1))
+    if keep and out is None:
+        raise typer.BadParameter("--keep needs --out DIR (where the caches are kept)")
+    trees = [p.resolve() for p in code] if code else [HERE]
+    for tree in trees:
+        if not (tree / "shards" / "writer.py").is_file():
+            raise typer.BadParameter(f"--code {tree} is not a source tree of this project (no shards/writer.py)")
+    base = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="texts-scale-"))
+    base.mkdir(parents=True, exist_ok=True)
+    results = {}
+    try:
+        for n in (int(s) for s in sizes.split(",") if s.strip()):
+            root = base / f"texts-{n}-{samples_per_shard}"
+            if not (keep and (root / "_log").is_dir()):
+                shutil.rmtree(root, ignore_errors=True)
+                results[f"{n}/build/{trees[0]}"] = r = in_child(trees[0], "build", root, n, samples_per_shard, 0)
+                print(row(f"{n:,} build ({trees[0].name})", r, n, "write_s", judged=False), flush=True)
+            for tree in trees:
+                r = in_child(tree, "decide", root, n, samples_per_shard, 0)
+                results[f"{n}/decide/{tree}"] = r
+                print(row(f"{n:,} decide ({tree.name})", r, n, "asked_s"), flush=True)
+                copy = base / f"append-{n}"
+                shutil.rmtree(copy, ignore_errors=True)
+                shutil.copytree(root, copy)
+                try:
+                    r = in_child(tree, "append", copy, n, samples_per_shard, appended)
+                finally:
+                    shutil.rmtree(copy, ignore_errors=True)
+                results[f"{n}/append/{tree}"] = r
+                print(row(f"{n:,} append {appended:,} ({tree.name})", r, appended, "asked_s"), flush=True)
+            if not keep:
+                shutil.rmtree(root, ignore_errors=True)
+    finally:
+        if out is None:
+            shutil.rmtree(base, ignore_errors=True)
+    if json_out:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    typer.run(main)
