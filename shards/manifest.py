@@ -25,7 +25,7 @@ from shards.buckets import Bucket
 from shards.fingerprint import fingerprint_hash, normalize
 from shards.layout import confined, parse_shard_name
 from shards.log import TEXT_INDEX, check_snapshot, damaged_commit, damaged_snapshot, sample_index_digest, snapshot_digest
-from shards.sample_index import SampleIndex, StampTable, Strings
+from shards.sample_index import DIGESTS, SampleIndex, StampTable
 from shards.schema import (
     BASE_VERSION,
     FORMAT_NAME,
@@ -74,7 +74,7 @@ class Manifest:
         if self.shards is None:
             self.shards = ShardTable(sorted(self.schema))
         if self.text_schema is not None and self.texts is None:
-            self.texts = ShardTable(sorted(self.text_schema), TEXT_TABLE)
+            self.texts = ShardTable(sorted(self.text_schema), TEXT_TABLE, DIGESTS)
 
     def copy(self) -> Manifest:
         """A manifest that changes apart from this one (a writer's, from the one a run decided on): the shard tables
@@ -240,7 +240,7 @@ class Manifest:
                 return f"text {missing[0]}, which samples of {obj.get('path')} refer to, is no longer in the cache"
         if gone:
             retired = {self.shards.row_of(p) for p in commit.get("remove", []) if p in self.shards}
-            hashes = np.unique(Strings.pack(sorted(gone)).hashes(0, len(gone)))
+            hashes = ShardTable.text_hashes(sorted(gone))
             still = gone & self.shards.referenced_texts(retired, hashes)  # decoded where a hash matches only
             if still:
                 return f"text {sorted(still)[0]} is referred to by samples another writer added meanwhile"
@@ -377,7 +377,7 @@ class Manifest:
         m.shards = ShardTable.from_tensors(fields, tensors, str(path), meta.get("samples_sha256"))
         if text_schema is not None:
             m.texts = ShardTable.from_tensors(json.loads(meta["text_field_order"]), tensors, str(path), meta.get("texts_sha256"),
-                                              TEXT_TABLE)
+                                              TEXT_TABLE, DIGESTS)
         return m
 
 

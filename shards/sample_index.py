@@ -8,16 +8,20 @@ per sample and column searched), not a hundred million Python objects.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
 
 import numpy as np
+
+from shards.schema import FormatError
 
 # Every hash is masked with HASH_MASK: a test narrows it to force collisions (the stored strings decide).
 HASH_MASK = (1 << 64) - 1
 _M64 = (1 << 64) - 1
 _P1, _P2, _SEED = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x2545F4914F6CDD1D
-_CHUNK = 1 << 20  # strings hashed per block: bounds the temporary arrays
+_CHUNK = 1 << 16  # strings hashed per block: bounds the temporary arrays (and smaller blocks stay in the CPU cache)
 _ASKED = 1 << 16  # strings looked up per block
+_FEW = 256  # up to this many hits of a block are compared with their stored strings one by one
 
 
 def encode(s: str) -> bytes:
@@ -79,6 +83,53 @@ def _words(data: np.ndarray, at: np.ndarray, size: int) -> np.ndarray:
     return out
 
 
+def digest_hash(b: bytes) -> int:
+    """The 64-bit hash of a string that is itself a hex digest (a text key, a sha256): its first 16 hex digits, as
+    `digest_hashes` reads them from a column. Any other string gets 0 (no stored digest is one: a column refuses them)."""
+    try:
+        head = bytes.fromhex(b[:16].decode("ascii"))
+    except (ValueError, UnicodeDecodeError):
+        return 0
+    return int.from_bytes(head, "big") & HASH_MASK if len(head) == 8 else 0
+
+
+def digest_hashes(data: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """(N,) uint64: `digest_hash` of each ragged string (uint8 data, (N + 1,) int64 offsets), read from its first 16
+    bytes (the others are not read), in blocks.
+
+    Raises:
+        FormatError: a string is not a hex digest (keys of a log that was edited or damaged).
+    """
+    n = len(offsets) - 1
+    out = np.empty(max(n, 0), dtype=np.uint64)
+    data = np.asarray(data, dtype=np.uint8).reshape(-1)
+    for a in range(0, n, _CHUNK):
+        starts = offsets[a : min(n, a + _CHUNK)].astype(np.int64)
+        if np.any(offsets[a + 1 : a + 1 + len(starts)] - starts < 16):
+            raise FormatError("a text key of the manifest is shorter than 16 hex digits; the log was edited or damaged")
+        head = np.stack([_words(data, starts, len(data)), _words(data, starts + 8, len(data))], 1)  # (n, 2): 16 ASCII digits
+        try:
+            value = np.frombuffer(bytes.fromhex(head.astype("<u8").tobytes().decode("ascii")), dtype=">u8")
+        except (ValueError, UnicodeDecodeError):
+            value = np.zeros(0)
+        if len(value) != len(starts):
+            raise FormatError("a text key of the manifest is not hex; the log was edited or damaged")
+        out[a : a + len(starts)] = value.astype(np.uint64) & np.uint64(HASH_MASK)
+    return out
+
+
+class Hash(NamedTuple):
+    """How a column's strings are hashed: a column at once (`column(data, offsets)`) and one string (`one(raw)`), the
+    same value for the same string."""
+
+    column: Callable[[np.ndarray, np.ndarray], np.ndarray]
+    one: Callable[[bytes], int]
+
+
+STRINGS = Hash(hash_strings, hash_bytes)  # any string: every byte hashed
+DIGESTS = Hash(digest_hashes, digest_hash)  # hex digests (text keys): their first 8 bytes are a hash already
+
+
 class Strings:
     """Ragged UTF-8 strings: uint8 `data` and (N + 1,) int64 `offsets` (absolute into `data`), read in place."""
 
@@ -111,8 +162,8 @@ class Strings:
         view = self._view
         return [str(view[x:y], "utf-8", "surrogateescape") for x, y in zip(offs, offs[1:])]
 
-    def hashes(self, a: int, b: int) -> np.ndarray:
-        return hash_strings(self.data, self.offsets[a : b + 1])
+    def hashes(self, a: int, b: int, hash: Hash = STRINGS) -> np.ndarray:
+        return hash.column(self.data, self.offsets[a : b + 1])
 
 
 class Store:
@@ -139,9 +190,12 @@ class SampleIndex:
         runs: (store, first position in the store, samples, global index of the first) per run of samples stored
             contiguously, in index order.
         rows: (table row, position in this index of its first sample) of each shard, in index order.
+        hashes: how a column is hashed (`Hash`), by name, where not `STRINGS` (a text table's keys: `DIGESTS`).
     """
 
-    def __init__(self, runs: list[tuple[Store, int, int, int]], rows: list[tuple[int, int]] | None = None):
+    def __init__(self, runs: list[tuple[Store, int, int, int]], rows: list[tuple[int, int]] | None = None,
+                 hashes: dict[str, Hash] | None = None):
+        self.hashers = hashes or {}
         merged: list[list] = []
         for store, a, n, g in runs:
             if n == 0:
@@ -217,7 +271,8 @@ class SampleIndex:
 
     def hashes(self, name: str) -> np.ndarray:
         """(N,) uint64 hashes of column `name` ("keys" or "sources"), in index order."""
-        parts = [getattr(s, name).hashes(a, a + n) for s, a, n in zip(self._stores, self._from, self._count)]
+        hash = self.hashers.get(name, STRINGS)
+        parts = [getattr(s, name).hashes(a, a + n, hash) for s, a, n in zip(self._stores, self._from, self._count)]
         return np.concatenate(parts) if parts else np.zeros(0, np.uint64)
 
     def lookup(self, name: str) -> _HashLookup:
@@ -259,7 +314,7 @@ class _HashLookup:
     """One column's strings by hash: sorted hashes and, per hash, the position (stable: equal hashes in index order)."""
 
     def __init__(self, index: SampleIndex, name: str):
-        self.index, self.name = index, name
+        self.index, self.name, self.hash = index, name, index.hashers.get(name, STRINGS)
         hashes = index.hashes(name)
         order = np.argsort(hashes, kind="stable")
         self.sorted = hashes[order]
@@ -276,7 +331,7 @@ class _HashLookup:
 
     def find(self, value: str) -> int:
         raw = encode(value)
-        h = np.uint64(hash_bytes(raw))
+        h = np.uint64(self.hash.one(raw))
         lo = int(np.searchsorted(self.sorted, h, side="left"))
         if lo == len(self.sorted) or self.sorted[lo] != h:
             return -1
@@ -284,7 +339,7 @@ class _HashLookup:
 
     def find_every(self, value: str) -> np.ndarray:
         raw = encode(value)
-        h = np.uint64(hash_bytes(raw))
+        h = np.uint64(self.hash.one(raw))
         lo, hi = (int(np.searchsorted(self.sorted, h, side=side)) for side in ("left", "right"))
         hits = []
         for p in self.order[lo:hi].tolist():
@@ -300,7 +355,7 @@ class _HashLookup:
         for a in range(0, len(values), _ASKED):
             part = values[a : a + _ASKED]
             packed = Strings.pack(part)
-            h = packed.hashes(0, len(part))
+            h = packed.hashes(0, len(part), self.hash)
             asked = np.argsort(h)  # searched in order: each search starts near the last one (the cache stays warm)
             lo = np.empty(len(h), dtype=np.int64)
             lo[asked] = np.searchsorted(self.sorted, h[asked], side="left")
@@ -309,11 +364,20 @@ class _HashLookup:
             alone = hit & ((lo + 1 >= n) | (self.sorted[np.minimum(lo + 1, n - 1)] != h))
             one = np.flatnonzero(alone)  # the usual hit: one candidate, its string compared in bulk
             cand = self.order[lo[one]].astype(np.int64)
-            same = self._equal(cand, packed, one)
+            same = self._equal(cand, packed, one) if len(one) > _FEW else self._equal_few(cand, packed, one)
             out[a + one[same]] = cand[same]
             for i in np.flatnonzero(hit & ~alone).tolist():  # a collision, or a value stored twice
                 hi = int(np.searchsorted(self.sorted, h[i], side="right"))
                 out[a + i] = self._verify(int(lo[i]), hi, bytes(packed.raw(i)))
+        return out
+
+    def _equal_few(self, positions: np.ndarray, queries: Strings, which: np.ndarray) -> np.ndarray:
+        """`_equal` one string at a time: for a few, faster than a pass over all of them per eight bytes."""
+        index, column = self.index, self.name
+        out = np.zeros(len(positions), dtype=bool)
+        for i, (p, w) in enumerate(zip(positions.tolist(), which.tolist())):
+            store, q = index._at(p)
+            out[i] = getattr(store, column).raw(q) == queries.raw(w)
         return out
 
     def _equal(self, positions: np.ndarray, queries: Strings, which: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ import torch
 from shards.buckets import Bucket
 from shards.layout import confined
 from shards.log import damaged_snapshot, sample_index_digest
-from shards.sample_index import KeyIndex, SampleIndex, Store, Strings
+from shards.sample_index import DIGESTS, STRINGS, Hash, KeyIndex, SampleIndex, Store, Strings
 from shards.schema import FormatError
 
 # Keys of shards appended since a table's key lookup was built are kept in a dict (a writer's own, a log tail's) up to
@@ -101,11 +101,15 @@ class ShardEntry:
 
 class ShardTable:
     """The shards of one generation, in commit order, stored in columns: a million shards cost arrays,
-    not a million objects; an entry is built when asked for."""
+    not a million objects; an entry is built when asked for.
 
-    def __init__(self, fields: list[str], names: tuple[str, str] = ("shards", "samples")):
+    `key_hash`: how its keys are hashed for lookups (`shards.sample_index.Hash`): a text table's keys are hex digests,
+    hashed by their first digits (`DIGESTS`)."""
+
+    def __init__(self, fields: list[str], names: tuple[str, str] = ("shards", "samples"), key_hash: Hash = STRINGS):
         self.fields = list(fields)
         self.names = names  # the prefixes of its tensors in a snapshot: the shard columns', the sample index's
+        self.key_hash = key_hash
         self._paths: list[str] = []
         self._height, self._width = array("i"), array("i")
         self._frames = array("i")  # per row: `Bucket.frames` (0 for images)
@@ -345,7 +349,7 @@ class ShardTable:
             runs.append((store, a, n, int(starts[i])))
             row_starts.append((j, at))
             at += n
-        return SampleIndex(runs, row_starts)
+        return SampleIndex(runs, row_starts, {"keys": self.key_hash} if self.key_hash is not STRINGS else None)
 
     # -- reading ---------------------------------------------------------------------------------
     @property
@@ -415,8 +419,7 @@ class ShardTable:
 
     def referenced_texts(self, skip: set[int] = frozenset(), hashes: np.ndarray | None = None) -> set[str]:
         """Every text key the live shards (but the table rows in `skip`) refer to. Reads the sample index. With `hashes`
-        (sorted uint64, `shards.sample_index.hash_bytes`), only the keys whose hash is one of them: the others are not
-        decoded."""
+        (sorted uint64, `text_hashes`), only the keys whose hash is one of them: the others are not decoded."""
         out: set[str] = set()
         if hashes is None:
             for j in self.rows:
@@ -424,14 +427,19 @@ class ShardTable:
                     out.update(self.texts_of(int(j)))
             return out
         for strings, a, b in self._text_spans(skip):
-            hit = np.flatnonzero(np.isin(strings.hashes(a, b), hashes))
+            hit = np.flatnonzero(np.isin(strings.hashes(a, b, DIGESTS), hashes))
             out.update(strings[a + i] for i in hit.tolist())
         return out
 
     def referenced_hashes(self, skip: set[int] = frozenset()) -> np.ndarray:
         """The hashes of every text key the live shards (but the table rows in `skip`) refer to: sorted, unique."""
-        parts = [strings.hashes(a, b) for strings, a, b in self._text_spans(skip)]
+        parts = [strings.hashes(a, b, DIGESTS) for strings, a, b in self._text_spans(skip)]
         return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.uint64)
+
+    @staticmethod
+    def text_hashes(keys: list[str]) -> np.ndarray:
+        """The hashes of text keys, as `referenced_hashes` and a text table's lookup compute them: sorted, unique."""
+        return np.unique(Strings.pack(keys).hashes(0, len(keys), DIGESTS))
 
     def _text_spans(self, skip: set[int]) -> list[tuple[Strings, int, int]]:
         """Where the text references of the live rows (but `skip`) are stored: (strings, first, end), a snapshot's
@@ -514,10 +522,11 @@ class ShardTable:
 
     @classmethod
     def from_tensors(cls, fields: list[str], tensors: dict[str, torch.Tensor], where: str,
-                     samples_sha256: str | None = None, names: tuple[str, str] = ("shards", "samples")) -> ShardTable:
+                     samples_sha256: str | None = None, names: tuple[str, str] = ("shards", "samples"),
+                     key_hash: Hash = STRINGS) -> ShardTable:
         """The table a snapshot holds (`to_tensors`), its columns copied out of the memory map, its sample
         index left there until asked for, then checked against `samples_sha256` (the snapshot's metadata)."""
-        t = cls(fields, names)
+        t = cls(fields, names, key_hash)
         P, prefix = names[0], names[1] + "."
         tensors = {name.replace(f"{P}.", "shards.", 1): v for name, v in tensors.items() if name.startswith(f"{P}.")} | {
             name.replace(f"{names[1]}.", "samples.", 1): v for name, v in tensors.items() if name.startswith(f"{names[1]}.")}

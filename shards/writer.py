@@ -27,7 +27,6 @@ from shards.log import exists, missing_manifest, write_commit, write_pointer
 from shards.manifest import Manifest
 from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, stored_prompts
 from shards.reader import ShardReader
-from shards.sample_index import Strings
 from shards.schema import BASE_VERSION, CacheBusy, Schema, schema_to_json, validate_schema
 from shards.shard_files import intact_rows, remove_leftovers, write_shard_file
 from shards.table import ShardEntry
@@ -521,7 +520,7 @@ class ShardWriter:
         added_keys = [k for obj in added for k in obj.get("texts") or []]
         # on hashes first: a text row whose key's hash no sample's reference has is unreferenced; the text shards holding
         # one are checked key by key against the references with those shards' hashes (decoded alone)
-        referred_hashes = np.union1d(shards.referenced_hashes(skip), Strings.pack(added_keys).hashes(0, len(added_keys)))
+        referred_hashes = np.union1d(shards.referenced_hashes(skip), shards.text_hashes(added_keys))
         index = table.index()
         hashes = index.hashes("keys")
         unreferenced = ~np.isin(hashes, referred_hashes)
