@@ -497,28 +497,34 @@ class ShardTable:
             tensors[f"{P}.frames"] = torch.from_numpy(self.column("frames").copy())
         if any(self._resolution):
             tensors[f"{P}.resolution"] = torch.from_numpy(self.column("resolution").copy())
-        keys, sources, stamps, shard = [], [], [], []
-        for i, j in enumerate(rows):
-            k, s, st = self.samples_of(int(j))
-            keys += k
-            sources += s
-            stamps += st
-            shard += [i] * len(k)
-        tensors[f"{S}.key"], tensors[f"{S}.key.offsets"] = _ragged(keys)
-        tensors[f"{S}.source"], tensors[f"{S}.source.offsets"] = _ragged(sources)
-        tensors[f"{S}.stamp"] = torch.tensor(stamps, dtype=torch.int64)
-        tensors[f"{S}.shard"] = torch.tensor(shard, dtype=torch.int64)
+        # the sample index copied from where it is stored, as arrays (no string decoded): byte for byte what the
+        # strings' UTF-8 back to back would be
+        counts = self.column("samples")
+        stores = [(*self._store_of(int(j)), int(n)) for j, n in zip(rows, counts)]
+        tensors[f"{S}.key"], tensors[f"{S}.key.offsets"] = _joined([(st.keys, a, a + n) for st, a, n in stores])
+        tensors[f"{S}.source"], tensors[f"{S}.source.offsets"] = _joined([(st.sources, a, a + n) for st, a, n in stores])
+        tensors[f"{S}.stamp"] = torch.from_numpy(np.concatenate([np.asarray(st.stamps[a : a + n], dtype=np.int64)
+                                                                 for st, a, n in stores] or [np.zeros(0, np.int64)]))
+        tensors[f"{S}.shard"] = torch.from_numpy(np.repeat(np.arange(len(rows), dtype=np.int64), counts))
         if texts:
             tensors[f"{P}.text_refs"] = torch.from_numpy(
                 np.stack([self.column("text_refs"), self.column("text_ref_bytes")], 1).astype(np.int64).reshape(-1, 2))
-            refs, ref_shard = [], []
-            for i, j in enumerate(rows):
-                mine = self.texts_of(int(j))
-                refs += mine
-                ref_shard += [i] * len(mine)
-            tensors[f"{S}.text"], tensors[f"{S}.text.offsets"] = _ragged(refs)
-            tensors[f"{S}.text_shard"] = torch.tensor(ref_shard, dtype=torch.int64)
+            refs = [self._texts_at(int(j)) for j in rows]
+            tensors[f"{S}.text"], tensors[f"{S}.text.offsets"] = _joined([r for r in refs if r is not None])
+            per_row = [0 if r is None else r[2] - r[1] for r in refs]
+            tensors[f"{S}.text_shard"] = torch.from_numpy(np.repeat(np.arange(len(rows), dtype=np.int64), per_row))
         return tensors
+
+    def _texts_at(self, j: int) -> tuple[Strings, int, int] | None:
+        """Where the text references of row `j` are stored: (strings, first, end), or None (none recorded)."""
+        if j in self._texts_of:
+            refs = self._texts_of[j]
+            return refs, 0, len(refs)
+        texts = self._snapshot_samples.columns()[4] if self._snapshot_samples is not None else None
+        if texts is None:
+            return None
+        bounds, strings = texts
+        return strings, int(bounds[j]), int(bounds[j + 1])
 
     @classmethod
     def from_tensors(cls, fields: list[str], tensors: dict[str, torch.Tensor], where: str,
@@ -584,6 +590,29 @@ def _file_index_digest(path: Path, tensors: dict[str, torch.Tensor], prefix: str
                 h.update(chunk)
                 left -= len(chunk)
     return h.hexdigest()
+
+
+def _joined(parts: list[tuple[Strings, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Strings `first:end` of each part, back to back: what `_ragged` makes of them decoded, without decoding them."""
+    merged: list[list] = []
+    for strings, a, b in parts:  # a snapshot's rows are one run of its columns
+        if merged and merged[-1][0] is strings and merged[-1][2] == a:
+            merged[-1][2] = b
+        elif b > a:
+            merged.append([strings, a, b])
+    parts = merged
+    n = sum(b - a for _, a, b in parts)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    chunks, at, total = [], 1, 0
+    for strings, a, b in parts:
+        if b == a:
+            continue
+        lo, hi = int(strings.offsets[a]), int(strings.offsets[b])
+        chunks.append(np.asarray(strings.data[lo:hi], dtype=np.uint8))
+        offsets[at : at + b - a] = strings.offsets[a + 1 : b + 1] - lo + total
+        at, total = at + b - a, total + hi - lo
+    data = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
+    return torch.from_numpy(data), torch.from_numpy(offsets)
 
 
 def _ragged(strings: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

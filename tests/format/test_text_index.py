@@ -204,3 +204,50 @@ def test_the_scan_for_unreferenced_texts_runs_only_when_a_writer_left_texts_ahea
     assert drop(tmp_path) == 0 and len(scans) == 3
     cache = Cache(tmp_path)
     assert cache.manifest.text_stats()["texts"] == len(cache) == 34 and verify(tmp_path).ok
+
+
+def reference_tensors(table, texts: bool) -> dict[str, torch.Tensor]:
+    """The sample index (and text references) of a snapshot as they were written when every string was decoded."""
+    from shards.table import _ragged
+
+    rows = table.rows
+    keys, sources, stamps, shard, refs, ref_shard = [], [], [], [], [], []
+    for i, j in enumerate(rows):
+        k, s, st = table.samples_of(int(j))
+        keys, sources, stamps, shard = keys + k, sources + s, stamps + st, shard + [i] * len(k)
+        mine = table.texts_of(int(j))
+        refs, ref_shard = refs + mine, ref_shard + [i] * len(mine)
+    P, S = table.names
+    out = {}
+    out[f"{S}.key"], out[f"{S}.key.offsets"] = _ragged(keys)
+    out[f"{S}.source"], out[f"{S}.source.offsets"] = _ragged(sources)
+    out[f"{S}.stamp"], out[f"{S}.shard"] = torch.tensor(stamps, dtype=torch.int64), torch.tensor(shard, dtype=torch.int64)
+    if texts:
+        out[f"{S}.text"], out[f"{S}.text.offsets"] = _ragged(refs)
+        out[f"{S}.text_shard"] = torch.tensor(ref_shard, dtype=torch.int64)
+    return out
+
+
+def test_a_snapshot_copies_the_sample_index_and_text_references_byte_for_byte_without_decoding_them(tmp_path):
+    with ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE, text_schema=TEXT_SCHEMA, max_shard_samples=4) as w:
+        write(w, range(10), captions=lambda i: f"caption {i % 6} é")  # shared and non-ASCII captions
+    compact(tmp_path, load(tmp_path), 0)
+    with ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE, max_shard_samples=4) as w:
+        write(w, range(10, 17))
+        w.remove({"k000002", "k000011"})
+        w.restamp({"k000005": 7})
+    m = load(tmp_path)
+    assert m.shards._snapshot_samples is not None and m.shards._texts_of  # rows from both
+    for table, texts in ((m.shards, True), (m.texts, False)):
+        got, want = table.to_tensors(texts), reference_tensors(table, texts)
+        for name, t in want.items():
+            assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    compact(tmp_path, m, 0)
+    again = load(tmp_path)
+    assert [again.shards.samples_of(int(j)) for j in again.shards.rows] == [m.shards.samples_of(int(j)) for j in m.shards.rows]
+    assert verify(tmp_path).ok and len(Cache(tmp_path)) == 15
+    empty = ShardWriter(tmp_path / "empty", FINGERPRINT, STORED_ONCE, text_schema=TEXT_SCHEMA)
+    empty.finish()
+    t = load(tmp_path / "empty").shards
+    got, want = t.to_tensors(True), reference_tensors(t, True)
+    assert all(torch.equal(got[name], want[name]) and got[name].dtype == want[name].dtype for name in want)
