@@ -427,19 +427,19 @@ class ShardTable:
                     out.update(self.texts_of(int(j)))
             return out
         for strings, a, b in self._text_spans(skip):
-            hit = np.flatnonzero(np.isin(strings.hashes(a, b, DIGESTS), hashes))
+            hit = np.flatnonzero(members(strings.hashes(a, b, DIGESTS), hashes))
             out.update(strings[a + i] for i in hit.tolist())
         return out
 
     def referenced_hashes(self, skip: set[int] = frozenset()) -> np.ndarray:
         """The hashes of every text key the live shards (but the table rows in `skip`) refer to: sorted, unique."""
         parts = [strings.hashes(a, b, DIGESTS) for strings, a, b in self._text_spans(skip)]
-        return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.uint64)
+        return sorted_unique(np.concatenate(parts)) if parts else np.zeros(0, np.uint64)
 
     @staticmethod
     def text_hashes(keys: list[str]) -> np.ndarray:
         """The hashes of text keys, as `referenced_hashes` and a text table's lookup compute them: sorted, unique."""
-        return np.unique(Strings.pack(keys).hashes(0, len(keys), DIGESTS))
+        return sorted_unique(Strings.pack(keys).hashes(0, len(keys), DIGESTS))
 
     def _text_spans(self, skip: set[int]) -> list[tuple[Strings, int, int]]:
         """Where the text references of the live rows (but `skip`) are stored: (strings, first, end), a snapshot's
@@ -590,6 +590,23 @@ def _file_index_digest(path: Path, tensors: dict[str, torch.Tensor], prefix: str
                 h.update(chunk)
                 left -= len(chunk)
     return h.hexdigest()
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """`np.unique` of a 1-D array by sorting (numpy 2's hash-table unique is many times slower on millions of hashes)."""
+    out = np.sort(values)
+    return out[np.concatenate(([True], out[1:] != out[:-1]))] if len(out) else out
+
+
+def members(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """(n,) bool: whether each value is in `sorted_set` (sorted, unique); `np.isin` by a search of the values in order."""
+    out = np.zeros(len(values), dtype=bool)
+    if len(values) and len(sorted_set):
+        order = np.argsort(values)
+        v = values[order]
+        at = np.minimum(np.searchsorted(sorted_set, v), len(sorted_set) - 1)
+        out[order] = sorted_set[at] == v
+    return out
 
 
 def _joined(parts: list[tuple[Strings, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

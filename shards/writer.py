@@ -29,7 +29,7 @@ from shards.prompts import PROMPTS_FILE, Prompt, encode_prompts, stored_prompts
 from shards.reader import ShardReader
 from shards.schema import BASE_VERSION, CacheBusy, Schema, schema_to_json, validate_schema
 from shards.shard_files import intact_rows, remove_leftovers, write_shard_file
-from shards.table import ShardEntry
+from shards.table import ShardEntry, members, sorted_unique
 from shards.texts import (
     TEXT_BUCKET,
     TEXT_DIR,
@@ -520,10 +520,10 @@ class ShardWriter:
         added_keys = [k for obj in added for k in obj.get("texts") or []]
         # on hashes first: a text row whose key's hash no sample's reference has is unreferenced; the text shards holding
         # one are checked key by key against the references with those shards' hashes (decoded alone)
-        referred_hashes = np.union1d(shards.referenced_hashes(skip), shards.text_hashes(added_keys))
+        referred_hashes = sorted_unique(np.concatenate([shards.referenced_hashes(skip), shards.text_hashes(added_keys)]))
         index = table.index()
         hashes = index.hashes("keys")
-        unreferenced = ~np.isin(hashes, referred_hashes)
+        unreferenced = ~members(hashes, referred_hashes)
         counts = table.column("samples")
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         touched = np.zeros(len(counts), dtype=bool)
@@ -531,7 +531,7 @@ class ShardWriter:
             touched[counts > 0] = np.logical_or.reduceat(unreferenced, starts[counts > 0])
         affected = [int(table.rows[i]) for i in np.flatnonzero(touched)]
         spans = [hashes[starts[i] : starts[i] + counts[i]] for i in np.flatnonzero(touched)]
-        maybe = np.unique(np.concatenate(spans)) if spans else np.zeros(0, np.uint64)
+        maybe = sorted_unique(np.concatenate(spans)) if spans else np.zeros(0, np.uint64)
         referred = shards.referenced_texts(skip, maybe) | set(added_keys) if affected else set()
         dropped, kept = [], []
         for j in affected:
