@@ -128,7 +128,7 @@ def _drop(root: str, manifest) -> float:
 
 
 def measure(what: str, root: str, n: int, per_shard: int, appended: int) -> dict:
-    """One measurement (`build`, `decide` or `append`) in this process; see the module's docstring."""
+    """One measurement (`build`, `decide`, `append` or `reader`) in this process; see the module's docstring."""
     import torch
 
     import precompute.encoding  # noqa: F401  (imported before the peak is reset: its imports are no per-text cost)
@@ -148,6 +148,16 @@ def measure(what: str, root: str, n: int, per_shard: int, appended: int) -> dict
         drop_s = _drop(root, None)
         compact(Path(root), shards.load(root), 0)  # a snapshot, as any cache past a few hundred commits has
         out = {"texts": n, "write_s": write_s, "drop_s": drop_s}
+    elif what == "reader":  # the training side: its text index, then texts looked up as its reads look them up
+        cache, asked = shards.Cache(root), range(0, n, max(1, n // 20_000))
+        t1 = time.perf_counter()
+        cache.text_index()
+        t2 = time.perf_counter()
+        for i in asked:
+            assert cache.locate_text(text_key(caption(i))) is not None
+        # asked_s: the lookups' time scaled to one per text (the row divides by the texts)
+        out = {"texts": n, "open_s": t1 - t0, "index_s": t2 - t1, "asked_s": (time.perf_counter() - t2) * n / len(asked),
+               "drop_s": 0.0}
     else:
         manifest = shards.load(root)
         writer = ShardWriter(root, FINGERPRINT, schema, max_shard_samples=per_shard, manifest=manifest.copy())
@@ -201,11 +211,11 @@ def main(
                                              "each. 1000000 takes a few minutes per tree."),
     appended: int = typer.Option(20_000, help="Samples with new distinct captions the append row writes."),
     samples_per_shard: int = typer.Option(10_000, help="Samples (and texts) per shard."),
-    code: list[Path] = typer.Option(None, help="Source trees to measure, each on the same cache (e.g. a worktree of main "
-                                               "for the figures before a change); default: this checkout. The cache is "
-                                               "built by the first."),
+    code: list[Path] = typer.Option(None, help="Source trees to measure side by side (e.g. a worktree of main for the "
+                                               "figures before a change), each on the cache it writes itself; default: "
+                                               "this checkout."),
     out: Path = typer.Option(None, help="Directory for the caches (default: a temporary one, deleted at the end)."),
-    keep: bool = typer.Option(False, help="Keep each cache in --out as texts-N-S and measure an existing one there "
+    keep: bool = typer.Option(False, help="Keep each cache in --out as texts-N-S-TREE and measure an existing one there "
                                           "instead of building it again (its build row is then skipped)."),
     json_out: bool = typer.Option(False, "--json", help="Also print every result as one JSON object (the last line)."),
 ) -> None:
@@ -226,12 +236,12 @@ def main(
     results = {}
     try:
         for n in (int(s) for s in sizes.split(",") if s.strip()):
-            root = base / f"texts-{n}-{samples_per_shard}"
-            if not (keep and (root / "_log").is_dir()):
-                shutil.rmtree(root, ignore_errors=True)
-                results[f"{n}/build/{trees[0]}"] = r = in_child(trees[0], "build", root, n, samples_per_shard, 0)
-                print(row(f"{n:,} build ({trees[0].name})", r, n, "write_s", judged=False), flush=True)
             for tree in trees:
+                root = base / f"texts-{n}-{samples_per_shard}-{tree.name}"  # each tree on the cache it wrote itself
+                if not (keep and (root / "_log").is_dir()):
+                    shutil.rmtree(root, ignore_errors=True)
+                    results[f"{n}/build/{tree}"] = r = in_child(tree, "build", root, n, samples_per_shard, 0)
+                    print(row(f"{n:,} build ({tree.name})", r, n, "write_s", judged=False), flush=True)
                 r = in_child(tree, "decide", root, n, samples_per_shard, 0)
                 results[f"{n}/decide/{tree}"] = r
                 print(row(f"{n:,} decide ({tree.name})", r, n, "asked_s"), flush=True)
@@ -243,9 +253,11 @@ def main(
                 finally:
                     shutil.rmtree(copy, ignore_errors=True)
                 results[f"{n}/append/{tree}"] = r
-                print(row(f"{n:,} append {appended:,} ({tree.name})", r, appended, "asked_s"), flush=True)
-            if not keep:
-                shutil.rmtree(root, ignore_errors=True)
+                print(row(f"{n:,} append {appended:,} ({tree.name})", r, appended, "asked_s", judged=False), flush=True)
+                results[f"{n}/reader/{tree}"] = r = in_child(tree, "reader", root, n, samples_per_shard, 0)
+                print(row(f"{n:,} reader ({tree.name})", r, n, "asked_s", judged=False), flush=True)
+                if not keep:
+                    shutil.rmtree(root, ignore_errors=True)
     finally:
         if out is None:
             shutil.rmtree(base, ignore_errors=True)
