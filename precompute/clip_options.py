@@ -8,7 +8,7 @@ An image model takes none of them: given, they are refused naming the presets th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 
 from precompute.families import family
 from precompute.images import video_presets
@@ -17,6 +17,7 @@ from precompute.video import ClipPolicy
 from shards.options import default_of, flag
 
 RUN_KEYS = ("frames", "frame_buckets", "clip_extraction", "clips", "clip_stride", "clip_lengths")  # an image model refuses them
+CUT_KEYS = ("clip_extraction", "clips", "clip_stride", "clip_lengths")  # which clips of a video: the order of RunClips
 SOURCE_KEYS = ("frames", "frame_buckets", "clip_extraction", "clips", "clip_stride", "clip_lengths", "video_column")
 
 
@@ -31,6 +32,8 @@ def check_clip_options(config, preset) -> list[Source]:
     """
     fam, sources = family(preset.family), config.sources()
     cls = type(config)
+    # which clips to cut, given (a re-run that gives none keeps a source's recorded ones: `keep_recorded`), or the defaults
+    config._clips_given = any(getattr(config, k) is not None for k in CUT_KEYS)
     if not fam.video:
         given = [k for k in RUN_KEYS if getattr(config, k) != default_of(cls, k)]
         if given:
@@ -50,6 +53,9 @@ def check_clip_options(config, preset) -> list[Source]:
         if key:
             raise ValueError(f"source {source.name!r} sets {key}, which {preset.name} does not take: its cache holds clips, "
                              f"without flipped latents, control images or loss masks; remove {key} from the dataset file")
+    for key, default in zip(CUT_KEYS, astuple(RunClips())):
+        if getattr(config, key) is None:
+            setattr(config, key, default)
     step = fam.temporal_downsample
     buckets = frame_list(config.frame_buckets, "--frame-buckets")
     for b in buckets:

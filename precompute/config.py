@@ -194,26 +194,29 @@ class PrecomputeConfig:
                                           "--frames, and --frames itself. The cache "
                                           "records them: a run with others is refused. A dataset file's source may "
                                           "keep fewer (frames, frame_buckets).")
-    clip_extraction: Literal["head", "uniform", "chunk", "full", "slide"] = opt(
-        "head", "Video models: which clips of each video become samples (musubi-tuner's frame_extraction), of the "
+    clip_extraction: Literal["head", "uniform", "chunk", "full", "slide"] | None = opt(
+        None, "Video models: which clips of each video become samples (musubi-tuner's frame_extraction), of the "
                 "lengths --clip-lengths takes. head: one clip from the start; uniform: --clips clips evenly spaced from "
                 "the start to the end; chunk: every whole clip, one after the other; slide: a clip every --clip-stride "
                 "frames, as many as fit; full: the whole video as one clip, the longest bucket not longer than it. A "
                 "dataset file's source may set its own (clip_extraction); changing it cuts that source's videos again "
-                "(their samples are replaced).")
-    clips: int = opt(1, "Video models, --clip-extraction uniform: clips per video (a source's clips = N).", at_least=1)
+                "(their samples are replaced). Default: for DATA as one source, the clips the cache records for it (a "
+                "re-run keeps them unless one of --clip-extraction, --clips, --clip-stride, --clip-lengths is given: "
+                "then they state them all), else head.")
+    clips: int | None = opt(None, "Video models, --clip-extraction uniform: clips per video (a source's clips = N). "
+                                  "Default: as --clip-extraction says, else 1.", at_least=1)
     clip_stride: int | None = opt(None, "Video models, --clip-extraction slide (which needs it): frames from one clip's "
                                         "start to the next, at the model's frame rate (musubi-tuner's frame_stride; e.g. 8 "
                                         "at 16 fps: a clip every half second). A source's clip_stride = N; changing it "
                                         "cuts that source's videos again.", at_least=1)
-    clip_lengths: Literal["longest", "each"] = opt(
-        "longest", "Video models: the lengths of a video's clips. longest: the longest frame bucket the video holds, one "
+    clip_lengths: Literal["longest", "each"] | None = opt(
+        None, "Video models: the lengths of a video's clips. longest: the longest frame bucket the video holds, one "
                    "length per video; each: every frame bucket the video holds, one set of clips per length, as "
                    "musubi-tuner cuts target_frames. With each, the one-frame bucket (1 in --frame-buckets) cuts one-frame "
                    "samples from videos too: head takes the first frame, uniform --clips frames, slide a frame every "
                    "--clip-stride (chunk refuses it: every frame would be one); a video shorter than every longer bucket "
                    "is still too_short. Not with full. A source's clip_lengths; changing it cuts that source's videos "
-                   "again.")
+                   "again. Default: as --clip-extraction says, else longest.")
     decode_timeout: float = opt(60.0, "Video models: seconds a video may take to decode its clips; one that takes longer "
                                       "(a file that hangs the decoder) is skipped (decode_timeout): its decoding process "
                                       "is killed, even inside a stuck FFmpeg call.", above=0)
@@ -363,11 +366,16 @@ class PrecomputeConfig:
             kept["alpha_mask" if record.get("alpha_mask") else "masks"] = True
         if all(getattr(self, key) is None for key in TAG_KEYS) and record.get("caption_variants", 1) > 1:
             kept.update({key: record[key] for key in TAG_KEYS if key in record})
+        if not getattr(self, "_clips_given", True) and "clip_extraction" in record:  # a video model's source
+            cut = {"clip_extraction": record["clip_extraction"], "clips": record.get("clips", 1),
+                   "clip_stride": record.get("clip_stride"), "clip_lengths": record.get("clip_lengths", "longest")}
+            if cut != {key: getattr(source, key) for key in cut}:
+                kept.update(cut)
         if not kept:
             return []
         self._sources = [replace(source, **kept), *self._sources[1:]]
         return [flag(key) + ("" if value is True else f" {value}") for key, value in kept.items()
-                if value != getattr(Source, key)]
+                if value not in (getattr(Source, key), None) and (key, value) not in (("clips", 1), ("clip_lengths", "longest"))]
 
     def _check_resolutions(self, preset: Preset) -> str | None:
         """--resolution as its canonical text ("512,1024"), every resolution (and every source's) checked against

@@ -583,7 +583,8 @@ def say_recorded(config: PrecomputeConfig, manifest, kept: list[str]) -> None:
     if kept:
         source = config.sources()[0]
         undo = [*(["--no-alpha-mask" if source.alpha_mask else "--no-masks"] if source.mask_mode else []),
-                *(["--caption-variants 1"] if source.caption_variants > 1 else [])]
+                *(["--caption-variants 1"] if source.caption_variants > 1 else []),
+                *(["--clip-extraction head"] if any(k.startswith("--clip-") for k in kept) else [])]
         print(f"{config.cache}: source {source.name!r} keeps the settings the cache records for it, which this run does "
               f"not give: {' '.join(kept)} (to change them, give them; to drop them, {', '.join(undo)})", file=sys.stderr)
     recorded, held = manifest.extra.get("sources", {}), manifest.datasets()

@@ -295,7 +295,8 @@ KEY_HELP = {  # `python -m precompute --help` lists these
             "(DIR/a/x.png for a/x.jpg; relative: to the dataset file), instead of sidecars x.mask.png; implies masks",
     "mask_column": "the loss mask column of a Hugging Face dataset (default mask) or of the folder's metadata.jsonl/.csv "
                    "(default mask_file_name); implies masks",
-    "alpha_mask": "true: every image's loss mask is its own alpha channel (an image without one is skipped); implies masks",
+    "alpha_mask": "true: every image's loss mask is its own alpha channel (an image without one is skipped); implies "
+                  "masks, and is refused beside masks = true, mask or mask_column (masks come from one place)",
     "references": "true: an edit model's source (--references for every source): each image is an edit's target and "
                   "pairs with 1..N reference images (x.ref.png, or x.ref0.png, x.ref1.png, ... beside x.jpg; a metadata "
                   "row's reference_file_name; a tar sample's KEY.ref.png / KEY.ref0.png ...; a Hugging Face dataset's "
