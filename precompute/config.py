@@ -444,6 +444,12 @@ class PrecomputeConfig:
             asked = {k: True for k, on in (("masks", self.masks), ("alpha_mask", self.alpha_mask),
                                            ("references", self.references)) if on}
             for source in self._sources:
+                off = next((f for f, key in (("--no-masks", "masks"), ("--no-alpha-mask", "alpha_mask"))
+                            if getattr(self, key) is False and source.mask_mode == ("alpha" if key == "alpha_mask" else "file")), None)
+                if off and source.from_file:  # a dataset file says which of its sources have masks
+                    raise ValueError(f"{off}: source {source.name!r} of {self.data} asks for loss masks, and a dataset "
+                                     f"file states its sources in full: remove its masks from the [[source]] table "
+                                     f"instead of passing {off}")
                 other = (("--alpha-mask", "masks") if self.alpha_mask and source.masks else
                          ("--masks", "alpha_mask") if self.masks and source.alpha_mask else None)
                 if other:

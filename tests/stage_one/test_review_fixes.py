@@ -66,3 +66,15 @@ def test_options_not_given_are_none_so_a_rerun_can_keep_what_the_cache_records(t
     out = " ".join(CliRunner().invoke(app, ["--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"}).output.split())
     assert "--masks --no-masks" in out.replace("/ ", "") and "a re-run keeps its masks; --no-masks drops them" in out
     assert "a re-run keeps its variants and their tag options unless one of these options is given" in out
+
+
+def test_no_masks_does_not_override_a_dataset_file_silently(tmp_path):
+    (tmp_path / "d").mkdir()
+    file = tmp_path / "data.toml"
+    file.write_text('[[source]]\nname = "faces"\npath = "d"\nmasks = true\n')
+    with pytest.raises(ValueError, match=r"^--no-masks: source 'faces' of .*data.toml asks for loss masks, and a dataset "
+                                         r"file states its sources in full"):
+        PrecomputeConfig(str(file), masks=False)
+    assert PrecomputeConfig(str(file), alpha_mask=False).sources()[0].mask_mode == "file"  # nothing to contradict
+    file.write_text('[[source]]\nname = "faces"\npath = "d"\n')
+    assert PrecomputeConfig(str(file), masks=False).sources()[0].mask_mode == ""
