@@ -81,8 +81,9 @@ class ModelOptions:
                                            "products too (LyCORIS' decompose_both).")
     init_lora: str | None = opt(None, "Start the adapters from this file or directory instead of new ones: diffusers' "
                                       "layout (pytorch_lora_weights.safetensors), peft's (a directory with "
-                                      "adapter_config.json), the LyCORIS layout, or another trainer's that the family's "
-                                      "diffusers pipeline converts (kohya's). Its type, rank and alpha are the run's "
+                                      "adapter_config.json), the LyCORIS layout, the kohya layout export --lora-format kohya "
+                                      "writes (read as written), or another trainer's that the family's diffusers "
+                                      "pipeline converts (kohya's sd-scripts). Its type, rank and alpha are the run's "
                                       "(--adapter, --lora-rank, --lora-alpha may be left out; given, --adapter and "
                                       "--lora-rank must agree, another --lora-alpha keeps its deltas); it adapts the "
                                       "layers it holds unless --lora-targets says more.")

@@ -81,7 +81,7 @@ def _read_init(file: str, mtime: int, size: int, preset_name: str) -> InitAdapte
             info, state = lycoris.read(path, names)
             init = InitAdapter(info["adapter"], info["r"], info["alpha"], info["factor"], info["decompose_both"], state)
         else:
-            init = _other_init(path, load_file(path), header, get_family(preset.family), keys)
+            init = _other_init(path, load_file(path), header, get_family(preset.family), keys, set(names.values()))
     known = set(names.values())
     unmatched = [m for m in init.modules if m not in known]
     if unmatched:
@@ -90,10 +90,11 @@ def _read_init(file: str, mtime: int, size: int, preset_name: str) -> InitAdapte
     return init
 
 
-def _other_init(path: Path, tensors: dict[str, torch.Tensor], header: dict, family, keys: list[str]) -> InitAdapter:
+def _other_init(path: Path, tensors: dict[str, torch.Tensor], header: dict, family, keys: list[str],
+                modules: set[str]) -> InitAdapter:
     """A LoRA file in another layout: the family's own (kohya's, as its export writes them: read as written, so a
     round trip gives back the adapters bit for bit), else what diffusers' converters of the family's pipeline make of
-    it (kohya's and other trainers' layouts, alpha folded into the weights)."""
+    it (kohya's and other trainers' layouts, alpha folded into the weights); `modules`: the transformer's layers."""
     try:
         own = family.read_lora(tensors, header)
     except ValueError as e:
@@ -110,6 +111,9 @@ def _other_init(path: Path, tensors: dict[str, torch.Tensor], header: dict, fami
                          f"{pipeline.__name__}.lora_state_dict does not convert it ({cause(e)}). Its keys: "
                          f"{', '.join(keys[:4])}") from None
     converted = converted[0] if isinstance(converted, tuple) else converted
+    # diffusers' converters name some of the transformer's layers without its prefix (kohya's Flux `img_in` becomes
+    # `x_embedder.lora_A.weight`), which its own loader then drops: they are the transformer's
+    converted = {f"transformer.{k}" if k.partition(".lora_")[0] in modules else k: v for k, v in converted.items()}
     return _diffusers_init(path, converted, {})
 
 

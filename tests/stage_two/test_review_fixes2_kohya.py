@@ -155,3 +155,41 @@ def test_a_tiny_flux_runs_kohya_export_starts_the_next_run(tmp_path, capsys):
     train(cfg)
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("LoRA rank 4, alpha 8 on "))
     assert f"on {len(layers)} layers (attn.add_k_proj, attn.add_q_proj, " in line and " and 5 more): " in line
+
+
+def test_a_kohya_file_beyond_the_exported_layout_goes_through_diffusers_converter(tmp_path):
+    """sd-scripts also adapts layers outside the blocks (`lora_unet_img_in`, Flux's x_embedder), which the export does
+    not write: such a file is not read as the export's layout but converted by FluxPipeline.lora_state_dict, and
+    stands for the same weights."""
+    double = [f"transformer_blocks.0.{m}" for m in ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj")]
+    base = build_transformer(get_preset("tiny-flux"), None, 0)
+    model = copy.deepcopy(base)
+    config = lora.lora_config("flux", 4, 12, [*double, "x_embedder"])
+    lora.add_lora(model, config, seed=3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / 8)
+    state = lora.adapter_state(model)
+    embedder = {k: state.pop(k) for k in list(state) if k.startswith("x_embedder.")}
+    tensors = load_file(lora.save_adapter(tmp_path, "flux", state, config, lora_format="kohya"))
+    tensors |= {"lora_unet_img_in.lora_down.weight": embedder["x_embedder.lora_A.weight"],
+                "lora_unet_img_in.lora_up.weight": embedder["x_embedder.lora_B.weight"], "lora_unet_img_in.alpha": torch.tensor(12.0)}
+    save_file(tensors, tmp_path / "sd-scripts.safetensors")
+
+    init = init_lora.read_init(tmp_path / "sd-scripts.safetensors", get_preset("tiny-flux"))
+    assert init.modules == sorted([*double, "x_embedder"])
+    loaded = copy.deepcopy(base)
+    again = lora.lora_config("flux", init.rank, init.alpha, init.modules)
+    lora.add_lora(loaded, again)
+    init_lora.load_init(loaded, init, again, tmp_path / "sd-scripts.safetensors")
+    expected, got = merged(model), merged(loaded)
+    assert all(torch.allclose(got[k], v, rtol=1e-5, atol=1e-6) for k, v in expected.items())
+    assert not torch.allclose(expected["x_embedder.weight"], dict(base.state_dict())["x_embedder.weight"])
+
+
+def merged(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    model = copy.deepcopy(model)
+    lora.merge_adapters(model)
+    return dict(model.state_dict())
