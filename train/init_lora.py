@@ -111,7 +111,7 @@ def _other_init(path: Path, tensors: dict[str, torch.Tensor], header: dict, fami
                          f"{pipeline.__name__}.lora_state_dict does not convert it ({cause(e)}). Its keys: "
                          f"{', '.join(keys[:4])}") from None
     converted = converted[0] if isinstance(converted, tuple) else converted
-    # diffusers' converters name some of the transformer's layers without its prefix (kohya's Flux `img_in` becomes
+    # diffusers' converters name some of the transformer's layers without its prefix (kohya's `img_in` becomes
     # `x_embedder.lora_A.weight`), which its own loader then drops: they are the transformer's
     converted = {f"transformer.{k}" if k.partition(".lora_")[0] in modules else k: v for k, v in converted.items()}
     return _diffusers_init(path, converted, {})
