@@ -142,22 +142,31 @@ def measure(what: str, root: str, n: int, per_shard: int, appended: int) -> dict
     anon_before, sampler = _memory("RssAnon"), _AnonPeak().__enter__()
     before, t0, c0 = _reset_peak(), time.perf_counter(), time.process_time()
     if what == "build":
-        with ShardWriter(root, FINGERPRINT, schema, text_schema=text_schema, max_shard_samples=per_shard) as w:
-            _write(w, _sorter(w), 0, n)
+        writer = ShardWriter(root, FINGERPRINT, schema, text_schema=text_schema, max_shard_samples=per_shard)
+        _write(writer, _sorter(writer), 0, n)
+        writer.finish()
+        del writer  # its manifest: the drop's writer loads the cache again, as stage one's final writer does
         write_s = time.perf_counter() - t0
         drop_s = _drop(root, None)
-        compact(Path(root), shards.load(root), 0)  # a snapshot, as any cache past a few hundred commits has
-        out = {"texts": n, "write_s": write_s, "drop_s": drop_s}
+        out = {"texts": n, "write_s": write_s, "drop_s": drop_s, "peak_bytes": _memory("VmHWM") - before,
+               "peak_anon_bytes": sampler.peak - anon_before}
+        # a snapshot, as any cache past a few hundred commits has (stage one's writers compact as they commit): apart
+        before, anon_compact = _reset_peak(), _memory("RssAnon")
+        sampler.peak = anon_compact
+        t1 = time.perf_counter()
+        compact(Path(root), shards.load(root), 0)
+        out |= {"compact_s": time.perf_counter() - t1, "compact_peak_bytes": _memory("VmHWM") - before,
+                "compact_peak_anon_bytes": sampler.peak - anon_compact}
     elif what == "reader":  # the training side: its text index, then texts looked up as its reads look them up
         cache, asked = shards.Cache(root), range(0, n, max(1, n // 20_000))
         t1 = time.perf_counter()
         cache.text_index()
         t2 = time.perf_counter()
-        for i in asked:
+        out = {"texts": n, "open_s": t1 - t0, "index_s": t2 - t1, "drop_s": 0.0, "peak_bytes": _memory("VmHWM") - before,
+               "peak_anon_bytes": sampler.peak - anon_before}
+        for i in asked:  # timed only: each text shard read opens its reader, which holds its keys
             assert cache.locate_text(text_key(caption(i))) is not None
-        # asked_s: the lookups' time scaled to one per text (the row divides by the texts)
-        out = {"texts": n, "open_s": t1 - t0, "index_s": t2 - t1, "asked_s": (time.perf_counter() - t2) * n / len(asked),
-               "drop_s": 0.0}
+        out["asked_s"] = (time.perf_counter() - t2) * n / len(asked)  # per lookup (the row divides by the texts)
     else:
         manifest = shards.load(root)
         writer = ShardWriter(root, FINGERPRINT, schema, max_shard_samples=per_shard, manifest=manifest.copy())
@@ -176,9 +185,8 @@ def measure(what: str, root: str, n: int, per_shard: int, appended: int) -> dict
         drop_s = _drop(root, manifest)
         out = {"texts": n, "open_s": open_s, "asked_s": asked_s, "finish_s": finish_s, "drop_s": drop_s}
     sampler.__exit__()
-    out |= {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "peak_bytes": _memory("VmHWM") - before,
-            "peak_anon_bytes": sampler.peak - anon_before}
-    return out
+    out = {"peak_bytes": _memory("VmHWM") - before, "peak_anon_bytes": sampler.peak - anon_before} | out
+    return out | {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
 # -- the driver --------------------------------------------------------------------------------------------------------
@@ -242,6 +250,9 @@ def main(
                     shutil.rmtree(root, ignore_errors=True)
                     results[f"{n}/build/{tree}"] = r = in_child(tree, "build", root, n, samples_per_shard, 0)
                     print(row(f"{n:,} build ({tree.name})", r, n, "write_s", judged=False), flush=True)
+                    c = {"texts": n, "peak_bytes": r["compact_peak_bytes"], "peak_anon_bytes": r["compact_peak_anon_bytes"],
+                         "compact_s": r["compact_s"], "drop_s": 0.0, "wall_s": r["compact_s"]}
+                    print(row(f"{n:,} compact ({tree.name})", c, n, "compact_s", judged=False), flush=True)
                 r = in_child(tree, "decide", root, n, samples_per_shard, 0)
                 results[f"{n}/decide/{tree}"] = r
                 print(row(f"{n:,} decide ({tree.name})", r, n, "asked_s"), flush=True)
@@ -261,6 +272,15 @@ def main(
     finally:
         if out is None:
             shutil.rmtree(base, ignore_errors=True)
+    sizes_done = sorted({int(k.split("/")[0]) for k in results})
+    for what in ("decide", "append"):  # what each more cached text costs: the growth between two sizes
+        for tree in trees:
+            for a, b in zip(sizes_done, sizes_done[1:]):
+                ra, rb = results.get(f"{a}/{what}/{tree}"), results.get(f"{b}/{what}/{tree}")
+                if ra and rb:
+                    per = (rb["peak_anon_bytes"] - ra["peak_anon_bytes"]) / (b - a)
+                    print(f"{what} ({tree.name}): each more cached text {per:6.1f} B anonymous ({a:,} -> {b:,} texts)"
+                          f"{'  PASS' if per < GOAL_BYTES else '  FAIL'}")
     if json_out:
         print(json.dumps(results))
 
