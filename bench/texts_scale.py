@@ -3,22 +3,28 @@ case: N distinct texts), written and then decided on by stage one's own function
 
 The cache is built with `shards.ShardWriter` the way stage one writes it: per batch of 64 captions the text keys,
 `EncodingPass.texts_to_encode` (which texts to encode: not cached, not taken before in this run), `write_text` for
-each new one and `write` for each sample (a tiny latent and its `text_keys`), one bucket, S samples per shard, fsync
-off (the point is the number of texts, not the disk). Each measurement runs in a fresh process (VmHWM reset before
-it starts, one torch thread), against the code of a source tree (`--code`; this checkout by default), so the code
-of another checkout (e.g. a worktree of main before a change) is measured on the same cache:
+each new one and `write` for each sample (a tiny latent and its `text_keys`), one bucket, S samples (and texts) per
+shard; then compacted into a snapshot, as any cache past a few hundred commits is. Each source tree (`--code`: this
+checkout by default; e.g. also a worktree of main, for the figures before a change) writes its own cache and is
+measured on it, each measurement in a fresh process with one torch thread. Memory, per cached text: the peak RSS
+growth (VmHWM: it counts the pages of the cache's snapshot the process maps and reads, 64 bytes per text key read)
+and the peak anonymous memory's growth ("anon": RssAnon sampled every 10 ms; the heap and arrays, which the page
+cache cannot take back).
 
-- build: the writer appending N distinct texts to an empty cache (then the end-of-run drop of unreferenced texts):
-  peak RSS growth per text and microseconds per text.
+- build: writing N distinct texts (and their N samples) to an empty cache, then the end-of-run drop of unreferenced
+  texts ("drop": its first scan, the cache was never checked). compact: the snapshot of it, apart.
 - decide: a re-run in which every caption is asked (every input changed): the manifest loaded, the rank's writer
   opened on a copy of it (as `precompute.run` does), `texts_to_encode` over all N text keys in batches of 64 (none
-  is encoded again), the writer finished; then rank 0's final writer dropping unreferenced texts
-  (`drop_unreferenced_texts`, timed apart as `drop`). Peak growth per cached text, microseconds per caption.
-- append: the same start, then A more samples with A new distinct captions written, finished and the end-of-run
-  drop: peak growth per cached text, microseconds per appended text (the appended texts are written to a copy of the
-  cache, which is deleted after).
+  is encoded again: checked), the writer finished; then rank 0's final writer's `drop_unreferenced_texts` ("drop").
+  Microseconds per caption.
+- append: the same start, then A more samples with A new distinct captions written (the whole write path), finished
+  and the end-of-run drop; microseconds per appended text. Written to a copy of the cache, deleted after.
+- reader: the training side's text index (`Cache.text_index`), its memory; microseconds per `locate_text`.
+- each more cached text: with two sizes, the growth of the anonymous peak between them per text added: what a
+  committed text costs beyond the run's own bounded sets.
 
-GOAL: no Python object per committed text: peak growth of `decide` and `append` well under 100 bytes per cached text.
+GOAL: no Python object per committed text: each more cached text well under 100 bytes (decide and append), and the
+decide row's anonymous peak under 100 bytes per cached text.
 """
 
 from __future__ import annotations
@@ -215,8 +221,9 @@ def row(label: str, r: dict, per: int, timed: str, judged: bool = True) -> str:
 
 
 def main(
-    sizes: str = typer.Option("200000", help="Distinct captions in the cache (one per sample), comma-separated; one cache "
-                                             "each. 1000000 takes a few minutes per tree."),
+    sizes: str = typer.Option("50000,200000", help="Distinct captions in the cache (one per sample), comma-separated; one cache "
+                                             "each (two or more: what each more text costs). 1000000 takes a few "
+                                             "minutes per tree."),
     appended: int = typer.Option(20_000, help="Samples with new distinct captions the append row writes."),
     samples_per_shard: int = typer.Option(10_000, help="Samples (and texts) per shard."),
     code: list[Path] = typer.Option(None, help="Source trees to measure side by side (e.g. a worktree of main for the "
