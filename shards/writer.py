@@ -349,9 +349,7 @@ class ShardWriter:
             actions["add_texts"] = [*actions.get("add_texts", []), texts]
             actions["shapes"] = {**actions.get("shapes", {}), TEXT_BUCKET.name: self.manifest.shapes[TEXT_BUCKET]}
             flushed = texts["keys"]
-        ahead = self._still_ahead(flushed, actions)
-        if ahead and not self._marked:  # in the commit of those texts: a kill after it leaves the mark for the scan
-            actions["extra"] = {**actions.get("extra", {}), ahead_marker(self.rank): True}
+        ahead, marker = self._still_ahead(flushed, actions), ahead_marker(self.rank)
         for name in ("files", "extra"):
             if self._pending.get(name):
                 actions[name] = {**self._pending[name], **actions.get(name, {})}
@@ -362,6 +360,8 @@ class ShardWriter:
                                 f"committed: retry")
             generation = self.manifest.generation + 1
             commit = {"generation": generation, "rank": self.rank, **actions}
+            if ahead and not self.manifest.extra.get(marker):  # in the commit of those texts: a kill after it leaves
+                commit["extra"] = {**commit.get("extra", {}), marker: True}  # the mark (set again if a scan took it)
             if generation == 0:
                 commit["init"] = {"fingerprint": self.manifest.fingerprint, "fingerprint_sha256": self.manifest.fingerprint_sha256,
                                   "fields": schema_to_json(self.schema)}
@@ -372,7 +372,7 @@ class ShardWriter:
             if write_commit(self.root, commit, self.rank):
                 break
         self._pending.clear()
-        self._ahead, self._marked = ahead, self._marked or bool(ahead)
+        self._ahead, self._marked = ahead, self._marked or marker in commit.get("extra", {})
         with self._lookups:
             self.manifest.apply(commit)
             self._forget_committed(commit)
@@ -603,7 +603,8 @@ class ShardWriter:
         """Commit every buffered sample and pending record (an empty cache gets its first commit) and release."""
         if not self._closed:
             self.flush()
-            if self._marked and not self._ahead and not self._texts_buffer and not self._inherited:
+            marked = self._marked and self.manifest.extra.get(ahead_marker(self.rank))
+            if marked and not self._ahead and not self._texts_buffer and not self._inherited:
                 self.set_extra(ahead_marker(self.rank), None)  # every text it committed is referred to: the mark goes
             if self._pending or self._texts_buffer or self.manifest.generation < 0:
                 self.commit()

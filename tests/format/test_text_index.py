@@ -251,3 +251,21 @@ def test_a_snapshot_copies_the_sample_index_and_text_references_byte_for_byte_wi
     t = load(tmp_path / "empty").shards
     got, want = t.to_tensors(True), reference_tensors(t, True)
     assert all(torch.equal(got[name], want[name]) and got[name].dtype == want[name].dtype for name in want)
+
+
+def test_a_writer_marks_texts_ahead_again_after_a_scan_took_its_mark_back(tmp_path, monkeypatch):
+    scans = spy_scans(monkeypatch)
+    with ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE, text_schema=TEXT_SCHEMA, max_shard_samples=2) as w:
+        write(w, range(4))
+    assert drop(tmp_path) == 0 and len(scans) == 1  # checked once
+    late = ShardWriter(tmp_path, FINGERPRINT, STORED_ONCE, rank=1, max_shard_samples=2)
+    for i in range(2):  # committed alone: ahead of samples that never come
+        late.write_text(caption(100 + i), {"text": embedding(caption(100 + i))})
+    assert load(tmp_path).extra.get(ahead_marker(1))
+    assert drop(tmp_path) == 2 and len(scans) == 2 and not load(tmp_path).extra.get(ahead_marker(1))
+    for i in range(2, 4):  # ahead again, then killed
+        late.write_text(caption(100 + i), {"text": embedding(caption(100 + i))})
+    late.close()
+    assert load(tmp_path).extra.get(ahead_marker(1))
+    assert drop(tmp_path) == 2 and len(scans) == 3
+    assert load(tmp_path).text_stats()["texts"] == 4 and verify(tmp_path).ok
