@@ -98,6 +98,7 @@ bench: install
 	else echo "10M-input decision: no cache in $(SCALE_DECIDE_DIR); 'make bench-decide' builds it once (about an hour) and measures"; fi
 	$(PY) bench/video.py
 	$(PY) bench/video_isolation.py
+	$(PY) bench/texts_scale.py
 
 bench-decide: install
 	$(PY) bench/scale.py --decide-only --sizes 10000000 --samples-per-shard 10000 --out $(SCALE_DECIDE_DIR) --keep
