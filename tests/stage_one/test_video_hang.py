@@ -72,14 +72,19 @@ class Hang:
 def shared_memory() -> list[str]:
     """Shared memory this process maps or holds open: named (/dev/shm) or the helper's memfds (other processes'
     /dev/shm entries come and go on a shared machine, so this process's own are what is checked)."""
-    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if "/dev/shm/" in line or "memfd:" in line]
+    def shared(name: str) -> bool:
+        # a POSIX semaphore (/dev/shm/sem.*) is a multiprocessing lock an earlier test of the process made, never
+        # the helper's (its memory is memfds)
+        return ("/dev/shm/" in name and "/dev/shm/sem." not in name) or "memfd:" in name
+
+    maps = [line for line in Path("/proc/self/maps").read_text().splitlines() if shared(line)]
     fds = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             fds.append(os.readlink(f"/proc/self/fd/{fd}"))
         except OSError:
             continue
-    return maps + [f for f in fds if "/dev/shm/" in f or "memfd:" in f]
+    return maps + [f for f in fds if shared(f)]
 
 
 def zombies() -> list[int]:
