@@ -57,6 +57,9 @@ from precompute.video_readers import Clip, VideoFile
 
 # How long after the limit the caller waits for the helper's own answer before it kills it.
 GRACE_S = 0.5
+# How long a new helper may take to be ready (a fresh interpreter imports torch and PyAV first: seconds, more on a
+# cold network file system); its start never counts against a video's time limit.
+START_S = 300.0
 _PAGE = mmap.ALLOCATIONGRANULARITY
 
 
@@ -160,9 +163,9 @@ def _unnamed_file() -> int:
 def read_clips(data: bytes | VideoFile, policy, max_pixels: int, stats: dict, fit=None, *, decode):
     """`decode` (`precompute.video.read_clips_here`, passed in: this module is below `precompute.video`) in this
     thread's helper, killed `GRACE_S` after `policy.timeout_s`."""
-    deadline = time.monotonic() + policy.timeout_s
     for attempt in range(2):
         helper = _helper(decode)
+        deadline = time.monotonic() + policy.timeout_s  # from when the helper is ready: its start is not decoding
         try:
             return helper.read(data, policy, max_pixels, stats, fit, deadline)
         except _Gone:  # it had died before it was asked (killed while idle): a new one reads the video
@@ -186,14 +189,31 @@ class Helper:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = _fork(theirs, self.sock, decode) if _single_threaded() else _spawn(theirs, decode)
+        except BaseException:
+            self.sock.close()
+            raise
         finally:
             theirs.close()
         self.dead = False
         self.released: list[int] = []  # slabs whose clips the caller let go of, told with the next request
         self.maps: dict[int, tuple[int, mmap.mmap, int]] = {}  # slab -> (capacity, this process's mapping, address)
         self._end = weakref.finalize(self, _end, self.proc, self.sock, self.owner)  # also when its thread's helper is dropped
+        self.ready()
         _HELPERS.add(self)
         _stop_at_exit()
+
+    def ready(self):
+        """Wait for the helper to say it is ready to decode; a helper that does not is ended, and its start raises."""
+        try:
+            if not _readable(self.sock, time.monotonic() + START_S):
+                raise RuntimeError(f"the video decoding helper process did not start within {START_S:g} s")
+            try:
+                _recv(self.sock)
+            except (EOFError, ConnectionError):
+                raise RuntimeError(f"the video decoding helper process ended as it started: {self.death()}") from None
+        except BaseException:
+            self._end()
+            raise
 
     @property
     def pid(self) -> int:
@@ -338,6 +358,7 @@ def serve(fd: int, parent: int, decode):
     die_with_parent(parent)
     sock = socket.socket(fileno=fd)
     slabs = Slabs()
+    _send(sock, ("ready",))  # everything it needs is imported: from here on, its time is decoding's
     while True:
         try:
             policy, max_pixels, deadline, asks, released, kind, path, size = _recv(sock)

@@ -277,3 +277,19 @@ def test_a_bug_raises_in_the_caller_and_ctrl_c_ends_the_helper(helpers, clip_vid
     assert not Path(f"/proc/{pid}").exists() and not zombies()
     clips, reason, _ = read_clips(data, ClipPolicy(16.0, WAN), 10**8)
     assert reason is None and video_helper._local.helper.pid != pid
+
+
+def test_a_helper_slow_to_start_costs_no_video_its_time_limit(helpers, clip_video, monkeypatch):
+    """A helper's start (a fresh interpreter importing torch and PyAV: seconds, more on a cold network file system)
+    is not decoding: the limit counts from when the helper says it is ready."""
+    real, limit = video_helper.serve, 0.3
+
+    def slow_to_start(*args):  # in the helper: a start that takes far longer than the limit and its grace
+        time.sleep(3 * (limit + video_helper.GRACE_S))
+        real(*args)
+
+    monkeypatch.setattr(video_helper, "serve", slow_to_start)
+    start = time.monotonic()
+    clips, reason, detail = read_clips(clip_video.read_bytes(), ClipPolicy(16.0, (1, 9, 17), timeout_s=limit), 10**8)
+    assert time.monotonic() - start > 3 * (limit + video_helper.GRACE_S)
+    assert (reason, detail) == (None, "") and len(clips) == 1
