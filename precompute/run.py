@@ -579,7 +579,8 @@ def name_sources(config: PrecomputeConfig) -> None:
 def say_recorded(config: PrecomputeConfig, manifest, kept: list[str]) -> None:
     """Before anything is encoded: one line naming the recorded settings DATA as one source kept (`kept`, as flags),
     and a warning for every source whose cached samples this run caches without the loss masks or caption variants
-    the cache records for it (a dataset file that no longer asks for them, or --no-masks / --caption-variants 1)."""
+    the cache records for it (a dataset file that no longer asks for them, or --no-masks / --caption-variants 1), or
+    cuts with other clip choices than the cache records for it."""
     if kept:
         source = config.sources()[0]
         undo = [*(["--no-alpha-mask" if source.alpha_mask else "--no-masks"] if source.mask_mode else []),
@@ -601,6 +602,15 @@ def say_recorded(config: PrecomputeConfig, manifest, kept: list[str]) -> None:
                    "this run's options drop them")
             print(f"warning: source {source.name!r}: its {samples} cached samples lose {' and '.join(lost)}: {how}; they "
                   f"are cached again without (their latents reused)", file=sys.stderr)
+        cut = {k: record.get(k) for k in ("clip_extraction", "clips", "clip_stride", "clip_lengths") if k in record}
+        now = {k: v for k, v in source.record().items() if k in ("clip_extraction", "clips", "clip_stride", "clip_lengths")}
+        if "clip_extraction" in cut and cut != now and samples:
+            how = (f"its [[source]] in {config.data} says otherwise" if source.from_file else "this run's options say "
+                   "otherwise")
+            said = lambda d: ", ".join(f"{k} = {v!r}" for k, v in d.items())  # noqa: E731
+            print(f"warning: source {source.name!r}: its {samples} cached clips were cut with {said(cut)}; {how} "
+                  f"({said(now)}): its videos are cut and encoded again, and the clips no longer cut are removed",
+                  file=sys.stderr)
 
 
 def record_sources(writer: ShardWriter, sources: list) -> None:

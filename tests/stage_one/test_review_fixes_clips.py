@@ -85,3 +85,23 @@ def test_a_plain_rerun_keeps_the_clips_the_cache_records_and_an_explicit_mode_cu
             ) in capsys.readouterr().err
     summary = precompute(str(data), "tiny-wan", cache, clip_extraction="head", **run)
     assert summary["changed"] == 1 and summary["cache_samples"] == 1
+    assert ("warning: source 'data': its 2 cached clips were cut with clip_extraction = 'uniform', clips = 2; this "
+            "run's options say otherwise (clip_extraction = 'head')") in capsys.readouterr().err
+
+
+def test_a_dataset_file_that_drops_a_sources_clip_choice_warns_before_cutting_again(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    make_video(data / "v.mp4", "shapes", 60, 24.0, (64, 64))  # 40 frames at 16 fps: two 17-frame clips
+    (data / "v.txt").write_text("a moving shape", encoding="utf-8")
+    run = dict(workers=0, progress=False, check_disk=False, frame_buckets="1,17")
+    cache = tmp_path / "cache"
+    assert precompute(str(data), "tiny-wan", cache, clip_extraction="uniform", clips=2, **run)["new"] == 2
+    toml = tmp_path / "data.toml"
+    toml.write_text(f'[[source]]\npath = "{data}"\n', encoding="utf-8")
+    capsys.readouterr()
+    summary = precompute(str(toml), "tiny-wan", cache, **run)
+    assert summary["cache_samples"] == 1
+    err = capsys.readouterr().err
+    assert "warning: source 'data': its 2 cached clips were cut with clip_extraction = 'uniform', clips = 2" in err
+    assert f"its [[source]] in {toml} says otherwise (clip_extraction = 'head')" in err
