@@ -69,38 +69,40 @@ def test_a_clip_cache_bound_by_decoding_is_told_of_clips_and_one_of_reused_laten
     assert "no bound to tell: 3 of the 4 samples encoded took their cached latents" in err
 
 
-def test_a_plain_rerun_keeps_the_clips_the_cache_records_and_an_explicit_mode_cuts_again(tmp_path, capsys):
+RUN = dict(workers=0, progress=False, check_disk=False, frame_buckets="1,17")
+
+
+def uniform_cache(tmp_path):
+    """A folder of one 40-frame video (two 17-frame clips at 16 fps) cached with uniform, 2 clips: (folder, cache)."""
     data = tmp_path / "data"
     data.mkdir()
-    make_video(data / "v.mp4", "shapes", 60, 24.0, (64, 64))  # 40 frames at 16 fps: two 17-frame clips
+    make_video(data / "v.mp4", "shapes", 60, 24.0, (64, 64))
     (data / "v.txt").write_text("a moving shape", encoding="utf-8")
-    run = dict(workers=0, progress=False, check_disk=False, frame_buckets="1,17")
     cache = tmp_path / "cache"
-    assert precompute(str(data), "tiny-wan", cache, clip_extraction="uniform", clips=2, **run)["new"] == 2
+    assert precompute(str(data), "tiny-wan", cache, clip_extraction="uniform", clips=2, **RUN)["new"] == 2
+    return data, cache
+
+
+def test_a_plain_rerun_keeps_the_clips_the_cache_records_and_an_explicit_mode_cuts_again(tmp_path, capsys):
+    data, cache = uniform_cache(tmp_path)
     capsys.readouterr()
-    summary = precompute(str(data), "tiny-wan", cache, **run)
+    summary = precompute(str(data), "tiny-wan", cache, **RUN)
     assert (summary["unchanged"], summary["changed"], summary["cache_samples"]) == (2, 0, 2)
     assert ("source 'data' keeps the settings the cache records for it, which this run does not give: "
             "--clip-extraction uniform --clips 2 (to change them, give them; to drop them, --clip-extraction head)"
             ) in capsys.readouterr().err
-    summary = precompute(str(data), "tiny-wan", cache, clip_extraction="head", **run)
+    summary = precompute(str(data), "tiny-wan", cache, clip_extraction="head", **RUN)
     assert summary["changed"] == 1 and summary["cache_samples"] == 1
     assert ("warning: source 'data': its 2 cached clips were cut with clip_extraction = 'uniform', clips = 2; this "
             "run's options say otherwise (clip_extraction = 'head')") in capsys.readouterr().err
 
 
 def test_a_dataset_file_that_drops_a_sources_clip_choice_warns_before_cutting_again(tmp_path, capsys):
-    data = tmp_path / "data"
-    data.mkdir()
-    make_video(data / "v.mp4", "shapes", 60, 24.0, (64, 64))  # 40 frames at 16 fps: two 17-frame clips
-    (data / "v.txt").write_text("a moving shape", encoding="utf-8")
-    run = dict(workers=0, progress=False, check_disk=False, frame_buckets="1,17")
-    cache = tmp_path / "cache"
-    assert precompute(str(data), "tiny-wan", cache, clip_extraction="uniform", clips=2, **run)["new"] == 2
+    data, cache = uniform_cache(tmp_path)
     toml = tmp_path / "data.toml"
     toml.write_text(f'[[source]]\npath = "{data}"\n', encoding="utf-8")
     capsys.readouterr()
-    summary = precompute(str(toml), "tiny-wan", cache, **run)
+    summary = precompute(str(toml), "tiny-wan", cache, **RUN)
     assert summary["cache_samples"] == 1
     err = capsys.readouterr().err
     assert "warning: source 'data': its 2 cached clips were cut with clip_extraction = 'uniform', clips = 2" in err
