@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_wan_precompute import clips
 
 from precompute.encode import Encoders
 from precompute.presets import get_preset, save_tiny
@@ -28,15 +29,6 @@ def tiny_wan22_vae():
                                 num_res_blocks=1, attn_scales=[], temperal_downsample=[False, True, True],
                                 latents_mean=[0.02 * c - 0.5 for c in range(CHANNELS)],
                                 latents_std=[0.5 + 0.02 * c for c in range(CHANNELS)])
-
-
-def clips(batch: int, frames: int, height: int, width: int, seed: int = 0) -> torch.Tensor:
-    """(B, 3, F, H, W) uint8: smooth moving gradients, so the VAE sees structure rather than noise."""
-    g = torch.Generator().manual_seed(seed)
-    t = torch.arange(frames).view(1, 1, frames, 1, 1)
-    y, x = torch.arange(height).view(1, 1, 1, height, 1), torch.arange(width).view(1, 1, 1, 1, width)
-    phase = torch.rand(batch, 3, 1, 1, 1, generator=g) * 6
-    return (127.5 + 127.5 * torch.sin(phase + 0.2 * x + 0.1 * y + 0.3 * t)).round().clamp(0, 255).to(torch.uint8)
 
 
 @pytest.fixture(scope="module")
